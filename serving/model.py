@@ -1,0 +1,318 @@
+"""The Mixture-of-Experts model: the Mixtral architecture in plain PyTorch, in one file.
+
+Owns the network (RMSNorm, RoPE, grouped-query attention, a top-k softmax router, SwiGLU experts)
+and the slot KV cache the embedded engine decodes with. Checkpoint I/O (the Hugging Face Mixtral
+folder format) lives in `serving/checkpoint.py`; the engine, trainer and parity tests call this.
+
+Two things a plain LM does not need, and this one does:
+- `return_experts=True` returns the experts every token was routed to, `[B, T, L, K]` integers;
+- `replay_experts=...` takes such a record and routes every token to *those* experts instead of
+  its own top-k. The mixing weights still come from the router's softmax (gathered at the replayed
+  experts and renormalised over them, exactly as top-k renormalises), so the router keeps its
+  gradient. Replaying the model's own routing reproduces its logits bit for bit.
+
+Numerics follow `transformers.MixtralForCausalLM` on purpose (router softmax in float32, the
+renormalised top-k weights kept in float32 when multiplying the expert output, RoPE in the
+rotate-half layout) so that the same folder gives the same logits in both.
+
+Shape legend: B batch, T query tokens, S key/value positions, D model dim, H query heads,
+G kv heads, Dh head dim, F expert hidden dim, E experts, K experts per token, L layers, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int = 512
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    hidden_dim: int = 256  # F: the hidden size of one expert's SwiGLU
+    n_experts: int = 4
+    top_k: int = 2
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    bos_id: int = 1
+    eos_id: int = 2
+    pad_id: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "n_experts",
+                     "top_k", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelArgs.{name} must be a positive integer, got {value!r}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"ModelArgs.dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"ModelArgs.n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        if self.top_k > self.n_experts:
+            raise ValueError(f"ModelArgs.top_k={self.top_k} exceeds n_experts={self.n_experts}")
+        if (self.head_dim % 2) != 0:
+            raise ValueError(f"ModelArgs head_dim={self.head_dim} must be even for RoPE")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @classmethod
+    def from_name(cls, name: str, **overrides) -> "ModelArgs":
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
+        return replace(PRESETS[name], **overrides)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+PRESETS: dict[str, ModelArgs] = {
+    # For unit tests: every code path, a few kB of weights.
+    "tiny": ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=48,
+                      n_experts=4, top_k=2, max_seq_len=64),
+    # The demo product's model: pre-trained from scratch on this machine in minutes.
+    "demo": ModelArgs(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=256,
+                      n_experts=4, top_k=2, max_seq_len=256),
+    # The real thing, for reference (never instantiated here).
+    "mixtral-8x7b": ModelArgs(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                              hidden_dim=14336, n_experts=8, top_k=2, max_seq_len=32768, rope_theta=1e6),
+}
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [B, T, V]
+    experts: torch.Tensor | None = None  # [B, T, L, K] int64, when asked for
+
+
+@dataclass
+class KVCache:
+    """A slot cache: each running sequence owns one slot; position p of slot s holds its p-th token.
+
+    Writes happen before reads inside a layer, and a query at position p only sees keys at
+    positions <= p, so whatever a slot's previous owner left beyond p is never read.
+    """
+
+    k: torch.Tensor  # [L, slots, S_max, G, Dh]
+    v: torch.Tensor
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def empty(cls, args: ModelArgs, n_slots: int, max_len: int | None = None,
+              dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "KVCache":
+        length = max_len or args.max_seq_len
+        shape = (args.n_layers, n_slots, length, args.n_kv_heads, args.head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+
+    @property
+    def n_slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 whatever the activation dtype (as HF does).
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(positions_BT: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
+                                             device=positions_BT.device).float() / head_dim))
+    freqs_BTd = positions_BT.float()[..., None] * inv_freq  # [B, T, Dh/2]
+    emb = torch.cat((freqs_BTd, freqs_BTd), dim=-1)  # rotate-half layout, as HF
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x_BHTd: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos_BTd[:, None], sin_BTd[:, None]
+    return x_BHTd * cos + _rotate_half(x_BHTd) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x_BTD, cos, sin, cache: KVCache | None, layer: int, slots_B, positions_BT, attn_len: int):
+        B, T, _ = x_BTD.shape
+        q_BHTd = self.q_proj(x_BTD).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k_BGTd = self.k_proj(x_BTD).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v_BTGd = self.v_proj(x_BTD).view(B, T, self.n_kv, self.head_dim)
+        q_BHTd = apply_rope(q_BHTd, cos, sin)
+        k_BGTd = apply_rope(k_BGTd, cos, sin)
+        rep = self.n_heads // self.n_kv
+        if cache is None:
+            # Training / full forward: plain causal attention over this call's tokens.
+            k_BHTd = k_BGTd.repeat_interleave(rep, dim=1)
+            v_BHTd = v_BTGd.transpose(1, 2).repeat_interleave(rep, dim=1)
+            out = F.scaled_dot_product_attention(q_BHTd, k_BHTd, v_BHTd, is_causal=True)
+        else:
+            # Decode / prefill into slots: write this call's K/V first, then read [0, attn_len).
+            cache.k[layer][slots_B[:, None], positions_BT] = k_BGTd.transpose(1, 2).to(cache.k.dtype)
+            cache.v[layer][slots_B[:, None], positions_BT] = v_BTGd.to(cache.v.dtype)
+            k_BSGd = cache.k[layer][slots_B, :attn_len]
+            v_BSGd = cache.v[layer][slots_B, :attn_len]
+            k_BHSd = k_BSGd.transpose(1, 2).repeat_interleave(rep, dim=1).to(q_BHTd.dtype)
+            v_BHSd = v_BSGd.transpose(1, 2).repeat_interleave(rep, dim=1).to(q_BHTd.dtype)
+            key_pos_S = torch.arange(attn_len, device=x_BTD.device)
+            mask_B1TS = key_pos_S[None, None, None, :] <= positions_BT[:, None, :, None]
+            out = F.scaled_dot_product_attention(q_BHTd, k_BHSd, v_BHSd, attn_mask=mask_B1TS)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class Expert(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x). Names as in the Mixtral checkpoint."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.top_k = args.top_k
+        self.gate = nn.Linear(args.dim, args.n_experts, bias=False)  # the router
+        self.experts = nn.ModuleList(Expert(args.dim, args.hidden_dim) for _ in range(args.n_experts))
+
+    def forward(self, x_ND: torch.Tensor, replay_NK: torch.Tensor | None = None):
+        probs_NE = F.softmax(self.gate(x_ND).float(), dim=-1)
+        if replay_NK is None:
+            w_NK, idx_NK = torch.topk(probs_NE, self.top_k, dim=-1)
+        else:
+            idx_NK = replay_NK.to(torch.int64)
+            w_NK = probs_NE.gather(-1, idx_NK)  # the router's own weights at the replayed experts
+        w_NK = w_NK / w_NK.sum(dim=-1, keepdim=True)
+        out_ND = torch.zeros_like(x_ND)
+        for e, expert in enumerate(self.experts):
+            tok_n, slot_n = torch.where(idx_NK == e)
+            if tok_n.numel() == 0:
+                continue
+            y = expert(x_ND[tok_n]) * w_NK[tok_n, slot_n, None]
+            out_ND.index_add_(0, tok_n, y.to(out_ND.dtype))
+        return out_ND, idx_NK
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.block_sparse_moe = SparseMoE(args)
+
+    def forward(self, x_BTD, cos, sin, cache, layer, slots_B, positions_BT, attn_len, replay_BTK):
+        x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), cos, sin, cache, layer, slots_B,
+                                       positions_BT, attn_len)
+        B, T, D = x_BTD.shape
+        h_ND = self.post_attention_layernorm(x_BTD).reshape(B * T, D)
+        replay_NK = None if replay_BTK is None else replay_BTK.reshape(B * T, -1)
+        moe_ND, idx_NK = self.block_sparse_moe(h_ND, replay_NK)
+        return x_BTD + moe_ND.view(B, T, D), idx_NK.view(B, T, -1)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        # padding_idx as HF: the pad row never receives a gradient.
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim, padding_idx=args.pad_id)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def init_weights(self, seed: int, std: float = 0.02) -> "Transformer":
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                nn.init.ones_(p)
+            else:
+                with torch.no_grad():
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+            if name.endswith(("o_proj.weight", "w2.weight")):  # scale residual writes by depth (GPT-2)
+                with torch.no_grad():
+                    p.mul_(1.0 / math.sqrt(2 * self.args.n_layers))
+        return self
+
+    def forward(self, tokens_BT: torch.Tensor, *, positions_BT: torch.Tensor | None = None,
+                cache: KVCache | None = None, slots_B: torch.Tensor | None = None,
+                replay_experts: torch.Tensor | None = None, return_experts: bool = False) -> ModelOutput:
+        """Logits for every position of `tokens_BT`.
+
+        Without `cache`: a causal forward over the tokens given (training, scoring, parity).
+        With `cache`: the tokens are appended to each sequence's slot at `positions_BT` and attend
+        to everything that slot holds up to their own position (prefill and decode).
+        `replay_experts` `[B, T, L, K]` routes every token to the recorded experts.
+        """
+        B, T = tokens_BT.shape
+        args = self.args
+        if positions_BT is None:
+            positions_BT = torch.arange(T, device=tokens_BT.device).expand(B, T)
+        if replay_experts is not None:
+            want = (B, T, args.n_layers, args.top_k)
+            if tuple(replay_experts.shape) != want:
+                raise ValueError(f"replay_experts has shape {tuple(replay_experts.shape)}, expected {want}")
+            if replay_experts.numel() and (int(replay_experts.min()) < 0 or int(replay_experts.max()) >= args.n_experts):
+                raise ValueError(f"replay_experts holds an expert id outside [0, {args.n_experts})")
+        attn_len = 0
+        if cache is not None:
+            if slots_B is None:
+                raise ValueError("a forward with a KV cache needs slots_B")
+            attn_len = int(positions_BT.max()) + 1
+            if attn_len > cache.max_len:
+                raise ValueError(f"position {attn_len - 1} is beyond the cache length {cache.max_len}")
+        x_BTD = self.embed_tokens(tokens_BT)
+        cos, sin = rope_cos_sin(positions_BT, args.head_dim, args.rope_theta, x_BTD.dtype)
+        routed = []
+        for i, layer in enumerate(self.layers):
+            replay_BTK = None if replay_experts is None else replay_experts[:, :, i]
+            x_BTD, idx_BTK = layer(x_BTD, cos, sin, cache, i, slots_B, positions_BT, attn_len, replay_BTK)
+            routed.append(idx_BTK)
+        logits = self.lm_head(self.norm(x_BTD))
+        experts = torch.stack(routed, dim=2) if return_experts else None  # [B, T, L, K]
+        return ModelOutput(logits=logits, experts=experts)
+
+
+def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(target) under softmax(logits / temperature), in float32. [B, T]."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for a log-probability, got {temperature}")
+    logp = F.log_softmax(logits_BTV.float() / temperature, dim=-1)
+    return logp.gather(-1, targets_BT[..., None]).squeeze(-1)

@@ -1,0 +1,123 @@
+"""Byte-level BPE tokenizer, stored as `tokenizer.json` with the `tokenizers` library.
+
+Every string round-trips exactly: the 256 byte symbols are always in the vocabulary, merges only
+shorten sequences, and special-token text typed by a user is encoded as ordinary bytes (a prompt
+cannot smuggle in an end-of-sequence). Any local `tokenizer.json` can be loaded instead of ours.
+
+Called by bootstrap (training one), the engines (encode/decode) and the learner.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
+SPECIALS = (PAD, BOS, EOS)  # ids 0, 1, 2 in a tokenizer we train
+
+
+class Tokenizer:
+    def __init__(self, inner: HFTokenizer):
+        self.inner = inner
+        # User text is never parsed into special tokens.
+        self.inner.encode_special_tokens = True
+        vocab = inner.get_vocab(with_added_tokens=True)
+        self.pad_id = vocab.get(PAD)
+        self.bos_id = vocab.get(BOS)
+        self.eos_id = vocab.get(EOS)
+        if self.eos_id is None:
+            raise ValueError(f"tokenizer has no end-of-sequence token {EOS!r}")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"encode() takes a str, got {type(text).__name__}")
+        return self.inner.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.inner.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`, special tokens dropped."""
+        return self.inner.decode(list(ids), skip_special_tokens=True)
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        """The raw bytes of `ids` (a partial UTF-8 character stays partial), for streaming."""
+        byte_decoder = _byte_decoder()
+        out = bytearray()
+        for i in ids:
+            if i in (self.pad_id, self.bos_id, self.eos_id):
+                continue
+            piece = self.inner.id_to_token(i)
+            if piece is None:
+                raise ValueError(f"token id {i} is not in the vocabulary")
+            out.extend(byte_decoder[c] for c in piece)
+        return bytes(out)
+
+    def save(self, folder: str | Path) -> None:
+        folder = Path(folder)
+        self.inner.save(str(folder / "tokenizer.json"))
+        # What transformers' AutoTokenizer (and so vLLM) needs besides tokenizer.json.
+        cfg = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
+            "add_bos_token": False, "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": 1 << 20,
+        }
+        (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+        (folder / "special_tokens_map.json").write_text(json.dumps({"bos_token": BOS, "eos_token": EOS,
+                                                                    "pad_token": PAD}, indent=2))
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "Tokenizer":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"{path}: tokenizer file missing")
+        try:
+            inner = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the library raises a bare Exception for bad JSON
+            raise ValueError(f"{path}: not a valid tokenizer.json ({e})") from None
+        return cls(inner)
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> Tokenizer:
+    """Train a byte-level BPE on `texts` (deterministic for the same texts and size)."""
+    if vocab_size < 256 + len(SPECIALS):
+        raise ValueError(f"vocab_size must be at least {256 + len(SPECIALS)} (bytes + specials), got {vocab_size}")
+    inner = HFTokenizer(models.BPE())
+    inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    inner.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    inner.train_from_iterator(texts, trainer=trainer)
+    return Tokenizer(inner)
+
+
+_BYTE_DECODER: dict[str, int] | None = None
+
+
+def _byte_decoder() -> dict[str, int]:
+    """The inverse of GPT-2's byte -> printable-unicode table used by the ByteLevel pre-tokenizer."""
+    global _BYTE_DECODER
+    if _BYTE_DECODER is None:
+        bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+            list(range(ord("®"), ord("ÿ") + 1))
+        cs = bs[:]
+        n = 0
+        for b in range(256):
+            if b not in bs:
+                bs.append(b)
+                cs.append(256 + n)
+                n += 1
+        _BYTE_DECODER = {chr(c): b for b, c in zip(bs, cs)}
+    return _BYTE_DECODER
