@@ -41,6 +41,10 @@ class Tokenizer:
             raise ValueError(f"encode() takes a str, got {type(text).__name__}")
         return self.inner.encode(text, add_special_tokens=False).ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """How every product prompt becomes model input: BOS, then the text's tokens."""
+        return ([self.bos_id] if self.bos_id is not None else []) + self.encode(text)
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.inner.encode_batch(texts, add_special_tokens=False)]
 

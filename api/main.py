@@ -1,0 +1,92 @@
+"""The gateway: a FastAPI app, served by uvicorn (`flywheel serve`).
+
+`create_app()` wires settings, the inference engine, the completion sink and the routes. Pass an
+engine and a sink to share them (tests, benchmarks); otherwise the app builds them from the
+settings at start-up and closes them at shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from api import errors
+from api.deps import Gateway, GatewayDep
+from api.routes import openai
+from core.settings import Settings, get_settings
+from feedback.sink import CompletionSink, LogSink
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(settings: Settings):
+    """The configured inference backend, holding the served checkpoint as its default version."""
+    folder = Path(settings.served_model_dir)
+    if settings.engine == "vllm":
+        from serving.vllm_engine import VLLMEngine  # heavy and optional: imported only when asked for
+        engine = VLLMEngine(max_model_len=settings.max_model_len)
+    else:
+        from serving.engine import EmbeddedEngine
+        engine = EmbeddedEngine(max_batch=settings.max_batch, max_model_len=settings.max_model_len,
+                                threads=settings.torch_threads, seed=settings.seed)
+    engine.add_version(folder.name, folder, default=True)
+    return engine
+
+
+def create_app(settings: Settings | None = None, engine=None, sink: CompletionSink | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    settings.check_production()
+    owns_engine, owns_sink = engine is None, sink is None
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        eng = engine if engine is not None else build_engine(settings)
+        snk = sink if sink is not None else LogSink(settings.records_dir)
+        app.state.gateway = Gateway(settings, eng, snk)
+        log.info("gateway ready: versions %s, default %s", eng.versions, eng.default_version)
+        try:
+            yield
+        finally:
+            if owns_engine:
+                eng.shutdown()
+            if owns_sink:
+                snk.close()
+
+    app = FastAPI(title="Flywheel gateway", version="0.1.0", lifespan=lifespan)
+    errors.install(app)
+    app.include_router(openai.router)
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next):
+        response = await call_next(request)
+        gw: Gateway | None = getattr(request.app.state, "gateway", None)
+        route = request.scope.get("route")
+        if gw is not None and route is not None:
+            version = response.headers.get(openai.VERSION_HEADER, "")
+            gw.metrics.requests.labels(getattr(route, "path", "?"), str(response.status_code), version).inc()
+        return response
+
+    @app.get("/healthz")
+    async def healthz(gw: GatewayDep):
+        ok = gw.engine.alive
+        body = {"status": "ok" if ok else "engine_down", "versions": gw.engine.versions,
+                "default_version": gw.engine.default_version, "time": time.time()}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics(gw: GatewayDep):
+        return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+def serve(settings: Settings | None = None) -> None:
+    import uvicorn
+
+    settings = settings or get_settings()
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")

@@ -1,0 +1,287 @@
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
+
+Thin: validate, resolve the model version, hand prompts to the engine, record every completion
+(durably, before answering or before `data: [DONE]`), shape the response. A stream whose client
+goes away is cancelled in the engine and what was generated is still recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from api.deps import ALIAS, GatewayDep, TenantDep
+from api.errors import APIError, error_body
+from api.schemas import ChatRequest, CompletionRequest, chat_prompt
+from feedback.events import CompletionEvent, RoutedExperts, hash_user
+from serving.engine import Completion, EngineError
+from serving.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1")
+VERSION_HEADER = "X-Flywheel-Model-Version"
+
+
+@router.get("/models")
+async def list_models(gw: GatewayDep, _: TenantDep):
+    now = int(time.time())
+    names = gw.engine.versions + ([ALIAS] if gw.engine.default_version else [])
+    return {"object": "list", "data": [{"id": n, "object": "model", "created": now, "owned_by": "flywheel"}
+                                       for n in names]}
+
+
+@router.post("/completions")
+async def completions(req: CompletionRequest, gw: GatewayDep, tenant: TenantDep):
+    version = gw.resolve_model(req.model)
+    tok = gw.engine.tokenizer(version)
+    if isinstance(req.prompt, str):
+        prompts = [tok.encode_prompt(req.prompt)]
+    elif all(isinstance(p, int) for p in req.prompt):
+        vocab = tok.vocab_size
+        if any(not 0 <= t < vocab for t in req.prompt):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt", "invalid_value")
+        prompts = [list(req.prompt)]
+    else:
+        if any(not isinstance(p, str) or not p for p in req.prompt):
+            raise APIError(400, "prompt must be a string, a list of strings or a list of token ids",
+                           "prompt", "invalid_value")
+        prompts = [tok.encode_prompt(p) for p in req.prompt]
+    params = _params(req, req.max_tokens, req.logprobs or 0)
+    return await _serve(gw, tenant, version, "completions", prompts, params, req, "prompt",
+                        want_logprobs=req.logprobs is not None)
+
+
+@router.post("/chat/completions")
+async def chat_completions(req: ChatRequest, gw: GatewayDep, tenant: TenantDep):
+    version = gw.resolve_model(req.model)
+    tok = gw.engine.tokenizer(version)
+    top = (req.top_logprobs or 0) if req.logprobs else 0
+    if req.top_logprobs and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs", "invalid_value")
+    params = _params(req, req.token_limit, top)
+    prompts = [tok.encode_prompt(chat_prompt(req.messages))]
+    return await _serve(gw, tenant, version, "chat.completions", prompts, params, req, "messages",
+                        want_logprobs=req.logprobs)
+
+
+def _params(req, max_tokens: int, logprobs: int) -> SamplingParams:
+    try:
+        return SamplingParams(temperature=float(req.temperature), top_p=float(req.top_p), max_tokens=max_tokens,
+                              stop=tuple(req.stop or ()), seed=req.seed, logprobs=logprobs)
+    except ValueError as e:
+        raise APIError(400, str(e), None, "invalid_value") from None
+
+
+async def _serve(gw, tenant, version, endpoint, prompts, params, req, prompt_param, want_logprobs: bool):
+    limit = gw.engine.context_length(version)
+    for p in prompts:
+        if len(p) + params.max_tokens > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{len(p) + params.max_tokens} tokens ({len(p)} in the prompt, {params.max_tokens} "
+                                f"for the completion).", prompt_param, "context_length_exceeded")
+    base_id = ("chatcmpl-" if endpoint == "chat.completions" else "cmpl-") + uuid.uuid4().hex
+    n = req.n
+    ids = [base_id if len(prompts) * n == 1 else f"{base_id}-{i}" for i in range(len(prompts) * n)]
+    # Each choice is sampled on its own; a request seed gives every choice its own derived seed.
+    jobs = []
+    for i, cid in enumerate(ids):
+        sp = params if params.seed is None or i == 0 else SamplingParams(**{**asdict(params), "seed": params.seed + i})
+        jobs.append((cid, prompts[i // n], sp))
+    if not gw.engine.alive:
+        raise APIError(503, "The inference engine is not running.", None, "engine_unavailable")
+    try:
+        handles = [gw.engine.submit(p, sp, version, request_id=cid) for cid, p, sp in jobs]
+    except (ValueError, KeyError) as e:
+        raise APIError(400, str(e), prompt_param, "invalid_value") from None
+    except EngineError as e:
+        raise APIError(503, str(e), None, "engine_unavailable") from None
+    ctx = _Ctx(gw, tenant, version, endpoint, base_id, req.user, time.perf_counter(), int(time.time()), n,
+               want_logprobs)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(_stream(ctx, handles, include_usage), media_type="text/event-stream",
+                                 headers={VERSION_HEADER: version, "Cache-Control": "no-cache"})
+    try:
+        results = await asyncio.gather(*(h.aresult() for h in handles))
+    except EngineError as e:
+        raise APIError(503, str(e), None, "engine_unavailable") from None
+    await asyncio.gather(*(ctx.record(c) for c in results))
+    ctx.observe(results)
+    body = _completion_body(ctx, results) if endpoint == "completions" else _chat_body(ctx, results)
+    return JSONResponse(body, headers={VERSION_HEADER: version})
+
+
+class _Ctx:
+    def __init__(self, gw, tenant, version, endpoint, base_id, user, t0, created, n, want_logprobs):
+        self.gw, self.tenant, self.version, self.endpoint = gw, tenant, version, endpoint
+        self.base_id, self.user, self.t0, self.created = base_id, user, t0, created
+        self.n, self.want_logprobs = n, want_logprobs
+
+    async def record(self, c: Completion) -> None:
+        if not c.output_ids:
+            return  # cancelled before anything was generated: nothing was served
+        ev = CompletionEvent(
+            tenant=self.tenant, completion_id=c.request_id, user_id=hash_user(self.tenant, self.user),
+            model_version=c.version, endpoint=self.endpoint, prompt_ids=c.prompt_ids, output_ids=c.output_ids,
+            logprobs=c.logprobs, routed_experts=RoutedExperts.from_bytes(c.routed_experts.shape,
+                                                                         c.routed_experts.tobytes()),
+            text=c.text, finish_reason=c.finish_reason,
+            params={k: v for k, v in asdict(c.params).items()},
+            latency_ms={"queued": c.queued_s * 1e3, "first_token": c.first_token_s * 1e3, "total": c.total_s * 1e3})
+        try:
+            await self.gw.sink.record(ev)
+        except Exception as e:  # not durable: the caller must not be served
+            raise APIError(503, f"The completion could not be recorded ({type(e).__name__}); not served.",
+                           None, "record_failed") from e
+        self.gw.metrics.records.labels(c.version).inc()
+
+    def observe(self, results: list[Completion]) -> None:
+        m = self.gw.metrics
+        for c in results:
+            m.prompt_tokens.labels(self.version).inc(len(c.prompt_ids))
+            m.completion_tokens.labels(self.version).inc(len(c.output_ids))
+            m.ttft.labels(self.version).observe(c.first_token_s)
+        m.latency.labels(self.endpoint, self.version).observe(time.perf_counter() - self.t0)
+
+    def usage(self, results: list[Completion]) -> dict:
+        p = sum(len(c.prompt_ids) for c in results[:: self.n])  # each prompt counts once, whatever n
+        g = sum(len(c.output_ids) for c in results)
+        return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
+
+
+def _token_strs(tok, ids: list[int]) -> list[str]:
+    return [tok.decode_bytes([i]).decode("utf-8", errors="replace") for i in ids]
+
+
+def _legacy_logprobs(tok, c: Completion) -> dict:
+    strs = _token_strs(tok, c.output_ids)
+    offsets, pos = [], 0
+    for s in strs:
+        offsets.append(pos)
+        pos += len(s)
+    top = None
+    if c.top_logprobs:
+        top = [{_token_strs(tok, [k])[0]: v for k, v in d.items()} for d in c.top_logprobs]
+    return {"tokens": strs, "token_logprobs": c.logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _chat_logprobs(tok, ids, lps, tops) -> dict:
+    content = []
+    for j, (t, lp) in enumerate(zip(ids, lps)):
+        s = _token_strs(tok, [t])[0]
+        top = [{"token": _token_strs(tok, [k])[0], "logprob": v, "bytes": list(tok.decode_bytes([k]))}
+               for k, v in (tops[j] if tops else {}).items()]
+        content.append({"token": s, "logprob": lp, "bytes": list(tok.decode_bytes([t])), "top_logprobs": top})
+    return {"content": content}
+
+
+def _finish(reason: str) -> str:
+    return "stop" if reason == "abort" else reason
+
+
+def _completion_body(ctx: _Ctx, results: list[Completion]) -> dict:
+    tok = ctx.gw.engine.tokenizer(ctx.version)
+    choices = [{"index": i, "text": c.text, "logprobs": _legacy_logprobs(tok, c) if ctx.want_logprobs else None,
+                "finish_reason": _finish(c.finish_reason), "completion_id": c.request_id}
+               for i, c in enumerate(results)]
+    return {"id": ctx.base_id, "object": "text_completion", "created": ctx.created, "model": ctx.version,
+            "system_fingerprint": ctx.version, "choices": choices, "usage": ctx.usage(results)}
+
+
+def _chat_body(ctx: _Ctx, results: list[Completion]) -> dict:
+    tok = ctx.gw.engine.tokenizer(ctx.version)
+    choices = []
+    for i, c in enumerate(results):
+        lp = _chat_logprobs(tok, c.output_ids, c.logprobs, c.top_logprobs) if ctx.want_logprobs else None
+        choices.append({"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
+                        "finish_reason": _finish(c.finish_reason), "completion_id": c.request_id})
+    return {"id": ctx.base_id, "object": "chat.completion", "created": ctx.created, "model": ctx.version,
+            "system_fingerprint": ctx.version, "choices": choices, "usage": ctx.usage(results)}
+
+
+async def _stream(ctx: _Ctx, handles, include_usage: bool) -> AsyncIterator[bytes]:
+    tok = ctx.gw.engine.tokenizer(ctx.version)
+    chat = ctx.endpoint == "chat.completions"
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    results: list[Completion | None] = [None] * len(handles)
+    recorded = [False] * len(handles)
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, h):
+        try:
+            async for ev in h:
+                if ev.completion is not None:
+                    results[i] = ev.completion
+                await q.put((i, ev, None))
+        except Exception as e:  # the engine failed this request: tell the consumer
+            await q.put((i, None, e))
+
+    pumps = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
+        body = {"id": ctx.base_id, "object": obj, "created": ctx.created, "model": ctx.version,
+                "system_fingerprint": ctx.version, "choices": choices}
+        if include_usage:
+            body["usage"] = usage
+        return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+    try:
+        if chat:
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for i in range(len(handles))])
+        done = 0
+        while done < len(handles):
+            i, ev, err = await q.get()
+            if err is not None:
+                yield b"data: " + json.dumps(error_body(503, f"generation failed: {err}", None,
+                                                        "engine_unavailable")).encode() + b"\n\n"
+                return
+            finish = None
+            if ev.completion is not None:
+                done += 1
+                await ctx.record(ev.completion)
+                recorded[i] = True
+                finish = _finish(ev.completion.finish_reason)
+            want_lp = ctx.want_logprobs and bool(ev.token_ids)
+            if chat:
+                lp = _chat_logprobs(tok, ev.token_ids, ev.logprobs, ev.top_logprobs) if want_lp else None
+                choice = {"index": i, "delta": {"content": ev.text} if ev.text or finish is None else {},
+                          "logprobs": lp, "finish_reason": finish}
+            else:
+                lp = None
+                if want_lp:
+                    lp = {"tokens": _token_strs(tok, ev.token_ids), "token_logprobs": ev.logprobs,
+                          "top_logprobs": [{_token_strs(tok, [k])[0]: v for k, v in d.items()}
+                                           for d in ev.top_logprobs] if ev.top_logprobs else None}
+                choice = {"index": i, "text": ev.text, "logprobs": lp, "finish_reason": finish}
+            yield chunk([choice])
+        final = [r for r in results if r is not None]
+        ctx.observe(final)
+        if include_usage:
+            yield chunk([], ctx.usage(final))
+        yield b"data: [DONE]\n\n"
+    except APIError as e:
+        yield b"data: " + json.dumps(error_body(e.status, e.message, e.param, e.code)).encode() + b"\n\n"
+    finally:
+        if not all(recorded):
+            # The client went away (or recording failed): stop generating, still record what was served.
+            for h in handles:
+                h.cancel()
+
+            async def finish_records():
+                await asyncio.gather(*pumps, return_exceptions=True)
+                for i, r in enumerate(results):
+                    if r is not None and not recorded[i]:
+                        try:
+                            await ctx.record(r)
+                        except APIError:
+                            log.exception("completion %s was served but could not be recorded", r.request_id)
+            ctx.gw.spawn(finish_records())

@@ -1,0 +1,66 @@
+"""Deployment settings: the one place that reads the environment (prefix `FLYWHEEL_`).
+
+Algorithm and experiment knobs (learning rates, corpus mixes, reward specs) are *not* here: they
+are typed config models next to the code that uses them. This class holds where things live and
+which real component backs each part. Every process gets its settings from `get_settings()`.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_", extra="ignore")
+
+    env: Literal["local", "test", "production"] = Field(
+        "local", description="Deployment kind; production refuses embedded defaults that lose data on one disk.")
+    home: Path = Field(Path("var"), description="Root folder for models, logs and embedded stores.")
+    model_dir: Path | None = Field(
+        None, description="Checkpoint folder served by default; None means <home>/models/demo-base.")
+    seed: int = Field(0, description="Seed of the demo bootstrap (corpus, tokenizer, initial weights).")
+    host: str = Field("127.0.0.1", description="Address the gateway binds to.")
+    port: int = Field(8000, ge=0, le=65535, description="Port the gateway binds to (0: any free port).")
+    engine: Literal["embedded", "vllm"] = Field("embedded", description="Inference backend.")
+    max_batch: int = Field(64, ge=1, le=1024, description="Sequences the embedded engine decodes at once.")
+    max_model_len: int = Field(256, ge=16, description="Longest prompt + completion a request may ask for.")
+    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads; None: torch's default.")
+    bus: Literal["embedded", "kafka"] = Field("embedded", description="Event bus implementation.")
+    kafka_bootstrap: str = Field("127.0.0.1:9092", description="Kafka bootstrap servers (comma separated).")
+    database_url: str | None = Field(
+        None, description="SQLAlchemy URL of the registry; None means a SQLite file under <home>.")
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list,
+                                description="Accepted bearer tokens; empty means no auth (local only).")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, v):
+        if isinstance(v, str):
+            return [k.strip() for k in v.split(",") if k.strip()]
+        return v
+
+    @property
+    def served_model_dir(self) -> Path:
+        return self.model_dir or self.home / "models" / "demo-base"
+
+    @property
+    def records_dir(self) -> Path:
+        return self.home / "records"
+
+    @property
+    def db_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.home / 'registry.db'}"
+
+    def check_production(self) -> None:
+        if self.env == "production" and not self.api_keys:
+            raise ValueError("FLYWHEEL_API_KEYS must be set when FLYWHEEL_ENV=production")
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,53 @@
+"""The demo product: a tiny code-completion assistant with simulated users.
+
+A user writes a comment and a function header ("# add 3 to x\\ndef f(x):\\n"); the model completes
+the body. Every completion is checked by running its task's tests in a hardened sandbox, and a
+simulated user with hidden preferences (correct code, concise one-line house style) reacts with
+product signals (accepted, copied, edited, thumbs, ratings, dwell time). Those signals are the
+feedback the flywheel learns from; the users' expected satisfaction is the metric it improves.
+
+Modules: `tasks` (task families, known completions, house-style detector), `sandbox` (runs
+untrusted code), `checker` (pass/fail per task), `users` (simulated users), `corpus` (the
+pre-training corpus mixing good and bad completions). Standard library only.
+"""
+
+from demo.checker import CheckResult, check, check_batch
+from demo.corpus import CorpusMix, format_example, make_corpus
+from demo.sandbox import ExecResult, run_functions
+from demo.tasks import (
+    CATEGORIES,
+    FAMILIES,
+    Task,
+    all_tasks,
+    completions_for,
+    is_preferred_style,
+    make_task,
+    sample_tasks,
+    task_from_prompt,
+)
+from demo.users import SIGNAL_KINDS, FeedbackSignal, SimulatedUser, UserPrefs, satisfaction
+
+__all__ = [
+    "CATEGORIES",
+    "FAMILIES",
+    "SIGNAL_KINDS",
+    "CheckResult",
+    "CorpusMix",
+    "ExecResult",
+    "FeedbackSignal",
+    "SimulatedUser",
+    "Task",
+    "UserPrefs",
+    "all_tasks",
+    "check",
+    "check_batch",
+    "completions_for",
+    "format_example",
+    "is_preferred_style",
+    "make_corpus",
+    "make_task",
+    "run_functions",
+    "sample_tasks",
+    "satisfaction",
+    "task_from_prompt",
+]

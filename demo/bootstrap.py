@@ -1,0 +1,186 @@
+"""`flywheel bootstrap`: pre-train the demo product's base model from scratch, deterministically.
+
+Owns the base model's recipe: a synthetic corpus of the product (demo.corpus, mixing correct and
+incorrect, house-style and other completions on purpose), a byte-level BPE tokenizer trained on
+it, a short next-token pre-training run of the `demo` preset, and a measured evaluation of the
+result (verifiable pass rate and simulated users' satisfaction, sampled at temperature 1 as the
+product serves). The checkpoint is written in the HF Mixtral format and cached: a folder that
+already holds a finished bootstrap (`bootstrap.json`) is reused.
+
+Why a mixed corpus: online RL can only sharpen what the base already does sometimes. A base that
+is right about half the time and in the house style only now and then is useful but clearly
+improvable, which is the situation Flywheel is for.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+
+from demo.checker import check_batch
+from demo.corpus import CorpusMix, format_example, make_corpus
+from demo.tasks import sample_tasks
+from demo.users import satisfaction
+from serving.checkpoint import save_checkpoint
+from serving.engine import EmbeddedEngine
+from serving.model import ModelArgs, Transformer
+from serving.sampling import SamplingParams
+from serving.tokenizer import Tokenizer, train_tokenizer
+
+log = logging.getLogger(__name__)
+
+REPORT = "bootstrap.json"
+
+
+class BootstrapConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seed: int = Field(0, description="Seeds the corpus, tokenizer data order, weights and batches.")
+    preset: str = Field("demo", description="ModelArgs preset (vocabulary size comes from the tokenizer).")
+    corpus_size: int = Field(20000, ge=100, description="Examples in the synthetic pre-training corpus.")
+    p_correct: float = Field(0.45, ge=0, le=1, description="Share of corpus completions that are correct.")
+    p_preferred: float = Field(0.3, ge=0, le=1, description="Share of corpus completions in the house style.")
+    vocab_size: int = Field(512, ge=259, description="Tokenizer vocabulary size (bytes + merges + specials).")
+    steps: int = Field(1200, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(64, ge=1, description="Sequences per step.")
+    lr: float = Field(3e-3, gt=0, description="Peak AdamW learning rate (cosine decay to 10%).")
+    warmup: int = Field(50, ge=0, description="Linear warm-up steps.")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay on matrices.")
+    time_budget_s: float = Field(540.0, gt=0, description="Training stops early past this wall time.")
+    eval_tasks: int = Field(256, ge=1, description="Held-out tasks sampled for the evaluation.")
+    eval_temperature: float = Field(1.0, ge=0, le=2, description="Sampling temperature of the evaluation.")
+    threads: int | None = Field(None, ge=1, description="torch threads (None: torch's default).")
+
+
+def encode_example(tok: Tokenizer, text: str) -> list[int]:
+    return [tok.bos_id] + tok.encode(text) + [tok.eos_id]
+
+
+def train(model: Transformer, seqs: list[list[int]], cfg: BootstrapConfig, pad_id: int) -> dict:
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
+    model.train()
+    t0, losses, step = time.perf_counter(), [], 0
+    for step in range(1, cfg.steps + 1):
+        lr = cfg.lr * (
+            step / cfg.warmup
+            if step <= cfg.warmup
+            else 0.1
+            + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)))
+        )
+        for g in opt.param_groups:
+            g["lr"] = lr
+        idx = torch.randint(len(seqs), (cfg.batch_size,), generator=gen).tolist()
+        T = max(len(seqs[i]) for i in idx)
+        batch = torch.tensor([seqs[i] + [pad_id] * (T - len(seqs[i])) for i in idx])
+        logits = model(batch[:, :-1]).logits
+        targets = batch[:, 1:].masked_fill(batch[:, 1:] == pad_id, -100)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if step % 100 == 0 or step == 1:
+            log.info(
+                "bootstrap step %d/%d loss %.4f lr %.2e (%.0fs)",
+                step,
+                cfg.steps,
+                loss.item(),
+                lr,
+                time.perf_counter() - t0,
+            )
+        if time.perf_counter() - t0 > cfg.time_budget_s:
+            log.warning("bootstrap: time budget of %.0fs reached at step %d", cfg.time_budget_s, step)
+            break
+    model.eval()
+    tail = losses[-50:]
+    return {"steps": step, "final_loss": sum(tail) / len(tail), "train_seconds": time.perf_counter() - t0}
+
+
+def evaluate(
+    engine: EmbeddedEngine, version: str, tok: Tokenizer, n_tasks: int, seed: int, temperature: float = 1.0
+) -> dict:
+    """Sample one completion per held-out task as the product would; check it; ask the simulated users."""
+    tasks = sample_tasks(n_tasks, seed=seed)
+    params = SamplingParams(temperature=temperature, max_tokens=48, seed=None)
+    outs = engine.generate([tok.encode_prompt(t.prompt) for t in tasks], params, version=version)
+    texts = [o.text for o in outs]
+    checks = check_batch(tasks, texts)
+    sats = [satisfaction(t, c, r) for t, c, r in zip(tasks, texts, checks)]
+    per_family: dict[str, list[int]] = {}
+    for t, r in zip(tasks, checks):
+        per_family.setdefault(t.family, []).append(int(r.passed))
+    return {
+        "n": len(tasks),
+        "pass_rate": sum(r.passed for r in checks) / len(checks),
+        "satisfaction": sum(sats) / len(sats),
+        "pass_rate_by_family": {f: sum(v) / len(v) for f, v in sorted(per_family.items())},
+        "mean_output_tokens": sum(len(o.output_ids) for o in outs) / len(outs),
+    }
+
+
+def bootstrap(out_dir: str | Path, cfg: BootstrapConfig = BootstrapConfig(), force: bool = False) -> dict:
+    out_dir = Path(out_dir)
+    report_path = out_dir / REPORT
+    if report_path.is_file() and not force:
+        log.info("bootstrap: reusing %s", out_dir)
+        return json.loads(report_path.read_text())
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    t0 = time.perf_counter()
+    corpus = make_corpus(
+        cfg.corpus_size, seed=cfg.seed, mix=CorpusMix(p_correct=cfg.p_correct, p_preferred=cfg.p_preferred)
+    )
+    texts = [format_example(t, c) for t, c in corpus]
+    tok = train_tokenizer(texts, vocab_size=cfg.vocab_size)
+    args = ModelArgs.from_name(
+        cfg.preset, vocab_size=tok.vocab_size, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id
+    )
+    model = Transformer(args).init_weights(seed=cfg.seed)
+    seqs = [encode_example(tok, x) for x in texts]
+    stats = train(model, seqs, cfg, tok.pad_id)
+    engine = EmbeddedEngine(max_batch=64, max_model_len=args.max_seq_len, seed=cfg.seed)
+    try:
+        engine.add_version("base", model, tok)
+        torch.manual_seed(cfg.seed)
+        ev = evaluate(
+            engine, "base", tok, cfg.eval_tasks, seed=cfg.seed + 10_000, temperature=cfg.eval_temperature
+        )
+    finally:
+        engine.shutdown()
+    report = {
+        "config": cfg.model_dump(),
+        "model": args.to_dict(),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "corpus_tokens": sum(len(s) for s in seqs),
+        **stats,
+        "eval": ev,
+        "total_seconds": time.perf_counter() - t0,
+        "torch_threads": torch.get_num_threads(),
+    }
+    # Write into a sibling temp folder, then rename: a crash never leaves a half-written model behind.
+    tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_checkpoint(model, tmp, tokenizer=tok, extra_files={REPORT: json.dumps(report, indent=2)})
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, out_dir)
+    return report

@@ -1,0 +1,500 @@
+"""The embedded inference engine: continuous batching over a slot KV cache, on one background thread.
+
+Owns request scheduling, prefill/decode steps, sampling, stop handling and the per-completion
+record (output token ids, the sampled log-probabilities, the experts every token was routed to).
+Several model versions are held at once, each with its own weights and cache; a request names
+the version it wants. Called by the gateway (`api/`), bootstrap's evaluation, the benchmark and
+the tests. Knows nothing about HTTP or Kafka.
+
+Scheduling, one loop iteration per version with work: admit waiting requests into free slots
+(one batched prefill), then one decode step for every running sequence. New requests join the
+batch between decode steps; finished ones leave it and free their slot at once. Weight updates
+queued with `update_weights` are applied between steps, never inside one.
+
+Routed experts are recorded for every token fed through the model: the prompt's P tokens and
+the first N-1 generated ones (the last generated token is never fed), so `routed_experts` has
+shape [P + N - 1, L, K], dtype uint8.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from serving.checkpoint import load_checkpoint
+from serving.model import KVCache, Transformer
+from serving.sampling import SamplingParams, sample_rows, sampling_logprobs
+from serving.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """The engine stopped or failed while the request was in flight."""
+
+
+@dataclass
+class Completion:
+    request_id: str
+    version: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    routed_experts: np.ndarray  # [P + N - 1, L, K] uint8
+    text: str
+    finish_reason: str  # "stop" | "length"
+    params: SamplingParams
+    top_logprobs: list[dict[int, float]] | None = None
+    queued_s: float = 0.0
+    first_token_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass
+class StreamEvent:
+    text: str  # new text since the previous event
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]] | None = None
+    completion: Completion | None = None  # set on the last event
+    error: BaseException | None = None
+
+
+class RequestHandle:
+    """What `submit` returns: iterate (sync or async) for stream events, or wait for the result."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None):
+        self.request_id = request_id
+        self._loop = loop
+        self._aq: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        """Stop generating at the next step; the stream then ends with finish_reason "abort"."""
+        self.cancelled = True
+
+    def _post(self, ev: StreamEvent) -> None:
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._aq.put_nowait, ev)
+            except RuntimeError:  # the caller's loop is gone; nobody is listening any more
+                pass
+        else:
+            self._q.put(ev)
+
+    def __iter__(self):
+        if self._aq is not None:
+            raise RuntimeError("this handle was submitted from an event loop: use `async for`")
+        while True:
+            ev = self._q.get()
+            if ev.error is not None:
+                raise ev.error
+            yield ev
+            if ev.completion is not None:
+                return
+
+    async def __aiter__(self):
+        if self._aq is None:
+            raise RuntimeError("this handle was submitted without an event loop: use `for`")
+        while True:
+            ev = await self._aq.get()
+            if ev.error is not None:
+                raise ev.error
+            yield ev
+            if ev.completion is not None:
+                return
+
+    def result(self) -> Completion:
+        for ev in self:
+            if ev.completion is not None:
+                return ev.completion
+        raise EngineError("stream ended without a completion")
+
+    async def aresult(self) -> Completion:
+        async for ev in self:
+            if ev.completion is not None:
+                return ev.completion
+        raise EngineError("stream ended without a completion")
+
+
+@dataclass
+class _Seq:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    handle: RequestHandle
+    gen: torch.Generator | None
+    t_submit: float
+    slot: int = -1
+    out_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[dict[int, float]] = field(default_factory=list)
+    experts: list[torch.Tensor] = field(default_factory=list)
+    text: str = ""
+    emitted: int = 0  # characters of `text` already streamed
+    decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+    t_start: float = 0.0
+    t_first: float = 0.0
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.out_ids)
+
+
+class _Version:
+    def __init__(self, name: str, model: Transformer, tokenizer: Tokenizer, n_slots: int, max_len: int):
+        self.name, self.model, self.tokenizer = name, model, tokenizer
+        self.dtype = next(model.parameters()).dtype
+        # Ids past the tokenizer's vocabulary (an embedding padded for speed) are never sampled.
+        self.n_vocab = min(model.args.vocab_size, tokenizer.vocab_size)
+        self.cache = KVCache.empty(model.args, n_slots, max_len, dtype=self.dtype)
+        self.free = list(range(n_slots - 1, -1, -1))
+        self.waiting: deque[_Seq] = deque()
+        self.running: list[_Seq] = []
+
+
+class EmbeddedEngine:
+    def __init__(self, max_batch: int = 64, max_model_len: int = 256, threads: int | None = None,
+                 max_prefill_tokens: int = 2048, seed: int = 0):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.max_batch, self.max_model_len = max_batch, max_model_len
+        self.max_prefill_tokens = max_prefill_tokens
+        self.threads = threads
+        self._versions: dict[str, _Version] = {}
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._rng = torch.Generator().manual_seed(seed)
+        self._ids = itertools.count()
+        self.failure: BaseException | None = None
+        self.default_version: str | None = None
+        self._thread = threading.Thread(target=self._run, name="flywheel-engine", daemon=True)
+        self._thread.start()
+
+    # ---- versions -------------------------------------------------------------------------
+    def add_version(self, name: str, source: str | Path | Transformer, tokenizer: Tokenizer | None = None,
+                    default: bool = False) -> None:
+        """Hold another model version (a checkpoint folder, or a model plus its tokenizer)."""
+        if isinstance(source, Transformer):
+            if tokenizer is None:
+                raise ValueError("add_version with a model object needs its tokenizer")
+            model = source.eval()
+        else:
+            model = load_checkpoint(source)
+            tokenizer = tokenizer or Tokenizer.from_file(Path(source) / "tokenizer.json")
+        max_len = min(self.max_model_len, model.args.max_seq_len)
+        with self._lock:
+            if name in self._versions:
+                raise ValueError(f"model version {name!r} is already loaded")
+            self._versions[name] = _Version(name, model, tokenizer, self.max_batch, max_len)
+            if default or self.default_version is None:
+                self.default_version = name
+
+    def remove_version(self, name: str) -> None:
+        """Unload a version once its in-flight requests finish (new ones are refused at once)."""
+        done = threading.Event()
+        self._commands.put(("remove", name, done))
+        self._wake.set()
+        done.wait()
+
+    def update_weights(self, name: str, state_dict: dict[str, torch.Tensor]) -> None:
+        """Replace a version's weights between two decode steps; returns once applied."""
+        done = threading.Event()
+        self._commands.put(("update", (name, state_dict), done))
+        self._wake.set()
+        done.wait()
+        if isinstance(getattr(done, "error", None), BaseException):
+            raise done.error
+
+    @property
+    def versions(self) -> list[str]:
+        with self._lock:
+            return list(self._versions)
+
+    def tokenizer(self, version: str | None = None) -> Tokenizer:
+        return self._get(version).tokenizer
+
+    def context_length(self, version: str | None = None) -> int:
+        """Longest prompt + completion (tokens) the version accepts."""
+        return self._get(version).cache.max_len
+
+    def model_args(self, version: str | None = None):
+        return self._get(version).model.args
+
+    def _get(self, version: str | None) -> _Version:
+        name = version or self.default_version
+        with self._lock:
+            if name not in self._versions:
+                raise KeyError(f"model version {name!r} is not loaded; loaded: {sorted(self._versions)}")
+            return self._versions[name]
+
+    # ---- requests -------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.failure is None
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, version: str | None = None,
+               request_id: str | None = None) -> RequestHandle:
+        """Queue a request; thread-safe. From inside an event loop the handle is async-iterable."""
+        if not self.alive:
+            raise EngineError(f"engine is not running: {self.failure!r}")
+        v = self._get(version)
+        if not prompt_ids:
+            raise ValueError("prompt must contain at least one token")
+        vocab = v.model.args.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        limit = v.cache.max_len
+        if len(prompt_ids) + params.max_tokens > limit:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"the model's context of {limit} tokens")
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        rid = request_id or f"cmpl-{uuid.uuid4().hex}"
+        handle = RequestHandle(rid, loop)
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        seq = _Seq(rid, list(prompt_ids), params, handle, gen, time.perf_counter())
+        self._inbox.put((v.name, seq))
+        self._wake.set()
+        return handle
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 version: str | None = None) -> list[Completion]:
+        """Blocking convenience: submit all, wait for all (they are batched together)."""
+        plist = params if isinstance(params, list) else [params] * len(prompt_ids)
+        handles = [self.submit(p, sp, version) for p, sp in zip(prompt_ids, plist)]
+        return [h.result() for h in handles]
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # ---- the loop -------------------------------------------------------------------------
+    def _run(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        try:
+            with torch.inference_mode():
+                while not self._stop.is_set():
+                    self._apply_commands()
+                    self._drain_inbox()
+                    worked = False
+                    for v in list(self._versions.values()):
+                        worked |= self._admit(v)
+                        worked |= self._decode(v)
+                    if not worked:
+                        self._wake.wait(timeout=0.5)
+                        self._wake.clear()
+        except BaseException as e:  # a dead engine fails loudly: every waiter gets the error
+            self.failure = e
+            log.exception("engine loop died")
+            self._fail_all(EngineError(f"engine failed: {e!r}"))
+            raise
+        self._fail_all(EngineError("engine shut down"))
+
+    def _fail_all(self, err: BaseException) -> None:
+        while True:
+            try:
+                _, seq = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            seq.handle._post(StreamEvent("", [], [], error=err))
+        for v in self._versions.values():
+            for seq in list(v.waiting) + v.running:
+                seq.handle._post(StreamEvent("", [], [], error=err))
+            v.waiting.clear()
+            v.running.clear()
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                kind, arg, done = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                if kind == "update":
+                    name, state = arg
+                    v = self._get(name)
+                    v.model.load_state_dict(state, strict=True)
+                elif kind == "remove":
+                    with self._lock:
+                        v = self._versions.get(arg)
+                    if v is not None and (v.running or v.waiting):
+                        self._commands.put((kind, arg, done))  # try again after the next step
+                        return
+                    with self._lock:
+                        self._versions.pop(arg, None)
+                        if self.default_version == arg:
+                            self.default_version = next(iter(self._versions), None)
+            except Exception as e:  # reported to the caller of update_weights, the engine goes on
+                done.error = e
+            done.set()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                name, seq = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            v = self._versions.get(name)
+            if v is None:
+                seq.handle._post(StreamEvent("", [], [], error=EngineError(f"model version {name!r} was unloaded")))
+            else:
+                v.waiting.append(seq)
+
+    def _uniforms(self, seqs: list[_Seq]) -> torch.Tensor:
+        return torch.cat([torch.rand(1, generator=s.gen if s.gen is not None else self._rng) for s in seqs])
+
+    def _admit(self, v: _Version) -> bool:
+        batch: list[_Seq] = []
+        tokens = 0
+        while v.waiting and v.free and (not batch or tokens + len(v.waiting[0].prompt_ids) <= self.max_prefill_tokens):
+            seq = v.waiting.popleft()
+            seq.slot = v.free.pop()
+            seq.t_start = time.perf_counter()
+            tokens += len(seq.prompt_ids)
+            batch.append(seq)
+        if not batch:
+            return False
+        T = max(len(s.prompt_ids) for s in batch)
+        pad = v.model.args.pad_id
+        tok = torch.tensor([s.prompt_ids + [pad] * (T - len(s.prompt_ids)) for s in batch])
+        pos = torch.arange(T).expand(len(batch), T)
+        slots = torch.tensor([s.slot for s in batch])
+        out = v.model(tok, positions_BT=pos, cache=v.cache, slots_B=slots, return_experts=True)
+        last = torch.tensor([len(s.prompt_ids) - 1 for s in batch])
+        logits = out.logits[torch.arange(len(batch)), last]
+        for i, s in enumerate(batch):
+            s.experts.append(out.experts[i, : len(s.prompt_ids)].to(torch.uint8))
+        v.running.extend(batch)
+        self._sample_and_emit(v, batch, logits)
+        return True
+
+    def _reap_cancelled(self, v: _Version) -> None:
+        now = time.perf_counter()
+        for s in [s for s in v.waiting if s.handle.cancelled]:
+            v.waiting.remove(s)
+            s.handle._post(StreamEvent("", [], [], completion=self._finish(v, s, "abort", now)))
+        for s in [s for s in v.running if s.handle.cancelled]:
+            s.handle._post(StreamEvent("", [], [], completion=self._finish(v, s, "abort", now)))
+
+    def _decode(self, v: _Version) -> bool:
+        self._reap_cancelled(v)
+        seqs = [s for s in v.running if s.out_ids and s.slot >= 0]
+        if not seqs:
+            return False
+        tok = torch.tensor([[s.out_ids[-1]] for s in seqs])
+        pos = torch.tensor([[s.length - 1] for s in seqs])
+        slots = torch.tensor([s.slot for s in seqs])
+        out = v.model(tok, positions_BT=pos, cache=v.cache, slots_B=slots, return_experts=True)
+        for i, s in enumerate(seqs):
+            s.experts.append(out.experts[i].to(torch.uint8))
+        self._sample_and_emit(v, seqs, out.logits[:, 0])
+        return True
+
+    def _sample_and_emit(self, v: _Version, seqs: list[_Seq], logits_NV: torch.Tensor) -> None:
+        temps = torch.tensor([s.params.temperature for s in seqs])
+        top_ps = torch.tensor([s.params.top_p for s in seqs])
+        logp = sampling_logprobs(logits_NV[:, : v.n_vocab], temps, top_ps)
+        tokens, chosen = sample_rows(logp, temps == 0, self._uniforms(seqs))
+        want_top = max(s.params.logprobs for s in seqs)
+        if want_top:
+            top_vals, top_idx = logp.topk(want_top, dim=-1)
+        now = time.perf_counter()
+        eos = v.model.args.eos_id
+        tokenizer = v.tokenizer
+        for i, s in enumerate(seqs):
+            t, lp = int(tokens[i]), float(chosen[i])
+            s.out_ids.append(t)
+            s.logprobs.append(lp)
+            top = None
+            if s.params.logprobs:
+                k = s.params.logprobs
+                top = {int(a): float(b) for a, b in zip(top_idx[i, :k], top_vals[i, :k])}
+                s.top.append(top)
+            if len(s.out_ids) == 1:
+                s.t_first = now
+            finish = None
+            if t == eos:
+                finish = "stop"
+            else:
+                s.text += s.decoder.decode(tokenizer.decode_bytes([t]))
+            stop_at = _find_stop(s.text, s.params.stop)
+            if stop_at is not None:
+                s.text = s.text[:stop_at]
+                finish = "stop"
+            if finish is None and (len(s.out_ids) >= s.params.max_tokens or s.length >= v.cache.max_len):
+                finish = "length"
+            if finish is not None:
+                if stop_at is None:
+                    s.text += s.decoder.decode(b"", final=True)
+                delta = s.text[s.emitted:]
+                s.emitted = len(s.text)
+                done = self._finish(v, s, finish, now)
+                s.handle._post(StreamEvent(delta, [t], [lp], [top] if top else None, completion=done))
+            else:
+                hold = max((len(x) for x in s.params.stop), default=1) - 1
+                upto = max(s.emitted, len(s.text) - hold)
+                delta = s.text[s.emitted:upto]
+                s.emitted = upto
+                s.handle._post(StreamEvent(delta, [t], [lp], [top] if top else None))
+
+    def _finish(self, v: _Version, s: _Seq, reason: str, now: float) -> Completion:
+        if s.slot >= 0:
+            v.running.remove(s)
+            v.free.append(s.slot)
+            s.slot = -1
+        args = v.model.args
+        experts = (torch.cat(s.experts, dim=0).numpy() if s.experts else
+                   np.zeros((0, args.n_layers, args.top_k), dtype=np.uint8))
+        if s.experts and not s.out_ids:
+            experts = experts[:0]
+        elif s.out_ids:
+            experts = experts[: s.length - 1]
+        return Completion(
+            request_id=s.request_id, version=v.name, prompt_ids=s.prompt_ids, output_ids=s.out_ids,
+            logprobs=s.logprobs, routed_experts=experts, text=s.text, finish_reason=reason, params=s.params,
+            top_logprobs=s.top or None, queued_s=(s.t_start or now) - s.t_submit, first_token_s=(s.t_first or now) - s.t_submit,
+            total_s=now - s.t_submit)
+
+
+def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    hits = [i for i in (text.find(x) for x in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def score(model: Transformer, prompt_ids: list[int], output_ids: list[int], params: SamplingParams,
+          replay_experts: np.ndarray | None = None, n_vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A full forward pass over prompt + output: (sampling log-probs of the output tokens [N],
+    routed experts of every fed token [P + N - 1, L, K]). The reference the engine is tested against."""
+    seq = torch.tensor([prompt_ids + output_ids[:-1]])
+    replay = None if replay_experts is None else torch.as_tensor(replay_experts, dtype=torch.int64)[None]
+    with torch.inference_mode():
+        out = model(seq, replay_experts=replay, return_experts=True)
+    P = len(prompt_ids)
+    logits = out.logits[0, P - 1:, :n_vocab]
+    n = logits.shape[0]
+    logp = sampling_logprobs(logits, torch.full((n,), float(params.temperature)), torch.full((n,), float(params.top_p)))
+    chosen = logp.gather(-1, torch.tensor(output_ids)[:, None]).squeeze(-1)
+    if params.greedy:
+        chosen = torch.zeros_like(chosen)
+    return chosen, out.experts[0]

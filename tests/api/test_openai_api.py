@@ -1,0 +1,163 @@
+"""The gateway against a live server: the official openai client, streaming, errors, records, metrics."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from api.main import create_app
+from core.settings import Settings
+from feedback.sink import LogSink
+from serving.checkpoint import load_checkpoint
+from serving.engine import EmbeddedEngine, score
+from serving.sampling import SamplingParams
+from tests.conftest import LiveServer
+
+PROMPT = "# add 3 to x\ndef f(x):\n"
+
+
+@pytest.fixture(scope="module")
+def live(tiny_checkpoint, tmp_path_factory):
+    home = tmp_path_factory.mktemp("home")
+    settings = Settings(home=home, model_dir=tiny_checkpoint, max_batch=8, max_model_len=128)
+    engine = EmbeddedEngine(max_batch=8, max_model_len=128)
+    engine.add_version(tiny_checkpoint.name, tiny_checkpoint, default=True)
+    sink = LogSink(home / "records")
+    with LiveServer(create_app(settings, engine=engine, sink=sink)) as server:
+        server.engine, server.sink, server.version = engine, sink, tiny_checkpoint.name
+        yield server
+    engine.shutdown()
+    sink.close()
+
+
+@pytest.fixture
+def client(live):
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+
+
+def records_by_id(live) -> dict:
+    return {r.completion_id: r for r in live.sink.read_all()}
+
+
+def test_completion_with_openai_client_is_recorded_with_exact_logprobs_and_routing(live, client, tiny_checkpoint):
+    r = client.completions.create(model="flywheel", prompt=PROMPT, max_tokens=12, temperature=0.8, top_p=0.9,
+                                  logprobs=2, seed=5, user="alice")
+    assert r.model == live.version and r.system_fingerprint == live.version
+    assert r.id.startswith("cmpl-")
+    choice = r.choices[0]
+    assert choice.finish_reason in ("stop", "length")
+    assert len(choice.logprobs.token_logprobs) == r.usage.completion_tokens
+    rec = records_by_id(live)[r.id]
+    assert rec.model_version == live.version and rec.text == choice.text
+    assert rec.user_id and rec.user_id != "alice"
+    assert rec.logprobs == choice.logprobs.token_logprobs
+    # The recorded logprobs and routing equal a full forward pass of the same version.
+    model = load_checkpoint(tiny_checkpoint)
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12)
+    ref_lp, ref_experts = score(model, rec.prompt_ids, rec.output_ids, params,
+                                n_vocab=live.engine.tokenizer().vocab_size)
+    assert torch.allclose(ref_lp, torch.tensor(rec.logprobs), atol=1e-5)
+    experts = np.frombuffer(rec.routed_experts.to_bytes(), dtype=np.uint8).reshape(rec.routed_experts.shape)
+    assert np.array_equal(experts, ref_experts.numpy().astype(np.uint8))
+    # Same seed, same completion.
+    again = client.completions.create(model=live.version, prompt=PROMPT, max_tokens=12, temperature=0.8,
+                                      top_p=0.9, seed=5)
+    assert again.choices[0].text == choice.text and again.id != r.id
+
+
+def test_chat_and_streaming(live, client):
+    chat = client.chat.completions.create(model="flywheel", messages=[{"role": "user", "content": PROMPT}],
+                                          max_tokens=10, logprobs=True, top_logprobs=2)
+    assert chat.choices[0].message.role == "assistant"
+    assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
+    stream = client.chat.completions.create(model="flywheel", messages=[{"role": "user", "content": PROMPT}],
+                                            max_tokens=10, stream=True, seed=3,
+                                            stream_options={"include_usage": True})
+    text, ids, finish, usage = "", set(), None, None
+    for ch in stream:
+        ids.add(ch.id)
+        if ch.usage:
+            usage = ch.usage
+        for c in ch.choices:
+            text += c.delta.content or ""
+            finish = c.finish_reason or finish
+    assert len(ids) == 1 and finish in ("stop", "length") and usage.completion_tokens >= 1
+    assert records_by_id(live)[ids.pop()].text == text
+    plain = client.completions.create(model="flywheel", prompt=PROMPT, max_tokens=10, stream=True, seed=3)
+    streamed = "".join(c.choices[0].text for c in plain)
+    same = client.completions.create(model="flywheel", prompt=PROMPT, max_tokens=10, seed=3)
+    assert streamed == same.choices[0].text
+
+
+def test_raw_sse_ends_with_done_and_n_choices(live):
+    with httpx.stream("POST", live.url + "/v1/completions",
+                      json={"model": "flywheel", "prompt": PROMPT, "max_tokens": 5, "stream": True, "n": 3}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert {c["choices"][0]["index"] for c in chunks} == {0, 1, 2}
+    body = httpx.post(live.url + "/v1/completions", json={"model": "flywheel", "prompt": [PROMPT, "# x"],
+                                                           "max_tokens": 3, "n": 2}).json()
+    assert len(body["choices"]) == 4 and len({c["completion_id"] for c in body["choices"]}) == 4
+
+
+def test_models_health_metrics(live, client):
+    ids = [m.id for m in client.models.list().data]
+    assert live.version in ids and "flywheel" in ids
+    h = httpx.get(live.url + "/healthz")
+    assert h.status_code == 200 and h.json()["default_version"] == live.version
+    client.completions.create(model="flywheel", prompt=PROMPT, max_tokens=2)
+    m = httpx.get(live.url + "/metrics").text
+    assert f'flywheel_requests_total{{endpoint="/v1/completions",model_version="{live.version}",status="200"}}' in m
+    assert f'flywheel_request_latency_seconds_bucket{{endpoint="completions",le="0.005",model_version="{live.version}"}}' in m
+    assert "flywheel_completion_tokens_total" in m
+
+
+@pytest.mark.parametrize("body,status,param,code", [
+    ({"model": "nope", "prompt": "x"}, 404, "model", "model_not_found"),
+    ({"model": "flywheel", "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+    ({"model": "flywheel", "prompt": "x", "max_tokens": 100000}, 400, "max_tokens", "invalid_value"),
+    ({"model": "flywheel", "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens", "invalid_value"),
+    ({"model": "flywheel", "prompt": "x", "temperature": 3}, 400, "temperature", "invalid_value"),
+    ({"model": "flywheel", "prompt": "x", "temperature": "hot"}, 400, "temperature", "invalid_value"),
+    ({"model": "flywheel", "prompt": "x" * 2000, "max_tokens": 10}, 400, "prompt", "context_length_exceeded"),
+    ({"model": "flywheel", "prompt": "x", "max_tokens": 127}, 400, "prompt", "context_length_exceeded"),
+    ({"model": "flywheel"}, 400, "prompt", "missing_required_parameter"),
+    ({"model": "flywheel", "prompt": "x", "bogus": 1}, 400, "bogus", "unknown_parameter"),
+    ({"model": "flywheel", "prompt": [99999]}, 400, "prompt", "invalid_value"),
+    ({"model": "flywheel", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
+])
+def test_bad_completion_requests_get_openai_errors(live, body, status, param, code):
+    before = len(live.sink.read_all())
+    r = httpx.post(live.url + "/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param and err["code"] == code
+    assert len(live.sink.read_all()) == before  # nothing recorded for a refused request
+
+
+def test_malformed_json_and_chat_errors(live):
+    r = httpx.post(live.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.post(live.url + "/v1/chat/completions", json={"model": "flywheel", "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(live.url + "/v1/chat/completions",
+                   json={"model": "flywheel", "messages": [{"role": "robot", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages.0.role")
+    r = httpx.get(live.url + "/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_openai_client_raises_typed_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="missing", prompt="x")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="flywheel", prompt="x", max_tokens=-1)
+    assert e.value.body["param"] == "max_tokens"

@@ -1,0 +1,63 @@
+"""Shared fixtures: a small real checkpoint (trained tokenizer, random tiny MoE) and a live gateway."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from demo.corpus import format_example, make_corpus
+from serving.checkpoint import save_checkpoint
+from serving.model import ModelArgs, Transformer
+from serving.tokenizer import train_tokenizer
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A checkpoint folder in the demo's format: demo-corpus tokenizer, random tiny weights."""
+    folder = tmp_path_factory.mktemp("ckpt") / "tiny-v1"
+    tok = train_tokenizer([format_example(t, c) for t, c in make_corpus(2000, seed=1)], vocab_size=320)
+    args = ModelArgs.from_name("tiny", vocab_size=tok.vocab_size, bos_id=tok.bos_id, eos_id=tok.eos_id,
+                               pad_id=tok.pad_id, max_seq_len=128)
+    model = Transformer(args).init_weights(seed=0, std=0.05)
+    save_checkpoint(model, folder, tokenizer=tok)
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """uvicorn on a free loopback port, in a thread of this process."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("gateway did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
