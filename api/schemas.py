@@ -33,6 +33,7 @@ class _Common(BaseModel):
     user: str | None = Field(None, max_length=256)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    ignore_eos: StrictBool = False  # vLLM's extension: generate exactly max_tokens (benchmarks)
 
     @field_validator("stop")
     @classmethod

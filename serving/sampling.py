@@ -26,6 +26,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     logprobs: int = 0  # how many top alternatives to return per token (0: only the sampled one)
+    ignore_eos: bool = False  # keep generating past end-of-sequence (benchmarks: fixed output length)
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 2.0 \

@@ -99,7 +99,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> Tokenizer:
     if vocab_size < 256 + len(SPECIALS):
         raise ValueError(f"vocab_size must be at least {256 + len(SPECIALS)} (bytes + specials), got {vocab_size}")
     inner = HFTokenizer(models.BPE())
-    inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    # Digits stand alone, so a number reads the same wherever it appears (copying a constant from the
+    # prompt into code is then the same token); then GPT-2's byte-level split.
+    inner.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                   pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     inner.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)

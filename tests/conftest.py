@@ -22,7 +22,10 @@ def tiny_checkpoint(tmp_path_factory):
     """A checkpoint folder in the demo's format: demo-corpus tokenizer, random tiny weights."""
     folder = tmp_path_factory.mktemp("ckpt") / "tiny-v1"
     tok = train_tokenizer([format_example(t, c) for t, c in make_corpus(2000, seed=1)], vocab_size=320)
-    args = ModelArgs.from_name("tiny", vocab_size=tok.vocab_size, bos_id=tok.bos_id, eos_id=tok.eos_id,
+    # head_dim 32: the smallest head size vLLM's CPU attention kernels accept.
+    # (and an expert width of 64, which its fused-MoE reload keeps unpadded).
+    args = ModelArgs.from_name("tiny", dim=64, n_heads=2, n_kv_heads=1, hidden_dim=64, vocab_size=tok.vocab_size,
+                               bos_id=tok.bos_id, eos_id=tok.eos_id,
                                pad_id=tok.pad_id, max_seq_len=128)
     model = Transformer(args).init_weights(seed=0, std=0.05)
     save_checkpoint(model, folder, tokenizer=tok)

