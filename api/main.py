@@ -33,7 +33,7 @@ def build_engine(settings: Settings):
     else:
         from serving.engine import EmbeddedEngine
         engine = EmbeddedEngine(max_batch=settings.max_batch, max_model_len=settings.max_model_len,
-                                threads=settings.torch_threads, seed=settings.seed)
+                                threads=settings.torch_threads or 1, seed=settings.seed)
     engine.add_version(folder.name, folder, default=True)
     return engine
 

@@ -138,11 +138,12 @@ async def _http_round(url, texts, new_tokens):
                                                                   "max_tokens": new_tokens, "temperature": 1.0,
                                                                   "ignore_eos": True})
             r.raise_for_status()
-            return time.perf_counter() - t0, r.json()["usage"]["completion_tokens"]
+            body = r.json()
+            return time.perf_counter() - t0, body["usage"]["completion_tokens"], body["id"]
 
         t0 = time.perf_counter()
         res = await asyncio.gather(*(one(t) for t in texts))
-        return time.perf_counter() - t0, [x[0] for x in res], sum(x[1] for x in res)
+        return time.perf_counter() - t0, [(x[0], x[2]) for x in res], sum(x[1] for x in res)
 
 
 def bench_http(model_dir, texts, new_tokens, home):
@@ -165,18 +166,53 @@ def bench_http(model_dir, texts, new_tokens, home):
             raise RuntimeError("gateway did not come up")
         out = []
         asyncio.run(_http_round(url, texts[:4], new_tokens))
+        per_batch = {}
         for b in BATCHES:
             walls, lats, toks = [], [], []
             for r in range(rounds_for(b)):
                 w, ls, n = asyncio.run(_http_round(url, texts[:b], new_tokens))
                 walls.append(w)
-                lats += ls
+                lats += [x[0] for x in ls]
+                per_batch.setdefault(b, []).extend(ls)
                 toks.append(n)
             out.append(summarize("HTTP gateway (embedded)", b, walls, lats, toks))
-        return out
     finally:
         proc.terminate()
         proc.wait(30)
+    # What HTTP adds: client latency minus the engine time the server recorded for the same completion.
+    from feedback.sink import LogSink
+
+    sink = LogSink(Path(home) / "records")
+    engine_ms = {rec.completion_id: rec.latency_ms["total"] for rec in sink.read_all()}
+    sink.close()
+    for row in out:
+        pairs = [(lat, engine_ms[cid] / 1e3) for lat, cid in per_batch[row["batch"]] if cid in engine_ms]
+        added = sum(lat - eng for lat, eng in pairs) / len(pairs)
+        row["engine_s_in_server"] = sum(eng for _, eng in pairs) / len(pairs)
+        row["http_added_s"] = added
+        row["http_added_share"] = added / row["engine_s_in_server"]
+    return out
+
+
+def run_one(name, model_dir, prompts, texts, new_tokens, pad_id, out):
+    if name == "embedded":
+        return bench_embedded(model_dir, prompts, new_tokens)
+    if name == "transformers":
+        return bench_transformers(model_dir, prompts, new_tokens, pad_id)
+    if name == "vllm":
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            print("vllm not installed: skipping its rows", file=sys.stderr)
+            return []
+        return bench_vllm(model_dir, prompts, new_tokens)
+    if name == "http":
+        import shutil
+
+        home = out / "http-home"
+        shutil.rmtree(home, ignore_errors=True)
+        return bench_http(model_dir, texts, new_tokens, home)
+    raise ValueError(f"unknown backend {name!r}")
 
 
 def main():
@@ -184,23 +220,38 @@ def main():
     ap.add_argument("--model", default=str(ROOT / "var" / "models" / "demo-base"))
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--backends", default="embedded,transformers,vllm,http",
+                    help="comma-separated subset to run (the table compares what ran)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--rows-to", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     model_dir = Path(a.model)
     tok = Tokenizer.from_file(model_dir)
     tasks = sample_tasks(64, seed=12345)
     texts = [t.prompt for t in tasks]
     prompts = [tok.encode_prompt(t) for t in texts]
+    which = [b for b in a.backends.split(",") if b]
+    if a.one:
+        rows = run_one(a.one, model_dir, prompts, texts, a.new_tokens, tok.pad_id, Path(a.out))
+        Path(a.rows_to).write_text(json.dumps(rows))
+        return
+    # Each backend in its own process: nothing one leaves behind (vLLM's engine process, thread
+    # pools, caches) can slow the next one down.
     rows = []
-    rows += bench_embedded(model_dir, prompts, a.new_tokens)
-    rows += bench_transformers(model_dir, prompts, a.new_tokens, tok.pad_id)
-    if not a.skip_vllm:
-        try:
-            import vllm  # noqa: F401
-            rows += bench_vllm(model_dir, prompts, a.new_tokens)
-        except ImportError:
-            print("vllm not installed: skipping its rows", file=sys.stderr)
-    rows += bench_http(model_dir, texts, a.new_tokens, Path(a.out) / "http-home")
+    for name in which:
+        if name == "vllm" and a.skip_vllm:
+            continue
+        rows_file = Path(a.out) / f".rows-{name}.json"
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, __file__, "--one", name, "--rows-to", str(rows_file), "--model", str(model_dir),
+               "--new-tokens", str(a.new_tokens), "--out", a.out]
+        done = subprocess.run(cmd, cwd=ROOT)
+        if done.returncode != 0:
+            print(f"backend {name} failed (exit {done.returncode}); its rows are missing", file=sys.stderr)
+            continue
+        rows += json.loads(rows_file.read_text())
+        rows_file.unlink()
     by = {(r["backend"], r["batch"]): r for r in rows}
     notes = {}
     for b in BATCHES:
@@ -209,7 +260,8 @@ def main():
         notes[b] = {
             "embedded_vs_transformers": e["tokens_per_s"] / t["tokens_per_s"] if e and t else None,
             "embedded_vs_vllm": e["tokens_per_s"] / v["tokens_per_s"] if e and v else None,
-            "http_overhead": 1 - h["tokens_per_s"] / e["tokens_per_s"] if e and h else None,
+            "http_throughput_loss": 1 - h["tokens_per_s"] / e["tokens_per_s"] if e and h else None,
+            "http_added_share": h["http_added_share"] if h else None,
         }
     result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                           "threads": torch.get_num_threads()},
@@ -222,11 +274,12 @@ def main():
     for r in rows:
         lines.append(f"| {r['backend']} | {r['batch']} | {r['tokens_per_s']:.0f} | {r['p50_latency_s']:.3f} | "
                      f"{r['p99_latency_s']:.3f} |")
-    lines += ["", "| batch | embedded / transformers | embedded / vLLM-cpu | HTTP overhead |", "|---:|---:|---:|---:|"]
+    lines += ["", "| batch | embedded / transformers | embedded / vLLM-cpu | HTTP throughput vs engine alone | "
+                  "HTTP time added / engine time (same requests) |", "|---:|---:|---:|---:|---:|"]
     f = lambda x, pc=False: "n/a" if x is None else (f"{x * 100:.1f}%" if pc else f"{x:.2f}x")  # noqa: E731
     for b, n in notes.items():
         lines.append(f"| {b} | {f(n['embedded_vs_transformers'])} | {f(n['embedded_vs_vllm'])} | "
-                     f"{f(n['http_overhead'], True)} |")
+                     f"-{f(n['http_throughput_loss'], True)} | {f(n['http_added_share'], True)} |")
     (out / "serving.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

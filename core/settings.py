@@ -29,7 +29,7 @@ class Settings(BaseSettings):
     engine: Literal["embedded", "vllm"] = Field("embedded", description="Inference backend.")
     max_batch: int = Field(64, ge=1, le=1024, description="Sequences the embedded engine decodes at once.")
     max_model_len: int = Field(256, ge=16, description="Longest prompt + completion a request may ask for.")
-    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads; None: torch's default.")
+    torch_threads: int | None = Field(None, ge=1, description="torch threads of the engine's compute thread; None: 1 (see serving/engine.py).")
     bus: Literal["embedded", "kafka"] = Field("embedded", description="Event bus implementation.")
     kafka_bootstrap: str = Field("127.0.0.1:9092", description="Kafka bootstrap servers (comma separated).")
     database_url: str | None = Field(

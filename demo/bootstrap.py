@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from demo.checker import check_batch
 from demo.corpus import CorpusMix, format_example, make_corpus
-from demo.tasks import sample_tasks
+from demo.tasks import completions_for, sample_tasks
 from demo.users import satisfaction
 from serving.checkpoint import save_checkpoint
 from serving.engine import EmbeddedEngine
@@ -131,8 +131,13 @@ def evaluate(
     per_family: dict[str, list[int]] = {}
     for t, r in zip(tasks, checks):
         per_family.setdefault(t.family, []).append(int(r.passed))
+    # The ceiling feedback could reach: the same users scoring a correct, house-style completion.
+    best = [completions_for(t)["correct_preferred"][0] for t in tasks]
+    best_checks = check_batch(tasks, best)
+    ceiling = sum(satisfaction(t, c, r) for t, c, r in zip(tasks, best, best_checks)) / len(tasks)
     return {
         "n": len(tasks),
+        "satisfaction_ceiling": ceiling,
         "pass_rate": sum(r.passed for r in checks) / len(checks),
         "satisfaction": sum(sats) / len(sats),
         "pass_rate_by_family": {f: sum(v) / len(v) for f, v in sorted(per_family.items())},

@@ -85,3 +85,65 @@ class CompletionEvent(Event):
     finish_reason: str
     params: dict
     latency_ms: dict[str, float]
+
+
+# ---- feedback ---------------------------------------------------------------------------------
+EXPLICIT_KINDS = ("thumb_up", "thumb_down", "rating")
+IMPLICIT_KINDS = ("accepted", "rejected", "edited", "copied", "regenerated", "dwell")
+FEEDBACK_KINDS = EXPLICIT_KINDS + IMPLICIT_KINDS
+FeedbackKind = Literal["thumb_up", "thumb_down", "rating", "accepted", "rejected", "edited", "copied",
+                       "regenerated", "dwell"]
+MAX_DWELL_S = 24 * 3600.0
+
+
+class FeedbackEvent(Event):
+    """One user-satisfaction signal about one completion.
+
+    `value` by kind: rating → 1..5 (integer); edited → kept fraction of the completion in [0, 1]
+    (`edit_distance`, characters, may be given too); dwell → seconds in [0, 24 h]; every other kind
+    → no value. Anything else is refused with a ValueError naming the field.
+    """
+
+    type: Literal["feedback"] = "feedback"
+    completion_id: str = Field(min_length=1, max_length=128)
+    user_id: str | None = None  # hashed (hash_user)
+    kind: FeedbackKind
+    value: float | None = Field(None, validate_default=True)
+    edit_distance: int | None = Field(None, ge=0)
+
+    @field_validator("value")
+    @classmethod
+    def _value_fits_kind(cls, v, info):
+        kind = info.data.get("kind")
+        if kind is None:
+            return v
+        if kind == "rating":
+            if v is None or v != int(v) or not 1 <= v <= 5:
+                raise ValueError(f"rating needs an integer value 1..5, got {v!r}")
+        elif kind == "edited":
+            if v is None or not 0.0 <= v <= 1.0:
+                raise ValueError(f"edited needs value = kept fraction in [0, 1], got {v!r}")
+        elif kind == "dwell":
+            if v is None or not 0.0 <= v <= MAX_DWELL_S:
+                raise ValueError(f"dwell needs value = seconds in [0, {MAX_DWELL_S:.0f}], got {v!r}")
+        elif v is not None:
+            raise ValueError(f"{kind} takes no value, got {v!r}")
+        return v
+
+
+class Signal(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    kind: FeedbackKind
+    value: float | None = None
+    ts: float
+    user_id: str | None = None
+
+
+class SampleEvent(Event):
+    """The joiner's output: one completion, its scalar reward and the signals it came from."""
+
+    type: Literal["sample"] = "sample"
+    completion: CompletionEvent
+    reward: float
+    signals: list[Signal]
+    reward_spec: str  # name/version of the reward spec that produced `reward`

@@ -14,6 +14,12 @@ queued with `update_weights` are applied between steps, never inside one.
 Routed experts are recorded for every token fed through the model: the prompt's P tokens and
 the first N-1 generated ones (the last generated token is never fed), so `routed_experts` has
 shape [P + N - 1, L, K], dtype uint8.
+
+Threads: the loop runs torch on its own thread with `threads` intra-op threads (default 1). Measured
+on the 2-core dev machine: once any other thread of the process has run an OpenMP-parallel torch op,
+a second thread's 2-thread parallel regions cost ~40 us each (torch's libgomp), and a batch-64 decode
+step of the demo model takes ~15 ms instead of ~4 ms; with 1 thread it takes ~5 ms whatever the rest
+of the process does. Pass `threads=None` to keep torch's default.
 """
 
 from __future__ import annotations
@@ -75,8 +81,9 @@ class StreamEvent:
 class RequestHandle:
     """What `submit` returns: iterate (sync or async) for stream events, or wait for the result."""
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None):
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None, stream: bool = True):
         self.request_id = request_id
+        self.stream = stream  # False: only the final event (the whole completion) is delivered
         self._loop = loop
         self._aq: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
         self._q: queue.SimpleQueue = queue.SimpleQueue()
@@ -167,7 +174,7 @@ class _Version:
 
 
 class EmbeddedEngine:
-    def __init__(self, max_batch: int = 64, max_model_len: int = 256, threads: int | None = None,
+    def __init__(self, max_batch: int = 64, max_model_len: int = 256, threads: int | None = 1,
                  max_prefill_tokens: int = 2048, seed: int = 0):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -250,8 +257,9 @@ class EmbeddedEngine:
         return self._thread.is_alive() and self.failure is None
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, version: str | None = None,
-               request_id: str | None = None) -> RequestHandle:
-        """Queue a request; thread-safe. From inside an event loop the handle is async-iterable."""
+               request_id: str | None = None, stream: bool = True) -> RequestHandle:
+        """Queue a request; thread-safe. From inside an event loop the handle is async-iterable.
+        `stream=False` delivers only the final event: no per-token wake-ups of the caller."""
         if not self.alive:
             raise EngineError(f"engine is not running: {self.failure!r}")
         v = self._get(version)
@@ -269,7 +277,7 @@ class EmbeddedEngine:
         except RuntimeError:
             loop = None
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
-        handle = RequestHandle(rid, loop)
+        handle = RequestHandle(rid, loop, stream)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         seq = _Seq(rid, list(prompt_ids), params, handle, gen, time.perf_counter())
         self._inbox.put((v.name, seq))
@@ -280,7 +288,7 @@ class EmbeddedEngine:
                  version: str | None = None) -> list[Completion]:
         """Blocking convenience: submit all, wait for all (they are batched together)."""
         plist = params if isinstance(params, list) else [params] * len(prompt_ids)
-        handles = [self.submit(p, sp, version) for p, sp in zip(prompt_ids, plist)]
+        handles = [self.submit(p, sp, version, stream=False) for p, sp in zip(prompt_ids, plist)]
         return [h.result() for h in handles]
 
     def shutdown(self) -> None:
@@ -362,7 +370,12 @@ class EmbeddedEngine:
                 v.waiting.append(seq)
 
     def _uniforms(self, seqs: list[_Seq]) -> torch.Tensor:
-        return torch.cat([torch.rand(1, generator=s.gen if s.gen is not None else self._rng) for s in seqs])
+        """One uniform per row: seeded requests draw from their own generator, the rest from the engine's."""
+        u = torch.rand(len(seqs), generator=self._rng)
+        for i, s in enumerate(seqs):
+            if s.gen is not None:
+                u[i] = torch.rand(1, generator=s.gen)[0]
+        return u
 
     def _admit(self, v: _Version) -> bool:
         batch: list[_Seq] = []
@@ -383,8 +396,9 @@ class EmbeddedEngine:
         out = v.model(tok, positions_BT=pos, cache=v.cache, slots_B=slots, return_experts=True)
         last = torch.tensor([len(s.prompt_ids) - 1 for s in batch])
         logits = out.logits[torch.arange(len(batch)), last]
+        experts = out.experts.to(torch.uint8).numpy()
         for i, s in enumerate(batch):
-            s.experts.append(out.experts[i, : len(s.prompt_ids)].to(torch.uint8))
+            s.experts.append(experts[i, : len(s.prompt_ids)])
         v.running.extend(batch)
         self._sample_and_emit(v, batch, logits)
         return True
@@ -406,8 +420,9 @@ class EmbeddedEngine:
         pos = torch.tensor([[s.length - 1] for s in seqs])
         slots = torch.tensor([s.slot for s in seqs])
         out = v.model(tok, positions_BT=pos, cache=v.cache, slots_B=slots, return_experts=True)
+        experts = out.experts.to(torch.uint8).numpy()
         for i, s in enumerate(seqs):
-            s.experts.append(out.experts[i].to(torch.uint8))
+            s.experts.append(experts[i])
         self._sample_and_emit(v, seqs, out.logits[:, 0])
         return True
 
@@ -419,17 +434,17 @@ class EmbeddedEngine:
         want_top = max(s.params.logprobs for s in seqs)
         if want_top:
             top_vals, top_idx = logp.topk(want_top, dim=-1)
+            top_vals, top_idx = top_vals.tolist(), top_idx.tolist()
         now = time.perf_counter()
         eos = v.model.args.eos_id
-        tokenizer = v.tokenizer
-        for i, s in enumerate(seqs):
-            t, lp = int(tokens[i]), float(chosen[i])
+        token_bytes = v.tokenizer.token_bytes
+        for s, t, lp, i in zip(seqs, tokens.tolist(), chosen.tolist(), range(len(seqs))):
             s.out_ids.append(t)
             s.logprobs.append(lp)
             top = None
             if s.params.logprobs:
                 k = s.params.logprobs
-                top = {int(a): float(b) for a, b in zip(top_idx[i, :k], top_vals[i, :k])}
+                top = dict(zip(top_idx[i][:k], top_vals[i][:k]))
                 s.top.append(top)
             if len(s.out_ids) == 1:
                 s.t_first = now
@@ -437,8 +452,8 @@ class EmbeddedEngine:
             if t == eos and not s.params.ignore_eos:
                 finish = "stop"
             else:
-                s.text += s.decoder.decode(tokenizer.decode_bytes([t]))
-            stop_at = _find_stop(s.text, s.params.stop)
+                s.text += s.decoder.decode(token_bytes[t])
+            stop_at = _find_stop(s.text, s.params.stop) if s.params.stop else None
             if stop_at is not None:
                 s.text = s.text[:stop_at]
                 finish = "stop"
@@ -450,8 +465,12 @@ class EmbeddedEngine:
                 delta = s.text[s.emitted:]
                 s.emitted = len(s.text)
                 done = self._finish(v, s, finish, now)
-                s.handle._post(StreamEvent(delta, [t], [lp], [top] if top else None, completion=done))
-            else:
+                if s.handle.stream:
+                    s.handle._post(StreamEvent(delta, [t], [lp], [top] if top else None, completion=done))
+                else:
+                    s.handle._post(StreamEvent(done.text, list(done.output_ids), list(done.logprobs),
+                                               done.top_logprobs, completion=done))
+            elif s.handle.stream:
                 hold = max((len(x) for x in s.params.stop), default=1) - 1
                 upto = max(s.emitted, len(s.text) - hold)
                 delta = s.text[s.emitted:upto]
@@ -464,7 +483,7 @@ class EmbeddedEngine:
             v.free.append(s.slot)
             s.slot = -1
         args = v.model.args
-        experts = (torch.cat(s.experts, dim=0).numpy() if s.experts else
+        experts = (np.concatenate(s.experts, axis=0) if s.experts else
                    np.zeros((0, args.n_layers, args.top_k), dtype=np.uint8))
         if s.experts and not s.out_ids:
             experts = experts[:0]

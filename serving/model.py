@@ -163,30 +163,25 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x_BTD, cos, sin, cache: KVCache | None, layer: int, slots_B, positions_BT, attn_len: int):
+    def forward(self, x_BTD, cos, sin, cache: KVCache | None, layer: int, slots_B, positions_BT, mask_B1TS):
         B, T, _ = x_BTD.shape
         q_BHTd = self.q_proj(x_BTD).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k_BGTd = self.k_proj(x_BTD).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         v_BTGd = self.v_proj(x_BTD).view(B, T, self.n_kv, self.head_dim)
         q_BHTd = apply_rope(q_BHTd, cos, sin)
         k_BGTd = apply_rope(k_BGTd, cos, sin)
-        rep = self.n_heads // self.n_kv
         if cache is None:
             # Training / full forward: plain causal attention over this call's tokens.
-            k_BHTd = k_BGTd.repeat_interleave(rep, dim=1)
-            v_BHTd = v_BTGd.transpose(1, 2).repeat_interleave(rep, dim=1)
-            out = F.scaled_dot_product_attention(q_BHTd, k_BHTd, v_BHTd, is_causal=True)
+            out = F.scaled_dot_product_attention(q_BHTd, k_BGTd, v_BTGd.transpose(1, 2), is_causal=True,
+                                                 enable_gqa=True)
         else:
-            # Decode / prefill into slots: write this call's K/V first, then read [0, attn_len).
+            # Decode / prefill into slots: write this call's K/V first, then read [0, S).
+            S = mask_B1TS.shape[-1]
             cache.k[layer][slots_B[:, None], positions_BT] = k_BGTd.transpose(1, 2).to(cache.k.dtype)
             cache.v[layer][slots_B[:, None], positions_BT] = v_BTGd.to(cache.v.dtype)
-            k_BSGd = cache.k[layer][slots_B, :attn_len]
-            v_BSGd = cache.v[layer][slots_B, :attn_len]
-            k_BHSd = k_BSGd.transpose(1, 2).repeat_interleave(rep, dim=1).to(q_BHTd.dtype)
-            v_BHSd = v_BSGd.transpose(1, 2).repeat_interleave(rep, dim=1).to(q_BHTd.dtype)
-            key_pos_S = torch.arange(attn_len, device=x_BTD.device)
-            mask_B1TS = key_pos_S[None, None, None, :] <= positions_BT[:, None, :, None]
-            out = F.scaled_dot_product_attention(q_BHTd, k_BHSd, v_BHSd, attn_mask=mask_B1TS)
+            k_BGSd = cache.k[layer][slots_B, :S].transpose(1, 2).to(q_BHTd.dtype)
+            v_BGSd = cache.v[layer][slots_B, :S].transpose(1, 2).to(q_BHTd.dtype)
+            out = F.scaled_dot_product_attention(q_BHTd, k_BGSd, v_BGSd, attn_mask=mask_B1TS, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
@@ -236,9 +231,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.block_sparse_moe = SparseMoE(args)
 
-    def forward(self, x_BTD, cos, sin, cache, layer, slots_B, positions_BT, attn_len, replay_BTK):
+    def forward(self, x_BTD, cos, sin, cache, layer, slots_B, positions_BT, mask_B1TS, replay_BTK):
         x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), cos, sin, cache, layer, slots_B,
-                                       positions_BT, attn_len)
+                                       positions_BT, mask_B1TS)
         B, T, D = x_BTD.shape
         h_ND = self.post_attention_layernorm(x_BTD).reshape(B * T, D)
         replay_NK = None if replay_BTK is None else replay_BTK.reshape(B * T, -1)
@@ -291,19 +286,22 @@ class Transformer(nn.Module):
                 raise ValueError(f"replay_experts has shape {tuple(replay_experts.shape)}, expected {want}")
             if replay_experts.numel() and (int(replay_experts.min()) < 0 or int(replay_experts.max()) >= args.n_experts):
                 raise ValueError(f"replay_experts holds an expert id outside [0, {args.n_experts})")
-        attn_len = 0
+        mask_B1TS = None
         if cache is not None:
             if slots_B is None:
                 raise ValueError("a forward with a KV cache needs slots_B")
             attn_len = int(positions_BT.max()) + 1
             if attn_len > cache.max_len:
                 raise ValueError(f"position {attn_len - 1} is beyond the cache length {cache.max_len}")
+            # A query at position p sees the slot's keys at positions <= p (built once for all layers).
+            key_pos_S = torch.arange(attn_len, device=tokens_BT.device)
+            mask_B1TS = key_pos_S[None, None, None, :] <= positions_BT[:, None, :, None]
         x_BTD = self.embed_tokens(tokens_BT)
         cos, sin = rope_cos_sin(positions_BT, args.head_dim, args.rope_theta, x_BTD.dtype)
         routed = []
         for i, layer in enumerate(self.layers):
             replay_BTK = None if replay_experts is None else replay_experts[:, :, i]
-            x_BTD, idx_BTK = layer(x_BTD, cos, sin, cache, i, slots_B, positions_BT, attn_len, replay_BTK)
+            x_BTD, idx_BTK = layer(x_BTD, cos, sin, cache, i, slots_B, positions_BT, mask_B1TS, replay_BTK)
             routed.append(idx_BTK)
         logits = self.lm_head(self.norm(x_BTD))
         experts = torch.stack(routed, dim=2) if return_experts else None  # [B, T, L, K]

@@ -31,6 +31,25 @@ class Tokenizer:
         self.eos_id = vocab.get(EOS)
         if self.eos_id is None:
             raise ValueError(f"tokenizer has no end-of-sequence token {EOS!r}")
+        self._token_bytes: list[bytes] | None = None
+
+    @property
+    def token_bytes(self) -> list[bytes]:
+        """The raw bytes of every token id (special tokens: b""), built once: the engine's decode table."""
+        if self._token_bytes is None:
+            table = []
+            for i in range(self.vocab_size):
+                special = i in (self.pad_id, self.bos_id, self.eos_id)
+                piece = self.inner.id_to_token(i)
+                table.append(b"" if special or piece is None else self._piece_bytes(piece))
+            self._token_bytes = table
+        return self._token_bytes
+
+    def _piece_bytes(self, piece: str) -> bytes:
+        decoder = _byte_decoder()
+        if all(c in decoder for c in piece):
+            return bytes(decoder[c] for c in piece)
+        return self.inner.decode([self.inner.token_to_id(piece)], skip_special_tokens=False).encode()
 
     @property
     def vocab_size(self) -> int:
@@ -54,16 +73,12 @@ class Tokenizer:
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         """The raw bytes of `ids` (a partial UTF-8 character stays partial), for streaming."""
-        byte_decoder = _byte_decoder()
-        out = bytearray()
-        for i in ids:
-            if i in (self.pad_id, self.bos_id, self.eos_id):
-                continue
-            piece = self.inner.id_to_token(i)
-            if piece is None:
-                raise ValueError(f"token id {i} is not in the vocabulary")
-            out.extend(byte_decoder[c] for c in piece)
-        return bytes(out)
+        table = self.token_bytes
+        try:
+            return b"".join(table[i] for i in ids)
+        except IndexError:
+            bad = next(i for i in ids if not 0 <= i < len(table))
+            raise ValueError(f"token id {bad} is not in the vocabulary") from None
 
     def save(self, folder: str | Path) -> None:
         folder = Path(folder)

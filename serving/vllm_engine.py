@@ -167,7 +167,7 @@ class VLLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, version: str | None = None,
-               request_id: str | None = None) -> RequestHandle:
+               request_id: str | None = None, stream: bool = True) -> RequestHandle:
         name = version or self.default_version
         llm = self._get(name)
         args = self._args[name]
@@ -183,7 +183,7 @@ class VLLMEngine:
         except RuntimeError:
             caller_loop = None
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
-        handle = RequestHandle(rid, caller_loop)
+        handle = RequestHandle(rid, caller_loop, stream)
         fut: Future = asyncio.run_coroutine_threadsafe(self._run(llm, name, rid, list(prompt_ids), params, handle),
                                                        self._loop)
         handle.cancel = lambda: asyncio.run_coroutine_threadsafe(llm.abort(rid), self._loop)  # type: ignore
@@ -194,7 +194,7 @@ class VLLMEngine:
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams],
                  version: str | None = None) -> list[Completion]:
         plist = params if isinstance(params, list) else [params] * len(prompt_ids)
-        handles = [self.submit(p, sp, version) for p, sp in zip(prompt_ids, plist)]
+        handles = [self.submit(p, sp, version, stream=False) for p, sp in zip(prompt_ids, plist)]
         return [h.result() for h in handles]
 
     async def _run(self, llm, name, rid, prompt_ids, params: SamplingParams, handle: RequestHandle) -> None:
@@ -239,7 +239,8 @@ class VLLMEngine:
             if out.finished:
                 final = o
                 break
-            handle._post(StreamEvent(delta, new_ids, new_lps, new_tops or None))
+            if handle.stream:
+                handle._post(StreamEvent(delta, new_ids, new_lps, new_tops or None))
         if final is None:
             raise EngineError("vLLM stream ended without a finished output")
         now = time.perf_counter()
@@ -256,7 +257,10 @@ class VLLMEngine:
                           routed_experts=experts, text=final.text, finish_reason=reason, params=params,
                           top_logprobs=tops or None, queued_s=0.0, first_token_s=(t_first or now) - t0,
                           total_s=now - t0)
-        handle._post(StreamEvent(delta, new_ids, new_lps, new_tops or None, completion=done))
+        if handle.stream:
+            handle._post(StreamEvent(delta, new_ids, new_lps, new_tops or None, completion=done))
+        else:
+            handle._post(StreamEvent(final.text, ids, lps, tops or None, completion=done))
 
     def shutdown(self) -> None:
         for name in self.versions:

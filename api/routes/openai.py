@@ -99,7 +99,7 @@ async def _serve(gw, tenant, version, endpoint, prompts, params, req, prompt_par
     if not gw.engine.alive:
         raise APIError(503, "The inference engine is not running.", None, "engine_unavailable")
     try:
-        handles = [gw.engine.submit(p, sp, version, request_id=cid) for cid, p, sp in jobs]
+        handles = [gw.engine.submit(p, sp, version, request_id=cid, stream=req.stream) for cid, p, sp in jobs]
     except (ValueError, KeyError) as e:
         raise APIError(400, str(e), prompt_param, "invalid_value") from None
     except EngineError as e:

@@ -145,6 +145,16 @@ def test_versions_and_weight_updates(tiny_checkpoint, model):
         eng.shutdown()
 
 
+def test_both_backends_implement_the_interface(engine):
+    from serving.interface import Engine
+    from serving.vllm_engine import VLLMEngine
+
+    assert isinstance(engine, Engine)
+    missing = [m for m in ("add_version", "remove_version", "update_weights", "submit", "generate", "tokenizer",
+                           "context_length", "shutdown", "versions", "alive") if not hasattr(VLLMEngine, m)]
+    assert not missing
+
+
 def test_bad_requests_raise_value_errors(engine):
     tok = engine.tokenizer()
     with pytest.raises(ValueError, match="context"):

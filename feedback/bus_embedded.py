@@ -1,0 +1,180 @@
+"""The embedded event bus: durable local logs with Kafka's semantics, for one machine and no server.
+
+Owns `<folder>/<topic>/p<N>/` (one `DurableLog` per partition) and `<folder>/_groups/` (committed
+positions, one small JSON file per group and topic, replaced atomically). A record's partition is
+`crc32(key) % partitions`, so all records of one key (one completion) stay in order in one
+partition. Consumers of one group in this process split the partitions between them (round-robin
+over the members, rebalanced when one joins or leaves); `commit()` records the position after the
+last processed record, and a consumer that closes without committing leaves its records to be
+delivered again. `publish()` returns once the record is fsynced: there is no broker to be down.
+
+Called by the gateway, the joiner and the learner when `FLYWHEEL_BUS=embedded` (the default).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import time
+import zlib
+from pathlib import Path
+
+from feedback.bus import Consumer, EventBus, Record
+from feedback.log import DurableLog
+
+DEFAULT_PARTITIONS = 4
+
+
+def partition_for(key: str, partitions: int) -> int:
+    return zlib.crc32(key.encode()) % partitions
+
+
+def _check_name(kind: str, name: str) -> str:
+    if not name or len(name) > 200 or not all(c.isalnum() or c in "._-" for c in name):
+        raise ValueError(f"{kind} name must be 1-200 characters of [A-Za-z0-9._-], got {name!r}")
+    return name
+
+
+class EmbeddedBus(EventBus):
+    def __init__(self, folder: str | Path, partitions: int = DEFAULT_PARTITIONS, fsync: bool = True):
+        if partitions < 1:
+            raise ValueError(f"partitions must be >= 1, got {partitions}")
+        self.folder = Path(folder)
+        self.partitions, self.fsync = partitions, fsync
+        self._logs: dict[tuple[str, int], DurableLog] = {}
+        self._lock = threading.Lock()
+        self._new_data = threading.Condition(self._lock)
+        self._members: dict[tuple[str, str], list["EmbeddedConsumer"]] = {}
+        self._closed = False
+        (self.folder / "_groups").mkdir(parents=True, exist_ok=True)
+
+    def _log(self, topic: str, partition: int) -> DurableLog:
+        with self._lock:
+            log = self._logs.get((topic, partition))
+            if log is None:
+                log = DurableLog(self.folder / topic / f"p{partition}", fsync=self.fsync)
+                self._logs[(topic, partition)] = log
+            return log
+
+    def publish(self, topic: str, key: str, value: bytes) -> None:
+        if self._closed:
+            raise RuntimeError("bus is closed")
+        _check_name("topic", topic)
+        if not isinstance(value, (bytes, bytearray)):
+            raise ValueError(f"value must be bytes, got {type(value).__name__}")
+        frame = json.dumps({"k": key}).encode() + b"\n" + bytes(value)
+        self._log(topic, partition_for(key, self.partitions)).append([frame])
+        with self._new_data:
+            self._new_data.notify_all()
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        return None  # every publish is durable when it returns
+
+    def consumer(self, topic: str, group: str) -> "EmbeddedConsumer":
+        _check_name("topic", topic)
+        _check_name("group", group)
+        c = EmbeddedConsumer(self, topic, group)
+        with self._lock:
+            self._members.setdefault((topic, group), []).append(c)
+        return c
+
+    def _assigned(self, c: "EmbeddedConsumer") -> list[int]:
+        with self._lock:
+            members = self._members.get((c.topic, c.group), [])
+            if c not in members:
+                return []
+            i, n = members.index(c), len(members)
+        return [p for p in range(self.partitions) if p % n == i]
+
+    def _leave(self, c: "EmbeddedConsumer") -> None:
+        with self._lock:
+            members = self._members.get((c.topic, c.group), [])
+            if c in members:
+                members.remove(c)
+
+    # ---- committed positions ------------------------------------------------------------
+    def _positions_path(self, topic: str, group: str) -> Path:
+        return self.folder / "_groups" / f"{group}--{topic}.json"
+
+    def committed(self, topic: str, group: str) -> dict[int, int]:
+        path = self._positions_path(topic, group)
+        if not path.is_file():
+            return {}
+        return {int(p): o for p, o in json.loads(path.read_text()).items()}
+
+    def _commit(self, topic: str, group: str, positions: dict[int, int]) -> None:
+        with self._lock:
+            current = self.committed(topic, group)
+            for p, o in positions.items():
+                current[p] = max(current.get(p, 0), o)
+            path = self._positions_path(topic, group)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+            with os.fdopen(fd, "w") as f:
+                json.dump({str(p): o for p, o in current.items()}, f)
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            logs = list(self._logs.values())
+            self._logs.clear()
+            self._new_data.notify_all()
+        for log in logs:
+            log.close()
+
+
+class EmbeddedConsumer(Consumer):
+    def __init__(self, bus: EmbeddedBus, topic: str, group: str):
+        self.bus, self.topic, self.group = bus, topic, group
+        self._next: dict[int, int] = {}  # delivered-up-to position per partition (not yet committed)
+        self._closed = False
+
+    def _position(self, p: int, committed: dict[int, int]) -> int:
+        return self._next.get(p, committed.get(p, 0))
+
+    def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Record]:
+        if self._closed:
+            raise RuntimeError("consumer is closed")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            out = self._read(max_records)
+            if out or time.monotonic() >= deadline or self.bus._closed:
+                return out
+            with self.bus._new_data:
+                self.bus._new_data.wait(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
+
+    def _read(self, max_records: int) -> list[Record]:
+        assigned = self.bus._assigned(self)
+        for p in list(self._next):
+            if p not in assigned:  # rebalanced away: its new owner starts from the committed position
+                del self._next[p]
+        committed = self.bus.committed(self.topic, self.group)
+        out: list[Record] = []
+        for p in assigned:
+            if len(out) >= max_records:
+                break
+            start = self._position(p, committed)
+            log = self.bus._log(self.topic, p)
+            for off, frame in log.read(start, limit=max_records - len(out)):
+                head, _, value = frame.partition(b"\n")
+                out.append(Record(self.topic, p, off, json.loads(head)["k"], value))
+                self._next[p] = off + 1
+        return out
+
+    def commit(self, records: list[Record]) -> None:
+        positions: dict[int, int] = {}
+        for r in records:
+            if r.topic != self.topic:
+                raise ValueError(f"record of topic {r.topic!r} committed on a consumer of {self.topic!r}")
+            positions[r.partition] = max(positions.get(r.partition, 0), r.offset + 1)
+        if positions:
+            self.bus._commit(self.topic, self.group, positions)
+
+    def close(self) -> None:
+        self._closed = True
+        self.bus._leave(self)
