@@ -1,0 +1,169 @@
+"""The learner's objective: single-sample, off-policy-aware policy gradient. Pure functions.
+
+Every choice, stated:
+- **Single sample, no group.** Each completion has one scalar reward r (from user feedback). The
+  advantage is A = r - b with b a running baseline (`RunningBaseline`: an exponential moving average
+  per key — task family, tenant — falling back to the global average until a key has seen
+  `min_count` rewards). No critic, no group needed. Offline rollouts come in groups of G samples
+  per prompt with verifiable rewards; their advantage is group-relative (`group_advantages`:
+  r_i - mean of the group, optionally divided by the group's std), and they mix with online samples
+  by a configurable weight (`LossConfig.offline_weight`).
+- **Staleness correction.** A completion was sampled by behaviour version μ (its recorded
+  log-probabilities); the trainer is at θ. The token ratio ρ_t = π_θ(a_t|s_t) / μ(a_t|s_t) is
+  computed in log space from the trainer's log-probabilities under the *same sampling transform*
+  the server used (temperature, top-p; see serving.sampling) and, with router replay, the same
+  experts. Two estimators:
+    * "tis" (default): truncated importance sampling, REINFORCE weighted by w_t = min(ρ_t, C),
+      w_t treated as a constant: loss_t = -w_t · A · log π_θ(a_t). Unbiased up to the truncation,
+      bounded variance; C = `is_cap`.
+    * "ppo": the PPO clipped surrogate, loss_t = -min(ρ_t A, clip(ρ_t, 1-ε, 1+ε) A).
+- **KL to the promoted reference** (optional, `kl_coef` > 0): the k3 estimator
+  exp(q - p) - (q - p) - 1 with p = log π_θ, q = log π_ref, per token; always ≥ 0, unbiased for
+  KL(π_θ || π_ref) under samples from π_θ.
+- **Normalisation.** "token": sum of per-token losses / number of tokens in the batch (long
+  completions weigh more, every token counts the same). "sequence": mean over a sequence's
+  tokens, then mean over sequences (every completion counts the same). Default "sequence": one
+  user judgement per completion should move the model by about the same amount whatever its length.
+- Greedy completions (temperature 0, recorded log-probability 0) carry no usable ratio; callers
+  drop them before building a batch.
+
+Shapes: B sequences, T completion tokens (right-padded; `mask` is 1 on real tokens).
+Called by learner.trainer; tested against values computed by hand.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class LossConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    estimator: Literal["tis", "ppo"] = Field("tis", description="Truncated IS REINFORCE or PPO clipping.")
+    is_cap: float = Field(2.0, gt=0, description="C in min(ρ, C) for the 'tis' estimator.")
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="ε of the PPO clip range [1-ε, 1+ε].")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL penalty to the reference model.")
+    normalize: Literal["token", "sequence"] = Field("sequence", description="How per-token losses are averaged.")
+    offline_weight: float = Field(1.0, ge=0, description="Weight of offline group-rollout samples vs online ones.")
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def _reduce(per_token_BT: torch.Tensor, mask_BT: torch.Tensor, weight_B: torch.Tensor, how: str) -> torch.Tensor:
+    if how == "token":
+        w = (mask_BT * weight_B[:, None])
+        return (per_token_BT * w).sum() / mask_BT.sum().clamp(min=1)
+    per_seq = (per_token_BT * mask_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1)
+    return (per_seq * weight_B).sum() / weight_B.numel()
+
+
+def policy_loss(logp_BT: torch.Tensor, behaviour_logp_BT: torch.Tensor, advantages_B: torch.Tensor,
+                mask_BT: torch.Tensor, cfg: LossConfig, ref_logp_BT: torch.Tensor | None = None,
+                weight_B: torch.Tensor | None = None) -> LossOutput:
+    """The loss to minimise and its statistics (`stats` are plain floats, for logging)."""
+    if logp_BT.shape != behaviour_logp_BT.shape or logp_BT.shape != mask_BT.shape:
+        raise ValueError(f"logp {tuple(logp_BT.shape)}, behaviour_logp {tuple(behaviour_logp_BT.shape)} and "
+                         f"mask {tuple(mask_BT.shape)} must have the same shape")
+    if advantages_B.shape != logp_BT.shape[:1]:
+        raise ValueError(f"advantages has shape {tuple(advantages_B.shape)}, expected ({logp_BT.shape[0]},)")
+    mask = mask_BT.to(logp_BT.dtype)
+    weight = torch.ones_like(advantages_B) if weight_B is None else weight_B.to(advantages_B.dtype)
+    log_ratio = logp_BT - behaviour_logp_BT
+    ratio = torch.exp(log_ratio)
+    A = advantages_B[:, None]
+    if cfg.estimator == "tis":
+        w = torch.clamp(ratio.detach(), max=cfg.is_cap)
+        per_token = -w * A * logp_BT
+        clipped = (ratio.detach() > cfg.is_cap).to(logp_BT.dtype)
+    else:
+        unclipped = ratio * A
+        clipped_obj = torch.clamp(ratio, 1 - cfg.clip_eps, 1 + cfg.clip_eps) * A
+        per_token = -torch.minimum(unclipped, clipped_obj)
+        clipped = (clipped_obj < unclipped).to(logp_BT.dtype)
+    loss = _reduce(per_token, mask, weight, cfg.normalize)
+    kl_mean = 0.0
+    if ref_logp_BT is not None and cfg.kl_coef > 0:
+        d = ref_logp_BT - logp_BT
+        k3 = torch.exp(d) - d - 1
+        loss = loss + cfg.kl_coef * _reduce(k3, mask, weight, cfg.normalize)
+        kl_mean = float((k3.detach() * mask).sum() / mask.sum().clamp(min=1))
+    n = mask.sum().clamp(min=1)
+    with torch.no_grad():
+        stats = {
+            "loss": float(loss),
+            "ratio_mean": float((ratio * mask).sum() / n),
+            "ratio_max": float(ratio.masked_fill(mask == 0, float("-inf")).max()) if mask.any() else 1.0,
+            "clip_frac": float((clipped * mask).sum() / n),
+            "abs_log_ratio_mean": float((log_ratio.abs() * mask).sum() / n),
+            "adv_mean": float(advantages_B.mean()),
+            "adv_std": float(advantages_B.std()) if advantages_B.numel() > 1 else 0.0,
+            "kl_k3": kl_mean,
+            "tokens": float(mask.sum()),
+        }
+    return LossOutput(loss, stats)
+
+
+def group_advantages(rewards: list[float], scale: bool = True, eps: float = 1e-6) -> list[float]:
+    """GRPO-style: r_i - mean(group), divided by the group's (population) std when `scale`."""
+    if not rewards:
+        raise ValueError("a group needs at least one reward")
+    mean = sum(rewards) / len(rewards)
+    centred = [r - mean for r in rewards]
+    if not scale:
+        return centred
+    std = math.sqrt(sum(c * c for c in centred) / len(rewards))
+    return [c / (std + eps) for c in centred]
+
+
+class RunningBaseline:
+    """b(key): EMA of rewards per key, the global EMA until the key has `min_count` rewards.
+
+    Updated *after* the advantage of a sample is computed, so a sample never baselines itself.
+    """
+
+    def __init__(self, decay: float = 0.99, min_count: int = 20, initial: float = 0.0):
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"decay must be in (0, 1), got {decay}")
+        if min_count < 0:
+            raise ValueError(f"min_count must be >= 0, got {min_count}")
+        self.decay, self.min_count = decay, min_count
+        self.global_value, self.global_count = initial, 0
+        self.values: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    def value(self, key: str | None = None) -> float:
+        if key is not None and self.counts.get(key, 0) >= self.min_count:
+            return self.values[key]
+        return self.global_value
+
+    def update(self, reward: float, key: str | None = None) -> None:
+        d = self.decay
+        # Bias-corrected start: the first rewards set the level instead of being shrunk towards `initial`.
+        self.global_count += 1
+        a = max(1.0 - d, 1.0 / self.global_count)
+        self.global_value += a * (reward - self.global_value)
+        if key is not None:
+            c = self.counts.get(key, 0) + 1
+            self.counts[key] = c
+            v = self.values.get(key, reward)
+            self.values[key] = v + max(1.0 - d, 1.0 / c) * (reward - v)
+
+    def state_dict(self) -> dict:
+        return {"decay": self.decay, "min_count": self.min_count, "global_value": self.global_value,
+                "global_count": self.global_count, "values": dict(self.values), "counts": dict(self.counts)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "RunningBaseline":
+        b = cls(state["decay"], state["min_count"])
+        b.global_value, b.global_count = state["global_value"], state["global_count"]
+        b.values, b.counts = dict(state["values"]), dict(state["counts"])
+        return b

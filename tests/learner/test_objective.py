@@ -1,0 +1,103 @@
+"""The policy-gradient objective against numbers computed by hand (see the comments)."""
+
+import math
+
+import pytest
+import torch
+
+from learner.objective import LossConfig, RunningBaseline, group_advantages, policy_loss
+
+LOGP = [[-1.0, -2.0], [-0.5, 0.0]]
+BEHAVIOUR = [[-1.2, -1.5], [-0.5, 0.0]]
+MASK = [[1.0, 1.0], [1.0, 0.0]]
+ADV = [1.0, -2.0]
+
+
+def run(cfg, ref=None):
+    logp = torch.tensor(LOGP, requires_grad=True)
+    out = policy_loss(logp, torch.tensor(BEHAVIOUR), torch.tensor(ADV), torch.tensor(MASK), cfg,
+                      ref_logp_BT=None if ref is None else torch.tensor(ref))
+    out.loss.backward()
+    return out, logp.grad
+
+
+def test_truncated_is_sequence_normalised():
+    # ratios: e^0.2 = 1.221403, e^-0.5 = 0.606531, e^0 = 1
+    # per token -w·A·logp: 1.221403, 1.213061, -1.0 ; per sequence: 1.217232, -1.0 ; mean: 0.108616
+    out, grad = run(LossConfig(estimator="tis", is_cap=1.5, normalize="sequence"))
+    assert out.loss.item() == pytest.approx((1.221403 + 1.213061) / 4 - 0.5, abs=1e-5)
+    # d/dlogp: -w·A / (tokens in seq) / (sequences)
+    assert grad[0, 0].item() == pytest.approx(-1.221403 / 4, abs=1e-5)
+    assert grad[0, 1].item() == pytest.approx(-0.606531 / 4, abs=1e-5)
+    assert grad[1, 0].item() == pytest.approx(1.0, abs=1e-6)
+    assert grad[1, 1].item() == 0.0  # padding
+    assert out.stats["clip_frac"] == 0.0
+    assert out.stats["ratio_mean"] == pytest.approx((1.221403 + 0.606531 + 1) / 3, abs=1e-5)
+
+
+def test_truncation_and_token_normalisation():
+    out, grad = run(LossConfig(estimator="tis", is_cap=1.1, normalize="token"))
+    # first token's weight truncated to 1.1: (1.1 + 1.213061 - 1.0) / 3
+    assert out.loss.item() == pytest.approx((1.1 + 1.213061 - 1.0) / 3, abs=1e-5)
+    assert out.stats["clip_frac"] == pytest.approx(1 / 3)
+    assert grad[0, 0].item() == pytest.approx(-1.1 / 3, abs=1e-6)
+
+
+def test_ppo_clip():
+    # tok(0,0): ρ=1.2214,A=1 → min(1.2214, 1.2) = 1.2 ; tok(0,1): ρ=0.6065 → min(0.6065, 0.8) = 0.6065
+    # tok(1,0): ρ=1, A=-2 → -2 ; per-seq: (-1.2-0.606531)/2, +2 ; mean
+    out, grad = run(LossConfig(estimator="ppo", clip_eps=0.2, normalize="sequence"))
+    assert out.loss.item() == pytest.approx(((-1.2 - 0.606531) / 2 + 2.0) / 2, abs=1e-5)
+    assert out.stats["clip_frac"] == pytest.approx(1 / 3)
+    assert grad[0, 0].item() == 0.0  # clipped: no gradient
+    assert grad[0, 1].item() == pytest.approx(-0.606531 / 4, abs=1e-5)
+
+
+def test_k3_kl_penalty():
+    ref = [[-1.0, -1.0], [-0.5, 0.0]]  # d = ref - logp = (0, 1, 0): k3 = e - 2 on one token
+    base, _ = run(LossConfig(estimator="tis", is_cap=1.5))
+    out, _ = run(LossConfig(estimator="tis", is_cap=1.5, kl_coef=0.1), ref=ref)
+    assert out.loss.item() - base.loss.item() == pytest.approx(0.1 * ((math.e - 2) / 2) / 2, abs=1e-6)
+    assert out.stats["kl_k3"] == pytest.approx((math.e - 2) / 3, abs=1e-6)
+
+
+def test_on_policy_tis_is_plain_reinforce():
+    logp = torch.tensor([[-0.3, -0.7]], requires_grad=True)
+    out = policy_loss(logp, logp.detach().clone(), torch.tensor([0.5]), torch.ones(1, 2), LossConfig())
+    out.loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[-0.25, -0.25]]))
+
+
+def test_shapes_are_checked():
+    with pytest.raises(ValueError, match="same shape"):
+        policy_loss(torch.zeros(2, 3), torch.zeros(2, 2), torch.zeros(2), torch.ones(2, 3), LossConfig())
+    with pytest.raises(ValueError, match="advantages"):
+        policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(3), torch.ones(2, 3), LossConfig())
+    with pytest.raises(ValueError):
+        LossConfig(is_cap=0)
+
+
+def test_group_advantages():
+    assert group_advantages([1.0, 0.0, 0.0, 1.0]) == pytest.approx([1, -1, -1, 1], abs=1e-5)
+    assert group_advantages([2.0, 4.0], scale=False) == [-1.0, 1.0]
+    assert group_advantages([1.0, 1.0, 1.0]) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError):
+        group_advantages([])
+
+
+def test_running_baseline():
+    b = RunningBaseline(decay=0.9, min_count=2)
+    assert b.value("a") == 0.0
+    b.update(1.0, "a")  # first reward sets the level
+    assert b.value() == 1.0 and b.value("a") == 1.0  # "a" has 1 < 2 rewards: global
+    b.update(0.0, "a")  # step 1/2 on both
+    assert b.value() == pytest.approx(0.5) and b.value("a") == pytest.approx(0.5)
+    b.update(1.0, "b")  # global: 0.5 + (1/3)(0.5)
+    assert b.value() == pytest.approx(2 / 3) and b.value("b") == pytest.approx(2 / 3)
+    for _ in range(100):
+        b.update(1.0, "a")
+    assert b.value("a") > 0.99
+    again = RunningBaseline.from_state_dict(b.state_dict())
+    assert again.value("a") == b.value("a") and again.value() == b.value()
+    with pytest.raises(ValueError, match="decay"):
+        RunningBaseline(decay=1.0)
