@@ -1,7 +1,7 @@
 """Wiring shared by the routes: the gateway's state, tenant resolution, model-name resolution.
 
-`Gateway` holds the engine, the completion sink and the metrics; routes get it, and the
-caller's tenant, as `Annotated` dependencies.
+`Gateway` holds the engine, the completion sink, the event bus, the completion index and the
+metrics; routes get it, and the caller's tenant, as `Annotated` dependencies.
 """
 
 from __future__ import annotations
@@ -15,14 +15,18 @@ from fastapi import Depends, Request
 from api.errors import APIError
 from api.metrics import Metrics
 from core.settings import Settings
+from feedback.bus import EventBus
+from feedback.completion_index import CompletionIndex
 from feedback.sink import CompletionSink
 
 ALIAS = "flywheel"  # always names the default (promoted) version
 
 
 class Gateway:
-    def __init__(self, settings: Settings, engine, sink: CompletionSink):
+    def __init__(self, settings: Settings, engine, sink: CompletionSink, bus: EventBus,
+                 index: CompletionIndex):
         self.settings, self.engine, self.sink = settings, engine, sink
+        self.bus, self.index = bus, index
         self.metrics = Metrics()
         self.background: set[asyncio.Task] = set()
         self._keys = _parse_keys(settings.api_keys)

@@ -1,8 +1,8 @@
 """The gateway: a FastAPI app, served by uvicorn (`flywheel serve`).
 
-`create_app()` wires settings, the inference engine, the completion sink and the routes. Pass an
-engine and a sink to share them (tests, benchmarks); otherwise the app builds them from the
-settings at start-up and closes them at shutdown.
+`create_app()` wires settings, the inference engine, the completion sink, the event bus, the
+completion index and the routes. Pass any of them to share them (tests, benchmarks); otherwise the
+app builds them from the settings at start-up and closes, at shutdown, only what it built.
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from fastapi.responses import JSONResponse, Response
 
 from api import errors
 from api.deps import Gateway, GatewayDep
-from api.routes import openai
+from api.routes import feedback, openai
 from core.settings import Settings, get_settings
+from feedback.bus import EventBus
+from feedback.completion_index import CompletionIndex
 from feedback.sink import CompletionSink, LogSink
 
 log = logging.getLogger(__name__)
@@ -38,16 +40,28 @@ def build_engine(settings: Settings):
     return engine
 
 
-def create_app(settings: Settings | None = None, engine=None, sink: CompletionSink | None = None) -> FastAPI:
+def build_bus(settings: Settings) -> EventBus:
+    """The configured event bus: the embedded durable log, or Kafka (imported only when asked for)."""
+    if settings.bus == "kafka":
+        from feedback.bus_kafka import KafkaBus
+        return KafkaBus(settings.kafka_bootstrap, spool_dir=settings.home / "spool")
+    from feedback.bus_embedded import EmbeddedBus
+    return EmbeddedBus(settings.home / "bus")
+
+
+def create_app(settings: Settings | None = None, engine=None, sink: CompletionSink | None = None,
+               bus: EventBus | None = None, index: CompletionIndex | None = None) -> FastAPI:
     settings = settings or get_settings()
     settings.check_production()
-    owns_engine, owns_sink = engine is None, sink is None
+    owns_engine, owns_sink, owns_bus, owns_index = engine is None, sink is None, bus is None, index is None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         eng = engine if engine is not None else build_engine(settings)
         snk = sink if sink is not None else LogSink(settings.records_dir)
-        app.state.gateway = Gateway(settings, eng, snk)
+        bs = bus if bus is not None else build_bus(settings)
+        idx = index if index is not None else CompletionIndex(settings.home / "completion_index.db")
+        app.state.gateway = Gateway(settings, eng, snk, bs, idx)
         log.info("gateway ready: versions %s, default %s", eng.versions, eng.default_version)
         try:
             yield
@@ -56,10 +70,15 @@ def create_app(settings: Settings | None = None, engine=None, sink: CompletionSi
                 eng.shutdown()
             if owns_sink:
                 snk.close()
+            if owns_bus:
+                bs.close()
+            if owns_index:
+                idx.close()
 
     app = FastAPI(title="Flywheel gateway", version="0.1.0", lifespan=lifespan)
     errors.install(app)
     app.include_router(openai.router)
+    app.include_router(feedback.router)
 
     @app.middleware("http")
     async def count_requests(request: Request, call_next):

@@ -9,6 +9,7 @@ joiner and the learner (consumers). No torch here: tensors travel as compact int
 from __future__ import annotations
 
 import base64
+import math
 import hashlib
 import time
 import uuid
@@ -86,6 +87,20 @@ class CompletionEvent(Event):
     params: dict
     latency_ms: dict[str, float]
 
+    @classmethod
+    def from_completion(cls, c, tenant: str, user: str | None, endpoint: str) -> "CompletionEvent":
+        """From an engine's `serving.engine.Completion` (duck-typed: feedback/ does not import torch)."""
+        from dataclasses import asdict
+
+        return cls(
+            tenant=tenant, completion_id=c.request_id, user_id=hash_user(tenant, user), model_version=c.version,
+            endpoint=endpoint, prompt_ids=list(c.prompt_ids), output_ids=list(c.output_ids),
+            logprobs=list(c.logprobs),
+            routed_experts=RoutedExperts.from_bytes(tuple(c.routed_experts.shape), c.routed_experts.tobytes()),
+            text=c.text, finish_reason=c.finish_reason, params=asdict(c.params),
+            latency_ms={"queued": c.queued_s * 1e3, "first_token": c.first_token_s * 1e3,
+                        "total": c.total_s * 1e3})
+
 
 # ---- feedback ---------------------------------------------------------------------------------
 EXPLICIT_KINDS = ("thumb_up", "thumb_down", "rating")
@@ -117,6 +132,8 @@ class FeedbackEvent(Event):
         kind = info.data.get("kind")
         if kind is None:
             return v
+        if v is not None and not math.isfinite(v):
+            raise ValueError(f"value must be a finite number, got {v!r}")
         if kind == "rating":
             if v is None or v != int(v) or not 1 <= v <= 5:
                 raise ValueError(f"rating needs an integer value 1..5, got {v!r}")

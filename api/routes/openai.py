@@ -139,6 +139,8 @@ class _Ctx:
             latency_ms={"queued": c.queued_s * 1e3, "first_token": c.first_token_s * 1e3, "total": c.total_s * 1e3})
         try:
             await self.gw.sink.record(ev)
+            # Indexed before the response is sent, so feedback on this id can never be refused as unknown.
+            await asyncio.to_thread(self.gw.index.add, c.request_id, self.tenant, c.version, ev.ts)
         except Exception as e:  # not durable: the caller must not be served
             raise APIError(503, f"The completion could not be recorded ({type(e).__name__}); not served.",
                            None, "record_failed") from e

@@ -1,0 +1,198 @@
+"""Feedback ingestion: POST /v1/feedback.
+
+Thin: validate every event (schema, kind/value rules of `feedback.events.FeedbackEvent`, that the
+completion exists for this tenant), drop retries already accepted (idempotency claims in the
+`CompletionIndex`), publish the rest to the feedback topic keyed by completion id, answer.
+A batch is all-or-nothing: nothing is published unless every event is valid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from api.deps import GatewayDep, TenantDep
+from api.errors import APIError
+from feedback.completion_index import CompletionIndex
+from feedback.events import TOPICS, FeedbackEvent, FeedbackKind, hash_user
+
+log = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1")
+MAX_BATCH = 1000
+MAX_BODY_BYTES = 4 << 20
+MAX_CLOCK_SKEW_S = 300.0  # an event may not claim to come from further in the future than this
+CLAIM_WAIT_S = 10.0  # how long a retry waits for the same key still being published by another request
+
+
+class FeedbackIn(BaseModel):
+    """One feedback event as the product sends it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    completion_id: str = Field(min_length=1, max_length=128)
+    kind: FeedbackKind
+    value: float | None = Field(None, allow_inf_nan=False)
+    edit_distance: int | None = Field(None, ge=0)
+    user: str | None = Field(None, max_length=256)
+    ts: float | None = Field(None, gt=0, allow_inf_nan=False)
+    idempotency_key: str | None = Field(None, min_length=1, max_length=256)
+
+
+class FeedbackBatch(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    events: list[FeedbackIn] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+def event_id_for(tenant: str, idempotency_key: str) -> str:
+    """Deterministic: the same key from the same tenant always names the same event."""
+    what = json.dumps(["flywheel.feedback", tenant, idempotency_key]).encode()
+    return hashlib.sha256(what).hexdigest()[:32]
+
+
+@router.post("/feedback")
+async def post_feedback(request: Request, gw: GatewayDep, tenant: TenantDep):
+    """Accept one feedback event, or a batch of 1..1000.
+
+    Body, one event (or `{"events": [event, ...]}`):
+
+        {"completion_id": "cmpl-…",      # from a completion this tenant was served
+         "kind": "thumb_up" | "thumb_down" | "rating" | "accepted" | "rejected" | "edited"
+                 | "copied" | "regenerated" | "dwell",
+         "value": 4,                     # rating: integer 1..5; edited: kept fraction [0, 1];
+                                         # dwell: seconds [0, 86400]; every other kind: absent
+         "edit_distance": 12,            # optional, edited only: characters changed
+         "user": "u-42",                 # optional; hashed per tenant before it is stored
+         "ts": 1718000000.5,             # optional, seconds since the epoch; default: now
+         "idempotency_key": "…"}         # optional; a retry with the same key is not counted twice
+
+    A single event may carry its key in the `Idempotency-Key` header instead (for a batch, event i
+    without its own key gets `<header>#<i>`). Errors (OpenAI shape): 400 naming the parameter
+    (`events.3.value` in a batch), 404 `completion_not_found` (also for another tenant's completion),
+    409 `idempotency_key_reused` (same key, different event), 503 when the bus refuses the events.
+    Answer: `{"accepted": n_published, "duplicates": n_already_accepted, "event_ids": [...]}`, one id
+    per event in request order.
+    """
+    items, prefix = _parse(await request.body(), request.headers.get("idempotency-key"))
+    now = time.time()
+    events, fingerprints, first = [], {}, {}
+    for i, (item, key) in enumerate(items):
+        if item.ts is not None and item.ts > now + MAX_CLOCK_SKEW_S:
+            raise APIError(400, f"ts {item.ts} is in the future", _param(prefix, i, "ts"), "invalid_value")
+        try:
+            ev = FeedbackEvent(tenant=tenant, completion_id=item.completion_id,
+                               user_id=hash_user(tenant, item.user), kind=item.kind, value=item.value,
+                               edit_distance=item.edit_distance,
+                               ts=item.ts if item.ts is not None else now,
+                               **({"event_id": event_id_for(tenant, key)} if key else {}))
+        except ValidationError as e:
+            raise RequestValidationError([{**err, "loc": (*prefix, i, *err["loc"]) if prefix else err["loc"]}
+                                          for err in e.errors()]) from None
+        fp = _fingerprint(item)
+        if key and fingerprints.setdefault(ev.event_id, fp) != fp:
+            raise APIError(409, f"idempotency key {key!r} is used twice for different events",
+                           _param(prefix, i, "idempotency_key"), "idempotency_key_reused")
+        first.setdefault(ev.event_id, i)
+        events.append(ev)
+
+    known = await asyncio.to_thread(gw.index.get_many, [ev.completion_id for ev in events])
+    for i, ev in enumerate(events):
+        entry = known.get(ev.completion_id)
+        if entry is None or entry.tenant != tenant:  # another tenant's id is as unknown as a made-up one
+            raise APIError(404, f"No completion with id '{ev.completion_id}'.",
+                           _param(prefix, i, "completion_id"), "completion_not_found")
+
+    claimed, done = await _claim(gw.index, fingerprints, {eid: _param(prefix, i, "idempotency_key")
+                                                          for eid, i in first.items()})
+    new, seen = [], set(done)  # keyed ids are now either claimed by this request or done
+    for ev in events:
+        if ev.event_id not in seen:
+            new.append(ev)
+            seen.add(ev.event_id)
+    try:
+        await asyncio.to_thread(_publish, gw.bus, new)
+    except Exception as e:  # nothing acknowledged: a retry may publish again (consumers drop event ids seen)
+        log.exception("publishing %d feedback event(s) failed", len(new))
+        await asyncio.to_thread(gw.index.release, claimed)
+        raise APIError(503, f"The feedback could not be published ({type(e).__name__}); retry.", None,
+                       "publish_failed", headers={"Retry-After": "1"}) from e
+    await asyncio.to_thread(gw.index.confirm, claimed)
+    return {"accepted": len(new), "duplicates": len(events) - len(new),
+            "event_ids": [ev.event_id for ev in events]}
+
+
+def _parse(raw: bytes, header_key: str | None) -> tuple[list[tuple[FeedbackIn, str | None]], tuple]:
+    """The events with their idempotency keys, and the param prefix for errors (`("events",)` or `()`)."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(413, f"The body is larger than {MAX_BODY_BYTES} bytes; send smaller batches.", None,
+                       "request_too_large")
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise APIError(400, f"We could not parse the JSON body of your request: {e}", None,
+                       "invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "The body must be a JSON object: one event or {\"events\": [...]}.", None,
+                       "invalid_request")
+    if header_key is not None and not 1 <= len(header_key) <= 256:
+        raise APIError(400, "Idempotency-Key must be 1-256 characters", "Idempotency-Key", "invalid_value")
+    batch = "events" in body
+    try:
+        items = FeedbackBatch.model_validate(body).events if batch else [FeedbackIn.model_validate(body)]
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
+    if not batch:
+        key = items[0].idempotency_key
+        if key is not None and header_key is not None and key != header_key:
+            raise APIError(400, "idempotency_key and the Idempotency-Key header differ", "idempotency_key",
+                           "invalid_value")
+        return [(items[0], key or header_key)], ()
+    return [(it, it.idempotency_key or (f"{header_key}#{i}" if header_key else None))
+            for i, it in enumerate(items)], ("events",)
+
+
+def _param(prefix: tuple, i: int, name: str) -> str:
+    return ".".join([*prefix, str(i), name]) if prefix else name
+
+
+def _fingerprint(item: FeedbackIn) -> str:
+    what = item.model_dump(exclude={"idempotency_key"})
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+async def _claim(index: CompletionIndex, fingerprints: dict[str, str],
+                 params: dict[str, str]) -> tuple[list[str], set[str]]:
+    """Claim the keyed event ids; wait (bounded) for ids another request is still publishing.
+    Returns (claimed ids, ids already accepted)."""
+    claimed: list[str] = []
+    done: set[str] = set()
+    todo = dict(fingerprints)
+    deadline = time.monotonic() + CLAIM_WAIT_S
+    while todo:
+        c = await asyncio.to_thread(index.claim, todo)
+        claimed += c.claimed
+        for eid, fp in c.done.items():
+            if fp != fingerprints[eid]:
+                await asyncio.to_thread(index.release, claimed)
+                raise APIError(409, "This idempotency key was already used for a different event.",
+                               params[eid], "idempotency_key_reused")
+            done.add(eid)
+        todo = {eid: fingerprints[eid] for eid in c.pending}
+        if todo and time.monotonic() > deadline:
+            await asyncio.to_thread(index.release, claimed)
+            raise APIError(503, "Another request with the same idempotency key is still being processed.",
+                           None, "idempotency_key_in_use", headers={"Retry-After": "1"})
+        if todo:
+            await asyncio.sleep(0.05)
+    return claimed, done
+
+
+def _publish(bus, events: list[FeedbackEvent]) -> None:
+    topic = TOPICS["feedback"]
+    for ev in events:
+        bus.publish(topic, ev.completion_id, ev.model_dump_json().encode())

@@ -1,0 +1,86 @@
+"""Engines and sessions for the registry database: a SQLite file by default, PostgreSQL in production.
+
+Owns the step from a URL (`core.settings.Settings.db_url`) to a configured SQLAlchemy engine:
+- SQLite: the file's folder is created; every connection switches foreign keys on (SQLite leaves them
+  off per connection), uses WAL (readers such as the dashboard never block the writer) and waits up to
+  `SQLITE_BUSY_S` for the write lock instead of failing at once. pysqlite's own transaction handling is
+  kept: it begins a transaction at the first write of a session, so a concurrent writer queues on the
+  lock and then sees the latest commit. The registry's writes are compare-and-set, so they do not need
+  the reads before them to be isolated.
+- PostgreSQL: `postgresql://` (and `postgres://`) URLs get the psycopg 3 driver,
+  `postgresql+psycopg://`, the only PostgreSQL driver Flywheel installs.
+
+No migrations yet: `create_all` creates missing tables and leaves existing ones alone.
+Called by `gating.registry.Registry`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import event
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import ArgumentError
+from sqlalchemy.pool import StaticPool
+from sqlmodel import Session, SQLModel, create_engine
+
+SQLITE_BUSY_S = 30.0
+
+
+def normalize_url(url: str) -> str:
+    """The URL with the driver Flywheel uses; ValueError naming the URL's backend if unsupported."""
+    if url.startswith("postgres://"):
+        url = "postgresql://" + url[len("postgres://"):]
+    try:
+        u = make_url(url)
+    except ArgumentError as e:
+        raise ValueError(f"database URL {url!r} is not a SQLAlchemy URL") from e
+    backend = u.get_backend_name()
+    if backend == "postgresql":
+        if u.drivername != "postgresql+psycopg":
+            u = u.set(drivername="postgresql+psycopg")
+        return u.render_as_string(hide_password=False)
+    if backend == "sqlite":
+        return url
+    raise ValueError(f"database backend {backend!r} of {u.render_as_string()!r} is not supported: "
+                     "use sqlite:///path or postgresql://...")
+
+
+def make_engine(url: str, echo: bool = False) -> Engine:
+    """An engine for `url`, configured as the module docstring says."""
+    url = normalize_url(url)
+    u = make_url(url)
+    if u.get_backend_name() == "postgresql":
+        return create_engine(url, echo=echo, pool_pre_ping=True)
+
+    memory = u.database in (None, "", ":memory:")
+    if not memory:
+        Path(str(u.database)).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(
+        url, echo=echo,
+        connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_S},
+        # One shared connection for an in-memory database, or each connection would get its own.
+        **({"poolclass": StaticPool} if memory else {}),
+    )
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn, _record) -> None:
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA foreign_keys = ON")
+        if not memory:
+            cur.execute("PRAGMA journal_mode = WAL")
+        cur.close()
+
+    return engine
+
+
+def create_all(engine: Engine) -> None:
+    """Create the registry's tables (and any other imported SQLModel tables) that do not exist yet."""
+    import gating.models  # noqa: F401  (registers the tables on SQLModel.metadata)
+
+    SQLModel.metadata.create_all(engine)
+
+
+def session(engine: Engine) -> Session:
+    """A session whose objects stay readable after commit (the registry returns detached copies)."""
+    return Session(engine, expire_on_commit=False)

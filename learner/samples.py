@@ -1,0 +1,49 @@
+"""From `sample` events (the joiner's output) to the trainer's `Sequence`s.
+
+Owns the decoding of the recorded routing (uint8 [P + N - 1, L, K], base64 in the event) and the
+filters applied before training: greedy completions (no usable importance ratio), empty outputs,
+and samples whose behaviour version is more than `max_staleness` versions behind the trainer are
+dropped and counted, never silently.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from feedback.events import SampleEvent
+from learner.replay import Sequence
+
+
+def sequence_from_sample(ev: SampleEvent, key: str | None = None) -> Sequence:
+    c = ev.completion
+    shape = tuple(c.routed_experts.shape)
+    experts = np.frombuffer(c.routed_experts.to_bytes(), dtype=np.uint8).reshape(shape)
+    return Sequence(prompt_ids=c.prompt_ids, output_ids=c.output_ids, logprobs=c.logprobs, routed_experts=experts,
+                    temperature=float(c.params.get("temperature", 1.0)), top_p=float(c.params.get("top_p", 1.0)),
+                    reward=ev.reward, version=c.model_version, key=key)
+
+
+def select(events: list[SampleEvent], version_index: dict[str, int], current: int, max_staleness: int,
+           key_of=None) -> tuple[list[Sequence], Counter]:
+    """Trainable sequences and the count of what was dropped, by reason."""
+    dropped: Counter = Counter()
+    out = []
+    for ev in events:
+        c = ev.completion
+        if not c.output_ids:
+            dropped["empty"] += 1
+            continue
+        if float(c.params.get("temperature", 1.0)) <= 0:
+            dropped["greedy"] += 1
+            continue
+        born = version_index.get(c.model_version)
+        if born is None:
+            dropped["unknown_version"] += 1
+            continue
+        if current - born > max_staleness:
+            dropped["stale"] += 1
+            continue
+        out.append(sequence_from_sample(ev, key_of(ev) if key_of else None))
+    return out, dropped

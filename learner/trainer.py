@@ -1,0 +1,115 @@
+"""One policy-gradient update of the MoE model from served completions and their rewards.
+
+Owns the optimizer state and the running baseline across updates, and the order of operations in
+one update: advantages against the baseline *before* it sees this batch's rewards; trainer
+log-probabilities with router replay; the importance-corrected loss (`learner.objective`);
+gradient clipping; an Adam step; the statistics logged every update (reward, advantage, ratio,
+clip fraction, |Δlog-prob| serving vs trainer at the behaviour version, routing disagreement
+without replay, grad norm, staleness). Called by the learner service and the demo loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from learner.objective import LossConfig, RunningBaseline, policy_loss
+from learner.replay import Sequence, make_batch, mismatch_stats, trainer_logprobs
+from serving.model import Transformer
+
+log = logging.getLogger(__name__)
+
+
+class TrainerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    lr: float = Field(1e-4, gt=0, description="Adam learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="Adam betas.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")
+    micro_batch: int = Field(64, ge=1, description="Sequences per forward/backward.")
+    steps_per_update: int = Field(1, ge=1, description="Optimizer steps per update (passes over the batch).")
+    replay: bool = Field(True, description="Route every token to its recorded experts.")
+    baseline_decay: float = Field(0.95, gt=0, lt=1, description="EMA decay of the running reward baseline.")
+    baseline_min_count: int = Field(20, ge=0, description="Rewards a key needs before its own baseline is used.")
+    loss: LossConfig = Field(default_factory=LossConfig, description="The objective's settings.")
+
+
+@dataclass
+class UpdateResult:
+    stats: dict[str, float]
+
+
+class Trainer:
+    def __init__(self, model: Transformer, cfg: TrainerConfig, n_vocab: int | None, pad_id: int,
+                 reference: Transformer | None = None):
+        self.model, self.cfg, self.n_vocab, self.pad_id = model, cfg, n_vocab, pad_id
+        self.reference = reference.eval() if reference is not None else None
+        self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        self.baseline = RunningBaseline(cfg.baseline_decay, cfg.baseline_min_count)
+        self.updates = 0
+
+    def advantages(self, seqs: list[Sequence], group_advantages: list[float | None] | None = None) -> torch.Tensor:
+        """A = r - b(key), with b as it was before this batch; then the baseline learns this batch."""
+        adv = []
+        for i, s in enumerate(seqs):
+            given = group_advantages[i] if group_advantages is not None else None
+            adv.append(given if given is not None else s.reward - self.baseline.value(s.key))
+        for i, s in enumerate(seqs):
+            if group_advantages is None or group_advantages[i] is None:
+                self.baseline.update(s.reward, s.key)
+        return torch.tensor(adv, dtype=torch.float32)
+
+    def update(self, seqs: list[Sequence], group_advantages: list[float | None] | None = None,
+               behaviour_is_current: bool = False) -> UpdateResult:
+        if not seqs:
+            raise ValueError("an update needs at least one sequence")
+        t0 = time.perf_counter()
+        args = self.model.args
+        adv = self.advantages(seqs, group_advantages)
+        weights = torch.tensor([s.weight for s in seqs], dtype=torch.float32)
+        stats: dict[str, float] = {"samples": float(len(seqs)),
+                                   "reward_mean": sum(s.reward for s in seqs) / len(seqs)}
+        chunks = [list(range(i, min(i + self.cfg.micro_batch, len(seqs))))
+                  for i in range(0, len(seqs), self.cfg.micro_batch)]
+        batches = [make_batch([seqs[j] for j in c], self.pad_id, args.n_layers, args.top_k, self.cfg.replay)
+                   for c in chunks]
+        if behaviour_is_current:  # the model still is the behaviour version: measure serving vs trainer
+            self.model.eval()
+            stats.update(mismatch_stats(self.model, batches[0], self.n_vocab))
+        self.model.train()
+        agg: dict[str, float] = {}
+        total_tokens = sum(float(b.mask_BT.sum()) for b in batches)
+        for _ in range(self.cfg.steps_per_update):
+            self.opt.zero_grad(set_to_none=True)
+            for c, batch in zip(chunks, batches):
+                logp, _ = trainer_logprobs(self.model, batch, self.n_vocab, replay=self.cfg.replay)
+                ref = None
+                if self.reference is not None and self.cfg.loss.kl_coef > 0:
+                    with torch.no_grad():
+                        ref, _ = trainer_logprobs(self.reference, batch, self.n_vocab, replay=self.cfg.replay)
+                out = policy_loss(logp, batch.behaviour_BT, adv[c], batch.mask_BT, self.cfg.loss, ref, weights[c])
+                # Micro-batches weigh by their share of the batch (tokens or sequences, as normalised).
+                share = (float(batch.mask_BT.sum()) / total_tokens if self.cfg.loss.normalize == "token"
+                         else len(c) / len(seqs))
+                (out.loss * share).backward()
+                for k, v in out.stats.items():
+                    agg[k] = agg.get(k, 0.0) + v * share
+            gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            if not torch.isfinite(gn):
+                raise FloatingPointError(f"non-finite gradient norm {float(gn)} at update {self.updates}")
+            self.opt.step()
+            stats["grad_norm"] = float(gn)
+        for k, v in agg.items():
+            stats[k] = v / self.cfg.steps_per_update
+        self.model.eval()
+        self.updates += 1
+        stats["update_seconds"] = time.perf_counter() - t0
+        stats["tokens_per_s"] = total_tokens * self.cfg.steps_per_update / stats["update_seconds"]
+        stats["samples_per_s"] = len(seqs) * self.cfg.steps_per_update / stats["update_seconds"]
+        log.info("update %d: %s", self.updates, {k: round(v, 5) for k, v in stats.items()})
+        return UpdateResult(stats)

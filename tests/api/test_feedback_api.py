@@ -1,0 +1,314 @@
+"""POST /v1/feedback against a live gateway with a real embedded bus and completion index.
+
+Covers: single and batch events land on the feedback topic keyed by completion id; every bad input
+gets a 4xx in the OpenAI shape naming the parameter; a batch with one bad event publishes nothing;
+another tenant's completion is as unknown as a made-up one; idempotent retries (sequential and
+concurrent) publish once. Also the `CompletionIndex` itself (bounded idempotency record, claims).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import httpx
+import pytest
+
+from api.main import create_app
+from core.settings import Settings
+from feedback.bus_embedded import EmbeddedBus
+from feedback.completion_index import CompletionIndex
+from feedback.events import TOPICS, FeedbackEvent, hash_user
+from feedback.sink import LogSink
+from serving.engine import EmbeddedEngine
+from tests.conftest import LiveServer
+
+PROMPT = "# add 3 to x\ndef f(x):\n"
+
+
+@pytest.fixture(scope="module")
+def live(tiny_checkpoint, tmp_path_factory):
+    home = tmp_path_factory.mktemp("fbhome")
+    settings = Settings(home=home, model_dir=tiny_checkpoint, max_batch=8, max_model_len=128)
+    engine = EmbeddedEngine(max_batch=8, max_model_len=128)
+    engine.add_version(tiny_checkpoint.name, tiny_checkpoint, default=True)
+    sink, bus = LogSink(home / "records"), EmbeddedBus(home / "bus")
+    index = CompletionIndex(home / "index.db")
+    with LiveServer(create_app(settings, engine=engine, sink=sink, bus=bus, index=index)) as server:
+        server.bus, server.index, server.version = bus, index, tiny_checkpoint.name
+        server.engine, server.sink, server.settings = engine, sink, settings
+        yield server
+    engine.shutdown()
+    sink.close()
+    bus.close()
+    index.close()
+
+
+def new_completion(live, tenant: str = "default", stream: bool = False) -> str:
+    body = {"model": "flywheel", "prompt": PROMPT, "max_tokens": 2, "stream": stream}
+    r = httpx.post(live.url + "/v1/completions", json=body, headers={"X-Flywheel-Tenant": tenant}, timeout=30)
+    assert r.status_code == 200, r.text
+    if stream:
+        assert r.text.rstrip().endswith("data: [DONE]")
+        return r.text.split('"id": "', 1)[1].split('"', 1)[0]
+    return r.json()["id"]
+
+
+@pytest.fixture(scope="module")
+def cid(live) -> str:
+    return new_completion(live)
+
+
+def on_bus(live, completion_ids) -> list[tuple[str, FeedbackEvent]]:
+    """(record key, event) of every feedback record about `completion_ids`, read by a fresh group."""
+    ids, out = set(completion_ids), []
+    consumer = live.bus.consumer(TOPICS["feedback"], "test-" + uuid.uuid4().hex[:8])
+    try:
+        while recs := consumer.poll(max_records=1000, timeout_s=0.05):
+            for r in recs:
+                ev = FeedbackEvent.model_validate_json(r.value)
+                if ev.completion_id in ids:
+                    out.append((r.key, ev))
+    finally:
+        consumer.close()
+    return out
+
+
+def post(live, body, tenant: str = "default", headers: dict | None = None, **kw) -> httpx.Response:
+    return httpx.post(live.url + "/v1/feedback", json=body, timeout=30,
+                      headers={"X-Flywheel-Tenant": tenant, **(headers or {})}, **kw)
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None, code: str | None) -> None:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == "invalid_request_error"
+    assert (err["param"], err["code"]) == (param, code), err
+
+
+# ---- accepted events ----------------------------------------------------------------------------
+def test_completion_is_indexed_before_the_response(live):
+    for stream in (False, True):
+        c = new_completion(live, tenant="idx-tenant", stream=stream)
+        entry = live.index.get(c)
+        assert entry is not None and entry.tenant == "idx-tenant" and entry.model_version == live.version
+    assert live.index.get("cmpl-does-not-exist") is None
+
+
+def test_single_event_is_published_keyed_by_completion_with_hashed_user(live):
+    c = new_completion(live)
+    r = post(live, {"completion_id": c, "kind": "thumb_up", "user": "alice"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["accepted"] == 1 and body["duplicates"] == 0 and len(body["event_ids"]) == 1
+    [(key, ev)] = on_bus(live, [c])
+    assert key == c and ev.kind == "thumb_up" and ev.value is None and ev.tenant == "default"
+    assert ev.event_id == body["event_ids"][0]
+    assert ev.user_id == hash_user("default", "alice") and "alice" not in ev.model_dump_json()
+
+
+def test_batch_of_every_kind_is_published(live):
+    c1, c2 = new_completion(live), new_completion(live)
+    events = [{"completion_id": c1, "kind": "thumb_up"}, {"completion_id": c1, "kind": "thumb_down"},
+              {"completion_id": c1, "kind": "rating", "value": 4},
+              {"completion_id": c2, "kind": "accepted", "user": "bob"},
+              {"completion_id": c2, "kind": "rejected"},
+              {"completion_id": c2, "kind": "edited", "value": 0.75, "edit_distance": 9},
+              {"completion_id": c2, "kind": "copied", "ts": 1_700_000_000.5},
+              {"completion_id": c2, "kind": "regenerated"},
+              {"completion_id": c2, "kind": "dwell", "value": 12.5}]
+    r = post(live, {"events": events})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["accepted"] == 9 and body["duplicates"] == 0 and len(set(body["event_ids"])) == 9
+    got = on_bus(live, [c1, c2])
+    assert [ev.event_id for _, ev in got if ev.completion_id == c1] == body["event_ids"][:3]  # key order
+    assert all(key == ev.completion_id for key, ev in got)
+    by_kind = {ev.kind: ev for _, ev in got}
+    assert len(got) == 9 and set(by_kind) == {e["kind"] for e in events}
+    assert by_kind["rating"].value == 4 and by_kind["dwell"].value == 12.5
+    assert by_kind["edited"].value == 0.75 and by_kind["edited"].edit_distance == 9
+    assert by_kind["copied"].ts == 1_700_000_000.5
+    assert by_kind["accepted"].user_id == hash_user("default", "bob")
+
+
+# ---- refused events -----------------------------------------------------------------------------
+def _ev(**kw):
+    return lambda cid: {"completion_id": cid, **kw}
+
+
+def _batch(n_good: int, bad: dict):
+    return lambda cid: {"events": [{"completion_id": cid, "kind": "copied"}] * n_good
+                        + [{"completion_id": cid, **bad}]}
+
+
+BAD = [
+    (_ev(kind="smile"), 400, "kind", "invalid_value"),
+    (_ev(kind="rating", value=7), 400, "value", "invalid_value"),
+    (_ev(kind="rating", value=4.5), 400, "value", "invalid_value"),
+    (_ev(kind="rating"), 400, "value", "invalid_value"),
+    (_ev(kind="rating", value="4"), 400, "value", "invalid_value"),
+    (_ev(kind="rating", value=True), 400, "value", "invalid_value"),
+    (_ev(kind="thumb_up", value=1), 400, "value", "invalid_value"),
+    (_ev(kind="edited", value=1.5), 400, "value", "invalid_value"),
+    (_ev(kind="dwell", value=-1), 400, "value", "invalid_value"),
+    (_ev(kind="dwell", value=90_000), 400, "value", "invalid_value"),
+    (_ev(kind="edited", value=0.5, edit_distance=-1), 400, "edit_distance", "invalid_value"),
+    (_ev(kind="edited", value=0.5, edit_distance=2.5), 400, "edit_distance", "invalid_value"),
+    (_ev(kind="copied", ts=4_000_000_000), 400, "ts", "invalid_value"),
+    (_ev(kind="copied", ts="yesterday"), 400, "ts", "invalid_value"),
+    (_ev(kind="copied", user=42), 400, "user", "invalid_value"),
+    (_ev(kind="copied", idempotency_key=""), 400, "idempotency_key", "invalid_value"),
+    (_ev(kind="copied", mood="happy"), 400, "mood", "unknown_parameter"),
+    (lambda cid: {"completion_id": cid}, 400, "kind", "missing_required_parameter"),
+    (lambda cid: {"kind": "copied"}, 400, "completion_id", "missing_required_parameter"),
+    (lambda cid: {"completion_id": 123, "kind": "copied"}, 400, "completion_id", "invalid_value"),
+    (lambda cid: {"events": []}, 400, "events", "invalid_value"),
+    (lambda cid: {"events": "x"}, 400, "events", "invalid_value"),
+    (_batch(1000, {"kind": "copied"}), 400, "events", "invalid_value"),  # 1001 events
+    (_batch(3, {"kind": "rating", "value": 9}), 400, "events.3.value", "invalid_value"),
+    (_batch(1, {"kind": "nope"}), 400, "events.1.kind", "invalid_value"),
+    (_ev(kind="copied", completion_id="cmpl-made-up"), 404, "completion_id", "completion_not_found"),
+    (_batch(2, {"kind": "copied", "completion_id": "cmpl-made-up"}), 404, "events.2.completion_id",
+     "completion_not_found"),
+]
+
+
+@pytest.mark.parametrize("make,status,param,code", BAD)
+def test_bad_feedback_gets_openai_error_and_publishes_nothing(live, make, status, param, code):
+    c = new_completion(live)
+    assert_error(post(live, make(c)), status, param, code)
+    assert on_bus(live, [c]) == []  # in a batch, the good events before the bad one were not published either
+
+
+def test_malformed_bodies(live):
+    r = httpx.post(live.url + "/v1/feedback", content=b"{not json", timeout=10)
+    assert_error(r, 400, None, "invalid_json")
+    assert_error(post(live, [1, 2]), 400, None, "invalid_request")
+    r = post(live, {"completion_id": "x", "kind": "copied"}, headers={"Idempotency-Key": "a"})
+    assert r.status_code == 404  # the header alone is fine; the id is not
+    c = new_completion(live)
+    r = post(live, {"completion_id": c, "kind": "copied", "idempotency_key": "a"},
+             headers={"Idempotency-Key": "b"})
+    assert_error(r, 400, "idempotency_key", "invalid_value")
+    assert on_bus(live, [c]) == []
+
+
+def test_other_tenants_completion_is_not_found(live):
+    theirs = new_completion(live, tenant="acme")
+    r = post(live, {"completion_id": theirs, "kind": "thumb_up"}, tenant="default")
+    assert_error(r, 404, "completion_id", "completion_not_found")
+    made_up = post(live, {"completion_id": "cmpl-x", "kind": "thumb_up"}, tenant="default")
+    message = r.json()["error"]["message"]
+    assert message.replace(theirs, "?") == made_up.json()["error"]["message"].replace("cmpl-x", "?")
+    r = post(live, {"events": [{"completion_id": theirs, "kind": "copied"}]}, tenant="other")
+    assert_error(r, 404, "events.0.completion_id", "completion_not_found")
+    assert on_bus(live, [theirs]) == []
+    r = post(live, {"completion_id": theirs, "kind": "thumb_up"}, tenant="acme")
+    assert r.status_code == 200
+    [(_, ev)] = on_bus(live, [theirs])
+    assert ev.tenant == "acme"
+
+
+# ---- idempotency --------------------------------------------------------------------------------
+def test_retried_request_is_acknowledged_but_published_once(live):
+    c = new_completion(live)
+    first = post(live, {"completion_id": c, "kind": "rating", "value": 5, "idempotency_key": "k1"}).json()
+    again = post(live, {"completion_id": c, "kind": "rating", "value": 5, "idempotency_key": "k1"}).json()
+    assert (first["accepted"], first["duplicates"]) == (1, 0)
+    assert (again["accepted"], again["duplicates"]) == (0, 1) and again["event_ids"] == first["event_ids"]
+    # The header works for single events; the same key from another tenant is another event.
+    h1 = post(live, {"completion_id": c, "kind": "copied"}, headers={"Idempotency-Key": "k2"}).json()
+    h2 = post(live, {"completion_id": c, "kind": "copied", "idempotency_key": "k2"}).json()
+    assert h1["accepted"] == 1 and h2["duplicates"] == 1 and h1["event_ids"] == h2["event_ids"]
+    # A batch retried with one new event publishes only the new one; a key twice in one batch counts once.
+    b1 = post(live, {"events": [{"completion_id": c, "kind": "accepted", "idempotency_key": "k3"}]}).json()
+    b2 = post(live, {"events": [{"completion_id": c, "kind": "accepted", "idempotency_key": "k3"},
+                                {"completion_id": c, "kind": "dwell", "value": 3, "idempotency_key": "k4"}]
+                     + [{"completion_id": c, "kind": "dwell", "value": 3, "idempotency_key": "k4"}]}).json()
+    assert b1["accepted"] == 1 and (b2["accepted"], b2["duplicates"]) == (1, 2)
+    assert b2["event_ids"][0] == b1["event_ids"][0] and b2["event_ids"][1] == b2["event_ids"][2]
+    got = on_bus(live, [c])
+    assert sorted(ev.kind for _, ev in got) == ["accepted", "copied", "dwell", "rating"]
+    assert len({ev.event_id for _, ev in got}) == 4
+
+
+def test_reused_key_for_a_different_event_is_refused(live):
+    c = new_completion(live)
+    r = post(live, {"completion_id": c, "kind": "rating", "value": 5, "idempotency_key": "r1"})
+    assert r.status_code == 200
+    r = post(live, {"completion_id": c, "kind": "rating", "value": 1, "idempotency_key": "r1"})
+    assert_error(r, 409, "idempotency_key", "idempotency_key_reused")
+    r = post(live, {"events": [{"completion_id": c, "kind": "copied", "idempotency_key": "r2"},
+                               {"completion_id": c, "kind": "accepted", "idempotency_key": "r2"}]})
+    assert_error(r, 409, "events.1.idempotency_key", "idempotency_key_reused")
+    r = post(live, {"events": [{"completion_id": c, "kind": "copied", "idempotency_key": "r3"},
+                               {"completion_id": c, "kind": "rating", "value": 2, "idempotency_key": "r1"}]})
+    assert_error(r, 409, "events.1.idempotency_key", "idempotency_key_reused")
+    assert [ev.value for _, ev in on_bus(live, [c])] == [5]
+    # The refused batch released its claim on r3: it can be sent now.
+    assert post(live, {"completion_id": c, "kind": "copied", "idempotency_key": "r3"}).json()["accepted"] == 1
+
+
+def test_concurrent_retries_publish_once(live):
+    c = new_completion(live)
+    body = {"events": [{"completion_id": c, "kind": "copied", "idempotency_key": f"c{i}"} for i in range(20)]}
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=30) as http:
+            return await asyncio.gather(*(http.post(live.url + "/v1/feedback", json=body) for _ in range(6)))
+
+    answers = [r.json() for r in asyncio.run(burst())]
+    assert sum(a["accepted"] for a in answers) == 20 and sum(a["duplicates"] for a in answers) == 5 * 20
+    got = on_bus(live, [c])
+    assert len(got) == 20 and len({ev.event_id for _, ev in got}) == 20
+
+
+def test_publish_failure_is_503_and_releases_the_claim(live, tmp_path):
+    broken = EmbeddedBus(tmp_path / "bus")
+    broken.close()  # a real bus that refuses every publish
+    c = new_completion(live)
+    app = create_app(live.settings, engine=live.engine, sink=live.sink, bus=broken, index=live.index)
+    event = {"completion_id": c, "kind": "accepted", "idempotency_key": "p1"}
+    with LiveServer(app) as other:
+        r = httpx.post(other.url + "/v1/feedback", json=event, timeout=30)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "publish_failed"
+    ok = post(live, event).json()  # the retry, through a healthy gateway, is not taken for a duplicate
+    assert (ok["accepted"], ok["duplicates"]) == (1, 0) and len(on_bus(live, [c])) == 1
+
+
+# ---- the index on its own -----------------------------------------------------------------------
+def test_index_claims_confirm_release_and_stale_claims(tmp_path):
+    idx = CompletionIndex(tmp_path / "i.db", stale_claim_s=10)
+    c = idx.claim({"a": "fa", "b": "fb"}, now=100)
+    assert c.claimed == ["a", "b"] and not c.done and not c.pending
+    assert idx.claim({"a": "fa"}, now=101).pending == ["a"]  # still being published by the first claimer
+    idx.confirm(["a"], now=102)
+    idx.release(["b"])
+    again = idx.claim({"a": "fa", "b": "fb"}, now=103)
+    assert again.done == {"a": "fa"} and again.claimed == ["b"]
+    assert idx.claim({"b": "fb"}, now=120).claimed == ["b"]  # its claimer died: claimable again
+    idx.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        idx.get("x")
+
+
+def test_index_accepted_record_is_bounded_by_ttl_and_size(tmp_path):
+    idx = CompletionIndex(tmp_path / "i.db", accepted_ttl_s=50, accepted_max=10, prune_every=1)
+    for i in range(30):
+        eid = f"e{i}"
+        assert idx.claim({eid: "f"}, now=1000 + i).claimed == [eid]
+        idx.confirm([eid], now=1000 + i)
+    assert idx.accepted_count() <= 11
+    assert idx.claim({"e29": "f"}, now=1030).done == {"e29": "f"}  # the newest are kept
+    assert idx.claim({"e0": "f"}, now=1030).claimed == ["e0"]  # the oldest are forgotten
+    idx.confirm(["e0"], now=1030)
+    idx.prune(now=1030 + 51)
+    assert idx.accepted_count() == 0
+    idx.add("c1", "t", "v1", ts=5.0)
+    assert idx.get_many(["c1", "c2"]) == {"c1": ("t", "v1", 5.0)}
+    idx.close()
+    with pytest.raises(ValueError, match="accepted_max"):
+        CompletionIndex(tmp_path / "j.db", accepted_max=0)

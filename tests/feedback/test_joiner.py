@@ -1,0 +1,377 @@
+"""The joiner: the pure core (windows, orphans, late, duplicates, tenants, budgets), the service
+against a real EmbeddedBus (end to end, crash and resume), and simulated users' rewards."""
+
+import subprocess
+import sys
+import threading
+from collections import defaultdict
+from statistics import mean
+
+import pytest
+
+from demo.checker import CheckResult
+from demo.tasks import CATEGORIES, completions_for, sample_tasks
+from demo.users import SimulatedUser
+from feedback.bus_embedded import EmbeddedBus
+from feedback.events import TOPICS, CompletionEvent, FeedbackEvent, RoutedExperts, SampleEvent
+from feedback.joiner import JoinerCore, JoinerService, sample_event_id
+from feedback.rewards import RewardSpec
+
+SPEC = RewardSpec()
+WINDOW = 60.0
+
+
+def completion(cid, ts, tenant="t1", user="u1"):
+    return CompletionEvent(
+        event_id=f"event-completion-{cid}", completion_id=cid, tenant=tenant, ts=ts, user_id=user,
+        model_version="v1", endpoint="completions", prompt_ids=[1, 2], output_ids=[3], logprobs=[-0.5],
+        routed_experts=RoutedExperts.from_bytes((2, 1, 1), b"\x00\x01"), text="x", finish_reason="stop",
+        params={}, latency_ms={})
+
+
+def feedback(cid, kind, ts, value=None, tenant="t1", user="u1", event_id=None):
+    return FeedbackEvent(event_id=event_id or f"event-feedback-{cid}-{kind}-{ts}-{user}", completion_id=cid,
+                         tenant=tenant, ts=ts, user_id=user, kind=kind, value=value)
+
+
+def core(**spec_kwargs):
+    return JoinerCore(RewardSpec(**spec_kwargs), WINDOW, clock=lambda: pytest.fail("tick must get `now`"))
+
+
+# ---- core --------------------------------------------------------------------------------------
+def test_join_within_window_emits_one_sample_when_the_window_closes():
+    j = core()
+    j.on_completion(completion("c1", 0.0))
+    j.on_feedback(feedback("c1", "accepted", 10.0))
+    j.on_feedback(feedback("c1", "copied", 20.0))
+    assert j.tick(59.0) == [] and j.tick(60.0) == []  # the window [0, 60] is still open
+    [s] = j.tick(60.5)
+    assert s.completion.completion_id == "c1" and s.reward == pytest.approx(1.0)
+    assert [x.kind for x in s.signals] == ["accepted", "copied"] and s.signals[0].user_id == "u1"
+    assert s.reward_spec == "default-v1" and s.tenant == "t1" and s.ts == 60.0
+    assert s.event_id == sample_event_id("c1", "default-v1")
+    assert j.tick(1000.0) == []
+    assert {k: j.stats[k] for k in ("completions", "feedback", "samples", "late", "no_feedback")} == \
+        {"completions": 1, "feedback": 2, "samples": 1, "late": 0, "no_feedback": 0}
+
+
+def test_feedback_before_its_completion_is_buffered_then_joined_or_expired():
+    j = core()
+    j.on_feedback(feedback("c2", "thumb_down", 5.0))
+    j.on_feedback(feedback("ghost", "thumb_up", 0.0))
+    assert j.orphan_count == 2
+    j.on_completion(completion("c2", 0.0))
+    assert j.orphan_count == 1
+    [s] = j.tick(61.0)
+    assert s.completion.completion_id == "c2" and s.reward == pytest.approx(-0.5)
+    assert j.orphan_count == 0 and j.stats["orphans_expired"] == 1  # ghost: 0 + 60 < 61
+
+
+def test_orphan_buffer_is_bounded():
+    j = JoinerCore(SPEC, WINDOW, max_orphans=3)
+    for i in range(5):
+        j.on_feedback(feedback(f"nobody{i}", "thumb_up", float(i)))
+    assert j.orphan_count == 3 and j.stats["orphans_overflow"] == 2
+    j.on_completion(completion("nobody0", 0.0))  # its orphan was evicted first (oldest expiry)
+    assert j.tick(100.0) == [] and j.stats["no_feedback"] == 1
+
+
+def test_late_feedback_is_counted_per_kind_and_handed_out():
+    j = core()
+    j.on_completion(completion("c1", 0.0))
+    assert j.tick(61.0) == [] and j.stats["no_feedback"] == 1
+    j.on_feedback(feedback("c1", "thumb_up", 70.0))  # its completion is closed
+    j.on_completion(completion("c3", 100.0))
+    j.on_feedback(feedback("c3", "rating", 200.0, value=5))  # ts after c3's window, c3 still open
+    j.on_feedback(feedback("c4", "accepted", 300.0))  # before its completion, and past its window
+    j.on_completion(completion("c4", 200.0))
+    assert j.stats["late"] == 3
+    assert (j.stats["late_thumb_up"], j.stats["late_rating"], j.stats["late_accepted"]) == (1, 1, 1)
+    late = j.drain_late()
+    assert [(x.event.completion_id, x.reason) for x in late] == \
+        [("c1", "closed"), ("c3", "past_window"), ("c4", "past_window")]
+    assert j.drain_late() == []
+    assert j.tick(1000.0) == [] and j.stats["no_feedback"] == 3 and j.stats["samples"] == 0
+
+
+def test_duplicate_events_are_ignored():
+    j = core()
+    c = completion("c1", 0.0)
+    f = feedback("c1", "rating", 1.0, value=4, event_id="same-id-1")
+    j.on_completion(c)
+    j.on_completion(c)  # redelivered
+    j.on_feedback(f)
+    j.on_feedback(f)  # redelivered
+    j.on_feedback(feedback("c1", "thumb_up", 2.0, event_id="same-id-1"))  # same id, other content
+    [s] = j.tick(61.0)
+    assert [x.kind for x in s.signals] == ["rating"] and s.reward == pytest.approx(0.25)
+    assert (j.stats["completions"], j.stats["feedback"], j.stats["duplicates"]) == (1, 1, 3)
+    j.on_completion(c)  # redelivered after its window closed: no second sample
+    assert j.tick(2000.0) == [] and j.stats["duplicates"] == 4 and j.stats["samples"] == 1
+
+
+def test_feedback_from_another_tenant_is_rejected():
+    j = core()
+    j.on_feedback(feedback("c1", "thumb_up", 1.0, tenant="evil"))  # as an orphan first
+    j.on_completion(completion("c1", 0.0, tenant="t1"))
+    j.on_feedback(feedback("c1", "accepted", 2.0, tenant="evil"))
+    j.on_feedback(feedback("c1", "rejected", 3.0, tenant="t1"))
+    [s] = j.tick(61.0)
+    assert j.stats["tenant_mismatch"] == 2
+    assert [x.kind for x in s.signals] == ["rejected"] and s.reward == pytest.approx(-0.25)
+
+
+def test_completions_without_counting_feedback_emit_nothing():
+    j = core()
+    j.on_completion(completion("quiet", 0.0))
+    j.on_completion(completion("dwell-only", 0.0))
+    j.on_feedback(feedback("dwell-only", "dwell", 5.0, value=12.0))
+    assert j.tick(61.0) == []
+    assert j.stats["no_feedback"] == 2 and j.stats["samples"] == 0
+
+
+def test_feedback_without_user_is_attributed_to_the_completions_user():
+    j = core()
+    j.on_completion(completion("c1", 0.0, user="alice"))
+    j.on_feedback(feedback("c1", "thumb_up", 1.0, user=None))
+    j.on_feedback(feedback("c1", "thumb_up", 2.0, user="alice"))  # the same user: counts once
+    j.on_feedback(feedback("c1", "copied", 3.0, user="bob"))
+    [s] = j.tick(61.0)
+    assert [(x.kind, x.user_id) for x in s.signals] == [("thumb_up", "alice"), ("copied", "bob")]
+    assert s.reward == pytest.approx(0.75)
+
+
+def test_user_budget_drops_and_counts_signals_beyond_it():
+    j = core(max_rewarded_per_user=2, budget_window_s=100.0)
+    for i in range(3):
+        j.on_completion(completion(f"c{i}", float(i)))
+        j.on_feedback(feedback(f"c{i}", "accepted", i + 1.0, user="mallory"))
+        j.on_feedback(feedback(f"c{i}", "copied", i + 1.5, user="mallory"))
+    j.on_feedback(feedback("c2", "thumb_down", 5.0, user="carol"))
+    samples = j.tick(100.0)
+    assert [s.reward for s in samples] == pytest.approx([1.0, 1.0, -0.5])  # c2: only carol counts
+    assert j.stats["dropped_by_budget"] == 2
+    j.on_completion(completion("c9", 150.0))  # c0 and c1 (ts 0, 1) have left the window (50, 150]
+    j.on_feedback(feedback("c9", "accepted", 151.0, user="mallory"))
+    assert [s.reward for s in j.tick(300.0)] == [0.75]
+
+
+def test_sample_ids_are_deterministic_per_completion_and_spec():
+    def run(spec):
+        j = JoinerCore(spec, WINDOW)
+        j.on_completion(completion("c1", 0.0))
+        j.on_feedback(feedback("c1", "thumb_up", 1.0))
+        return j.tick(61.0)[0]
+    a, b, other = run(SPEC), run(SPEC), run(RewardSpec(name="other-v2"))
+    assert a.event_id == b.event_id == sample_event_id("c1", "default-v1")
+    assert a.model_dump() == b.model_dump()
+    assert other.event_id != a.event_id and other.reward_spec == "other-v2"
+    assert sample_event_id("c2", "default-v1") != a.event_id
+
+
+def test_oldest_held_tracks_sources_of_pending_and_orphans():
+    j = core()
+    j.on_completion(completion("c1", 0.0), ("comp", 0, 4))
+    j.on_feedback(feedback("c1", "thumb_up", 1.0), ("fb", 1, 7))
+    j.on_feedback(feedback("later", "thumb_up", 30.0), ("fb", 1, 9))  # orphan
+    j.on_feedback(feedback("c1", "copied", 2.0), ("fb", 1, 8))
+    assert j.oldest_held() == {("comp", 0): 4, ("fb", 1): 7}
+    j.tick(61.0)  # c1 closes; the orphan (expires at 90) is still held
+    assert j.oldest_held() == {("fb", 1): 9}
+    j.tick(91.0)
+    assert j.oldest_held() == {}
+
+
+def test_window_must_be_positive():
+    with pytest.raises(ValueError, match="window_s"):
+        JoinerCore(SPEC, 0.0)
+
+
+def test_feedback_package_does_not_import_torch():
+    code = "import sys, feedback.joiner, feedback.rewards; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- service against a real embedded bus ------------------------------------------------------
+class Clock:
+    def __init__(self, t=0.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def publish(bus, ev):
+    topic = TOPICS["completion"] if isinstance(ev, CompletionEvent) else TOPICS["feedback"]
+    bus.publish(topic, ev.completion_id, ev.model_dump_json().encode())
+
+
+def read_samples(bus, group="learner-test"):
+    c = bus.consumer(TOPICS["sample"], group)
+    out = []
+    while records := c.poll(1000, timeout_s=0.0):
+        out += [(r.key, SampleEvent.model_validate_json(r.value)) for r in records]
+    c.close()
+    return out
+
+
+def test_service_end_to_end_with_safe_commits(tmp_path):
+    bus = EmbeddedBus(tmp_path)
+    clock = Clock(10.0)
+    svc = JoinerService(bus, SPEC, window_s=WINDOW, clock=clock)
+    publish(bus, feedback("c0", "thumb_up", 1.0))  # feedback before its completion
+    for i in range(12):
+        publish(bus, completion(f"c{i}", float(i)))
+        if i % 2 == 0:
+            publish(bus, feedback(f"c{i}", "accepted", i + 2.0))
+    publish(bus, feedback("c3", "accepted", 500.0))  # late: after c3's window
+    assert svc.run_once(0.0) == []
+    # Every record is held by an open window: nothing may be committed yet.
+    assert bus.committed(TOPICS["completion"], "joiner") == {}
+    assert bus.committed(TOPICS["feedback"], "joiner") == {}
+
+    clock.t = 1000.0
+    samples = svc.run_once(0.0)
+    evens = sorted(f"c{i}" for i in range(0, 12, 2))
+    assert sorted(s.completion.completion_id for s in samples) == evens
+    consumed = dict(read_samples(bus))
+    assert sorted(consumed) == evens  # keyed by completion_id
+    assert consumed["c0"].reward == pytest.approx(1.0)  # accepted + thumb_up
+    assert all(consumed[f"c{i}"].reward == pytest.approx(0.75) for i in range(2, 12, 2))
+    assert consumed["c4"].event_id == sample_event_id("c4", SPEC.name)
+    assert (svc.stats["samples"], svc.stats["no_feedback"], svc.stats["late"]) == (6, 6, 1)
+    # Nothing is held any more: everything consumed is committed.
+    assert sum(bus.committed(TOPICS["completion"], "joiner").values()) == 12
+    assert sum(bus.committed(TOPICS["feedback"], "joiner").values()) == 8
+    svc.close()
+    bus.close()
+
+
+class CrashingBus(EmbeddedBus):
+    """The real embedded bus; the process 'dies' in flush number `crash_at` (after publishing the
+    round's samples, before committing the round's offsets)."""
+
+    crash_at = 0
+
+    def flush(self, timeout_s=30.0):
+        self.crash_at -= 1
+        if self.crash_at == 0:
+            raise SystemExit("simulated crash")
+
+
+def expected_reward(i):
+    kinds = {1: ["accepted"], 2: ["thumb_down"], 3: ["accepted", "copied"], 4: ["rejected", "rating"]}
+    return {1: 0.75, 2: -0.5, 3: 1.0, 4: -0.75}.get(i % 5), kinds.get(i % 5, [])
+
+
+def test_crash_and_resume_yields_exactly_one_sample_per_completion(tmp_path):
+    n, window = 80, 10.0
+    bus = CrashingBus(tmp_path)
+    bus.crash_at = 2
+    for i in range(n):  # i % 5 == 0: no feedback; every 7th completion's feedback comes first
+        events = [feedback(f"c{i}", k, i + 1.0, value=(1 if k == "rating" else None))
+                  for k in expected_reward(i)[1]]
+        events.insert(0 if i % 7 else len(events), completion(f"c{i}", float(i)))
+        for ev in events:
+            publish(bus, ev)
+    clock = Clock(30.0)
+    svc = JoinerService(bus, SPEC, window_s=window, clock=clock, max_records=16)
+    first = svc.run_once(0.0)  # closes c0..c19
+    assert len(first) == 16
+    clock.t = 55.0
+    with pytest.raises(SystemExit):
+        svc.run_once(0.0)  # publishes c20..c44's samples, crashes before committing
+    del svc  # no close(), no commit
+    bus.close()
+
+    bus = EmbeddedBus(tmp_path)
+    clock = Clock(70.0)
+    svc = JoinerService(bus, SPEC, window_s=window, clock=clock, max_records=16)
+    svc.run_once(0.0)
+    clock.t = 1000.0
+    svc.run_once(0.0)
+    assert svc.stats["late"] == 0 and svc.stats["orphans_expired"] == 0
+
+    samples = read_samples(bus)
+    by_id = defaultdict(list)
+    for key, s in samples:
+        by_id[s.event_id].append(s)
+        assert key == s.completion.completion_id
+    with_feedback = [i for i in range(n) if i % 5]
+    assert len(by_id) == len(with_feedback) == 64
+    assert sorted(by_id) == sorted(sample_event_id(f"c{i}", SPEC.name) for i in with_feedback)
+    assert len(samples) == 64 + 20  # c20..c44 (20 with feedback) were emitted again after the crash
+    for i in with_feedback:
+        copies = by_id[sample_event_id(f"c{i}", SPEC.name)]
+        assert [s.reward for s in copies] == pytest.approx([expected_reward(i)[0]] * len(copies))
+    # After the restart's final round nothing is held: every record is committed.
+    assert sum(bus.committed(TOPICS["completion"], "joiner").values()) == n
+    assert sum(bus.committed(TOPICS["feedback"], "joiner").values()) == sum(
+        len(expected_reward(i)[1]) for i in range(n))
+    bus.close()
+
+
+# ---- simulated users -------------------------------------------------------------------------
+def test_simulated_users_reward_correct_house_style_above_incorrect():
+    j = JoinerCore(SPEC, WINDOW)
+    users = [SimulatedUser(f"user{k}", seed=7) for k in range(10)]
+    category_of = {}
+    for i, task in enumerate(sample_tasks(200, seed=3)):
+        category = CATEGORIES[i % 4]
+        text = completions_for(task)[category][0]
+        check = CheckResult(passed=category.startswith("correct"), n_passed=0, n_tests=0, error=None)
+        cid, ts, user = f"c{i}", float(i), users[i % 10]
+        j.on_completion(completion(cid, ts, user=user.user_id))
+        category_of[cid] = category
+        for k, signal in enumerate(user.react(task, text, check)):
+            j.on_feedback(feedback(cid, signal.kind, ts + 1 + 0.1 * k, value=signal.value, user=user.user_id))
+    samples = j.tick(10_000.0)
+    assert len(samples) == 200  # every reaction has an accept, reject or regenerate
+    rewards = defaultdict(list)
+    for s in samples:
+        rewards[category_of[s.completion.completion_id]].append(s.reward)
+    good = mean(rewards["correct_preferred"])
+    bad = mean(rewards["incorrect_preferred"] + rewards["incorrect_other"])
+    assert good > mean(rewards["correct_other"]) > bad
+    assert good - bad > 0.5
+
+
+def test_malformed_records_fail_loudly_or_go_to_the_dead_letter_topic(tmp_path):
+    bus = EmbeddedBus(tmp_path)
+    bus.publish(TOPICS["feedback"], "c1", b"{not json")
+    svc = JoinerService(bus, SPEC, window_s=WINDOW, clock=Clock(0.0))
+    with pytest.raises(ValueError, match=r"malformed record at flywheel\.feedback/\d+@0"):
+        svc.run_once(0.0)
+    svc.close()
+
+    dead = "flywheel.joiner.dead"
+    svc = JoinerService(bus, SPEC, window_s=WINDOW, clock=Clock(100.0), group="joiner2",
+                        dead_letter_topic=dead)
+    publish(bus, completion("c1", 0.0))
+    publish(bus, feedback("c1", "thumb_up", 90.0))  # late
+    assert svc.run_once(0.0) == []
+    assert (svc.stats["malformed"], svc.stats["late"], svc.stats["late_thumb_up"]) == (1, 1, 1)
+    c = bus.consumer(dead, "inspect")
+    values = [r.value for r in c.poll(10, timeout_s=0.0)]
+    assert values[0] == b"{not json"
+    assert FeedbackEvent.model_validate_json(values[1]).kind == "thumb_up"
+    bus.close()
+
+
+def test_run_until_stopped_then_leaves_the_group(tmp_path):
+    bus = EmbeddedBus(tmp_path)
+    svc = JoinerService(bus, SPEC, window_s=WINDOW, clock=Clock(1000.0))
+    publish(bus, completion("c1", 0.0))
+    publish(bus, feedback("c1", "accepted", 1.0))
+    stop = threading.Event()
+    t = threading.Thread(target=svc.run, args=(stop, 0.05))
+    t.start()
+    learner = bus.consumer(TOPICS["sample"], "learner")
+    records = learner.poll(10, timeout_s=10.0)
+    stop.set()
+    t.join(timeout=10)
+    assert not t.is_alive()
+    assert [r.key for r in records] == ["c1"]
+    with pytest.raises(RuntimeError, match="closed"):
+        svc.consumers[TOPICS["completion"]].poll(1, timeout_s=0.0)
+    bus.close()
