@@ -3,6 +3,9 @@
   flywheel bootstrap [--force]   pre-train the demo base model (cached under FLYWHEEL_HOME)
   flywheel serve                 the gateway on the served checkpoint (bootstraps it first if absent)
   flywheel up                    the main job on embedded defaults (today: bootstrap if absent, then serve)
+  flywheel joiner                feedback + completions -> rewarded samples (consumes and publishes on the bus)
+  flywheel learner               samples -> policy-gradient updates -> candidate versions in the registry
+  flywheel demo                  the online-RL loop in one process on the demo product (simulated users)
 """
 
 from __future__ import annotations
@@ -42,6 +45,68 @@ def _serve(args) -> None:
     serve(settings)
 
 
+def _joiner(args) -> None:
+    import threading
+
+    from api.main import build_bus
+    from feedback.joiner import JoinerService
+    from feedback.rewards import RewardSpec
+
+    settings = get_settings()
+    bus = build_bus(settings)
+    service = JoinerService(bus, RewardSpec(), window_s=args.window_s)
+    stop = threading.Event()
+    try:
+        service.run(stop)
+    except KeyboardInterrupt:
+        stop.set()
+    finally:
+        service.close()
+        bus.close()
+
+
+def _learner(args) -> None:
+    import time
+
+    from api.main import build_bus
+    from gating.registry import Registry
+    from learner.service import LearnerConfig, LearnerService
+
+    settings = get_settings()
+    if not (settings.served_model_dir / "config.json").is_file():
+        sys.exit(f"flywheel learner: no base checkpoint at {settings.served_model_dir} (run `flywheel bootstrap`)")
+    bus = build_bus(settings)
+    cfg = LearnerConfig(update_every_samples=args.every_samples, update_every_s=args.every_s)
+    service = LearnerService(bus, Registry(settings.db_url), settings.home / "models" / "learner",
+                             settings.served_model_dir, cfg)
+    try:
+        while True:
+            v = service.run_once(timeout_s=1.0)
+            if v:
+                print(json.dumps({"new_version": v, "counters": dict(service.counters)}), flush=True)
+            time.sleep(0.01)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        service.close()
+        bus.close()
+
+
+def _demo(args) -> None:
+    from learner.demo_loop import DemoLoopConfig, run_demo_loop
+
+    settings = get_settings()
+    if not (settings.served_model_dir / "config.json").is_file():
+        args.force, args.steps = False, None
+        _bootstrap(args)
+    report = run_demo_loop(settings.served_model_dir, DemoLoopConfig(rounds=args.rounds, seed=settings.seed),
+                           settings.home / "demo-loop.json")
+    print(json.dumps({"base": report["base"], "final": report["final"],
+                      "satisfaction_gain_points": round(report["satisfaction_gain_points"], 1),
+                      "seconds": round(report["seconds"], 1), "report": str(settings.home / "demo-loop.json")},
+                     indent=2))
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     p = argparse.ArgumentParser(prog="flywheel", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -51,11 +116,24 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--steps", type=int, default=None, help="override the number of optimizer steps")
     sub.add_parser("serve", help="run the gateway")
     sub.add_parser("up", help="the main job on embedded defaults")
+    j = sub.add_parser("joiner", help="join feedback to completions into rewarded samples")
+    j.add_argument("--window-s", type=float, default=600.0, help="attribution window in seconds")
+    le = sub.add_parser("learner", help="train on samples, publish candidate versions")
+    le.add_argument("--every-samples", type=int, default=512, help="update after this many samples")
+    le.add_argument("--every-s", type=float, default=4 * 3600.0, help="...or after this many seconds")
+    d = sub.add_parser("demo", help="the online-RL loop in one process with simulated users")
+    d.add_argument("--rounds", type=int, default=20, help="learner updates")
     args = p.parse_args(argv)
     if args.cmd == "bootstrap":
         _bootstrap(args)
     elif args.cmd in ("serve", "up"):
         _serve(args)
+    elif args.cmd == "joiner":
+        _joiner(args)
+    elif args.cmd == "learner":
+        _learner(args)
+    elif args.cmd == "demo":
+        _demo(args)
 
 
 if __name__ == "__main__":

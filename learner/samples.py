@@ -19,7 +19,7 @@ from learner.replay import Sequence
 def sequence_from_sample(ev: SampleEvent, key: str | None = None) -> Sequence:
     c = ev.completion
     shape = tuple(c.routed_experts.shape)
-    experts = np.frombuffer(c.routed_experts.to_bytes(), dtype=np.uint8).reshape(shape)
+    experts = np.frombuffer(c.routed_experts.to_bytes(), dtype=np.uint8).reshape(shape).copy()
     return Sequence(prompt_ids=c.prompt_ids, output_ids=c.output_ids, logprobs=c.logprobs, routed_experts=experts,
                     temperature=float(c.params.get("temperature", 1.0)), top_p=float(c.params.get("top_p", 1.0)),
                     reward=ev.reward, version=c.model_version, key=key)

@@ -1,0 +1,227 @@
+"""`flywheel learner`: consume `sample` events, update the model on a cadence, publish candidates.
+
+Owns the learner's durable state and its exactly-once accounting:
+- **Cadence.** An update runs when `update_every_samples` samples are buffered, or when
+  `update_every_s` has passed since the last one and at least `min_samples` are buffered (hours in
+  production, seconds in the demo).
+- **Bounded staleness.** A sample served by a version more than `max_staleness` versions behind the
+  learner's current one is dropped and counted (`learner.samples.select`).
+- **Never twice, never lost.** After an update the new version's checkpoint (HF folder: weights,
+  tokenizer, `learner_state.pt` with optimizer and baseline) is written and renamed into place;
+  then `learner.json` (current version, version list, the bus positions included in that version,
+  the ids of the samples trained on recently) is replaced atomically; only then are the bus offsets
+  committed. A crash before `learner.json` is replaced leaves the previous version current and
+  its positions: the samples are consumed again and trained on once. A crash after it but before
+  the bus commit makes the bus redeliver samples the learner already used: their offsets are below
+  the positions in `learner.json` and they are skipped (and sample ids are checked too, so a sample
+  re-published by the joiner under a new offset is skipped as well).
+- **Registry.** Each new version is registered (`gating.registry`) as `candidate` with its parent,
+  the bus positions it covers (`data_range`), its update statistics and its files with hashes.
+
+Called by the `flywheel learner` process; the demo loop (`learner.demo_loop`) drives the same
+trainer in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections import Counter, deque
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from feedback.bus import EventBus, Record
+from feedback.events import TOPICS, SampleEvent
+from gating.registry import Registry, UnknownVersion
+from learner.samples import select
+from learner.trainer import Trainer, TrainerConfig
+from serving.checkpoint import WEIGHTS, load_checkpoint, save_checkpoint
+from serving.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+STATE = "learner.json"
+OPT_STATE = "learner_state.pt"
+MAX_REMEMBERED_IDS = 100_000
+
+
+class LearnerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    update_every_samples: int = Field(512, ge=1, description="Update as soon as this many samples are buffered.")
+    update_every_s: float = Field(4 * 3600.0, gt=0, description="...or when this much time has passed.")
+    min_samples: int = Field(32, ge=1, description="Fewest samples a time-triggered update uses.")
+    max_staleness: int = Field(2, ge=0, description="Drop samples served more than this many versions ago.")
+    group: str = Field("learner", description="Consumer group on the sample topic.")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The update itself.")
+
+
+def _atomic_json(path: Path, obj: dict) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class LearnerService:
+    def __init__(self, bus: EventBus, registry: Registry, models_dir: str | Path, base_dir: str | Path,
+                 cfg: LearnerConfig = LearnerConfig(), clock=time.time):
+        self.bus, self.registry, self.cfg, self.clock = bus, registry, cfg, clock
+        self.models_dir = Path(models_dir)
+        self.models_dir.mkdir(parents=True, exist_ok=True)
+        self.state_path = self.models_dir / STATE
+        if self.state_path.is_file():
+            self.state = json.loads(self.state_path.read_text())
+        else:
+            vid = self._free_id(0)
+            shutil.copytree(base_dir, self.models_dir / vid, dirs_exist_ok=True)
+            base = self.registry.register(version_id=vid, parent_id=None, notes=f"copied from {base_dir}",
+                                          files=[self._file_entry(self.models_dir / vid, "snapshot", vid)],
+                                          reason="learner started from the base model")
+            self.state = {"current": base.id, "versions": [base.id], "dirs": {base.id: str(self.models_dir / vid)},
+                          "positions": {}, "trained_ids": []}
+            _atomic_json(self.state_path, self.state)
+        cur_dir = Path(self.state["dirs"][self.state["current"]])
+        self.tokenizer = Tokenizer.from_file(cur_dir)
+        self.model = load_checkpoint(cur_dir)
+        self.trainer = Trainer(self.model, cfg.trainer, self.tokenizer.vocab_size, self.tokenizer.pad_id)
+        if (cur_dir / OPT_STATE).is_file():
+            saved = torch.load(cur_dir / OPT_STATE, weights_only=False)
+            self.trainer.opt.load_state_dict(saved["optimizer"])
+            self.trainer.baseline = saved["baseline"]
+            self.trainer.updates = saved["updates"]
+        self.trained_ids = deque(self.state["trained_ids"], maxlen=MAX_REMEMBERED_IDS)
+        self._trained_set = set(self.trained_ids)
+        self.consumer = bus.consumer(TOPICS["sample"], cfg.group)
+        self.buffer: list[tuple[Record, SampleEvent]] = []
+        self._buffered_ids: set[str] = set()
+        self.counters: Counter = Counter()
+        self.last_update = clock()
+
+    def _free_id(self, n: int) -> str:
+        """`vNNNN` not yet in the registry (a crash between registering and `learner.json` leaves one used)."""
+        while True:
+            vid = f"v{n:04d}"
+            try:
+                self.registry.get(vid)
+            except UnknownVersion:
+                return vid
+            n += 1
+
+    @staticmethod
+    def _file_entry(folder: Path, kind: str, version_id: str) -> dict:
+        """Paths are relative to the models folder (the weight store root): `<version>/model.safetensors`."""
+        w = folder / WEIGHTS
+        return {"path": f"{version_id}/{WEIGHTS}", "sha256": _sha256(w), "bytes": w.stat().st_size, "kind": kind}
+
+    @property
+    def current(self) -> str:
+        return self.state["current"]
+
+    def poll(self, timeout_s: float = 1.0) -> int:
+        """Buffer new samples; returns how many were taken (duplicates and replays are counted, not taken)."""
+        taken = 0
+        positions = {int(p): o for p, o in self.state["positions"].items()}
+        room = self.cfg.update_every_samples - len(self.buffer)  # an update trains on at most this many
+        if room <= 0:
+            return 0
+        for rec in self.consumer.poll(max_records=room, timeout_s=timeout_s):
+            if rec.offset < positions.get(rec.partition, 0):
+                self.counters["skipped_already_trained_offset"] += 1
+                continue
+            ev = SampleEvent.model_validate_json(rec.value)
+            if ev.event_id in self._trained_set or ev.event_id in self._buffered_ids:
+                self.counters["skipped_duplicate_id"] += 1
+                self.buffer.append((rec, None))  # still advances the position once committed
+                continue
+            self.buffer.append((rec, ev))
+            self._buffered_ids.add(ev.event_id)
+            taken += 1
+        return taken
+
+    def due(self) -> bool:
+        n = sum(1 for _, ev in self.buffer if ev is not None)
+        if n >= self.cfg.update_every_samples:
+            return True
+        return n >= self.cfg.min_samples and self.clock() - self.last_update >= self.cfg.update_every_s
+
+    def update(self) -> str | None:
+        """Train on the buffer, publish the next version; returns its id (None if nothing trainable)."""
+        records = [r for r, _ in self.buffer]
+        events = [ev for _, ev in self.buffer if ev is not None]
+        index = {v: i for i, v in enumerate(self.state["versions"])}
+        current_idx = index[self.current]
+        seqs, dropped = select(events, index, current_idx, self.cfg.max_staleness)
+        self.counters.update({f"dropped_{k}": v for k, v in dropped.items()})
+        positions = {int(p): o for p, o in self.state["positions"].items()}
+        for r in records:
+            positions[r.partition] = max(positions.get(r.partition, 0), r.offset + 1)
+        new_id = None
+        if seqs:
+            behaviour_now = all(s.version == self.current for s in seqs)
+            stats = self.trainer.update(seqs, behaviour_is_current=behaviour_now).stats
+            stats["dropped"] = dict(dropped)
+            before = {int(p): o for p, o in self.state["positions"].items()}
+            touched = {r.partition for r in records}
+            covered = {str(p): (before.get(p, 0), positions[p]) for p in sorted(touched)}
+            new_id = self._publish(stats, covered)
+        else:
+            log.warning("learner: nothing trainable in %d buffered samples (dropped: %s)", len(events), dict(dropped))
+        for ev in events:
+            self.trained_ids.append(ev.event_id)
+        self.state.update(positions={str(p): o for p, o in positions.items()}, trained_ids=list(self.trained_ids))
+        _atomic_json(self.state_path, self.state)  # the point of no return: these samples are used
+        self.consumer.commit(records)
+        self._trained_set = set(self.trained_ids)
+        self.buffer.clear()
+        self._buffered_ids.clear()
+        self.counters["trained"] += len(seqs)
+        self.counters["updates"] += 1 if new_id else 0
+        self.last_update = self.clock()
+        return new_id
+
+    def _publish(self, stats: dict, covered: dict[str, tuple[int, int]]) -> str:
+        """Checkpoint, register and make current the trained model; `covered`: partition -> [start, end)."""
+        tmp = self.models_dir / f".next-{os.getpid()}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_checkpoint(self.model, tmp, tokenizer=self.tokenizer)
+        torch.save({"optimizer": self.trainer.opt.state_dict(), "baseline": self.trainer.baseline,
+                    "updates": self.trainer.updates}, tmp / OPT_STATE)
+        # Registered before it is renamed into place: a crash in between leaves a registered candidate
+        # whose folder is missing (the registry's file hash tells it apart), never a folder without a row.
+        vid = self._free_id(len(self.state["versions"]))
+        version = self.registry.register(version_id=vid, parent_id=self.current, metrics=stats,
+                                         files=[self._file_entry(tmp, "snapshot", vid)],
+                                         data_range={TOPICS["sample"]: covered},
+                                         reason=f"learner update {self.trainer.updates}")
+        folder = self.models_dir / version.id
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+        self.state["versions"].append(version.id)
+        self.state["dirs"][version.id] = str(folder)
+        self.state["current"] = version.id
+        log.info("learner: published %s (parent %s)", version.id, self.state["versions"][-2])
+        return version.id
+
+    def run_once(self, timeout_s: float = 1.0) -> str | None:
+        self.poll(timeout_s)
+        return self.update() if self.due() else None
+
+    def close(self) -> None:
+        self.consumer.close()
