@@ -110,6 +110,7 @@ class LearnerService:
         self._trained_set = set(self.trained_ids)
         self.consumer = bus.consumer(TOPICS["sample"], cfg.group)
         self.buffer: list[tuple[Record, SampleEvent]] = []
+        self.offline: list = []  # (Sequence, advantage) from off-peak group rollouts, mixed into the next update
         self._buffered_ids: set[str] = set()
         self.counters: Counter = Counter()
         self.last_update = clock()
@@ -155,6 +156,10 @@ class LearnerService:
             taken += 1
         return taken
 
+    def add_offline(self, batch) -> None:
+        """Queue a `learner.offline.GroupBatch` to be mixed into the next update (weights as rolled out)."""
+        self.offline.extend(zip(batch.sequences, batch.advantages))
+
     def due(self) -> bool:
         n = sum(1 for _, ev in self.buffer if ev is not None)
         if n >= self.cfg.update_every_samples:
@@ -173,9 +178,16 @@ class LearnerService:
         for r in records:
             positions[r.partition] = max(positions.get(r.partition, 0), r.offset + 1)
         new_id = None
-        if seqs:
-            behaviour_now = all(s.version == self.current for s in seqs)
-            stats = self.trainer.update(seqs, behaviour_is_current=behaviour_now).stats
+        offline = [(s, a) for s, a in self.offline if s.version in index
+                   and current_idx - index[s.version] <= self.cfg.max_staleness]
+        self.counters["dropped_offline_stale"] += len(self.offline) - len(offline)
+        self.offline = []
+        if seqs or offline:
+            behaviour_now = all(s.version == self.current for s in seqs) and bool(seqs)
+            advs = [None] * len(seqs) + [a for _, a in offline]
+            stats = self.trainer.update(seqs + [s for s, _ in offline], group_advantages=advs if offline else None,
+                                        behaviour_is_current=behaviour_now).stats
+            stats["offline_samples"] = len(offline)
             stats["dropped"] = dict(dropped)
             before = {int(p): o for p, o in self.state["positions"].items()}
             touched = {r.partition for r in records}
@@ -192,6 +204,7 @@ class LearnerService:
         self.buffer.clear()
         self._buffered_ids.clear()
         self.counters["trained"] += len(seqs)
+        self.counters["trained_offline"] += len(offline)
         self.counters["updates"] += 1 if new_id else 0
         self.last_update = self.clock()
         return new_id

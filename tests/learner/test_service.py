@@ -123,3 +123,24 @@ def test_crash_and_resume_trains_every_sample_exactly_once(tmp_path, tiny_checkp
     assert len(state["versions"]) == 5  # base + 4 updates
     again.close()
     bus.close()
+
+
+def test_offline_groups_are_mixed_into_the_next_update(tmp_path, tiny_checkpoint, samples):
+    from demo.tasks import sample_tasks
+    from learner.offline import rollout_groups
+
+    bus = EmbeddedBus(tmp_path / "bus")
+    publish(bus, samples[:10])
+    svc = make(tmp_path, tiny_checkpoint, bus)
+    eng = EmbeddedEngine(max_batch=32, max_model_len=128)
+    try:
+        eng.add_version("v0000", tiny_checkpoint)
+        batch = rollout_groups(eng, "v0000", sample_tasks(8, seed=3), group_size=4, weight=0.5, temperature=1.5)
+    finally:
+        eng.shutdown()
+    svc.add_offline(batch)
+    assert svc.run_once(0.05) == "v0001"
+    assert svc.counters["trained"] == 10 and svc.counters["trained_offline"] == len(batch.sequences)
+    assert svc.registry.get("v0001").metrics["offline_samples"] == len(batch.sequences)
+    svc.close()
+    bus.close()
