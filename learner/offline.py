@@ -28,8 +28,13 @@ class GroupBatch:
     pass_rate: float = 0.0
 
 
+def verified(task: Task, text: str, check) -> float:
+    """The default verifiable reward: 1 if every test of the task passes, else 0."""
+    return 1.0 if check.passed else 0.0
+
+
 def rollout_groups(engine, version: str, tasks: list[Task], group_size: int, weight: float = 1.0,
-                   temperature: float = 1.0, max_tokens: int = 48, seed: int = 0) -> GroupBatch:
+                   temperature: float = 1.0, max_tokens: int = 48, seed: int = 0, reward_fn=verified) -> GroupBatch:
     if group_size < 2:
         raise ValueError(f"group_size must be >= 2 for group-relative advantages, got {group_size}")
     if temperature <= 0:
@@ -47,7 +52,7 @@ def rollout_groups(engine, version: str, tasks: list[Task], group_size: int, wei
     out = GroupBatch(pass_rate=sum(c.passed for c in checks) / max(1, len(checks)))
     for ti in range(len(tasks)):
         idx = range(ti * group_size, (ti + 1) * group_size)
-        rewards = [1.0 if checks[i].passed else 0.0 for i in idx]
+        rewards = [float(reward_fn(tasks[ti], outs[i].text, checks[i])) for i in idx]
         if len(set(rewards)) == 1:
             out.dropped_flat_groups += 1
             continue

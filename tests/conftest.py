@@ -32,6 +32,18 @@ def tiny_checkpoint(tmp_path_factory):
     return folder
 
 
+@pytest.fixture(scope="session")
+def small_trained_checkpoint(tmp_path_factory):
+    """The demo model after a shorter pre-training than the real bootstrap (about a minute on 2 cores):
+    useful but clearly improvable. For the slow tests of learning."""
+    from demo.bootstrap import BootstrapConfig, bootstrap
+
+    folder = tmp_path_factory.mktemp("base") / "demo-small"
+    report = bootstrap(folder, BootstrapConfig(steps=400, corpus_size=8000, eval_tasks=64))
+    assert 0.05 < report["eval"]["pass_rate"] < 0.9, report["eval"]
+    return folder
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -3,23 +3,14 @@ joiner's rewards, policy-gradient updates with router replay — held-out satisf
 
 import pytest
 
-from demo.bootstrap import BootstrapConfig, bootstrap
 from learner.demo_loop import DemoLoopConfig, run_demo_loop
 from learner.trainer import TrainerConfig
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def small_base(tmp_path_factory):
-    # A shorter pre-training than the real bootstrap (about a minute here): useful but improvable.
-    folder = tmp_path_factory.mktemp("base") / "demo-small"
-    report = bootstrap(folder, BootstrapConfig(steps=400, corpus_size=8000, eval_tasks=64))
-    assert 0.05 < report["eval"]["pass_rate"] < 0.9, report["eval"]
-    return folder
-
-
-def test_feedback_raises_held_out_satisfaction(small_base, tmp_path):
+def test_feedback_raises_held_out_satisfaction(small_trained_checkpoint, tmp_path):
+    small_base = small_trained_checkpoint
     cfg = DemoLoopConfig(rounds=10, samples_per_round=128, eval_tasks=256, eval_every=10,
                          trainer=TrainerConfig(lr=3e-4))
     report = run_demo_loop(small_base, cfg, tmp_path / "report.json")

@@ -20,9 +20,15 @@ def engine(tiny_checkpoint):
     eng.shutdown()
 
 
+def parity(task, text, check):
+    """A stand-in verifiable reward the untrained test model can earn (its code never passes a test)."""
+    return float(len(text) % 2)
+
+
 def test_groups_have_relative_advantages(engine):
-    batch = rollout_groups(engine, "v0", sample_tasks(6, seed=1), group_size=4, weight=0.5, temperature=1.5)
-    assert batch.groups + batch.dropped_flat_groups == 6
+    batch = rollout_groups(engine, "v0", sample_tasks(6, seed=1), group_size=4, weight=0.5, temperature=1.5,
+                           reward_fn=parity)
+    assert batch.groups + batch.dropped_flat_groups == 6 and batch.groups >= 2
     assert len(batch.sequences) == 4 * batch.groups == len(batch.advantages)
     for g in range(batch.groups):
         adv = batch.advantages[4 * g: 4 * g + 4]
@@ -63,3 +69,18 @@ def test_offline_mixing_weight(tiny_checkpoint, engine):
                          weight=1.0) for s in offline]
     mixed1 = _grads_after(tiny_checkpoint, engine, online + weighted, [None] * 8 + [1.0, -1.0, 1.0, -1.0])
     assert any(not torch.allclose(only[k], mixed1[k], atol=1e-5) for k in only)
+
+
+@pytest.mark.slow
+def test_verified_groups_on_a_trained_model(small_trained_checkpoint):
+    eng = EmbeddedEngine(max_batch=64, max_model_len=256)
+    try:
+        eng.add_version("v0", small_trained_checkpoint)
+        batch = rollout_groups(eng, "v0", sample_tasks(16, seed=5), group_size=8)
+    finally:
+        eng.shutdown()
+    assert 0.0 < batch.pass_rate < 1.0 and batch.groups > 0  # real pass/fail signal inside groups
+    for g in range(batch.groups):
+        rewards = [s.reward for s in batch.sequences[8 * g: 8 * g + 8]]
+        adv = batch.advantages[8 * g: 8 * g + 8]
+        assert all((a > 0) == (r == 1.0) for a, r in zip(adv, rewards))

@@ -135,9 +135,11 @@ def test_offline_groups_are_mixed_into_the_next_update(tmp_path, tiny_checkpoint
     eng = EmbeddedEngine(max_batch=32, max_model_len=128)
     try:
         eng.add_version("v0000", tiny_checkpoint)
-        batch = rollout_groups(eng, "v0000", sample_tasks(8, seed=3), group_size=4, weight=0.5, temperature=1.5)
+        batch = rollout_groups(eng, "v0000", sample_tasks(8, seed=3), group_size=4, weight=0.5, temperature=1.5,
+                               reward_fn=lambda task, text, check: float(len(text) % 2))
     finally:
         eng.shutdown()
+    assert batch.sequences
     svc.add_offline(batch)
     assert svc.run_once(0.05) == "v0001"
     assert svc.counters["trained"] == 10 and svc.counters["trained_offline"] == len(batch.sequences)
