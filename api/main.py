@@ -21,7 +21,7 @@ from api.routes import feedback, openai
 from core.settings import Settings, get_settings
 from feedback.bus import EventBus
 from feedback.completion_index import CompletionIndex
-from feedback.sink import CompletionSink, LogSink
+from feedback.sink import BusSink, CompletionSink
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,10 @@ def create_app(settings: Settings | None = None, engine=None, sink: CompletionSi
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         eng = engine if engine is not None else build_engine(settings)
-        snk = sink if sink is not None else LogSink(settings.records_dir)
         bs = bus if bus is not None else build_bus(settings)
+        # Completion records go to the event bus (the joiner reads them there): fsynced to the embedded
+        # log, or to the Kafka spool while the broker is away, before the caller is answered.
+        snk = sink if sink is not None else BusSink(bs)
         idx = index if index is not None else CompletionIndex(settings.home / "completion_index.db")
         app.state.gateway = Gateway(settings, eng, snk, bs, idx)
         log.info("gateway ready: versions %s, default %s", eng.versions, eng.default_version)

@@ -180,11 +180,18 @@ def bench_http(model_dir, texts, new_tokens, home):
         proc.terminate()
         proc.wait(30)
     # What HTTP adds: client latency minus the engine time the server recorded for the same completion.
-    from feedback.sink import LogSink
+    from feedback.bus_embedded import EmbeddedBus
+    from feedback.events import TOPICS, CompletionEvent
 
-    sink = LogSink(Path(home) / "records")
-    engine_ms = {rec.completion_id: rec.latency_ms["total"] for rec in sink.read_all()}
-    sink.close()
+    bus = EmbeddedBus(Path(home) / "bus")
+    consumer = bus.consumer(TOPICS["completion"], "bench-readback")
+    engine_ms = {}
+    while batch := consumer.poll(max_records=10_000, timeout_s=0.2):
+        for rec in batch:
+            ev = CompletionEvent.model_validate_json(rec.value)
+            engine_ms[ev.completion_id] = ev.latency_ms["total"]
+    consumer.close()
+    bus.close()
     for row in out:
         pairs = [(lat, engine_ms[cid] / 1e3) for lat, cid in per_batch[row["batch"]] if cid in engine_ms]
         added = sum(lat - eng for lat, eng in pairs) / len(pairs)

@@ -1,0 +1,243 @@
+"""The Kafka event bus (kafka-python): a spooled idempotent producer and consumer groups.
+
+Owns the Kafka clients of one process: one `KafkaProducer` (acks=all, idempotent) used only by
+the spool's forwarder thread, one admin client that creates topics on first use (`partitions`,
+`replication`), and one `KafkaConsumer` per `consumer()` call. `publish()` validates the record and
+appends it to a `feedback.spool.Spool` under `spool_dir` — it returns once the record is fsynced
+locally and never waits for the broker; the forwarder delivers spooled records in order (key =
+completion id, so a completion and its feedback share a partition) and retries through outages.
+
+Per-key order through failures: a batch handed to `_deliver` is at most `MAX_BATCH_BYTES`, the
+producer's `batch_size` is larger and `linger_ms` (up to 1 s, far longer than queueing one batch
+takes) keeps batches open until the explicit flush, so the records of one partition in one call
+travel as one producer batch — acknowledged all or nothing. After any failure the producer is replaced (a restarted broker does not know its
+producer id) and the whole batch is sent again: repeats are possible, reordering is not, and
+consumers drop repeats by event id (`feedback.spool.Deduper`).
+
+Consumers commit explicit offsets (last processed offset + 1 per partition) only when the caller
+says it processed the records; a consumer closed without commit leaves them to the next member.
+
+Called by the gateway, the joiner and the learner when `FLYWHEEL_BUS=kafka`.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+from kafka import KafkaConsumer, KafkaProducer, OffsetAndMetadata, TopicPartition
+from kafka.admin import KafkaAdminClient
+from kafka.errors import CommitFailedError, KafkaConnectionError, KafkaError, KafkaTimeoutError, for_code
+
+from feedback.bus import Consumer, EventBus, Record
+from feedback.bus_embedded import _check_name
+from feedback.spool import Spool, SpooledRecord
+
+log = logging.getLogger(__name__)
+
+MAX_RECORD_BYTES = 900_000  # key + value; under Kafka's default message.max.bytes (1 MiB)
+MAX_BATCH_BYTES = 1_000_000  # one spool batch; below the producer's batch_size (atomic per partition)
+_TOPIC_ALREADY_EXISTS = 36
+
+
+def _accepts(addr: str, timeout_s: float = 1.0) -> bool:
+    host, _, port = addr.strip().rpartition(":")
+    try:
+        socket.create_connection((host or "localhost", int(port or 9092)), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+class KafkaBus(EventBus):
+    def __init__(self, bootstrap: str, spool_dir: str | Path, partitions: int = 12, client_id: str = "flywheel",
+                 *, replication: int = 1, send_timeout_s: float = 10.0,
+                 consumer_config: dict[str, Any] | None = None, spool_backoff_s: tuple[float, float] = (0.05, 2.0)):
+        """`send_timeout_s` bounds one delivery attempt (and connecting); `consumer_config` overrides
+        kafka-python consumer settings (e.g. a short `session_timeout_ms` in tests: a group settles
+        in about half the session timeout on tansu)."""
+        if partitions < 1:
+            raise ValueError(f"partitions must be >= 1, got {partitions}")
+        if replication < 1:
+            raise ValueError(f"replication must be >= 1, got {replication}")
+        if send_timeout_s < 2:
+            raise ValueError(f"send_timeout_s must be >= 2 (a producer needs time to connect), got {send_timeout_s}")
+        if not bootstrap:
+            raise ValueError(f"bootstrap must name at least one host:port, got {bootstrap!r}")
+        self.bootstrap, self.partitions, self.replication = bootstrap, partitions, replication
+        self.client_id, self.send_timeout_s = client_id, send_timeout_s
+        timeout_ms = int(send_timeout_s * 1000)
+        linger_ms = min(1000, timeout_ms // 4)
+        self._producer_config = dict(
+            bootstrap_servers=bootstrap, client_id=f"{client_id}-producer", acks="all", enable_idempotence=True,
+            allow_auto_create_topics=False, linger_ms=linger_ms, batch_size=2 * MAX_BATCH_BYTES,
+            max_request_size=2 * MAX_BATCH_BYTES + 100_000, delivery_timeout_ms=timeout_ms,
+            request_timeout_ms=timeout_ms - linger_ms, max_block_ms=timeout_ms, bootstrap_timeout_ms=timeout_ms)
+        self._consumer_config = dict(
+            bootstrap_servers=bootstrap, client_id=f"{client_id}-consumer", enable_auto_commit=False,
+            auto_offset_reset="earliest", allow_auto_create_topics=False, session_timeout_ms=10_000,
+            heartbeat_interval_ms=1_000, bootstrap_timeout_ms=timeout_ms)
+        self._consumer_config.update(consumer_config or {})
+        self._producer: KafkaProducer | None = None
+        self._admin: KafkaAdminClient | None = None
+        self._admin_lock = threading.Lock()
+        self._ready_topics: set[str] = set()  # created (or found) since the last delivery failure
+        self._closed = False
+        self.spool = Spool(spool_dir, self._deliver, retriable=(KafkaError, OSError), backoff_s=spool_backoff_s,
+                           max_batch_bytes=MAX_BATCH_BYTES)
+
+    # ---- producing ------------------------------------------------------------------------------
+    def publish(self, topic: str, key: str, value: bytes) -> None:
+        if self._closed:
+            raise RuntimeError("bus is closed")
+        _check_name("topic", topic)
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"key must be a non-empty str (the completion id), got {key!r}")
+        if not isinstance(value, (bytes, bytearray)):
+            raise ValueError(f"value must be bytes, got {type(value).__name__}")
+        size = len(key.encode()) + len(value)
+        if size > MAX_RECORD_BYTES:
+            raise ValueError(f"record of key {key!r} is {size} bytes, more than the {MAX_RECORD_BYTES} a "
+                             f"Kafka record may hold")
+        self.spool.publish(topic, key, bytes(value))
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        self.spool.flush(timeout_s)
+
+    @property
+    def healthy(self) -> bool:
+        return self.spool.healthy
+
+    @property
+    def backlog(self) -> int:
+        return self.spool.backlog
+
+    def _deliver(self, batch: list[SpooledRecord]) -> None:
+        """Send `batch` in order and return once the broker acknowledged all of it (acks=all)."""
+        try:
+            if self._producer is None:  # first: it fails cleanly while the broker is down
+                self._producer = KafkaProducer(**self._producer_config)
+            for topic in sorted({r.topic for r in batch} - self._ready_topics):
+                self.ensure_topic(topic)
+                self._ready_topics.add(topic)
+            futures = [self._producer.send(r.topic, key=r.key.encode(), value=r.value) for r in batch]
+            self._producer.flush(timeout=self.send_timeout_s + 5)  # futures end within delivery_timeout_ms
+            for f in futures:
+                if not f.is_done:
+                    raise KafkaTimeoutError(f"record not acknowledged within {self.send_timeout_s}s")
+                if f.failed():
+                    raise f.exception
+        except BaseException:
+            # Start afresh: a new producer id and sequence numbers, and topics checked again
+            # (a broker restarted with empty storage has neither our producer id nor our topics).
+            self._drop_producer()
+            self._ready_topics.clear()
+            raise
+
+    def _drop_producer(self) -> None:
+        producer, self._producer = self._producer, None
+        if producer is None:
+            return
+        try:
+            producer.close(timeout=self.send_timeout_s + 5)
+        except KafkaError as e:  # records still pending past the delivery timeout; the next producer resends
+            log.warning("kafka bus: closing the failed producer: %r", e)
+
+    def ensure_topic(self, topic: str) -> None:
+        """Create `topic` with the bus's partitions and replication unless it exists."""
+        _check_name("topic", topic)
+        with self._admin_lock:
+            admin = self._admin_client()
+            result = admin.create_topics(
+                {topic: {"num_partitions": self.partitions, "replication_factor": self.replication}},
+                raise_errors=False)
+            code = result["topics"][0]["error_code"]
+            if code == 0:
+                admin.wait_for_topics([topic], timeout_ms=int(self.send_timeout_s * 1000))
+                log.info("kafka bus: created topic %s (%d partitions, replication %d)", topic,
+                         self.partitions, self.replication)
+            elif code != _TOPIC_ALREADY_EXISTS:
+                raise for_code(code)(f"creating topic {topic!r}: {result['topics'][0]['error_message']}")
+
+    def _admin_client(self) -> KafkaAdminClient:
+        """One admin client for the bus's life (it reconnects by itself after an outage).
+
+        kafka-python leaves the I/O thread of an admin client whose bootstrap failed running, so
+        a refused connection is detected first with a plain socket and raised as a KafkaError.
+        """
+        if self._admin is None:
+            timeout_ms = int(self.send_timeout_s * 1000)
+            if not any(_accepts(addr) for addr in self.bootstrap.split(",")):
+                raise KafkaConnectionError(f"no broker of {self.bootstrap!r} accepts connections")
+            self._admin = KafkaAdminClient(bootstrap_servers=self.bootstrap, client_id=f"{self.client_id}-admin",
+                                           bootstrap_timeout_ms=timeout_ms, request_timeout_ms=timeout_ms)
+        return self._admin
+
+    # ---- consuming ------------------------------------------------------------------------------
+    def consumer(self, topic: str, group: str) -> "KafkaBusConsumer":
+        if self._closed:
+            raise RuntimeError("bus is closed")
+        _check_name("topic", topic)
+        _check_name("group", group)
+        self.ensure_topic(topic)
+        return KafkaBusConsumer(topic, KafkaConsumer(topic, group_id=group, **self._consumer_config))
+
+    def close(self, flush_timeout_s: float = 5.0) -> None:
+        """Forward what can be forwarded within `flush_timeout_s` (the rest stays spooled), then stop."""
+        if self._closed:
+            return
+        self._closed = True
+        self.spool.close(flush_timeout_s=flush_timeout_s)
+        self._drop_producer()
+        with self._admin_lock:
+            if self._admin is not None:
+                self._admin.close()
+                self._admin = None
+
+
+class KafkaBusConsumer(Consumer):
+    def __init__(self, topic: str, consumer: KafkaConsumer):
+        self.topic, self._c = topic, consumer
+        self._committed: dict[int, int] = {}
+        self._closed = False
+
+    def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Record]:
+        if self._closed:
+            raise RuntimeError("consumer is closed")
+        got = self._c.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        return [Record(m.topic, m.partition, m.offset, m.key.decode() if m.key is not None else "", m.value)
+                for tp in sorted(got, key=lambda tp: tp.partition) for m in got[tp]]
+
+    def assignment(self) -> list[int]:
+        """Partitions this member owns now (empty until the group has settled)."""
+        return sorted(tp.partition for tp in self._c.assignment())
+
+    def commit(self, records: list[Record]) -> None:
+        positions: dict[int, int] = {}
+        for r in records:
+            if r.topic != self.topic:
+                raise ValueError(f"record of topic {r.topic!r} committed on a consumer of {self.topic!r}")
+            positions[r.partition] = max(positions.get(r.partition, 0), r.offset + 1)
+        offsets = {TopicPartition(self.topic, p): OffsetAndMetadata(o, "", -1) for p, o in positions.items()
+                   if o > self._committed.get(p, 0)}
+        if not offsets:
+            return
+        try:
+            self._c.commit(offsets)
+        except CommitFailedError as e:
+            # The group rebalanced: these partitions belong to another member now, which starts from
+            # the last committed position, so the records are delivered again (and deduplicated).
+            log.warning("kafka bus: commit of %s on %s failed after a rebalance; they will be redelivered: %r",
+                        positions, self.topic, e)
+            return
+        for p, o in positions.items():
+            self._committed[p] = max(self._committed.get(p, 0), o)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._c.close(autocommit=False)

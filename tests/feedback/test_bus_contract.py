@@ -1,0 +1,274 @@
+"""The event-bus contract, one suite for both implementations: the embedded log and Kafka (tansu).
+
+Per-key order, commit-after-processing, redelivery of what was not committed, committed positions
+that outlive the bus, independent groups, a group's members splitting the partitions, and the
+ValueErrors for user mistakes. Kafka runs marked `kafka` against a real broker.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections import Counter, defaultdict
+
+import pytest
+
+from feedback.bus import Consumer, EventBus, Record
+from feedback.bus_embedded import EmbeddedBus
+from feedback.bus_kafka import KafkaBus
+from feedback.events import TOPICS, CompletionEvent, RoutedExperts
+from feedback.sink import BusSink
+from tests.feedback.conftest import FAST_CONSUMER
+
+PARTITIONS = 4
+
+
+class Harness:
+    """A bus of one kind that can be closed and opened again on the same storage; it closes every
+    consumer and bus it made (a Kafka consumer left open would hold its group)."""
+
+    def __init__(self, kind: str, tmp_path, bootstrap: str | None):
+        self.kind, self.tmp_path, self.bootstrap = kind, tmp_path, bootstrap
+        self.consumers: list[Consumer] = []
+        self.buses: list[EventBus] = []
+        self.bus = self.open()
+        self.quiet_s = 1.0 if kind == "kafka" else 0.2  # how long "nothing more arrives" is watched
+
+    def open(self) -> EventBus:
+        if self.kind == "embedded":
+            bus: EventBus = EmbeddedBus(self.tmp_path / "bus", partitions=PARTITIONS)
+        else:
+            bus = KafkaBus(self.bootstrap, self.tmp_path / "spool", partitions=PARTITIONS,
+                           send_timeout_s=5, consumer_config=FAST_CONSUMER)
+        self.buses.append(bus)
+        return bus
+
+    def reopen(self) -> EventBus:
+        self.bus.close()
+        self.bus = self.open()
+        return self.bus
+
+    def consumer(self, topic: str, group: str) -> Consumer:
+        c = self.bus.consumer(topic, group)
+        self.consumers.append(c)
+        return c
+
+    def assignment(self, c: Consumer) -> list[int]:
+        if self.kind == "kafka":
+            return c.assignment()  # type: ignore[attr-defined]
+        return self.bus._assigned(c)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        for c in self.consumers:
+            c.close()
+        for b in self.buses:
+            b.close()
+
+
+@pytest.fixture(params=["embedded", pytest.param("kafka", marks=pytest.mark.kafka)])
+def h(request, tmp_path):
+    bootstrap = request.getfixturevalue("running_broker").bootstrap if request.param == "kafka" else None
+    harness = Harness(request.param, tmp_path, bootstrap)
+    yield harness
+    harness.close()
+
+
+def new_name(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def publish(bus: EventBus, topic: str, n: int, start: int = 0, keys: int = 10) -> list[Record]:
+    """n events with unique ids; key = one of `keys` completion ids. Returns what was sent (no offsets)."""
+    sent = []
+    for i in range(start, start + n):
+        key, value = f"cmp-{i % keys}", json.dumps({"event_id": f"ev-{i:06d}", "i": i}).encode()
+        bus.publish(topic, key, value)
+        sent.append(Record(topic, -1, -1, key, value))
+    bus.flush(30)
+    return sent
+
+
+def drain(c: Consumer, n: int, quiet_s: float, commit: bool = False, timeout_s: float = 30.0) -> list[Record]:
+    """Poll until `n` records came, then keep polling `quiet_s` more to catch any extra."""
+    out: list[Record] = []
+    deadline = time.monotonic() + timeout_s
+    while len(out) < n and time.monotonic() < deadline:
+        got = c.poll(max_records=100, timeout_s=0.5)
+        out += got
+        if commit and got:
+            c.commit(got)
+    quiet_until = time.monotonic() + quiet_s
+    while time.monotonic() < quiet_until:
+        got = c.poll(max_records=100, timeout_s=0.2)
+        out += got
+        if commit and got:
+            c.commit(got)
+    return out
+
+
+def ids(records) -> list[str]:
+    return [json.loads(r.value)["event_id"] for r in records]
+
+
+def by_key(records) -> dict[str, list[str]]:
+    out = defaultdict(list)
+    for r in records:
+        out[r.key].append(json.loads(r.value)["event_id"])
+    return dict(out)
+
+
+def test_per_key_order(h):
+    topic = new_name("order")
+    sent = publish(h.bus, topic, 200, keys=7)
+    got = drain(h.consumer(topic, new_name("g")), 200, h.quiet_s)
+    assert len(got) == 200
+    assert by_key(got) == by_key(sent)  # same events per key, in publish order
+    for p in {r.partition for r in got}:
+        offsets = [r.offset for r in got if r.partition == p]
+        assert offsets == sorted(offsets) and len(set(offsets)) == len(offsets)
+
+
+def test_group_that_commits_consumes_everything_exactly_once(h):
+    topic = new_name("once")
+    sent = publish(h.bus, topic, 120)
+    group = new_name("g")
+    a = h.consumer(topic, group)
+    got = drain(a, 120, h.quiet_s, commit=True)
+    assert Counter(ids(got)) == Counter(ids(sent))  # each once: no loss, no repeat
+    a.close()
+    b = h.consumer(topic, group)
+    assert drain(b, 0, h.quiet_s + 0.5) == []  # everything was committed
+
+
+def test_uncommitted_records_are_redelivered_to_the_next_member(h):
+    topic = new_name("redeliver")
+    sent = publish(h.bus, topic, 60)
+    group = new_name("g")
+    a = h.consumer(topic, group)
+    first: list[Record] = []
+    deadline = time.monotonic() + 30
+    while not first and time.monotonic() < deadline:
+        first = a.poll(max_records=15, timeout_s=0.5)
+    assert 0 < len(first) <= 15
+    a.commit(first)  # processed; the rest is read but not committed
+    rest = drain(a, 60 - len(first), 0.0)
+    assert len(first) + len(rest) == 60
+    a.close()
+
+    committed = defaultdict(int)
+    for r in first:
+        committed[r.partition] = max(committed[r.partition], r.offset + 1)
+    expected = [r for r in first + rest if r.offset >= committed[r.partition]]
+    b = h.consumer(topic, group)
+    again = drain(b, len(expected), h.quiet_s)
+    assert sorted(ids(again)) == sorted(ids(expected))
+    assert set(ids(again)) | set(ids(first)) == set(ids(sent))
+
+
+def test_committed_position_survives_reopening_the_bus(h):
+    topic = new_name("durable")
+    publish(h.bus, topic, 40)
+    group = new_name("g")
+    a = h.consumer(topic, group)
+    assert len(drain(a, 40, h.quiet_s, commit=True)) == 40
+    a.close()
+    h.reopen()
+    later = publish(h.bus, topic, 25, start=40)
+    b = h.consumer(topic, group)
+    got = drain(b, 25, h.quiet_s)
+    assert sorted(ids(got)) == sorted(ids(later))
+
+
+def test_two_groups_each_see_everything(h):
+    topic = new_name("groups")
+    sent = publish(h.bus, topic, 50)
+    for group in (new_name("joiner"), new_name("audit")):
+        got = drain(h.consumer(topic, group), 50, h.quiet_s, commit=True)
+        assert Counter(ids(got)) == Counter(ids(sent)), group
+
+
+def _two_members(h) -> None:
+    topic = new_name("split")
+    group = new_name("g")
+    members = [h.consumer(topic, group), h.consumer(topic, group)]
+    got: dict[int, list[Record]] = {0: [], 1: []}
+    assigned: dict[int, list[int]] = {0: [], 1: []}
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            while not stop.is_set():
+                recs = members[i].poll(max_records=50, timeout_s=0.2)
+                assigned[i] = h.assignment(members[i])
+                if recs:
+                    got[i].extend(recs)
+                    members[i].commit(recs)
+        except BaseException as e:  # surfaced by the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not (assigned[0] and assigned[1] and sorted(assigned[0] + assigned[1]) == list(range(PARTITIONS))):
+            assert time.monotonic() < deadline, f"group did not settle: {assigned}"
+            assert not errors, errors
+            time.sleep(0.1)
+        settled = {i: list(assigned[i]) for i in (0, 1)}
+        sent = publish(h.bus, topic, 200, keys=40)
+        deadline = time.monotonic() + 30
+        while len(got[0]) + len(got[1]) < 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(h.quiet_s)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=10)
+    assert not errors, errors
+    assert settled[0] and settled[1] and not set(settled[0]) & set(settled[1])
+    for i in (0, 1):
+        assert got[i], f"member {i} got nothing"
+        assert {r.partition for r in got[i]} <= set(settled[i])
+    assert Counter(ids(got[0] + got[1])) == Counter(ids(sent))  # together: everything, once
+
+
+@pytest.mark.parametrize("h", ["embedded", pytest.param("kafka", marks=[pytest.mark.kafka, pytest.mark.slow])],
+                         indirect=True)
+def test_two_members_split_the_partitions(h):
+    _two_members(h)
+
+
+def test_bad_topic_or_value_is_a_value_error(h):
+    with pytest.raises(ValueError, match="bad topic!"):
+        h.bus.publish("bad topic!", "k", b"v")
+    with pytest.raises(ValueError, match="str"):
+        h.bus.publish("fine", "k", "not bytes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="''"):
+        h.bus.consumer("", "g")
+    with pytest.raises(ValueError, match="a/b"):
+        h.bus.consumer("fine", "a/b")
+
+
+def test_bus_sink_publishes_completions_keyed_by_completion_id(h):
+    import asyncio
+
+    sink = BusSink(h.bus)
+    events = [CompletionEvent(tenant="acme", completion_id=f"cmpl-{i}", model_version="v1", endpoint="completions",
+                              prompt_ids=[1, 2, 3], output_ids=[4, 5], logprobs=[-0.5, -1.0],
+                              routed_experts=RoutedExperts.from_bytes((4, 1, 2), bytes(range(8))),
+                              text="hi", finish_reason="stop", params={}, latency_ms={"total": 1.0})
+              for i in range(5)]
+
+    async def record_all():
+        for e in events:
+            await sink.record(e)
+
+    asyncio.run(record_all())
+    h.bus.flush(30)
+    got = drain(h.consumer(TOPICS["completion"], new_name("sink")), 5, h.quiet_s)
+    assert len(got) == 5
+    assert {r.key: CompletionEvent.model_validate_json(r.value) for r in got} == {e.completion_id: e for e in events}

@@ -1,0 +1,167 @@
+"""A broker outage in the middle of a stream of events loses nothing and reorders nothing.
+
+A producer thread publishes N feedback/completion-like events (unique event ids, 30 completion
+ids as keys) at a steady pace. Partway through, the broker is killed; publishing goes on — it never
+raises and never blocks for more than a few ms — and the spool's backlog grows; then an empty
+broker comes back on the same port and the spool delivers the rest.
+
+tansu keeps its data in memory, so the kill also destroys what the first broker held. To still
+count every event, the test holds the spool (`Spool.hold`: the batch in flight finishes, nothing
+new is sent), reads everything the first broker acknowledged — exactly `forwarded` events — and
+only then kills it. Phase 1 (before the kill) plus phase 2 (after the restart) must be exactly the
+N events, each once after dropping repeated event ids, in publish order per completion id.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from feedback.bus_kafka import KafkaBus
+from feedback.events import TOPICS
+from feedback.spool import Deduper
+from tests.feedback.conftest import FAST_CONSUMER
+
+pytestmark = pytest.mark.kafka
+
+N, KEYS = 600, 30
+# The producer waits at DOWN_AT until the broker is down and at UP_AT until it is back, so that
+# events [DOWN_AT, RESTART_AFTER) certainly meet a dead broker and [UP_AT, N) a restarted one.
+DOWN_AT, RESTART_AFTER, UP_AT = 200, 400, 500
+PACE_S = 0.002
+
+
+def event(i: int) -> tuple[str, str, bytes]:
+    key = f"cmpl-{i % KEYS:03d}"
+    kind = "completion" if i < KEYS else "feedback"  # each completion id first, then its feedback
+    body = {"event_id": f"evt-{i:06d}", "tenant": "acme", "type": kind, "completion_id": key, "seq": i}
+    return key, body["event_id"], json.dumps(body).encode()
+
+
+def consume(bus: KafkaBus, group: str, expected: int, dedupe: Deduper, timeout_s: float = 60.0):
+    """Read until `expected` new event ids arrived (and 1 s more); commit after processing.
+    Returns (kept (key, event_id) in arrival order, number of repeats dropped)."""
+    c = bus.consumer(TOPICS["feedback"], group)
+    kept, repeats = [], 0
+    try:
+        deadline = time.monotonic() + timeout_s
+        quiet_until = None
+        while quiet_until is None or time.monotonic() < quiet_until:
+            assert time.monotonic() < deadline, f"only {len(kept)} of {expected} events arrived"
+            records = c.poll(max_records=200, timeout_s=0.2)
+            for r in records:
+                eid = json.loads(r.value)["event_id"]
+                if dedupe.seen(eid):
+                    repeats += 1
+                else:
+                    kept.append((r.key, eid))
+            c.commit(records)
+            if quiet_until is None and len(kept) >= expected:
+                quiet_until = time.monotonic() + 1.0
+    finally:
+        c.close()
+    return kept, repeats
+
+
+def test_broker_outage_mid_stream_loses_and_reorders_nothing(kafka_broker, tmp_path):
+    bus = KafkaBus(kafka_broker.bootstrap, tmp_path / "spool", partitions=6, send_timeout_s=2,
+                   consumer_config=FAST_CONSUMER, spool_backoff_s=(0.05, 0.5))
+    broker_down, broker_up, published = threading.Event(), threading.Event(), [0]
+    latencies_down: list[float] = []
+    errors: list[BaseException] = []
+
+    def produce() -> None:
+        try:
+            for i in range(N):
+                if i == DOWN_AT:
+                    assert broker_down.wait(60), "broker was never stopped"
+                if i == UP_AT:
+                    assert broker_up.wait(60), "broker was never started again"
+                key, _, value = event(i)
+                t0 = time.perf_counter()
+                bus.publish(TOPICS["feedback"], key, value)
+                dt = time.perf_counter() - t0
+                if not kafka_broker.running:
+                    latencies_down.append(dt)
+                published[0] = i + 1
+                time.sleep(PACE_S)
+        except BaseException as e:  # surfaced by the assertions below
+            errors.append(e)
+
+    def wait_published(n: int) -> None:
+        deadline = time.monotonic() + 60
+        while published[0] < n:
+            assert not errors, errors
+            assert time.monotonic() < deadline, f"producer stuck at {published[0]}"
+            time.sleep(0.01)
+
+    producer = threading.Thread(target=produce, daemon=True)
+    dedupe = Deduper()
+    try:
+        producer.start()
+        wait_published(150)
+
+        # Phase 1: everything the first broker acknowledged is consumed, then the broker dies.
+        with bus.spool.hold() as forwarded_before_stop:
+            assert 0 < forwarded_before_stop <= DOWN_AT
+            phase1, repeats1 = consume(bus, "joiner", forwarded_before_stop, dedupe)
+            assert len(phase1) == forwarded_before_stop
+            kafka_broker.stop()
+        broker_down.set()
+
+        # Down: publishing goes on (into the spool); the forwarder fails and retries.
+        wait_published(RESTART_AFTER)
+        deadline = time.monotonic() + 30
+        while bus.spool.failures < 1:
+            assert time.monotonic() < deadline, "the forwarder never noticed the broker was down"
+            time.sleep(0.05)
+        assert bus.healthy
+        published_so_far = published[0]
+        assert bus.backlog >= published_so_far - forwarded_before_stop  # nothing left the machine
+        assert bus.spool.forwarded == forwarded_before_stop
+
+        # Back up (empty): the rest is delivered, while the producer keeps going.
+        kafka_broker.start()
+        broker_up.set()
+        producer.join(timeout=60)
+        assert not producer.is_alive() and not errors, errors
+        assert published[0] == N
+        bus.flush(timeout_s=60)
+        assert bus.backlog == 0
+        phase2, repeats2 = consume(bus, "joiner", N - forwarded_before_stop, dedupe)
+    finally:
+        broker_down.set()
+        broker_up.set()
+        bus.close(flush_timeout_s=0)
+        if not kafka_broker.running:
+            kafka_broker.start()
+
+    # Exact accounting over both phases.
+    assert len(phase1) == forwarded_before_stop
+    assert len(phase2) == N - forwarded_before_stop
+    all_ids = [e for _, e in phase1 + phase2]
+    assert Counter(all_ids) == Counter(event(i)[1] for i in range(N))  # N distinct events, each once
+    assert repeats1 == 0 and not {e for _, e in phase2} & {e for _, e in phase1}
+
+    # Per completion id, the publish order.
+    for k in range(KEYS):
+        key = f"cmpl-{k:03d}"
+        got = [e for kk, e in phase1 + phase2 if kk == key]
+        assert got == [event(i)[1] for i in range(k, N, KEYS)], key
+
+    # Publishing while the broker was down never waited for it: a spool append (one fsync) per call.
+    # Waiting for the dead broker would take send_timeout_s (2 s); the bounds leave room for a busy
+    # 2-core machine (GIL and fsync jitter), not for a network timeout.
+    assert len(latencies_down) >= RESTART_AFTER - DOWN_AT
+    lat = sorted(latencies_down)
+    p95 = lat[int(0.95 * len(lat))]
+    assert statistics.median(lat) < 0.01 and p95 < 0.03 and lat[-1] < 0.1, (statistics.median(lat), p95, lat[-1])
+    print(f"\noutage: {forwarded_before_stop} delivered before the kill, {N - forwarded_before_stop} after the "
+          f"restart, {repeats2} repeats dropped, {bus.spool.failures} failed delivery attempts, publish while "
+          f"down: median {statistics.median(lat) * 1e3:.2f} ms, p95 {p95 * 1e3:.2f} ms, max {lat[-1] * 1e3:.2f} ms "
+          f"over {len(lat)} calls")
