@@ -89,11 +89,16 @@ class LearnerService:
         if self.state_path.is_file():
             self.state = json.loads(self.state_path.read_text())
         else:
-            vid = self._free_id(0)
+            # The base keeps the name the gateway serves it under (its folder's name), so samples it
+            # served are attributed to it.
+            vid = Path(base_dir).name
             shutil.copytree(base_dir, self.models_dir / vid, dirs_exist_ok=True)
-            base = self.registry.register(version_id=vid, parent_id=None, notes=f"copied from {base_dir}",
-                                          files=[self._file_entry(self.models_dir / vid, "snapshot", vid)],
-                                          reason="learner started from the base model")
+            try:
+                base = self.registry.get(vid)
+            except UnknownVersion:
+                base = self.registry.register(version_id=vid, parent_id=None, notes=f"copied from {base_dir}",
+                                              files=[self._file_entry(self.models_dir / vid, "snapshot", vid)],
+                                              reason="learner started from the base model")
             self.state = {"current": base.id, "versions": [base.id], "dirs": {base.id: str(self.models_dir / vid)},
                           "positions": {}, "trained_ids": []}
             _atomic_json(self.state_path, self.state)

@@ -20,7 +20,7 @@ N = 40
 def samples(tiny_checkpoint):
     eng = EmbeddedEngine(max_batch=16, max_model_len=128)
     try:
-        eng.add_version("v0000", tiny_checkpoint)
+        eng.add_version(tiny_checkpoint.name, tiny_checkpoint)
         tok = eng.tokenizer()
         outs = eng.generate([tok.encode_prompt(f"# add {i % 9} to x\ndef f(x):\n") for i in range(N)],
                             [SamplingParams(max_tokens=10, seed=i) for i in range(N)])
@@ -61,11 +61,11 @@ def test_updates_on_cadence_and_registers_candidates(tmp_path, tiny_checkpoint, 
     reg = svc.registry
     v4 = reg.get("v0004")
     assert v4.status == "candidate" and v4.parent_id == "v0003"
-    assert {v.id for v in reg.lineage("v0004")} >= {"v0000", "v0001", "v0002", "v0003"}
+    assert {v.id for v in reg.lineage("v0004")} >= {tiny_checkpoint.name, "v0001", "v0002", "v0003"}
     f = v4.files[0]
     assert (f["path"] if isinstance(f, dict) else f.path) == "v0004/model.safetensors"
     assert (tmp_path / "models" / "v0004" / "model.safetensors").is_file()
-    assert "ratio_mean" in v4.metrics and "abs_dlogp_max" not in v4.metrics  # served by v0000, not v0003
+    assert "ratio_mean" in v4.metrics and "abs_dlogp_max" not in v4.metrics  # served by the base, not v0003
     v1 = reg.get("v0001")  # trained on samples its parent served: serving-vs-trainer mismatch measured
     assert v1.metrics["abs_dlogp_max"] < 1e-4 and v1.metrics["routing_disagreement"] == 0.0
     ranges = v1.data_range["flywheel.samples"]
@@ -78,8 +78,8 @@ def test_stale_samples_are_dropped_and_counted(tmp_path, tiny_checkpoint, sample
     bus = EmbeddedBus(tmp_path / "bus")
     svc = make(tmp_path, tiny_checkpoint, bus, max_staleness=1)
     publish(bus, samples[:30])
-    drain(svc)  # every sample was served by v0000
-    # samples 0-9 trained at v0000 (fresh), 10-19 at v0001 (1 behind: kept), 20-29 at v0002 (2 behind:
+    drain(svc)  # every sample was served by the base version
+    # samples 0-9 trained at the base (fresh), 10-19 at v0001 (1 behind: kept), 20-29 at v0002 (2 behind:
     # all dropped, so no new version)
     assert svc.current == "v0002"
     assert svc.counters["trained"] == 20 and svc.counters["dropped_stale"] == 10
@@ -134,8 +134,8 @@ def test_offline_groups_are_mixed_into_the_next_update(tmp_path, tiny_checkpoint
     svc = make(tmp_path, tiny_checkpoint, bus)
     eng = EmbeddedEngine(max_batch=32, max_model_len=128)
     try:
-        eng.add_version("v0000", tiny_checkpoint)
-        batch = rollout_groups(eng, "v0000", sample_tasks(8, seed=3), group_size=4, weight=0.5, temperature=1.5,
+        eng.add_version(tiny_checkpoint.name, tiny_checkpoint)
+        batch = rollout_groups(eng, tiny_checkpoint.name, sample_tasks(8, seed=3), group_size=4, weight=0.5, temperature=1.5,
                                reward_fn=lambda task, text, check: float(len(text) % 2))
     finally:
         eng.shutdown()
