@@ -32,6 +32,10 @@ def build_engine(settings: Settings):
     if settings.engine == "vllm":
         from serving.vllm_engine import VLLMEngine  # heavy and optional: imported only when asked for
         engine = VLLMEngine(max_model_len=settings.max_model_len)
+    elif settings.engine == "process":
+        from serving.engine_process import ProcessEngine
+        engine = ProcessEngine(max_batch=settings.max_batch, max_model_len=settings.max_model_len,
+                               threads=settings.torch_threads or 2, seed=settings.seed)
     else:
         from serving.engine import EmbeddedEngine
         engine = EmbeddedEngine(max_batch=settings.max_batch, max_model_len=settings.max_model_len,

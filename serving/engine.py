@@ -81,8 +81,10 @@ class StreamEvent:
 class RequestHandle:
     """What `submit` returns: iterate (sync or async) for stream events, or wait for the result."""
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None, stream: bool = True):
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None, stream: bool = True,
+                 sink=None):
         self.request_id = request_id
+        self._sink = sink  # a callable taking each StreamEvent instead of the queues (the engine process)
         self.stream = stream  # False: only the final event (the whole completion) is delivered
         self._loop = loop
         self._aq: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
@@ -94,7 +96,9 @@ class RequestHandle:
         self.cancelled = True
 
     def _post(self, ev: StreamEvent) -> None:
-        if self._loop is not None:
+        if self._sink is not None:
+            self._sink(ev)
+        elif self._loop is not None:
             try:
                 self._loop.call_soon_threadsafe(self._aq.put_nowait, ev)
             except RuntimeError:  # the caller's loop is gone; nobody is listening any more
@@ -175,7 +179,7 @@ class _Version:
 
 class EmbeddedEngine:
     def __init__(self, max_batch: int = 64, max_model_len: int = 256, threads: int | None = 1,
-                 max_prefill_tokens: int = 2048, seed: int = 0):
+                 max_prefill_tokens: int = 2048, seed: int = 0, start_thread: bool = True):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.max_batch, self.max_model_len = max_batch, max_model_len
@@ -191,8 +195,12 @@ class EmbeddedEngine:
         self._ids = itertools.count()
         self.failure: BaseException | None = None
         self.default_version: str | None = None
+        # start_thread=False: the caller runs `run_loop()` on a thread of its own (the engine process runs
+        # it on its main thread, where torch's 2-thread parallel regions cost what they should).
         self._thread = threading.Thread(target=self._run, name="flywheel-engine", daemon=True)
-        self._thread.start()
+        self._own_thread = start_thread
+        if start_thread:
+            self._thread.start()
 
     # ---- versions -------------------------------------------------------------------------
     def add_version(self, name: str, source: str | Path | Transformer, tokenizer: Tokenizer | None = None,
@@ -254,10 +262,17 @@ class EmbeddedEngine:
     # ---- requests -------------------------------------------------------------------------
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.failure is None
+        running = self._thread.is_alive() if self._own_thread else not self._stop.is_set()
+        return running and self.failure is None
+
+    def run_loop(self) -> None:
+        """Run the scheduling loop on the calling thread until `shutdown()` (with start_thread=False)."""
+        if self._own_thread:
+            raise RuntimeError("the engine loop already runs on its own thread")
+        self._run()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, version: str | None = None,
-               request_id: str | None = None, stream: bool = True) -> RequestHandle:
+               request_id: str | None = None, stream: bool = True, sink=None) -> RequestHandle:
         """Queue a request; thread-safe. From inside an event loop the handle is async-iterable.
         `stream=False` delivers only the final event: no per-token wake-ups of the caller."""
         if not self.alive:
@@ -277,7 +292,7 @@ class EmbeddedEngine:
         except RuntimeError:
             loop = None
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
-        handle = RequestHandle(rid, loop, stream)
+        handle = RequestHandle(rid, None if sink else loop, stream, sink)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         seq = _Seq(rid, list(prompt_ids), params, handle, gen, time.perf_counter())
         self._inbox.put((v.name, seq))
@@ -294,7 +309,8 @@ class EmbeddedEngine:
     def shutdown(self) -> None:
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=30)
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
 
     # ---- the loop -------------------------------------------------------------------------
     def _run(self) -> None:

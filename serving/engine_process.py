@@ -1,0 +1,252 @@
+"""The embedded engine in a process of its own: the gateway talks to it through typed messages.
+
+Why: in one process the HTTP event loop and the engine share the interpreter lock, and torch's
+parallel regions on a second thread are slow once another thread has used them (see
+serving/engine.py). Here the engine's scheduling loop runs on the *main thread* of a spawned
+process with its own torch threads; a reader thread of that process takes requests off a pipe.
+The gateway side (`ProcessEngine`) implements the same interface as `EmbeddedEngine`
+(`serving.interface.Engine`): it validates requests locally (context length, vocabulary) so bad
+input fails at once with a `ValueError`, and a reader thread dispatches the engine's stream events
+to the right `RequestHandle`.
+
+Messages, parent → child: ("call", id, op, args) for add_version / remove_version /
+update_weights / shutdown; ("submit", request_id, prompt_ids, params, version, stream);
+("cancel", request_id). Child → parent: ("reply", id, ok, value_or_error);
+("event", request_id, StreamEvent); ("dead", repr(error)) when the engine loop fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing as mp
+import threading
+import uuid
+from concurrent.futures import Future
+from pathlib import Path
+
+from serving.checkpoint import read_config
+from serving.engine import Completion, EngineError, RequestHandle, StreamEvent
+from serving.sampling import SamplingParams
+from serving.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def _child_main(conn, cfg: dict) -> None:
+    import torch
+
+    from serving.engine import EmbeddedEngine
+
+    torch.set_num_threads(cfg.pop("threads"))
+    engine = EmbeddedEngine(**cfg, threads=None, start_thread=False)
+    send_lock = threading.Lock()
+    handles: dict[str, RequestHandle] = {}
+
+    def send(msg) -> None:
+        with send_lock:
+            conn.send(msg)
+
+    def reader() -> None:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):  # the parent is gone: stop serving
+                engine.shutdown()
+                return
+            kind = msg[0]
+            if kind == "submit":
+                _, rid, prompt_ids, params, version, stream = msg
+
+                def sink(ev: StreamEvent, rid=rid) -> None:
+                    if ev.completion is not None or ev.error is not None:
+                        handles.pop(rid, None)
+                    send(("event", rid, ev))
+                try:
+                    handles[rid] = engine.submit(prompt_ids, params, version, request_id=rid, stream=stream,
+                                                 sink=sink)
+                except Exception as e:  # refused by the engine: the request fails, the engine goes on
+                    send(("event", rid, StreamEvent("", [], [], error=e)))
+            elif kind == "cancel":
+                h = handles.get(msg[1])
+                if h is not None:
+                    h.cancel()
+            elif kind == "call":
+                _, cid, op, args = msg
+                try:
+                    if op == "add_version":
+                        name, folder, default = args
+                        engine.add_version(name, folder, default=default)
+                        value = engine.context_length(name)
+                    elif op == "remove_version":
+                        engine.remove_version(*args)
+                        value = None
+                    elif op == "update_weights":
+                        engine.update_weights(*args)
+                        value = None
+                    elif op == "shutdown":
+                        send(("reply", cid, True, None))
+                        engine.shutdown()
+                        return
+                    else:
+                        raise ValueError(f"unknown engine operation {op!r}")
+                    send(("reply", cid, True, value))
+                except Exception as e:
+                    send(("reply", cid, False, e))
+
+    threading.Thread(target=reader, name="engine-pipe", daemon=True).start()
+    try:
+        engine.run_loop()
+    except BaseException as e:
+        send(("dead", repr(e)))
+        raise
+
+
+class ProcessEngine:
+    def __init__(self, max_batch: int = 64, max_model_len: int = 256, threads: int = 2, seed: int = 0,
+                 max_prefill_tokens: int = 2048):
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        cfg = dict(max_batch=max_batch, max_model_len=max_model_len, threads=threads, seed=seed,
+                   max_prefill_tokens=max_prefill_tokens)
+        self._proc = ctx.Process(target=_child_main, args=(child, cfg), name="flywheel-engine", daemon=True)
+        self._proc.start()
+        child.close()
+        self.max_model_len = max_model_len
+        self._send_lock = threading.Lock()
+        self._handles: dict[str, RequestHandle] = {}
+        self._calls: dict[int, Future] = {}
+        self._ids = itertools.count()
+        self._toks: dict[str, Tokenizer] = {}
+        self._args: dict[str, object] = {}
+        self._ctx: dict[str, int] = {}
+        self.default_version: str | None = None
+        self.failure: str | None = None
+        self._reader = threading.Thread(target=self._read_loop, name="engine-proxy", daemon=True)
+        self._reader.start()
+
+    # ---- plumbing -------------------------------------------------------------------------
+    def _send(self, msg) -> None:
+        with self._send_lock:
+            self._conn.send(msg)
+
+    def _call(self, op: str, *args, timeout: float = 300.0):
+        cid = next(self._ids)
+        fut: Future = Future()
+        self._calls[cid] = fut
+        self._send(("call", cid, op, args))
+        return fut.result(timeout)
+
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                self.failure = self.failure or "engine process exited"
+                break
+            if msg[0] == "event":
+                _, rid, ev = msg
+                h = self._handles.get(rid)
+                if h is not None:
+                    if ev.completion is not None or ev.error is not None:
+                        self._handles.pop(rid, None)
+                    h._post(ev)
+            elif msg[0] == "reply":
+                _, cid, ok, value = msg
+                fut = self._calls.pop(cid)
+                fut.set_result(value) if ok else fut.set_exception(value)
+            elif msg[0] == "dead":
+                self.failure = msg[1]
+                log.error("engine process failed: %s", msg[1])
+        err = EngineError(f"engine process is gone: {self.failure}")
+        for h in list(self._handles.values()):
+            h._post(StreamEvent("", [], [], error=err))
+        for fut in list(self._calls.values()):
+            fut.set_exception(err)
+
+    # ---- the Engine interface ---------------------------------------------------------------
+    def add_version(self, name: str, source: str | Path, tokenizer: Tokenizer | None = None,
+                    default: bool = False) -> None:
+        if not isinstance(source, (str, Path)):
+            raise ValueError("the engine process loads versions from checkpoint folders only")
+        args, _ = read_config(source)
+        tok = tokenizer or Tokenizer.from_file(Path(source))
+        self._ctx[name] = self._call("add_version", name, str(source), default)
+        self._toks[name], self._args[name] = tok, args
+        if default or self.default_version is None:
+            self.default_version = name
+
+    def remove_version(self, name: str) -> None:
+        self._call("remove_version", name)
+        for d in (self._toks, self._args, self._ctx):
+            d.pop(name, None)
+        if self.default_version == name:
+            self.default_version = next(iter(self._toks), None)
+
+    def update_weights(self, name: str, state_dict) -> None:
+        self._call("update_weights", name, state_dict)
+
+    @property
+    def versions(self) -> list[str]:
+        return list(self._toks)
+
+    @property
+    def alive(self) -> bool:
+        return self._proc.is_alive() and self._reader.is_alive() and self.failure is None
+
+    def _name(self, version: str | None) -> str:
+        name = version or self.default_version
+        if name not in self._toks:
+            raise KeyError(f"model version {name!r} is not loaded; loaded: {sorted(self._toks)}")
+        return name
+
+    def tokenizer(self, version: str | None = None) -> Tokenizer:
+        return self._toks[self._name(version)]
+
+    def model_args(self, version: str | None = None):
+        return self._args[self._name(version)]
+
+    def context_length(self, version: str | None = None) -> int:
+        return self._ctx[self._name(version)]
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, version: str | None = None,
+               request_id: str | None = None, stream: bool = True) -> RequestHandle:
+        if not self.alive:
+            raise EngineError(f"engine process is not running: {self.failure}")
+        name = self._name(version)
+        vocab = self._args[name].vocab_size
+        if not prompt_ids:
+            raise ValueError("prompt must contain at least one token")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        limit = self._ctx[name]
+        if len(prompt_ids) + params.max_tokens > limit:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"the model's context of {limit} tokens")
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        rid = request_id or f"cmpl-{uuid.uuid4().hex}"
+        handle = RequestHandle(rid, loop, stream)
+        handle.cancel = lambda: self._send(("cancel", rid))  # type: ignore[method-assign]
+        self._handles[rid] = handle
+        self._send(("submit", rid, list(prompt_ids), params, name, stream))
+        return handle
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 version: str | None = None) -> list[Completion]:
+        plist = params if isinstance(params, list) else [params] * len(prompt_ids)
+        handles = [self.submit(p, sp, version, stream=False) for p, sp in zip(prompt_ids, plist)]
+        return [h.result() for h in handles]
+
+    def shutdown(self) -> None:
+        if self._proc.is_alive():
+            try:
+                self._call("shutdown", timeout=30)
+            except Exception as e:  # already dying: make sure it is gone below
+                log.warning("engine process shutdown: %r", e)
+        self._proc.join(timeout=30)
+        if self._proc.is_alive():
+            self._proc.kill()
