@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -44,11 +45,24 @@ class UpdateResult:
     stats: dict[str, float]
 
 
+@dataclass(frozen=True)
+class Shard:
+    """This process's part of a data-parallel batch (`learner.distributed`): micro-batch losses are
+    weighted by their share of the *whole* batch, times `world_size` because the all-reduce averages."""
+
+    samples: int  # sequences in the whole batch, all ranks together
+    tokens: float  # completion tokens in the whole batch
+    world_size: int
+
+
 class Trainer:
     def __init__(self, model: Transformer, cfg: TrainerConfig, n_vocab: int | None, pad_id: int,
                  reference: Transformer | None = None):
         self.model, self.cfg, self.n_vocab, self.pad_id = model, cfg, n_vocab, pad_id
         self.reference = reference.eval() if reference is not None else None
+        # The loss's forward goes through this: the model itself, or a DistributedDataParallel wrapper
+        # of it (learner.distributed); `self.model` stays the plain Transformer either way.
+        self.forward_model: torch.nn.Module = model
         self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         self.baseline = RunningBaseline(cfg.baseline_decay, cfg.baseline_min_count)
         self.updates = 0
@@ -65,12 +79,20 @@ class Trainer:
         return torch.tensor(adv, dtype=torch.float32)
 
     def update(self, seqs: list[Sequence], group_advantages: list[float | None] | None = None,
-               behaviour_is_current: bool = False) -> UpdateResult:
+               behaviour_is_current: bool = False, *, advantages: torch.Tensor | None = None,
+               shard: Shard | None = None) -> UpdateResult:
+        """`advantages` (one per sequence) replaces `self.advantages(...)`, and then the baseline is not
+        touched; `shard` says `seqs` are this rank's part of a bigger batch (both: learner.distributed)."""
         if not seqs:
             raise ValueError("an update needs at least one sequence")
         t0 = time.perf_counter()
         args = self.model.args
-        adv = self.advantages(seqs, group_advantages)
+        if advantages is None:
+            adv = self.advantages(seqs, group_advantages)
+        elif tuple(advantages.shape) == (len(seqs),):
+            adv = advantages.to(torch.float32)
+        else:
+            raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected ({len(seqs)},)")
         weights = torch.tensor([s.weight for s in seqs], dtype=torch.float32)
         stats: dict[str, float] = {"samples": float(len(seqs)),
                                    "reward_mean": sum(s.reward for s in seqs) / len(seqs)}
@@ -81,22 +103,31 @@ class Trainer:
         if behaviour_is_current:  # the model still is the behaviour version: measure serving vs trainer
             self.model.eval()
             stats.update(mismatch_stats(self.model, batches[0], self.n_vocab))
-        self.model.train()
+        self.forward_model.train()
         agg: dict[str, float] = {}
         total_tokens = sum(float(b.mask_BT.sum()) for b in batches)
+        norm_samples, norm_tokens = (shard.samples, shard.tokens) if shard else (len(seqs), total_tokens)
+        grad_scale = shard.world_size if shard else 1
+        no_sync = getattr(self.forward_model, "no_sync", None)  # DDP: all-reduce on the last micro-batch only
         for _ in range(self.cfg.steps_per_update):
             self.opt.zero_grad(set_to_none=True)
-            for c, batch in zip(chunks, batches):
-                logp, _ = trainer_logprobs(self.model, batch, self.n_vocab, replay=self.cfg.replay)
-                ref = None
-                if self.reference is not None and self.cfg.loss.kl_coef > 0:
-                    with torch.no_grad():
-                        ref, _ = trainer_logprobs(self.reference, batch, self.n_vocab, replay=self.cfg.replay)
-                out = policy_loss(logp, batch.behaviour_BT, adv[c], batch.mask_BT, self.cfg.loss, ref, weights[c])
-                # Micro-batches weigh by their share of the batch (tokens or sequences, as normalised).
-                share = (float(batch.mask_BT.sum()) / total_tokens if self.cfg.loss.normalize == "token"
-                         else len(c) / len(seqs))
-                (out.loss * share).backward()
+            for k_mb, (c, batch) in enumerate(zip(chunks, batches)):
+                sync = nullcontext() if no_sync is None or k_mb == len(batches) - 1 else no_sync()
+                with sync:
+                    logp, _ = trainer_logprobs(self.forward_model, batch, self.n_vocab,
+                                               replay=self.cfg.replay)
+                    ref = None
+                    if self.reference is not None and self.cfg.loss.kl_coef > 0:
+                        with torch.no_grad():
+                            ref, _ = trainer_logprobs(self.reference, batch, self.n_vocab,
+                                                      replay=self.cfg.replay)
+                    out = policy_loss(logp, batch.behaviour_BT, adv[c], batch.mask_BT, self.cfg.loss, ref,
+                                      weights[c])
+                    # Micro-batches weigh by their share of the (whole) batch: tokens or sequences,
+                    # as normalised.
+                    share = (float(batch.mask_BT.sum()) / norm_tokens if self.cfg.loss.normalize == "token"
+                             else len(c) / norm_samples)
+                    (out.loss * (share * grad_scale)).backward()
                 for k, v in out.stats.items():
                     agg[k] = agg.get(k, 0.0) + v * share
             gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
@@ -106,7 +137,7 @@ class Trainer:
             stats["grad_norm"] = float(gn)
         for k, v in agg.items():
             stats[k] = v / self.cfg.steps_per_update
-        self.model.eval()
+        self.forward_model.eval()
         self.updates += 1
         stats["update_seconds"] = time.perf_counter() - t0
         stats["tokens_per_s"] = total_tokens * self.cfg.steps_per_update / stats["update_seconds"]
