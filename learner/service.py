@@ -43,6 +43,7 @@ from gating.registry import Registry, UnknownVersion
 from learner.samples import select
 from learner.trainer import Trainer, TrainerConfig
 from serving.checkpoint import WEIGHTS, load_checkpoint, save_checkpoint
+from serving.weight_store import DELTA_SUFFIX, WeightStore, shipping_state
 from serving.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class LearnerConfig(BaseModel):
     min_samples: int = Field(32, ge=1, description="Fewest samples a time-triggered update uses.")
     max_staleness: int = Field(2, ge=0, description="Drop samples served more than this many versions ago.")
     group: str = Field("learner", description="Consumer group on the sample topic.")
+    snapshot_every: int = Field(8, ge=1, description="Weight store: a full snapshot every N versions, deltas between.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The update itself.")
 
 
@@ -86,6 +88,8 @@ class LearnerService:
         self.models_dir = Path(models_dir)
         self.models_dir.mkdir(parents=True, exist_ok=True)
         self.state_path = self.models_dir / STATE
+        # What the serving fleet pulls: bf16 shipping weights, snapshots every N versions, lossless deltas.
+        self.store = WeightStore(self.models_dir / "store", snapshot_every=cfg.snapshot_every)
         if self.state_path.is_file():
             self.state = json.loads(self.state_path.read_text())
         else:
@@ -93,11 +97,14 @@ class LearnerService:
             # served are attributed to it.
             vid = Path(base_dir).name
             shutil.copytree(base_dir, self.models_dir / vid, dirs_exist_ok=True)
+            if vid not in self.store.versions():
+                self.store.put(vid, shipping_state(load_checkpoint(base_dir)))
             try:
                 base = self.registry.get(vid)
             except UnknownVersion:
                 base = self.registry.register(version_id=vid, parent_id=None, notes=f"copied from {base_dir}",
-                                              files=[self._file_entry(self.models_dir / vid, "snapshot", vid)],
+                                              files=[self._file_entry(self.models_dir / vid, "snapshot", vid),
+                                                     self._store_entry(vid)],
                                               reason="learner started from the base model")
             self.state = {"current": base.id, "versions": [base.id], "dirs": {base.id: str(self.models_dir / vid)},
                           "positions": {}, "trained_ids": []}
@@ -127,8 +134,15 @@ class LearnerService:
             try:
                 self.registry.get(vid)
             except UnknownVersion:
-                return vid
+                if vid not in self.store.versions():
+                    return vid
             n += 1
+
+    def _store_entry(self, version_id: str) -> dict:
+        path = self.store.path(version_id)
+        kind = "delta" if path.name.endswith(DELTA_SUFFIX) else "snapshot"
+        return {"path": str(path.relative_to(self.models_dir)), "sha256": _sha256(path),
+                "bytes": path.stat().st_size, "kind": kind}
 
     @staticmethod
     def _file_entry(folder: Path, kind: str, version_id: str) -> dict:
@@ -224,8 +238,11 @@ class LearnerService:
         # Registered before it is renamed into place: a crash in between leaves a registered candidate
         # whose folder is missing (the registry's file hash tells it apart), never a folder without a row.
         vid = self._free_id(len(self.state["versions"]))
+        shipped = self.store.put(vid, shipping_state(self.model), parent=self.current)
+        stats["shipping"] = {"kind": shipped.kind, "bytes": shipped.nbytes}
         version = self.registry.register(version_id=vid, parent_id=self.current, metrics=stats,
-                                         files=[self._file_entry(tmp, "snapshot", vid)],
+                                         files=[self._file_entry(tmp, "snapshot", vid), self._store_entry(vid)],
+                                         delta_base_id=self.current if shipped.kind == "delta" else None,
                                          data_range={TOPICS["sample"]: covered},
                                          reason=f"learner update {self.trainer.updates}")
         folder = self.models_dir / version.id

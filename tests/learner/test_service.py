@@ -3,6 +3,8 @@
 import json
 import random
 
+import torch
+
 import pytest
 
 from feedback.bus_embedded import EmbeddedBus
@@ -62,8 +64,17 @@ def test_updates_on_cadence_and_registers_candidates(tmp_path, tiny_checkpoint, 
     v4 = reg.get("v0004")
     assert v4.status == "candidate" and v4.parent_id == "v0003"
     assert {v.id for v in reg.lineage("v0004")} >= {tiny_checkpoint.name, "v0001", "v0002", "v0003"}
-    f = v4.files[0]
-    assert (f["path"] if isinstance(f, dict) else f.path) == "v0004/model.safetensors"
+    paths = {(f["path"] if isinstance(f, dict) else f.path): f for f in v4.files}
+    assert "v0004/model.safetensors" in paths
+    # the shipping artifact: a lossless delta on v0003 in the weight store, rebuilt bit-exactly
+    kinds = {p: (f["kind"] if isinstance(f, dict) else f.kind) for p, f in paths.items()}
+    assert kinds.get("store/v0004.delta") == "delta" or any(k == "delta" for k in kinds.values()), kinds
+    assert v4.delta_base_id == "v0003"
+    from serving.weight_store import shipping_state
+    from serving.checkpoint import load_checkpoint
+    rebuilt = svc.store.get("v0004")
+    expected = shipping_state(load_checkpoint(tmp_path / "models" / "v0004"))
+    assert rebuilt.keys() == expected.keys() and all(torch.equal(rebuilt[k], expected[k]) for k in expected)
     assert (tmp_path / "models" / "v0004" / "model.safetensors").is_file()
     assert "ratio_mean" in v4.metrics and "abs_dlogp_max" not in v4.metrics  # served by the base, not v0003
     v1 = reg.get("v0001")  # trained on samples its parent served: serving-vs-trainer mismatch measured
