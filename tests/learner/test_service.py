@@ -72,7 +72,8 @@ def test_updates_on_cadence_and_registers_candidates(tmp_path, tiny_checkpoint, 
     assert v4.delta_base_id == "v0003"
     from serving.weight_store import shipping_state
     from serving.checkpoint import load_checkpoint
-    rebuilt = svc.store.get("v0004")
+    from serving.weight_store import WeightStore
+    rebuilt = WeightStore(tmp_path / "models" / "store").get("v0004")  # a fresh reader: from the files
     expected = shipping_state(load_checkpoint(tmp_path / "models" / "v0004"))
     assert rebuilt.keys() == expected.keys() and all(torch.equal(rebuilt[k], expected[k]) for k in expected)
     assert (tmp_path / "models" / "v0004" / "model.safetensors").is_file()
