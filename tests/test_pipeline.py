@@ -34,14 +34,22 @@ def test_completions_and_feedback_become_a_trained_candidate(tiny_checkpoint, tm
                 fb.rating(cid, 5 if i % 2 else 1, user=f"user-{i % 4}")
         assert fb.flush(timeout=10)
         fb.close()
+        # A client that retries by hand (same idempotency key, three times) still counts once.
+        import httpx
+        for _ in range(3):
+            r = httpx.post(server.url + "/v1/feedback", json={"completion_id": ids[10], "kind": "thumb_up",
+                                                               "user": "user-x", "idempotency_key": "retry-1"})
+            assert r.status_code == 200, r.text
 
     now = [1e12]  # long after every event: every attribution window is closed
     joiner = JoinerService(bus, RewardSpec(), window_s=60.0, clock=lambda: now[0])
     samples = []
     for _ in range(5):
         samples += joiner.run_once(timeout_s=0.2)
-    assert sorted(s.completion.completion_id for s in samples) == sorted(ids[:10])
-    assert joiner.stats["no_feedback"] == 2
+    assert sorted(s.completion.completion_id for s in samples) == sorted(ids[:11])
+    assert joiner.stats["no_feedback"] == 1
+    retried = next(s for s in samples if s.completion.completion_id == ids[10])
+    assert len(retried.signals) == 1 and retried.reward == 0.5  # one thumb up, not three
     by_id = {s.completion.completion_id: s for s in samples}
     assert by_id[ids[1]].reward > 0 > by_id[ids[0]].reward  # accepted vs rejected (+ ratings)
     # what the joiner published is on the sample topic
@@ -51,10 +59,10 @@ def test_completions_and_feedback_become_a_trained_candidate(tiny_checkpoint, tm
     assert {s.event_id for s in published} == {s.event_id for s in samples}
 
     learner = LearnerService(bus, Registry(f"sqlite:///{tmp_path}/registry.db"), tmp_path / "models",
-                             tiny_checkpoint, LearnerConfig(update_every_samples=10, min_samples=1))
+                             tiny_checkpoint, LearnerConfig(update_every_samples=11, min_samples=1))
     assert learner.run_once(timeout_s=0.5) == "v0001"
     v1 = learner.registry.get("v0001")
-    assert v1.status == "candidate" and v1.parent_id == tiny_checkpoint.name and v1.metrics["samples"] == 10
+    assert v1.status == "candidate" and v1.parent_id == tiny_checkpoint.name and v1.metrics["samples"] == 11
     state = json.loads((tmp_path / "models" / "learner.json").read_text())
     assert sorted(state["trained_ids"]) == sorted(s.event_id for s in samples)
     learner.close()
