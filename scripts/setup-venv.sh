@@ -27,7 +27,11 @@ if [ "${FLYWHEEL_WITH_VLLM:-0}" = "1" ]; then
   vstamp="$VENV/.flywheel-stamp-vllm"
   vwant=$(cat requirements.txt requirements-vllm.txt | sha256sum | cut -d' ' -f1)
   if [ ! -f "$vstamp" ] || [ "$(cat "$vstamp")" != "$vwant" ]; then
-    pipi -r requirements-vllm.txt -c requirements.txt
+    # requirements.txt as constraints (pip refuses extras there, so they are stripped).
+    cons=$(mktemp)
+    sed 's/\[[^]]*\]//' requirements.txt > "$cons"
+    pipi -r requirements-vllm.txt -c "$cons"
+    rm -f "$cons"
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
     "$VENV/bin/python" -c "import vllm, transformers; import torch; assert torch.__version__.startswith('2.13.0')"
     echo "$vwant" > "$vstamp"
