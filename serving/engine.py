@@ -141,6 +141,34 @@ class RequestHandle:
         raise EngineError("stream ended without a completion")
 
 
+def check_request(prompt_ids: list[int], params: SamplingParams, vocab: int, context: int) -> None:
+    """The checks every backend applies before accepting a request (ValueError naming the problem)."""
+    if not prompt_ids:
+        raise ValueError("prompt must contain at least one token")
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+        raise ValueError(f"prompt token ids must be in [0, {vocab})")
+    if len(prompt_ids) + params.max_tokens > context:
+        raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                         f"the model's context of {context} tokens")
+
+
+def caller_loop() -> asyncio.AbstractEventLoop | None:
+    """The running event loop of the caller, if any (its handle is then async-iterable)."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+class GenerateMixin:
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 version: str | None = None) -> list[Completion]:
+        """Blocking convenience: submit all, wait for all (they are batched together)."""
+        plist = params if isinstance(params, list) else [params] * len(prompt_ids)
+        handles = [self.submit(p, sp, version, stream=False) for p, sp in zip(prompt_ids, plist)]
+        return [h.result() for h in handles]
+
+
 @dataclass
 class _Seq:
     request_id: str
@@ -177,7 +205,7 @@ class _Version:
         self.running: list[_Seq] = []
 
 
-class EmbeddedEngine:
+class EmbeddedEngine(GenerateMixin):
     def __init__(self, max_batch: int = 64, max_model_len: int = 256, threads: int | None = 1,
                  max_prefill_tokens: int = 2048, seed: int = 0, start_thread: bool = True):
         if max_batch < 1:
@@ -278,33 +306,14 @@ class EmbeddedEngine:
         if not self.alive:
             raise EngineError(f"engine is not running: {self.failure!r}")
         v = self._get(version)
-        if not prompt_ids:
-            raise ValueError("prompt must contain at least one token")
-        vocab = v.model.args.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        limit = v.cache.max_len
-        if len(prompt_ids) + params.max_tokens > limit:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                             f"the model's context of {limit} tokens")
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
+        check_request(prompt_ids, params, v.model.args.vocab_size, v.cache.max_len)
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
-        handle = RequestHandle(rid, None if sink else loop, stream, sink)
+        handle = RequestHandle(rid, None if sink else caller_loop(), stream, sink)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         seq = _Seq(rid, list(prompt_ids), params, handle, gen, time.perf_counter())
         self._inbox.put((v.name, seq))
         self._wake.set()
         return handle
-
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 version: str | None = None) -> list[Completion]:
-        """Blocking convenience: submit all, wait for all (they are batched together)."""
-        plist = params if isinstance(params, list) else [params] * len(prompt_ids)
-        handles = [self.submit(p, sp, version, stream=False) for p, sp in zip(prompt_ids, plist)]
-        return [h.result() for h in handles]
 
     def shutdown(self) -> None:
         self._stop.set()

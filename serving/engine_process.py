@@ -17,7 +17,6 @@ update_weights / shutdown; ("submit", request_id, prompt_ids, params, version, s
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import multiprocessing as mp
@@ -27,7 +26,8 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from serving.checkpoint import read_config
-from serving.engine import Completion, EngineError, RequestHandle, StreamEvent
+from serving.engine import (EngineError, GenerateMixin,
+                            RequestHandle, StreamEvent, caller_loop, check_request)
 from serving.sampling import SamplingParams
 from serving.tokenizer import Tokenizer
 
@@ -103,7 +103,7 @@ def _child_main(conn, cfg: dict) -> None:
         raise
 
 
-class ProcessEngine:
+class ProcessEngine(GenerateMixin):
     def __init__(self, max_batch: int = 64, max_model_len: int = 256, threads: int = 2, seed: int = 0,
                  max_prefill_tokens: int = 2048):
         ctx = mp.get_context("spawn")
@@ -215,31 +215,13 @@ class ProcessEngine:
         if not self.alive:
             raise EngineError(f"engine process is not running: {self.failure}")
         name = self._name(version)
-        vocab = self._args[name].vocab_size
-        if not prompt_ids:
-            raise ValueError("prompt must contain at least one token")
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        limit = self._ctx[name]
-        if len(prompt_ids) + params.max_tokens > limit:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                             f"the model's context of {limit} tokens")
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
+        check_request(prompt_ids, params, self._args[name].vocab_size, self._ctx[name])
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
-        handle = RequestHandle(rid, loop, stream)
+        handle = RequestHandle(rid, caller_loop(), stream)
         handle.cancel = lambda: self._send(("cancel", rid))  # type: ignore[method-assign]
         self._handles[rid] = handle
         self._send(("submit", rid, list(prompt_ids), params, name, stream))
         return handle
-
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 version: str | None = None) -> list[Completion]:
-        plist = params if isinstance(params, list) else [params] * len(prompt_ids)
-        handles = [self.submit(p, sp, version, stream=False) for p, sp in zip(prompt_ids, plist)]
-        return [h.result() for h in handles]
 
     def shutdown(self) -> None:
         if self._proc.is_alive():

@@ -34,14 +34,15 @@ import numpy as np
 import torch
 
 from serving.checkpoint import read_config
-from serving.engine import Completion, EngineError, RequestHandle, StreamEvent
+from serving.engine import (Completion, EngineError, GenerateMixin,
+                            RequestHandle, StreamEvent, caller_loop, check_request)
 from serving.sampling import SamplingParams
 from serving.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 
-class VLLMEngine:
+class VLLMEngine(GenerateMixin):
     def __init__(self, max_model_len: int = 256, max_batch: int = 64, gpu_memory_utilization: float | None = None,
                  routed_experts: bool | None = None, dtype: str = "float32", seed: int = 0,
                  inplace_updates: bool | None = None):
@@ -170,32 +171,15 @@ class VLLMEngine:
                request_id: str | None = None, stream: bool = True) -> RequestHandle:
         name = version or self.default_version
         llm = self._get(name)
-        args = self._args[name]
-        if not prompt_ids:
-            raise ValueError("prompt must contain at least one token")
-        if min(prompt_ids) < 0 or max(prompt_ids) >= args.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {args.vocab_size})")
-        if len(prompt_ids) + params.max_tokens > self.context_length(name):
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                             f"the model's context of {self.context_length(name)} tokens")
-        try:
-            caller_loop = asyncio.get_running_loop()
-        except RuntimeError:
-            caller_loop = None
+        check_request(prompt_ids, params, self._args[name].vocab_size, self.context_length(name))
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
-        handle = RequestHandle(rid, caller_loop, stream)
+        handle = RequestHandle(rid, caller_loop(), stream)
         fut: Future = asyncio.run_coroutine_threadsafe(self._run(llm, name, rid, list(prompt_ids), params, handle),
                                                        self._loop)
         handle.cancel = lambda: asyncio.run_coroutine_threadsafe(llm.abort(rid), self._loop)  # type: ignore
         fut.add_done_callback(lambda f: f.exception() and handle._post(
             StreamEvent("", [], [], error=EngineError(f"vLLM request failed: {f.exception()!r}"))))
         return handle
-
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 version: str | None = None) -> list[Completion]:
-        plist = params if isinstance(params, list) else [params] * len(prompt_ids)
-        handles = [self.submit(p, sp, version, stream=False) for p, sp in zip(prompt_ids, plist)]
-        return [h.result() for h in handles]
 
     async def _run(self, llm, name, rid, prompt_ids, params: SamplingParams, handle: RequestHandle) -> None:
         from vllm import SamplingParams as VSP
