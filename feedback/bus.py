@@ -46,6 +46,12 @@ class EventBus(ABC):
     def publish(self, topic: str, key: str, value: bytes) -> None:
         """Durably accept one record (to the broker, or to the local spool while it is down)."""
 
+    def publish_many(self, topic: str, records: list[tuple[str, bytes]]) -> None:
+        """Durably accept several (key, value) records with one write where the bus allows it
+        (one fsync per batch instead of one per record). Per-key order is the list's order."""
+        for key, value in records:
+            self.publish(topic, key, value)
+
     @abstractmethod
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until everything published so far is on the broker."""

@@ -90,7 +90,7 @@ class KafkaBus(EventBus):
                            max_batch_bytes=MAX_BATCH_BYTES)
 
     # ---- producing ------------------------------------------------------------------------------
-    def publish(self, topic: str, key: str, value: bytes) -> None:
+    def _check(self, topic: str, key: str, value: bytes) -> None:
         if self._closed:
             raise RuntimeError("bus is closed")
         _check_name("topic", topic)
@@ -102,7 +102,17 @@ class KafkaBus(EventBus):
         if size > MAX_RECORD_BYTES:
             raise ValueError(f"record of key {key!r} is {size} bytes, more than the {MAX_RECORD_BYTES} a "
                              f"Kafka record may hold")
+
+    def publish(self, topic: str, key: str, value: bytes) -> None:
+        self._check(topic, key, value)
         self.spool.publish(topic, key, bytes(value))
+
+    def publish_many(self, topic: str, records: list[tuple[str, bytes]]) -> None:
+        """All of them into the spool with one fsync (all checked first: none is spooled if one is bad)."""
+        for key, value in records:
+            self._check(topic, key, value)
+        if records:
+            self.spool.publish_many([(topic, k, bytes(v)) for k, v in records])
 
     def flush(self, timeout_s: float = 30.0) -> None:
         self.spool.flush(timeout_s)

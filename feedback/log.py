@@ -38,6 +38,8 @@ class DurableLog:
         self._cond = threading.Condition()
         self._pending: list[tuple[list[bytes], Future]] = []
         self._closed = False
+        self._cursors: dict[int, tuple[int, int]] = {}  # offset -> (segment base, byte position)
+        self._cursor_lock = threading.Lock()
         self._next = self._recover()
         self._writer_error: BaseException | None = None
         self._thread = threading.Thread(target=self._write_loop, name=f"log-{self.folder.name}", daemon=True)
@@ -151,16 +153,24 @@ class DurableLog:
 
     # ---- reading --------------------------------------------------------------------------
     def read(self, start: int = 0, limit: int | None = None) -> Iterator[tuple[int, bytes]]:
-        """(offset, payload) for durable records from `start` on (a snapshot of what is written)."""
+        """(offset, payload) for durable records from `start` on (a snapshot of what is written).
+
+        Sequential readers (consumers, the spool's forwarder) ask for the offset where their last read
+        ended: a small cache of (offset -> segment, byte position) lets that read seek straight there
+        instead of parsing the segment from its start.
+        """
         segs = self._segments()
+        hint = self._cursors.get(start)
         n = 0
         for i, (base, path) in enumerate(segs):
             nxt = segs[i + 1][0] if i + 1 < len(segs) else None
             if nxt is not None and nxt <= start:
                 continue
+            pos0, off = (hint[1], start) if hint is not None and hint[0] == base else (0, base)
             with open(path, "rb") as f:
+                f.seek(pos0)
                 data = f.read()
-            pos, off = 0, base
+            pos = 0
             while pos + _HEADER.size <= len(data):
                 length, crc = _HEADER.unpack_from(data, pos)
                 end = pos + _HEADER.size + length
@@ -169,12 +179,20 @@ class DurableLog:
                 payload = data[pos + _HEADER.size:end]
                 if zlib.crc32(payload) != crc:
                     raise LogCorrupted(f"{path}: record at offset {off} fails its checksum")
-                if off >= start:
-                    yield off, payload
+                pos, off = end, off + 1
+                if off - 1 >= start:
+                    yield off - 1, payload
                     n += 1
                     if limit is not None and n >= limit:
+                        self._remember(off, base, pos0 + pos)
                         return
-                pos, off = end, off + 1
+            self._remember(off, base, pos0 + pos)
+
+    def _remember(self, offset: int, segment: int, byte_pos: int) -> None:
+        with self._cursor_lock:
+            if len(self._cursors) >= 64:
+                self._cursors.pop(next(iter(self._cursors)))
+            self._cursors[offset] = (segment, byte_pos)
 
     def close(self) -> None:
         with self._cond:

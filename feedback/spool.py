@@ -141,6 +141,14 @@ class Spool:
             self._cond.notify_all()
         return offset
 
+    def publish_many(self, records: list[tuple[str, str, bytes]]) -> int:
+        """Spool (topic, key, value) records with one fsync; returns the first one's spool offset."""
+        offset = self._log.append([_encode(t, k, v) for t, k, v in records])
+        with self._cond:
+            self._spooled = max(self._spooled, offset + len(records))
+            self._cond.notify_all()
+        return offset
+
     @property
     def forwarded(self) -> int:
         """Spool offset up to which records are acknowledged by the broker (and the position saved)."""

@@ -62,3 +62,21 @@ def test_corruption_in_the_middle_is_an_error(tmp_path):
     with pytest.raises(LogCorrupted, match="offset 0"):
         list(log.read())
     log.close()
+
+
+def test_sequential_chunked_reads_seek_and_agree_with_a_full_read(tmp_path):
+    log = DurableLog(tmp_path, segment_bytes=4096)
+    for i in range(50):
+        log.append([f"r{i}-{j}".encode() * (1 + j % 7) for j in range(10)])
+    full = list(log.read())
+    chunks, start = [], 0
+    while True:
+        part = list(log.read(start, limit=37))
+        if not part:
+            break
+        chunks += part
+        start = part[-1][0] + 1
+        assert start in log._cursors  # the next sequential read will seek, not rescan
+    assert chunks == full and len(full) == 500
+    assert list(log.read(123, limit=3)) == full[123:126]  # an arbitrary start still works
+    log.close()
