@@ -256,6 +256,16 @@ class EmbeddedEngine(GenerateMixin):
         self._wake.set()
         done.wait()
 
+    def call_in_loop(self, fn):
+        """Run `fn()` on the engine's loop thread between two steps; returns its result (or raises)."""
+        done = threading.Event()
+        self._commands.put(("call", fn, done))
+        self._wake.set()
+        done.wait()
+        if isinstance(getattr(done, "error", None), BaseException):
+            raise done.error
+        return done.result
+
     def update_weights(self, name: str, state_dict: dict[str, torch.Tensor]) -> None:
         """Replace a version's weights between two decode steps; returns once applied."""
         done = threading.Event()
@@ -364,7 +374,9 @@ class EmbeddedEngine(GenerateMixin):
             except queue.Empty:
                 return
             try:
-                if kind == "update":
+                if kind == "call":
+                    done.result = arg()
+                elif kind == "update":
                     name, state = arg
                     v = self._get(name)
                     v.model.load_state_dict(state, strict=True)

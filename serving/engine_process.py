@@ -77,7 +77,9 @@ def _child_main(conn, cfg: dict) -> None:
                 try:
                     if op == "add_version":
                         name, folder, default = args
-                        engine.add_version(name, folder, default=default)
+                        # Loaded on the loop's (main) thread: torch work on a second thread of this
+                        # process would make the loop's parallel regions slow (see serving/engine.py).
+                        engine.call_in_loop(lambda: engine.add_version(name, folder, default=default))
                         value = engine.context_length(name)
                     elif op == "remove_version":
                         engine.remove_version(*args)
