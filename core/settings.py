@@ -27,7 +27,7 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="Address the gateway binds to.")
     port: int = Field(8000, ge=0, le=65535, description="Port the gateway binds to (0: any free port).")
     engine: Literal["embedded", "process", "vllm"] = Field(
-        "embedded", description="Inference backend: the embedded engine on a thread of the gateway, the embedded "
+        "process", description="Inference backend: the embedded engine on a thread of the gateway, the embedded "
                                 "engine in a process of its own, or vLLM.")
     max_batch: int = Field(64, ge=1, le=1024, description="Sequences the embedded engine decodes at once.")
     max_model_len: int = Field(256, ge=16, description="Longest prompt + completion a request may ask for.")
