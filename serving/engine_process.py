@@ -79,7 +79,7 @@ def _child_main(conn, cfg: dict) -> None:
                         name, folder, default = args
                         # Loaded on the loop's (main) thread: torch work on a second thread of this
                         # process would make the loop's parallel regions slow (see serving/engine.py).
-                        engine.call_in_loop(lambda: engine.add_version(name, folder, default=default))
+                        engine.call_in_loop(lambda n=name, f=folder, d=default: engine.add_version(n, f, default=d))
                         value = engine.context_length(name)
                     elif op == "remove_version":
                         engine.remove_version(*args)
