@@ -161,3 +161,21 @@ def test_openai_client_raises_typed_errors(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="flywheel", prompt="x", max_tokens=-1)
     assert e.value.body["param"] == "max_tokens"
+
+
+def test_a_stream_the_client_drops_is_still_recorded(live):
+    import time
+
+    with httpx.stream("POST", live.url + "/v1/completions",
+                      json={"model": "flywheel", "prompt": PROMPT, "max_tokens": 100, "stream": True,
+                            "ignore_eos": True, "temperature": 1.0}) as r:
+        lines = r.iter_lines()
+        first = next(ln for ln in lines if ln.startswith("data: "))
+        cid = json.loads(first[6:])["id"]
+    # the client is gone; the gateway cancels the generation and records what it served
+    deadline = time.time() + 10
+    while cid not in records_by_id(live) and time.time() < deadline:
+        time.sleep(0.05)
+    rec = records_by_id(live)[cid]
+    assert rec.finish_reason in ("abort", "length") and len(rec.output_ids) >= 1
+    print("dropped stream recorded:", rec.finish_reason, len(rec.output_ids))
