@@ -136,15 +136,19 @@ class CompletionIndex:
     def confirm(self, event_ids: list[str], now: float | None = None) -> None:
         """The claimed events are published: from now on a retry is a duplicate."""
         now = time.time() if now is None else now
-        with self._tx() as db:
+        with self._tx() as db:  # one transaction for all of them (autocommit would commit per row)
+            db.execute("BEGIN IMMEDIATE")
             db.executemany("UPDATE accepted_events SET state = ?, ts = ? WHERE event_id = ?",
                            [(DONE, now, eid) for eid in event_ids])
+            db.execute("COMMIT")
 
     def release(self, event_ids: list[str]) -> None:
         """The claimed events were not published: a retry may claim them again."""
         with self._tx() as db:
+            db.execute("BEGIN IMMEDIATE")
             db.executemany("DELETE FROM accepted_events WHERE event_id = ? AND state = ?",
                            [(eid, PENDING) for eid in event_ids])
+            db.execute("COMMIT")
 
     def accepted_count(self) -> int:
         with self._tx() as db:
