@@ -100,28 +100,24 @@ async def post_feedback(request: Request, gw: GatewayDep, tenant: TenantDep):
         first.setdefault(ev.event_id, i)
         events.append(ev)
 
-    known = await asyncio.to_thread(gw.index.get_many, [ev.completion_id for ev in events])
-    for i, ev in enumerate(events):
-        entry = known.get(ev.completion_id)
-        if entry is None or entry.tenant != tenant:  # another tenant's id is as unknown as a made-up one
-            raise APIError(404, f"No completion with id '{ev.completion_id}'.",
-                           _param(prefix, i, "completion_id"), "completion_not_found")
-
+    # One trip to the index's thread: are the completions this tenant's? If so, claim the keys.
+    unknown, first_claim = await asyncio.to_thread(_lookup_and_claim, gw.index, events, tenant, fingerprints)
+    if unknown is not None:  # another tenant's id is as unknown as a made-up one
+        raise APIError(404, f"No completion with id '{events[unknown].completion_id}'.",
+                       _param(prefix, unknown, "completion_id"), "completion_not_found")
     claimed, done = await _claim(gw.index, fingerprints, {eid: _param(prefix, i, "idempotency_key")
-                                                          for eid, i in first.items()})
+                                                          for eid, i in first.items()}, first_claim)
     new, seen = [], set(done)  # keyed ids are now either claimed by this request or done
     for ev in events:
         if ev.event_id not in seen:
             new.append(ev)
             seen.add(ev.event_id)
     try:
-        await asyncio.to_thread(_publish, gw.bus, new)
+        await asyncio.to_thread(_publish_and_confirm, gw.bus, gw.index, new, claimed)
     except Exception as e:  # nothing acknowledged: a retry may publish again (consumers drop event ids seen)
         log.exception("publishing %d feedback event(s) failed", len(new))
-        await asyncio.to_thread(gw.index.release, claimed)
         raise APIError(503, f"The feedback could not be published ({type(e).__name__}); retry.", None,
                        "publish_failed", headers={"Retry-After": "1"}) from e
-    await asyncio.to_thread(gw.index.confirm, claimed)
     return {"accepted": len(new), "duplicates": len(events) - len(new),
             "event_ids": [ev.event_id for ev in events]}
 
@@ -156,7 +152,7 @@ def _parse(raw: bytes, header_key: str | None) -> tuple[list[tuple[FeedbackIn, s
             for i, it in enumerate(items)], ("events",)
 
 
-_FINGERPRINT_FIELDS = tuple(sorted(f for f in FeedbackIn.model_fields if f != "idempotency_key"))
+_NOT_FINGERPRINTED = {"idempotency_key"}
 
 
 def _param(prefix: tuple, i: int, name: str) -> str:
@@ -164,21 +160,33 @@ def _param(prefix: tuple, i: int, name: str) -> str:
 
 
 def _fingerprint(item: FeedbackIn) -> str:
-    """What an idempotency key stands for (everything but the key), cheaply: fields in a fixed order."""
-    what = "\x1f".join(repr(getattr(item, f)) for f in _FINGERPRINT_FIELDS)
-    return hashlib.sha256(what.encode()).hexdigest()[:16]
+    """What an idempotency key stands for (everything but the key); pydantic's serializer keeps the
+    field order fixed, so equal events give equal fingerprints."""
+    return hashlib.sha256(item.model_dump_json(exclude=_NOT_FINGERPRINTED).encode()).hexdigest()[:16]
+
+
+def _lookup_and_claim(index: CompletionIndex, events: list[FeedbackEvent], tenant: str,
+                      fingerprints: dict[str, str]):
+    """(index of the first event whose completion is not this tenant's, or None; the first claim)."""
+    known = index.get_many([ev.completion_id for ev in events])
+    for i, ev in enumerate(events):
+        entry = known.get(ev.completion_id)
+        if entry is None or entry.tenant != tenant:
+            return i, None
+    return None, index.claim(fingerprints) if fingerprints else None
 
 
 async def _claim(index: CompletionIndex, fingerprints: dict[str, str],
-                 params: dict[str, str]) -> tuple[list[str], set[str]]:
+                 params: dict[str, str], first=None) -> tuple[list[str], set[str]]:
     """Claim the keyed event ids; wait (bounded) for ids another request is still publishing.
-    Returns (claimed ids, ids already accepted)."""
+    `first`: the result of a claim already made for all of them. Returns (claimed ids, ids already
+    accepted)."""
     claimed: list[str] = []
     done: set[str] = set()
     todo = dict(fingerprints)
     deadline = time.monotonic() + CLAIM_WAIT_S
     while todo:
-        c = await asyncio.to_thread(index.claim, todo)
+        c, first = (first, None) if first is not None else (await asyncio.to_thread(index.claim, todo), None)
         claimed += c.claimed
         for eid, fp in c.done.items():
             if fp != fingerprints[eid]:
@@ -194,6 +202,16 @@ async def _claim(index: CompletionIndex, fingerprints: dict[str, str],
         if todo:
             await asyncio.sleep(0.05)
     return claimed, done
+
+
+def _publish_and_confirm(bus, index: CompletionIndex, events: list[FeedbackEvent], claimed: list[str]) -> None:
+    """Publish, then mark the claimed keys done; if publishing fails, release them (a retry may claim)."""
+    try:
+        _publish(bus, events)
+    except Exception:
+        index.release(claimed)
+        raise
+    index.confirm(claimed)
 
 
 def _publish(bus, events: list[FeedbackEvent]) -> None:
