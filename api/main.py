@@ -62,7 +62,12 @@ def create_app(settings: Settings | None = None, engine=None, sink: CompletionSi
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         eng = engine if engine is not None else build_engine(settings)
-        bs = bus if bus is not None else build_bus(settings)
+        try:
+            bs = bus if bus is not None else build_bus(settings)
+        except BaseException:
+            if owns_engine:  # nothing else will shut the engine (and its process) down
+                eng.shutdown()
+            raise
         # Completion records go to the event bus (the joiner reads them there): fsynced to the embedded
         # log, or to the Kafka spool while the broker is away, before the caller is answered.
         snk = sink if sink is not None else BusSink(bs)
