@@ -13,6 +13,7 @@ Called by the gateway (completion and feedback producers), the joiner and the le
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -25,8 +26,23 @@ class Record:
     value: bytes
 
 
+def topic_list(topics: str | Sequence[str]) -> tuple[str, ...]:
+    """`consumer()`'s topics argument as a tuple: one name or several distinct names."""
+    out = (topics,) if isinstance(topics, str) else tuple(topics)
+    if not out or len(set(out)) != len(out) or not all(isinstance(t, str) for t in out):
+        raise ValueError(f"topics must be one topic name or several distinct names, got {topics!r}")
+    return out
+
+
 class Consumer(ABC):
-    """One member of a consumer group on one topic."""
+    """One member of a consumer group on one or more topics.
+
+    A member subscribed to several topics gets the same partition numbers of each (the topics must
+    have equal partition counts): records keyed alike on different topics meet in one member. The
+    joiner relies on this for a completion and its feedback.
+    """
+
+    topics: tuple[str, ...]
 
     @abstractmethod
     def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Record]:
@@ -37,8 +53,24 @@ class Consumer(ABC):
         """Mark `records` (and everything before them in their partitions) processed for the group."""
 
     @abstractmethod
+    def assignment(self) -> list[tuple[str, int]]:
+        """(topic, partition) pairs this member owns now, sorted; empty until the group has settled.
+        It changes only inside `poll()`."""
+
+    @abstractmethod
     def close(self) -> None:
         """Leave the group (uncommitted records are redelivered to the group later)."""
+
+    def _positions(self, records: list[Record]) -> dict[tuple[str, int], int]:
+        """Position after the last of `records` per (topic, partition); a ValueError for a topic
+        this member does not consume."""
+        positions: dict[tuple[str, int], int] = {}
+        for r in records:
+            if r.topic not in self.topics:
+                raise ValueError(f"record of topic {r.topic!r} committed on a consumer of {list(self.topics)}")
+            key = (r.topic, r.partition)
+            positions[key] = max(positions.get(key, 0), r.offset + 1)
+        return positions
 
 
 class EventBus(ABC):
@@ -57,8 +89,8 @@ class EventBus(ABC):
         """Wait until everything published so far is on the broker."""
 
     @abstractmethod
-    def consumer(self, topic: str, group: str) -> Consumer:
-        """Join `group` on `topic`."""
+    def consumer(self, topics: str | Sequence[str], group: str) -> Consumer:
+        """Join `group` on one topic or several co-partitioned ones (see `Consumer`)."""
 
     @abstractmethod
     def close(self) -> None:

@@ -4,7 +4,8 @@ Owns `<folder>/<topic>/p<N>/` (one `DurableLog` per partition) and `<folder>/_gr
 positions, one small JSON file per group and topic, replaced atomically). A record's partition is
 `crc32(key) % partitions`, so all records of one key (one completion) stay in order in one
 partition. Consumers of one group in this process split the partitions between them (round-robin
-over the members, rebalanced when one joins or leaves); `commit()` records the position after the
+over the members, rebalanced when one joins or leaves; a member of several topics gets the same
+partition numbers of each); `commit()` records the position after the
 last processed record, and a consumer that closes without committing leaves its records to be
 delivered again. `publish()` returns once the record is fsynced: there is no broker to be down.
 
@@ -19,9 +20,10 @@ import tempfile
 import threading
 import time
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 
-from feedback.bus import Consumer, EventBus, Record
+from feedback.bus import Consumer, EventBus, Record, topic_list
 from feedback.log import DurableLog
 
 DEFAULT_PARTITIONS = 4
@@ -46,7 +48,7 @@ class EmbeddedBus(EventBus):
         self._logs: dict[tuple[str, int], DurableLog] = {}
         self._lock = threading.Lock()
         self._new_data = threading.Condition(self._lock)
-        self._members: dict[tuple[str, str], list["EmbeddedConsumer"]] = {}
+        self._members: dict[tuple[str, str], list[EmbeddedConsumer]] = {}
         self._closed = False
         (self.folder / "_groups").mkdir(parents=True, exist_ok=True)
 
@@ -89,27 +91,35 @@ class EmbeddedBus(EventBus):
     def flush(self, timeout_s: float = 30.0) -> None:
         return None  # every publish is durable when it returns
 
-    def consumer(self, topic: str, group: str) -> "EmbeddedConsumer":
-        _check_name("topic", topic)
+    def consumer(self, topics: str | Sequence[str], group: str) -> EmbeddedConsumer:
+        names = topic_list(topics)
+        for t in names:
+            _check_name("topic", t)
         _check_name("group", group)
-        c = EmbeddedConsumer(self, topic, group)
+        c = EmbeddedConsumer(self, names, group)
         with self._lock:
-            self._members.setdefault((topic, group), []).append(c)
+            for t in names:
+                self._members.setdefault((t, group), []).append(c)
         return c
 
-    def _assigned(self, c: "EmbeddedConsumer") -> list[int]:
+    def _assigned(self, c: EmbeddedConsumer) -> list[tuple[str, int]]:
+        """Round-robin per topic over the members in joining order: members that consume the same
+        topics get the same partition numbers of each."""
+        out = []
         with self._lock:
-            members = self._members.get((c.topic, c.group), [])
-            if c not in members:
-                return []
-            i, n = members.index(c), len(members)
-        return [p for p in range(self.partitions) if p % n == i]
+            for t in c.topics:
+                members = self._members.get((t, c.group), [])
+                if c in members:
+                    i, n = members.index(c), len(members)
+                    out += [(t, p) for p in range(self.partitions) if p % n == i]
+        return out
 
-    def _leave(self, c: "EmbeddedConsumer") -> None:
+    def _leave(self, c: EmbeddedConsumer) -> None:
         with self._lock:
-            members = self._members.get((c.topic, c.group), [])
-            if c in members:
-                members.remove(c)
+            for t in c.topics:
+                members = self._members.get((t, c.group), [])
+                if c in members:
+                    members.remove(c)
 
     # ---- committed positions ------------------------------------------------------------
     def _positions_path(self, topic: str, group: str) -> Path:
@@ -146,13 +156,10 @@ class EmbeddedBus(EventBus):
 
 
 class EmbeddedConsumer(Consumer):
-    def __init__(self, bus: EmbeddedBus, topic: str, group: str):
-        self.bus, self.topic, self.group = bus, topic, group
-        self._next: dict[int, int] = {}  # delivered-up-to position per partition (not yet committed)
+    def __init__(self, bus: EmbeddedBus, topics: tuple[str, ...], group: str):
+        self.bus, self.topics, self.group = bus, topics, group
+        self._next: dict[tuple[str, int], int] = {}  # delivered-up-to position (not yet committed)
         self._closed = False
-
-    def _position(self, p: int, committed: dict[int, int]) -> int:
-        return self._next.get(p, committed.get(p, 0))
 
     def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Record]:
         if self._closed:
@@ -165,32 +172,33 @@ class EmbeddedConsumer(Consumer):
             with self.bus._new_data:
                 self.bus._new_data.wait(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
 
+    def assignment(self) -> list[tuple[str, int]]:
+        return sorted(self.bus._assigned(self))
+
     def _read(self, max_records: int) -> list[Record]:
         assigned = self.bus._assigned(self)
-        for p in list(self._next):
-            if p not in assigned:  # rebalanced away: its new owner starts from the committed position
-                del self._next[p]
-        committed = self.bus.committed(self.topic, self.group)
+        for tp in list(self._next):
+            if tp not in assigned:  # rebalanced away: its new owner starts from the committed position
+                del self._next[tp]
+        committed = {t: self.bus.committed(t, self.group) for t in self.topics}
         out: list[Record] = []
-        for p in assigned:
+        for topic, p in assigned:
             if len(out) >= max_records:
                 break
-            start = self._position(p, committed)
-            log = self.bus._log(self.topic, p)
+            start = self._next.get((topic, p), committed[topic].get(p, 0))
+            log = self.bus._log(topic, p)
             for off, frame in log.read(start, limit=max_records - len(out)):
                 head, _, value = frame.partition(b"\n")
-                out.append(Record(self.topic, p, off, json.loads(head)["k"], value))
-                self._next[p] = off + 1
+                out.append(Record(topic, p, off, json.loads(head)["k"], value))
+                self._next[(topic, p)] = off + 1
         return out
 
     def commit(self, records: list[Record]) -> None:
-        positions: dict[int, int] = {}
-        for r in records:
-            if r.topic != self.topic:
-                raise ValueError(f"record of topic {r.topic!r} committed on a consumer of {self.topic!r}")
-            positions[r.partition] = max(positions.get(r.partition, 0), r.offset + 1)
-        if positions:
-            self.bus._commit(self.topic, self.group, positions)
+        by_topic: dict[str, dict[int, int]] = {}
+        for (topic, p), o in self._positions(records).items():
+            by_topic.setdefault(topic, {})[p] = o
+        for topic, positions in by_topic.items():
+            self.bus._commit(topic, self.group, positions)
 
     def close(self) -> None:
         self._closed = True

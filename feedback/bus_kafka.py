@@ -25,14 +25,16 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kafka import KafkaConsumer, KafkaProducer, OffsetAndMetadata, TopicPartition
 from kafka.admin import KafkaAdminClient
+from kafka.coordinator.assignors.range import RangePartitionAssignor
 from kafka.errors import CommitFailedError, KafkaConnectionError, KafkaError, KafkaTimeoutError, for_code
 
-from feedback.bus import Consumer, EventBus, Record
+from feedback.bus import Consumer, EventBus, Record, topic_list
 from feedback.bus_embedded import _check_name
 from feedback.spool import Spool, SpooledRecord
 
@@ -187,13 +189,26 @@ class KafkaBus(EventBus):
         return self._admin
 
     # ---- consuming ------------------------------------------------------------------------------
-    def consumer(self, topic: str, group: str) -> "KafkaBusConsumer":
+    def consumer(self, topics: str | Sequence[str], group: str) -> KafkaBusConsumer:
+        """Join `group` on `topics`. Members are assigned partitions by the range assignor only:
+        with topics of equal partition counts (checked) it gives a member the same partition numbers
+        of every topic, which co-partitioned consumers (the joiner) rely on."""
         if self._closed:
             raise RuntimeError("bus is closed")
-        _check_name("topic", topic)
+        names = topic_list(topics)
+        for t in names:
+            _check_name("topic", t)
         _check_name("group", group)
-        self.ensure_topic(topic)
-        return KafkaBusConsumer(topic, KafkaConsumer(topic, group_id=group, **self._consumer_config))
+        for t in names:
+            self.ensure_topic(t)
+        c = KafkaConsumer(*names, group_id=group, partition_assignment_strategy=(RangePartitionAssignor,),
+                          **self._consumer_config)
+        if len(names) > 1:
+            counts = {t: len(c.partitions_for_topic(t) or ()) for t in names}
+            if len(set(counts.values())) != 1:
+                c.close(autocommit=False)
+                raise ValueError(f"topics consumed together must have equal partition counts, got {counts}")
+        return KafkaBusConsumer(names, c)
 
     def close(self, flush_timeout_s: float = 5.0) -> None:
         """Forward what can be forwarded within `flush_timeout_s` (the rest stays spooled), then stop."""
@@ -209,9 +224,9 @@ class KafkaBus(EventBus):
 
 
 class KafkaBusConsumer(Consumer):
-    def __init__(self, topic: str, consumer: KafkaConsumer):
-        self.topic, self._c = topic, consumer
-        self._committed: dict[int, int] = {}
+    def __init__(self, topics: tuple[str, ...], consumer: KafkaConsumer):
+        self.topics, self._c = topics, consumer
+        self._committed: dict[tuple[str, int], int] = {}
         self._closed = False
 
     def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Record]:
@@ -219,20 +234,15 @@ class KafkaBusConsumer(Consumer):
             raise RuntimeError("consumer is closed")
         got = self._c.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
         return [Record(m.topic, m.partition, m.offset, m.key.decode() if m.key is not None else "", m.value)
-                for tp in sorted(got, key=lambda tp: tp.partition) for m in got[tp]]
+                for tp in sorted(got, key=lambda tp: (tp.topic, tp.partition)) for m in got[tp]]
 
-    def assignment(self) -> list[int]:
-        """Partitions this member owns now (empty until the group has settled)."""
-        return sorted(tp.partition for tp in self._c.assignment())
+    def assignment(self) -> list[tuple[str, int]]:
+        return sorted((tp.topic, tp.partition) for tp in self._c.assignment())
 
     def commit(self, records: list[Record]) -> None:
-        positions: dict[int, int] = {}
-        for r in records:
-            if r.topic != self.topic:
-                raise ValueError(f"record of topic {r.topic!r} committed on a consumer of {self.topic!r}")
-            positions[r.partition] = max(positions.get(r.partition, 0), r.offset + 1)
-        offsets = {TopicPartition(self.topic, p): OffsetAndMetadata(o, "", -1) for p, o in positions.items()
-                   if o > self._committed.get(p, 0)}
+        positions = self._positions(records)
+        offsets = {TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in positions.items()
+                   if o > self._committed.get((t, p), 0)}
         if not offsets:
             return
         try:
@@ -240,11 +250,11 @@ class KafkaBusConsumer(Consumer):
         except CommitFailedError as e:
             # The group rebalanced: these partitions belong to another member now, which starts from
             # the last committed position, so the records are delivered again (and deduplicated).
-            log.warning("kafka bus: commit of %s on %s failed after a rebalance; they will be redelivered: %r",
-                        positions, self.topic, e)
+            log.warning("kafka bus: commit of %s failed after a rebalance; they will be redelivered: %r",
+                        positions, e)
             return
-        for p, o in positions.items():
-            self._committed[p] = max(self._committed.get(p, 0), o)
+        for tp, o in positions.items():
+            self._committed[tp] = max(self._committed.get(tp, 0), o)
 
     def close(self) -> None:
         if self._closed:

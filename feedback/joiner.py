@@ -18,7 +18,7 @@ Two layers:
   The sample is deterministic: `event_id` = hash(completion_id, spec name), `ts` = window close.
 
 * `JoinerService` — wires the core to an `EventBus`: consumes the completion and feedback topics
-  in one consumer group, publishes samples keyed by completion_id, and commits safely. The core
+  as one member of one consumer group (one consumer on both topics), publishes samples keyed by completion_id, and commits safely. The core
   remembers the source (topic, partition, offset) of every record it still holds (pending
   completions, their signals, orphans); after the samples of a round are published and flushed,
   each partition is committed up to, not including, its oldest held record (or past everything
@@ -34,9 +34,11 @@ Two layers:
   `max_records_per_round` waiting) does not tick; windows stay open until the joiner catches up.
 
 Several joiners can share the work in one group: both topics are partitioned by completion_id
-with the same function, so where the assignment gives partition p of both topics to one member
-(equal partition counts; the embedded bus and Kafka's range assignor do), a completion meets its
-feedback. Deliberate simplifications: the seen-set, the set of closed completions and the user budgets live
+with the same function, and each joiner is one group member on both topics, which the buses
+assign partition p of both topics together (equal partition counts; Kafka's range assignor, the
+embedded bus's round-robin), so a completion meets its feedback. When a rebalance takes
+partitions away, the joiner forgets what it held from them (`JoinerCore.release`) and stops
+committing them; their new owner reads them again from the committed position. Deliberate simplifications: the seen-set, the set of closed completions and the user budgets live
 in memory, so after a restart late feedback for a completion closed before the crash counts as
 an orphan, and budgets start empty. Feedback without a user id is attributed to the completion's
 user. Called by `flywheel joiner` and the demo.
@@ -78,6 +80,7 @@ class _Pending:
     deadline: float
     signals: list[Signal] = field(default_factory=list)
     sources: list[Source] = field(default_factory=list)
+    event_ids: list[str] = field(default_factory=list)  # the completion's and its attached feedback's
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,9 @@ class _BoundedSet:
         self._d[key] = None
         while len(self._d) > self.capacity:
             self._d.popitem(last=False)
+
+    def discard(self, key: str) -> None:
+        self._d.pop(key, None)
 
 
 class JoinerCore:
@@ -138,7 +144,8 @@ class JoinerCore:
             return
         self._seen.add(ev.event_id)
         self.stats["completions"] += 1
-        p = _Pending(ev, ev.ts + self.window_s, sources=[source] if source is not None else [])
+        p = _Pending(ev, ev.ts + self.window_s, sources=[source] if source is not None else [],
+                     event_ids=[ev.event_id])
         self._pending[ev.completion_id] = p
         heapq.heappush(self._deadlines, (p.deadline, next(self._seq), ev.completion_id))
         for fb, src in self._orphans.pop(ev.completion_id, []):
@@ -171,6 +178,7 @@ class JoinerCore:
             return
         user = ev.user_id if ev.user_id is not None else c.user_id
         p.signals.append(Signal(kind=ev.kind, value=ev.value, ts=ev.ts, user_id=user))
+        p.event_ids.append(ev.event_id)
         if source is not None:
             p.sources.append(source)
 
@@ -219,7 +227,9 @@ class JoinerCore:
         out: list[SampleEvent] = []
         while self._deadlines and self._deadlines[0][0] < now:
             _, _, cid = heapq.heappop(self._deadlines)
-            p = self._pending.pop(cid)
+            p = self._pending.pop(cid, None)
+            if p is None:  # released (its partition went to another joiner)
+                continue
             self._closed.add(cid)
             sample = self._close(p)
             if sample is None:
@@ -249,6 +259,32 @@ class JoinerCore:
             return None
         return SampleEvent(event_id=sample_event_id(c.completion_id, self.spec.name), tenant=c.tenant,
                            ts=p.deadline, completion=c, reward=r, signals=kept, reward_spec=self.spec.name)
+
+    def release(self, partitions: set[int]) -> int:
+        """Forget what came from `partitions` (they went to another joiner in a rebalance): pending
+        completions read from them with their signals, and orphans read from them. Their event ids
+        leave the seen-set, so the records count again if the partitions come back (they are read
+        again from the committed position, which is not past anything held). Returns how many events
+        were forgotten. Events held without a source (not from a bus) are kept."""
+        forgotten = 0
+        for cid, p in list(self._pending.items()):
+            if p.sources and p.sources[0][0] == TOPICS["completion"] and p.sources[0][1] in partitions:
+                del self._pending[cid]  # its deadline entry is skipped by tick()
+                for eid in p.event_ids:
+                    self._seen.discard(eid)
+                forgotten += len(p.event_ids)
+        for cid, entries in list(self._orphans.items()):
+            kept = [(fb, src) for fb, src in entries if src is None or src[1] not in partitions]
+            for fb, src in entries:
+                if src is not None and src[1] in partitions:
+                    self._seen.discard(fb.event_id)
+                    forgotten += 1
+            self._n_orphans -= len(entries) - len(kept)
+            if kept:
+                self._orphans[cid] = kept
+            else:
+                del self._orphans[cid]
+        return forgotten
 
     def drain_late(self) -> list[LateFeedback]:
         late, self._late = self._late, []
@@ -286,18 +322,26 @@ class JoinerService:
         self.dead_letter_topic = dead_letter_topic
         self.core = JoinerCore(spec, window_s, clock)
         self.topics = (TOPICS["completion"], TOPICS["feedback"])
-        self.consumers: dict[str, Consumer] = {t: bus.consumer(t, group) for t in self.topics}
+        # One member on both topics: the group gives it the same partition numbers of each.
+        self.consumer: Consumer = bus.consumer(self.topics, group)
         self._consumed: dict[tuple[str, int], int] = {}  # position after the last record read
         self._committed: dict[tuple[str, int], int] = {}
+        self._owned: set[int] | None = None  # partition numbers held after the last round
 
     @property
     def stats(self) -> dict[str, int]:
         return self.core.stats
 
+    @property
+    def partitions(self) -> list[int]:
+        """Partition numbers (of both topics) this joiner owned after its last round."""
+        return sorted(self._owned or ())
+
     def run_once(self, timeout_s: float = 1.0) -> list[SampleEvent]:
         """One round: read the clock, drain both topics, tick, publish, flush, commit."""
         now = self.clock()  # before draining: every event stamped before `now` is read below
         caught_up = self._drain(timeout_s)
+        self._follow_assignment()
         samples = self.core.tick(now) if caught_up else []
         for s in samples:
             self.bus.publish(TOPICS["sample"], s.completion.completion_id, s.model_dump_json().encode())
@@ -315,8 +359,7 @@ class JoinerService:
 
     def close(self) -> None:
         """Leave the group. Records still held are not committed: a restart reads them again."""
-        for c in self.consumers.values():
-            c.close()
+        self.consumer.close()
 
     # ---- internals -----------------------------------------------------------------------------
     def _drain(self, timeout_s: float) -> bool:
@@ -324,24 +367,35 @@ class JoinerService:
         deadline = time.monotonic() + timeout_s
         n, waited = 0, False
         while n < self.max_records_per_round:
-            got = 0
-            for topic in self.topics:  # completions first: their feedback in the same round is not orphaned
-                records = self.consumers[topic].poll(self.max_records, timeout_s=0.0)
-                self._handle(records)
-                got += len(records)
-            n += got
-            if got:
+            records = self.consumer.poll(self.max_records, timeout_s=0.0)
+            self._handle(records)
+            n += len(records)
+            if records:
                 continue
             remaining = deadline - time.monotonic()
             if n or waited or remaining <= 0:
                 return True
             # Nothing yet: wait once for new data (the embedded bus wakes on any publish).
-            records = self.consumers[self.topics[0]].poll(self.max_records, timeout_s=remaining)
+            records = self.consumer.poll(self.max_records, timeout_s=remaining)
             self._handle(records)
             n += len(records)
             waited = True
         log.info("joiner round stopped after %d records without reaching the end: windows stay open", n)
         return False
+
+    def _follow_assignment(self) -> None:
+        """After a rebalance, forget what came from partitions this member lost: their new owner
+        reads them again from the committed position (not past anything held here), and this
+        member must neither emit their samples nor commit their offsets."""
+        owned = {p for _, p in self.consumer.assignment()}
+        if self._owned is not None and self._owned - owned:
+            lost = self._owned - owned
+            forgotten = self.core.release(lost)
+            for key in [k for k in (*self._consumed, *self._committed) if k[1] in lost]:
+                self._consumed.pop(key, None)
+                self._committed.pop(key, None)
+            log.info("joiner: partitions %s went to another member; %d held events forgotten", sorted(lost), forgotten)
+        self._owned = owned
 
     def _handle(self, records: list[Record]) -> None:
         for r in records:
@@ -377,15 +431,12 @@ class JoinerService:
 
     def _commit(self) -> None:
         held = self.core.oldest_held()
-        for topic, consumer in self.consumers.items():
-            records = []
-            for (t, partition), consumed in self._consumed.items():
-                if t != topic:
-                    continue
-                position = min(held.get((t, partition), consumed), consumed)
-                if position > self._committed.get((t, partition), 0):
-                    # Consumer.commit(records) commits through the given record: name the one before.
-                    records.append(Record(t, partition, position - 1, "", b""))
-                    self._committed[(t, partition)] = position
-            if records:
-                consumer.commit(records)
+        records = []
+        for (topic, partition), consumed in self._consumed.items():
+            position = min(held.get((topic, partition), consumed), consumed)
+            if position > self._committed.get((topic, partition), 0):
+                # Consumer.commit(records) commits through the given record: name the one before.
+                records.append(Record(topic, partition, position - 1, "", b""))
+                self._committed[(topic, partition)] = position
+        if records:
+            self.consumer.commit(records)

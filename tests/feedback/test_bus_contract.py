@@ -50,15 +50,14 @@ class Harness:
         self.bus = self.open()
         return self.bus
 
-    def consumer(self, topic: str, group: str) -> Consumer:
-        c = self.bus.consumer(topic, group)
+    def consumer(self, topics, group: str) -> Consumer:
+        c = self.bus.consumer(topics, group)
         self.consumers.append(c)
         return c
 
-    def assignment(self, c: Consumer) -> list[int]:
-        if self.kind == "kafka":
-            return c.assignment()  # type: ignore[attr-defined]
-        return self.bus._assigned(c)  # type: ignore[attr-defined]
+    @staticmethod
+    def assignment(c: Consumer) -> list[int]:
+        return [p for _, p in c.assignment()]
 
     def close(self) -> None:
         for c in self.consumers:
@@ -251,6 +250,84 @@ def test_bad_topic_or_value_is_a_value_error(h):
         h.bus.consumer("", "g")
     with pytest.raises(ValueError, match="a/b"):
         h.bus.consumer("fine", "a/b")
+    with pytest.raises(ValueError, match="distinct"):
+        h.bus.consumer([], "g")
+    with pytest.raises(ValueError, match="distinct"):
+        h.bus.consumer(["fine", "fine"], "g")
+
+
+def test_one_member_on_two_topics_consumes_and_commits_both(h):
+    ta, tb, other = new_name("two-a"), new_name("two-b"), new_name("other")
+    sent = publish(h.bus, ta, 40) + publish(h.bus, tb, 30, start=100)
+    group = new_name("g")
+    a = h.consumer([ta, tb], group)
+    got = drain(a, 70, h.quiet_s, commit=True)
+    assert Counter(ids(got)) == Counter(ids(sent))
+    assert {r.topic for r in got} == {ta, tb}
+    assert sorted(a.assignment()) == sorted((t, p) for t in (ta, tb) for p in range(PARTITIONS))
+    with pytest.raises(ValueError, match=other):
+        a.commit([Record(other, 0, 0, "k", b"")])
+    a.close()
+    later = publish(h.bus, tb, 5, start=200)
+    b = h.consumer([ta, tb], group)  # both topics' positions were committed
+    assert sorted(ids(drain(b, 5, h.quiet_s))) == sorted(ids(later))
+
+
+def _two_members_two_topics(h) -> None:
+    """Members of one group on two topics own the same partition numbers of both: records with one
+    key on both topics reach one member (what the joiner's completions and feedback need)."""
+    ta, tb, group = new_name("co-a"), new_name("co-b"), new_name("g")
+    members = [h.consumer([ta, tb], group), h.consumer([ta, tb], group)]
+    got: dict[int, list[Record]] = {0: [], 1: []}
+    assigned: dict[int, list[tuple[str, int]]] = {0: [], 1: []}
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            while not stop.is_set():
+                recs = members[i].poll(max_records=50, timeout_s=0.2)
+                assigned[i] = members[i].assignment()
+                if recs:
+                    got[i].extend(recs)
+                    members[i].commit(recs)
+        except BaseException as e:  # surfaced by the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not (assigned[0] and assigned[1] and len(assigned[0]) + len(assigned[1]) == 2 * PARTITIONS):
+            assert time.monotonic() < deadline, f"group did not settle: {assigned}"
+            assert not errors, errors
+            time.sleep(0.1)
+        settled = {i: list(assigned[i]) for i in (0, 1)}
+        sent = publish(h.bus, ta, 120, keys=30) + publish(h.bus, tb, 120, start=1000, keys=30)
+        deadline = time.monotonic() + 30
+        while len(got[0]) + len(got[1]) < 240 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(h.quiet_s)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=10)
+    assert not errors, errors
+    for i in (0, 1):
+        parts = {t: {p for tt, p in settled[i] if tt == t} for t in (ta, tb)}
+        assert parts[ta] and parts[ta] == parts[tb], settled
+    assert Counter(ids(got[0] + got[1])) == Counter(ids(sent))
+    keys = [{r.key for r in got[i]} for i in (0, 1)]
+    assert keys[0] and keys[1] and not keys[0] & keys[1]  # every key on both topics went to one member
+    for i in (0, 1):
+        assert {r.topic for r in got[i]} == {ta, tb}
+
+
+@pytest.mark.parametrize("h", ["embedded", pytest.param("kafka", marks=[pytest.mark.kafka, pytest.mark.slow])],
+                         indirect=True)
+def test_two_members_on_two_topics_own_the_same_partitions_of_both(h):
+    _two_members_two_topics(h)
 
 
 def test_bus_sink_publishes_completions_keyed_by_completion_id(h):

@@ -373,5 +373,57 @@ def test_run_until_stopped_then_leaves_the_group(tmp_path):
     assert not t.is_alive()
     assert [r.key for r in records] == ["c1"]
     with pytest.raises(RuntimeError, match="closed"):
-        svc.consumers[TOPICS["completion"]].poll(1, timeout_s=0.0)
+        svc.consumer.poll(1, timeout_s=0.0)
+    bus.close()
+
+
+# ---- several joiners in one group -------------------------------------------------------------
+def test_release_forgets_what_came_from_lost_partitions_and_lets_it_count_again():
+    j = core()
+    j.on_completion(completion("c1", 0.0), (TOPICS["completion"], 1, 0))
+    j.on_feedback(feedback("c1", "accepted", 1.0), (TOPICS["feedback"], 1, 0))
+    j.on_completion(completion("c2", 0.0), (TOPICS["completion"], 2, 0))
+    j.on_feedback(feedback("c2", "thumb_up", 1.0), (TOPICS["feedback"], 2, 0))
+    j.on_feedback(feedback("ghost", "thumb_up", 1.0), (TOPICS["feedback"], 1, 1))  # orphan from p1
+    assert j.release({1}) == 3
+    assert j.pending_count == 1 and j.orphan_count == 0
+    assert j.oldest_held() == {(TOPICS["completion"], 2): 0, (TOPICS["feedback"], 2): 0}
+    assert [s.completion.completion_id for s in j.tick(100.0)] == ["c2"]  # c1's window is gone with it
+    # The partition comes back (read again from the committed position): its events count again.
+    j.on_completion(completion("c1", 0.0), (TOPICS["completion"], 1, 0))
+    j.on_feedback(feedback("c1", "accepted", 1.0), (TOPICS["feedback"], 1, 0))
+    [s] = j.tick(100.0)
+    assert s.completion.completion_id == "c1" and s.reward == pytest.approx(0.75)
+    assert j.stats["duplicates"] == 0
+
+
+def test_a_second_joiner_takes_half_the_partitions_and_every_sample_is_emitted_once(tmp_path):
+    bus = EmbeddedBus(tmp_path, partitions=4)
+    n = 40
+    for i in range(n):
+        publish(bus, completion(f"c{i}", float(i)))
+        publish(bus, feedback(f"c{i}", "accepted" if i % 2 else "thumb_down", i + 1.0))
+    clock = Clock(50.0)  # no window (60 s) has closed yet: the first joiner holds everything
+    a = JoinerService(bus, SPEC, window_s=WINDOW, clock=clock)
+    assert a.run_once(0.0) == [] and a.core.pending_count == n
+    b = JoinerService(bus, SPEC, window_s=WINDOW, clock=clock)  # the group rebalances: 2 partitions each
+    assert a.run_once(0.0) == []
+    assert b.run_once(0.0) == []
+    owned = {name: {p for _, p in s.consumer.assignment()} for name, s in (("a", a), ("b", b))}
+    assert owned["a"] and owned["b"] and not owned["a"] & owned["b"]
+    assert a.core.pending_count + b.core.pending_count == n  # a forgot what b now holds
+    clock.t = 1000.0
+    samples = a.run_once(0.0) + b.run_once(0.0)
+    assert sorted(s.completion.completion_id for s in samples) == sorted(f"c{i}" for i in range(n))
+    assert all(s.reward == pytest.approx(0.75 if int(s.completion.completion_id[1:]) % 2 else -0.5)
+               for s in samples)
+    emitted = [s.event_id for _, s in read_samples(bus)]
+    assert len(emitted) == len(set(emitted)) == n  # once each: a emitted nothing for b's partitions
+    for st in (a.stats, b.stats):
+        assert st["late"] == 0 and st["orphans_expired"] == 0
+    # Everything is committed, each partition by its owner.
+    assert sum(bus.committed(TOPICS["completion"], "joiner").values()) == n
+    assert sum(bus.committed(TOPICS["feedback"], "joiner").values()) == n
+    a.close()
+    b.close()
     bus.close()
