@@ -75,6 +75,10 @@ def _learner(args) -> None:
     settings = get_settings()
     if not (settings.served_model_dir / "config.json").is_file():
         sys.exit(f"flywheel learner: no base checkpoint at {settings.served_model_dir} (run `flywheel bootstrap`)")
+    if settings.learner_distributed:  # one rank of a data-parallel learner: join the process group first
+        from learner.distributed import init_process_group
+
+        init_process_group()
     bus = build_bus(settings)
     cfg = LearnerConfig(update_every_samples=args.every_samples, update_every_s=args.every_s)
     service = LearnerService(bus, Registry(settings.db_url), settings.home / "models" / "learner",

@@ -34,6 +34,9 @@ class Settings(BaseSettings):
     torch_threads: int | None = Field(None, ge=1, description="torch threads of the engine's compute thread; None: 1 (see serving/engine.py).")
     bus: Literal["embedded", "kafka"] = Field("embedded", description="Event bus implementation.")
     kafka_bootstrap: str = Field("127.0.0.1:9092", description="Kafka bootstrap servers (comma separated).")
+    learner_distributed: bool = Field(
+        False, description="`flywheel learner` runs as one rank of a data-parallel job (torchrun sets RANK, "
+                           "WORLD_SIZE, MASTER_ADDR, MASTER_PORT); the ranks split the sample partitions.")
     database_url: str | None = Field(
         None, description="SQLAlchemy URL of the registry; None means a SQLite file under <home>.")
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list,

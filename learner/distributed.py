@@ -19,8 +19,8 @@ Every choice, stated:
   every rank without any communication. A rank then trains on its shard only.
 - **Shards are contiguous chunks** (`shard_indices`): rank r takes the r-th of W consecutive slices
   whose sizes differ by at most one (the first N mod W ranks take one more, as `numpy.array_split`).
-  A batch with fewer sequences than ranks is a `ValueError`: every rank must take part in every
-  all-reduce.
+  A batch with fewer sequences than ranks is trained whole by every rank (equal gradients, so the
+  average is the single process's): every rank must take part in every all-reduce.
 - **Same gradient as one process on the whole batch, unequal shards included.** The trainer weights
   each micro-batch's loss by its share of the *whole* batch (sequences, or tokens under "token"
   normalisation) times W (`learner.trainer.Shard`); DDP averages over the W ranks, so the sum is
@@ -106,11 +106,17 @@ class DataParallelTrainer:
 
     def update(self, seqs: list[Sequence], group_advantages: list[float | None] | None = None,
                behaviour_is_current: bool = False) -> UpdateResult:
-        """One update; every rank passes the *whole* batch (same sequences, same order)."""
-        idx = shard_indices(len(seqs), self.world_size, self.rank)
+        """One update; every rank passes the *whole* batch (same sequences, same order). A batch with
+        fewer sequences than ranks is trained whole by every rank (the all-reduce then averages equal
+        gradients: still the single process's update)."""
         adv = self.trainer.advantages(seqs, group_advantages)  # whole batch: identical on every rank
-        shard = Shard(samples=len(seqs), tokens=float(sum(len(s.output_ids) for s in seqs)),
-                      world_size=self.world_size)
+        tokens = float(sum(len(s.output_ids) for s in seqs))
+        if len(seqs) < self.world_size:
+            local = self.trainer.update(seqs, behaviour_is_current=behaviour_is_current, advantages=adv,
+                                        shard=Shard(samples=len(seqs), tokens=tokens, world_size=1))
+            return UpdateResult(dict(local.stats, world_size=float(self.world_size)))
+        idx = shard_indices(len(seqs), self.world_size, self.rank)
+        shard = Shard(samples=len(seqs), tokens=tokens, world_size=self.world_size)
         local = self.trainer.update([seqs[i] for i in idx], behaviour_is_current=behaviour_is_current,
                                     advantages=adv[idx], shard=shard)
         per_rank: list[dict[str, float] | None] = [None] * self.world_size
@@ -197,7 +203,8 @@ def spawn_update(world_size: int, model: Transformer, seqs: list[Sequence], cfg:
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    shard_indices(len(seqs), world_size, 0)  # refuse a batch too small before starting anything
+    if not seqs:
+        raise ValueError("an update needs at least one sequence")
     with tempfile.TemporaryDirectory(prefix="flywheel-ddp-") as out_dir:
         job = _Job(model.args, {k: v.detach().clone() for k, v in model.state_dict().items()}, seqs, cfg,
                    n_vocab, pad_id, group_advantages, baseline_state, port or free_port(), timeout_s, out_dir)

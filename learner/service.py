@@ -18,6 +18,19 @@ Owns the learner's durable state and its exactly-once accounting:
 - **Registry.** Each new version is registered (`gating.registry`) as `candidate` with its parent,
   the bus positions it covers (`data_range`), its update statistics and its files with hashes.
 
+- **Data-parallel instances split the partitions.** Started once per rank after
+  `learner.distributed.init_process_group` (torchrun, or `flywheel learner` with
+  FLYWHEEL_LEARNER_DISTRIBUTED=1), every rank is a member of the same consumer group on the sample
+  topic and polls only the partitions the group gives it. Each round the ranks exchange their
+  buffered counts (and rank 0's elapsed time) so they decide on the cadence together; an update
+  gathers every rank's buffered samples, ordered by (partition, offset) and de-duplicated by offset
+  and sample id (a rebalance can hand a partition's uncommitted records to two ranks), so every rank
+  holds the same whole batch, which `learner.distributed.DataParallelTrainer` trains on (each rank
+  its shard, gradients all-reduced). Rank 0 alone writes the version, the registry, the weight
+  store and `learner.json` (the models folder is shared); it then broadcasts the new state, and
+  only after that does each rank commit the offsets it consumed. A rank that dies makes the others'
+  collectives time out: the job is restarted as a whole and resumes from `learner.json` as above.
+
 Called by the `flywheel learner` process; the demo loop (`learner.demo_loop`) drives the same
 trainer in memory.
 """
@@ -35,6 +48,7 @@ from collections import Counter, deque
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
 from feedback.bus import EventBus, Record
@@ -90,6 +104,42 @@ class LearnerService:
         self.state_path = self.models_dir / STATE
         # What the serving fleet pulls: bf16 shipping weights, snapshots every N versions, lossless deltas.
         self.store = WeightStore(self.models_dir / "store", snapshot_every=cfg.snapshot_every)
+        self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        if self.world_size > 1 and min(cfg.min_samples, cfg.update_every_samples) < self.world_size:
+            raise ValueError(f"min_samples ({cfg.min_samples}) and update_every_samples ({cfg.update_every_samples}) "
+                             f"must be >= the {self.world_size} ranks: every rank trains on a shard")
+        if self.rank == 0:
+            self._init_state(base_dir)
+        if self.world_size > 1:
+            dist.barrier()  # rank 0 has created or found learner.json
+            if self.rank != 0:
+                self.state = json.loads(self.state_path.read_text())
+        cur_dir = Path(self.state["dirs"][self.state["current"]])
+        self.tokenizer = Tokenizer.from_file(cur_dir)
+        self.model = load_checkpoint(cur_dir)
+        self.trainer = Trainer(self.model, cfg.trainer, self.tokenizer.vocab_size, self.tokenizer.pad_id)
+        if (cur_dir / OPT_STATE).is_file():
+            saved = torch.load(cur_dir / OPT_STATE, weights_only=False)
+            self.trainer.opt.load_state_dict(saved["optimizer"])
+            self.trainer.baseline = saved["baseline"]
+            self.trainer.updates = saved["updates"]
+        self.dp = None
+        if self.world_size > 1:
+            from learner.distributed import DataParallelTrainer
+
+            self.dp = DataParallelTrainer(self.trainer)
+        self.trained_ids = deque(self.state["trained_ids"], maxlen=MAX_REMEMBERED_IDS)
+        self._trained_set = set(self.trained_ids)
+        self.consumer = bus.consumer(TOPICS["sample"], cfg.group)
+        self.buffer: list[tuple[Record, SampleEvent]] = []
+        self.offline: list = []  # (Sequence, advantage) from off-peak group rollouts, mixed into the next update
+        self._buffered_ids: set[str] = set()
+        self._group_buffered = 0  # samples buffered by all ranks at the last cadence check
+        self.partitions_read: set[int] = set()  # sample-topic partitions this instance has read from
+        self.counters: Counter = Counter()
+        self.last_update = clock()
+
+    def _init_state(self, base_dir: str | Path) -> None:
         if self.state_path.is_file():
             self.state = json.loads(self.state_path.read_text())
         else:
@@ -109,23 +159,6 @@ class LearnerService:
             self.state = {"current": base.id, "versions": [base.id], "dirs": {base.id: str(self.models_dir / vid)},
                           "positions": {}, "trained_ids": []}
             _atomic_json(self.state_path, self.state)
-        cur_dir = Path(self.state["dirs"][self.state["current"]])
-        self.tokenizer = Tokenizer.from_file(cur_dir)
-        self.model = load_checkpoint(cur_dir)
-        self.trainer = Trainer(self.model, cfg.trainer, self.tokenizer.vocab_size, self.tokenizer.pad_id)
-        if (cur_dir / OPT_STATE).is_file():
-            saved = torch.load(cur_dir / OPT_STATE, weights_only=False)
-            self.trainer.opt.load_state_dict(saved["optimizer"])
-            self.trainer.baseline = saved["baseline"]
-            self.trainer.updates = saved["updates"]
-        self.trained_ids = deque(self.state["trained_ids"], maxlen=MAX_REMEMBERED_IDS)
-        self._trained_set = set(self.trained_ids)
-        self.consumer = bus.consumer(TOPICS["sample"], cfg.group)
-        self.buffer: list[tuple[Record, SampleEvent]] = []
-        self.offline: list = []  # (Sequence, advantage) from off-peak group rollouts, mixed into the next update
-        self._buffered_ids: set[str] = set()
-        self.counters: Counter = Counter()
-        self.last_update = clock()
 
     def _free_id(self, n: int) -> str:
         """`vNNNN` not yet in the registry (a crash between registering and `learner.json` leaves one used)."""
@@ -158,10 +191,12 @@ class LearnerService:
         """Buffer new samples; returns how many were taken (duplicates and replays are counted, not taken)."""
         taken = 0
         positions = {int(p): o for p, o in self.state["positions"].items()}
-        room = self.cfg.update_every_samples - len(self.buffer)  # an update trains on at most this many
+        # An update trains on about this many (ranks: all of them together, as of the last cadence check).
+        room = self.cfg.update_every_samples - max(len(self.buffer), self._group_buffered)
         if room <= 0:
             return 0
         for rec in self.consumer.poll(max_records=room, timeout_s=timeout_s):
+            self.partitions_read.add(rec.partition)
             if rec.offset < positions.get(rec.partition, 0):
                 self.counters["skipped_already_trained_offset"] += 1
                 continue
@@ -180,15 +215,46 @@ class LearnerService:
         self.offline.extend(zip(batch.sequences, batch.advantages))
 
     def due(self) -> bool:
+        """Cadence: enough samples buffered (by all ranks together), or enough time with some. Ranks
+        decide together, on rank 0's clock (a collective: every rank calls it every round)."""
         n = sum(1 for _, ev in self.buffer if ev is not None)
+        elapsed = self.clock() - self.last_update
+        if self.world_size > 1:
+            per_rank: list = [None] * self.world_size
+            dist.all_gather_object(per_rank, (n, elapsed))
+            n, elapsed = sum(c for c, _ in per_rank), per_rank[0][1]
+            self._group_buffered = n
         if n >= self.cfg.update_every_samples:
             return True
-        return n >= self.cfg.min_samples and self.clock() - self.last_update >= self.cfg.update_every_s
+        return n >= self.cfg.min_samples and elapsed >= self.cfg.update_every_s
+
+    def _whole_batch(self) -> tuple[list[Record], list[SampleEvent], list]:
+        """Every rank's buffered records and events, and rank 0's offline groups: the same lists, in
+        the same order, on every rank (one rank: its own)."""
+        mine = [(r, ev.model_dump_json() if ev is not None else None) for r, ev in self.buffer]
+        if self.world_size == 1:
+            return [r for r, _ in self.buffer], [ev for _, ev in self.buffer if ev is not None], self.offline
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, (mine, self.offline if self.rank == 0 else []))
+        by_position: dict[tuple[int, int], tuple[Record, str | None]] = {}
+        for rank_records, _ in gathered:
+            for r, ev_json in rank_records:
+                by_position[(r.partition, r.offset)] = (Record(r.topic, r.partition, r.offset, r.key, b""), ev_json)
+        records, events, seen = [], [], set(self._trained_set)
+        for pos in sorted(by_position):
+            rec, ev_json = by_position[pos]
+            records.append(rec)
+            if ev_json is not None:
+                ev = SampleEvent.model_validate_json(ev_json)
+                if ev.event_id not in seen:
+                    seen.add(ev.event_id)
+                    events.append(ev)
+        return records, events, gathered[0][1]
 
     def update(self) -> str | None:
         """Train on the buffer, publish the next version; returns its id (None if nothing trainable)."""
-        records = [r for r, _ in self.buffer]
-        events = [ev for _, ev in self.buffer if ev is not None]
+        mine = [r for r, _ in self.buffer]  # committed by this rank once the version is durable
+        records, events, offline_all = self._whole_batch()
         index = {v: i for i, v in enumerate(self.state["versions"])}
         current_idx = index[self.current]
         seqs, dropped = select(events, index, current_idx, self.cfg.max_staleness)
@@ -197,31 +263,40 @@ class LearnerService:
         for r in records:
             positions[r.partition] = max(positions.get(r.partition, 0), r.offset + 1)
         new_id = None
-        offline = [(s, a) for s, a in self.offline if s.version in index
+        offline = [(s, a) for s, a in offline_all if s.version in index
                    and current_idx - index[s.version] <= self.cfg.max_staleness]
-        self.counters["dropped_offline_stale"] += len(self.offline) - len(offline)
+        self.counters["dropped_offline_stale"] += len(offline_all) - len(offline)
         self.offline = []
         if seqs or offline:
             behaviour_now = all(s.version == self.current for s in seqs) and bool(seqs)
             advs = [None] * len(seqs) + [a for _, a in offline]
-            stats = self.trainer.update(seqs + [s for s, _ in offline], group_advantages=advs if offline else None,
-                                        behaviour_is_current=behaviour_now).stats
+            train = self.dp.update if self.dp is not None else self.trainer.update
+            stats = train(seqs + [s for s, _ in offline], group_advantages=advs if offline else None,
+                          behaviour_is_current=behaviour_now).stats
             stats["offline_samples"] = len(offline)
             stats["dropped"] = dict(dropped)
             before = {int(p): o for p, o in self.state["positions"].items()}
             touched = {r.partition for r in records}
             covered = {str(p): (before.get(p, 0), positions[p]) for p in sorted(touched)}
-            new_id = self._publish(stats, covered)
+            if self.rank == 0:
+                new_id = self._publish(stats, covered)
         else:
             log.warning("learner: nothing trainable in %d buffered samples (dropped: %s)", len(events), dict(dropped))
         for ev in events:
             self.trained_ids.append(ev.event_id)
-        self.state.update(positions={str(p): o for p, o in positions.items()}, trained_ids=list(self.trained_ids))
-        _atomic_json(self.state_path, self.state)  # the point of no return: these samples are used
-        self.consumer.commit(records)
+        if self.rank == 0:
+            self.state.update(positions={str(p): o for p, o in positions.items()}, trained_ids=list(self.trained_ids))
+            _atomic_json(self.state_path, self.state)  # the point of no return: these samples are used
+        if self.world_size > 1:  # after rank 0 made the update durable: every rank takes its state
+            box = [self.state if self.rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            self.state = box[0]
+            new_id = self.state["current"] if seqs or offline else None
+        self.consumer.commit(mine)
         self._trained_set = set(self.trained_ids)
         self.buffer.clear()
         self._buffered_ids.clear()
+        self._group_buffered = 0
         self.counters["trained"] += len(seqs)
         self.counters["trained_offline"] += len(offline)
         self.counters["updates"] += 1 if new_id else 0

@@ -96,3 +96,110 @@ def test_two_joiners_split_the_partitions_and_join_every_completion_with_its_fee
         assert j.stats["late"] == 0 and j.stats["orphans_expired"] == 0 and j.stats["tenant_mismatch"] == 0
     for b in buses:
         b.close()
+
+
+# ---- the learner: data-parallel ranks are the members of one consumer group ------------------------
+N_SAMPLES = 40
+
+
+def _learner_rank(rank: int, world_size: int, port: int, bootstrap: str, root: str, base: str, group: str) -> None:
+    import hashlib
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from gating.registry import Registry
+    from learner.distributed import init_process_group
+    from learner.service import LearnerConfig, LearnerService
+    from learner.trainer import TrainerConfig
+
+    torch.set_num_threads(1)
+    init_process_group(rank, world_size, "127.0.0.1", port, timeout_s=120)
+    root_dir = Path(root)
+    bus = KafkaBus(bootstrap, root_dir / f"spool-rank{rank}", partitions=PARTITIONS, send_timeout_s=5,
+                   consumer_config=FAST_CONSUMER)
+    cfg = LearnerConfig(update_every_samples=10, min_samples=2, update_every_s=2.0, group=group,
+                        trainer=TrainerConfig(lr=1e-3))
+    svc = LearnerService(bus, Registry(f"sqlite:///{root_dir}/registry.db"), root_dir / "models", base, cfg)
+    try:
+        for _ in range(600):  # the same number of rounds on every rank: `trained` is the same on all
+            if svc.counters["trained"] >= N_SAMPLES:
+                break
+            if svc.consumer.assignment():
+                (root_dir / f"rank{rank}.ready").touch()
+            svc.run_once(timeout_s=0.2)
+        weights = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in svc.model.state_dict().values()))
+        (root_dir / f"rank{rank}.json").write_text(json.dumps({
+            "trained": svc.counters["trained"], "partitions": sorted(svc.partitions_read),
+            "current": svc.current, "weights": weights.hexdigest()}))
+    finally:
+        svc.close()
+        bus.close()
+        torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def samples(tiny_checkpoint):
+    from serving.engine import EmbeddedEngine
+    from serving.sampling import SamplingParams
+
+    eng = EmbeddedEngine(max_batch=16, max_model_len=128)
+    try:
+        eng.add_version(tiny_checkpoint.name, tiny_checkpoint)
+        tok = eng.tokenizer()
+        outs = eng.generate([tok.encode_prompt(f"# add {i % 9} to x\ndef f(x):\n") for i in range(N_SAMPLES)],
+                            [SamplingParams(max_tokens=8, seed=i) for i in range(N_SAMPLES)])
+    finally:
+        eng.shutdown()
+    return [SampleEvent(tenant="t", completion=CompletionEvent.from_completion(c, "t", "u", "completions"),
+                        reward=(0.75 if i % 3 else -0.25), signals=[], reward_spec="default-v1")
+            for i, c in enumerate(outs)]
+
+
+@pytest.mark.slow
+def test_two_data_parallel_learner_ranks_split_the_partitions_and_train_each_sample_once(
+        running_broker, tmp_path, tiny_checkpoint, samples):  # noqa: F811
+    import json
+
+    import torch.multiprocessing as mp
+
+    from gating.registry import Registry
+    from learner.distributed import free_port
+
+    Registry(f"sqlite:///{tmp_path}/registry.db")  # tables exist before the ranks open it
+    group = f"learner-{uuid.uuid4().hex[:8]}"
+    ctx = mp.start_processes(_learner_rank, args=(2, free_port(), running_broker.bootstrap, str(tmp_path),
+                                                  str(tiny_checkpoint), group), nprocs=2, join=False,
+                             start_method="spawn")
+    producer = kafka_bus(running_broker, tmp_path / "spool-product")
+    try:
+        deadline = time.monotonic() + 90
+        while not all((tmp_path / f"rank{r}.ready").exists() for r in (0, 1)):  # both are group members
+            assert time.monotonic() < deadline, "the learner ranks did not join their group"
+            assert not any(p.exitcode not in (None, 0) for p in ctx.processes), "a rank died"
+            time.sleep(0.2)
+        for ev in samples:
+            producer.publish(TOPICS["sample"], ev.completion.completion_id, ev.model_dump_json().encode())
+        producer.flush(30)
+        while not ctx.join(timeout=1):
+            assert time.monotonic() < deadline + 120, "the learner ranks did not finish"
+    finally:
+        producer.close()
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["weights"] == ranks[1]["weights"] and ranks[0]["current"] == ranks[1]["current"]
+    assert ranks[0]["partitions"] and ranks[1]["partitions"]  # each rank read its own share...
+    assert not set(ranks[0]["partitions"]) & set(ranks[1]["partitions"])  # ...and only its own
+    state = json.loads((tmp_path / "models" / "learner.json").read_text())
+    assert sorted(state["trained_ids"]) == sorted(ev.event_id for ev in samples)  # each sample once
+    assert ranks[0]["trained"] == N_SAMPLES and len(state["versions"]) >= 3
+    reg = Registry(f"sqlite:///{tmp_path}/registry.db")
+    last = reg.get(state["current"])
+    assert last.status == "candidate" and last.parent_id == state["versions"][-2]
+    assert last.metrics["world_size"] == 2
+    covered = [sum(end - start for start, end in reg.get(v).data_range[TOPICS["sample"]].values())
+               for v in state["versions"][1:]]
+    assert sum(covered) == N_SAMPLES  # the versions' data ranges add up to every sample, once

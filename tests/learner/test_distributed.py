@@ -137,7 +137,19 @@ def test_shards_are_contiguous_and_cover_the_batch():
         shard_indices(4, 2, 2)
 
 
-def test_too_small_batch_refused_before_spawning(served, tiny_checkpoint):
-    seqs, n_vocab, pad, _ = served
-    with pytest.raises(ValueError, match="cannot give each"):
-        spawn_update(3, load_checkpoint(tiny_checkpoint), seqs[:2], TrainerConfig(), n_vocab, pad)
+def test_batch_smaller_than_the_ranks_is_trained_whole_by_every_rank(served, tiny_checkpoint):
+    seqs, n_vocab, pad, baseline = served
+    cfg = TrainerConfig(lr=LR)
+    sd_a, grads_a, stats_a, _ = one_process(tiny_checkpoint, seqs[:1], cfg, n_vocab, pad, baseline)
+    res = spawn_update(2, load_checkpoint(tiny_checkpoint), seqs[:1], cfg, n_vocab, pad, baseline_state=baseline,
+                       timeout_s=60)
+    assert all(torch.equal(res.state_dict[k], r.state_dict[k]) for r in res.ranks[1:] for k in res.state_dict)
+    gscale = max(float(g.abs().max()) for g in grads_a.values())
+    assert max_diff(grads_a, res.ranks[0].grads) <= GRAD_RTOL * gscale
+    for k in sd_a:
+        bound = LR * (grads_a[k] - res.ranks[0].grads[k]).abs() / EPS + PARAM_ATOL if k in grads_a else 0.0
+        assert ((sd_a[k] - res.state_dict[k]).abs() <= bound).all(), k
+    assert res.stats["samples"] == 1 and res.stats["world_size"] == 2
+    assert res.stats["loss"] == pytest.approx(stats_a["loss"], rel=GRAD_RTOL, abs=1e-7)
+    with pytest.raises(ValueError, match="at least one"):
+        spawn_update(2, load_checkpoint(tiny_checkpoint), [], cfg, n_vocab, pad)
