@@ -74,6 +74,7 @@ class LearnerConfig(BaseModel):
     min_samples: int = Field(32, ge=1, description="Fewest samples a time-triggered update uses.")
     max_staleness: int = Field(2, ge=0, description="Drop samples served more than this many versions ago.")
     group: str = Field("learner", description="Consumer group on the sample topic.")
+    topic: str = Field(TOPICS["sample"], description="The topic of `sample` events (the joiner's output).")
     snapshot_every: int = Field(8, ge=1, description="Weight store: a full snapshot every N versions, deltas between.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The update itself.")
 
@@ -130,7 +131,7 @@ class LearnerService:
             self.dp = DataParallelTrainer(self.trainer)
         self.trained_ids = deque(self.state["trained_ids"], maxlen=MAX_REMEMBERED_IDS)
         self._trained_set = set(self.trained_ids)
-        self.consumer = bus.consumer(TOPICS["sample"], cfg.group)
+        self.consumer = bus.consumer(cfg.topic, cfg.group)
         self.buffer: list[tuple[Record, SampleEvent]] = []
         self.offline: list = []  # (Sequence, advantage) from off-peak group rollouts, mixed into the next update
         self._buffered_ids: set[str] = set()
@@ -318,7 +319,7 @@ class LearnerService:
         version = self.registry.register(version_id=vid, parent_id=self.current, metrics=stats,
                                          files=[self._file_entry(tmp, "snapshot", vid), self._store_entry(vid)],
                                          delta_base_id=self.current if shipped.kind == "delta" else None,
-                                         data_range={TOPICS["sample"]: covered},
+                                         data_range={self.cfg.topic: covered},
                                          reason=f"learner update {self.trainer.updates}")
         folder = self.models_dir / version.id
         shutil.rmtree(folder, ignore_errors=True)

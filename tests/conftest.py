@@ -44,6 +44,26 @@ def small_trained_checkpoint(tmp_path_factory):
     return folder
 
 
+def served_samples(checkpoint, rewards: list[float], max_tokens: int = 10) -> list:
+    """`SampleEvent`s of real completions of `checkpoint` (its folder name is the served version),
+    one per reward, as the joiner would emit them."""
+    from feedback.events import CompletionEvent, SampleEvent
+    from serving.engine import EmbeddedEngine
+    from serving.sampling import SamplingParams
+
+    n = len(rewards)
+    eng = EmbeddedEngine(max_batch=16, max_model_len=128)
+    try:
+        eng.add_version(checkpoint.name, checkpoint)
+        tok = eng.tokenizer()
+        outs = eng.generate([tok.encode_prompt(f"# add {i % 9} to x\ndef f(x):\n") for i in range(n)],
+                            [SamplingParams(max_tokens=max_tokens, seed=i) for i in range(n)])
+    finally:
+        eng.shutdown()
+    return [SampleEvent(tenant="t", completion=CompletionEvent.from_completion(c, "t", "u", "completions"),
+                        reward=r, signals=[], reward_spec="default-v1") for c, r in zip(outs, rewards)]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

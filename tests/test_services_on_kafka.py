@@ -13,6 +13,7 @@ from feedback.bus_kafka import KafkaBus
 from feedback.events import TOPICS, CompletionEvent, FeedbackEvent, RoutedExperts, SampleEvent
 from feedback.joiner import JoinerService, sample_event_id
 from feedback.rewards import RewardSpec
+from tests.conftest import served_samples
 from tests.feedback.conftest import FAST_CONSUMER, kafka_broker, running_broker  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.kafka
@@ -102,7 +103,7 @@ def test_two_joiners_split_the_partitions_and_join_every_completion_with_its_fee
 N_SAMPLES = 40
 
 
-def _learner_rank(rank: int, world_size: int, port: int, bootstrap: str, root: str, base: str, group: str) -> None:
+def _learner_rank(rank: int, world_size: int, port: int, bootstrap: str, root: str, base: str, topic: str) -> None:
     import hashlib
     import json
     from pathlib import Path
@@ -119,7 +120,7 @@ def _learner_rank(rank: int, world_size: int, port: int, bootstrap: str, root: s
     root_dir = Path(root)
     bus = KafkaBus(bootstrap, root_dir / f"spool-rank{rank}", partitions=PARTITIONS, send_timeout_s=5,
                    consumer_config=FAST_CONSUMER)
-    cfg = LearnerConfig(update_every_samples=10, min_samples=2, update_every_s=2.0, group=group,
+    cfg = LearnerConfig(update_every_samples=10, min_samples=2, update_every_s=2.0, topic=topic,
                         trainer=TrainerConfig(lr=1e-3))
     svc = LearnerService(bus, Registry(f"sqlite:///{root_dir}/registry.db"), root_dir / "models", base, cfg)
     try:
@@ -141,20 +142,7 @@ def _learner_rank(rank: int, world_size: int, port: int, bootstrap: str, root: s
 
 @pytest.fixture(scope="module")
 def samples(tiny_checkpoint):
-    from serving.engine import EmbeddedEngine
-    from serving.sampling import SamplingParams
-
-    eng = EmbeddedEngine(max_batch=16, max_model_len=128)
-    try:
-        eng.add_version(tiny_checkpoint.name, tiny_checkpoint)
-        tok = eng.tokenizer()
-        outs = eng.generate([tok.encode_prompt(f"# add {i % 9} to x\ndef f(x):\n") for i in range(N_SAMPLES)],
-                            [SamplingParams(max_tokens=8, seed=i) for i in range(N_SAMPLES)])
-    finally:
-        eng.shutdown()
-    return [SampleEvent(tenant="t", completion=CompletionEvent.from_completion(c, "t", "u", "completions"),
-                        reward=(0.75 if i % 3 else -0.25), signals=[], reward_spec="default-v1")
-            for i, c in enumerate(outs)]
+    return served_samples(tiny_checkpoint, [0.75 if i % 3 else -0.25 for i in range(N_SAMPLES)], max_tokens=8)
 
 
 @pytest.mark.slow
@@ -168,9 +156,9 @@ def test_two_data_parallel_learner_ranks_split_the_partitions_and_train_each_sam
     from learner.distributed import free_port
 
     Registry(f"sqlite:///{tmp_path}/registry.db")  # tables exist before the ranks open it
-    group = f"learner-{uuid.uuid4().hex[:8]}"
+    topic = f"samples-{uuid.uuid4().hex[:8]}"  # the broker is the module's: other tests publish samples too
     ctx = mp.start_processes(_learner_rank, args=(2, free_port(), running_broker.bootstrap, str(tmp_path),
-                                                  str(tiny_checkpoint), group), nprocs=2, join=False,
+                                                  str(tiny_checkpoint), topic), nprocs=2, join=False,
                              start_method="spawn")
     producer = kafka_bus(running_broker, tmp_path / "spool-product")
     try:
@@ -180,7 +168,7 @@ def test_two_data_parallel_learner_ranks_split_the_partitions_and_train_each_sam
             assert not any(p.exitcode not in (None, 0) for p in ctx.processes), "a rank died"
             time.sleep(0.2)
         for ev in samples:
-            producer.publish(TOPICS["sample"], ev.completion.completion_id, ev.model_dump_json().encode())
+            producer.publish(topic, ev.completion.completion_id, ev.model_dump_json().encode())
         producer.flush(30)
         while not ctx.join(timeout=1):
             assert time.monotonic() < deadline + 120, "the learner ranks did not finish"
@@ -200,6 +188,6 @@ def test_two_data_parallel_learner_ranks_split_the_partitions_and_train_each_sam
     last = reg.get(state["current"])
     assert last.status == "candidate" and last.parent_id == state["versions"][-2]
     assert last.metrics["world_size"] == 2
-    covered = [sum(end - start for start, end in reg.get(v).data_range[TOPICS["sample"]].values())
+    covered = [sum(end - start for start, end in reg.get(v).data_range[topic].values())
                for v in state["versions"][1:]]
     assert sum(covered) == N_SAMPLES  # the versions' data ranges add up to every sample, once

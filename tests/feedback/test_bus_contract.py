@@ -188,12 +188,14 @@ def test_two_groups_each_see_everything(h):
         assert Counter(ids(got)) == Counter(ids(sent)), group
 
 
-def _two_members(h) -> None:
-    topic = new_name("split")
-    group = new_name("g")
-    members = [h.consumer(topic, group), h.consumer(topic, group)]
+def _two_members(h, n_topics: int) -> None:
+    """Two members of one group on the same `n_topics` topics split the partitions, each getting
+    the same partition numbers of every topic: records with one key on several topics reach one
+    member (what the joiner's completions and feedback need). Together they get everything once."""
+    topics, group = [new_name("split") for _ in range(n_topics)], new_name("g")
+    members = [h.consumer(topics, group), h.consumer(topics, group)]
     got: dict[int, list[Record]] = {0: [], 1: []}
-    assigned: dict[int, list[int]] = {0: [], 1: []}
+    assigned: dict[int, list[tuple[str, int]]] = {0: [], 1: []}
     stop = threading.Event()
     errors: list[BaseException] = []
 
@@ -201,7 +203,7 @@ def _two_members(h) -> None:
         try:
             while not stop.is_set():
                 recs = members[i].poll(max_records=50, timeout_s=0.2)
-                assigned[i] = h.assignment(members[i])
+                assigned[i] = members[i].assignment()
                 if recs:
                     got[i].extend(recs)
                     members[i].commit(recs)
@@ -213,14 +215,14 @@ def _two_members(h) -> None:
         t.start()
     try:
         deadline = time.monotonic() + 60
-        while not (assigned[0] and assigned[1] and sorted(assigned[0] + assigned[1]) == list(range(PARTITIONS))):
+        while not (assigned[0] and assigned[1] and len(assigned[0]) + len(assigned[1]) == n_topics * PARTITIONS):
             assert time.monotonic() < deadline, f"group did not settle: {assigned}"
             assert not errors, errors
             time.sleep(0.1)
         settled = {i: list(assigned[i]) for i in (0, 1)}
-        sent = publish(h.bus, topic, 200, keys=40)
+        sent = [r for k, t in enumerate(topics) for r in publish(h.bus, t, 120, start=1000 * k, keys=30)]
         deadline = time.monotonic() + 30
-        while len(got[0]) + len(got[1]) < 200 and time.monotonic() < deadline:
+        while len(got[0]) + len(got[1]) < len(sent) and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(h.quiet_s)
     finally:
@@ -228,17 +230,22 @@ def _two_members(h) -> None:
         for t in threads:
             t.join(timeout=10)
     assert not errors, errors
-    assert settled[0] and settled[1] and not set(settled[0]) & set(settled[1])
+    parts = [{t: {p for tt, p in settled[i] if tt == t} for t in topics} for i in (0, 1)]
     for i in (0, 1):
+        assert all(parts[i][t] == parts[i][topics[0]] for t in topics), settled  # same numbers of each topic
         assert got[i], f"member {i} got nothing"
-        assert {r.partition for r in got[i]} <= set(settled[i])
+        assert {(r.topic, r.partition) for r in got[i]} <= set(settled[i])
+        assert {r.topic for r in got[i]} == set(topics)
+    assert parts[0][topics[0]] and parts[1][topics[0]] and not parts[0][topics[0]] & parts[1][topics[0]]
     assert Counter(ids(got[0] + got[1])) == Counter(ids(sent))  # together: everything, once
+    keys = [{r.key for r in got[i]} for i in (0, 1)]
+    assert not keys[0] & keys[1]  # every key, on every topic, went to one member
 
 
 @pytest.mark.parametrize("h", ["embedded", pytest.param("kafka", marks=[pytest.mark.kafka, pytest.mark.slow])],
                          indirect=True)
 def test_two_members_split_the_partitions(h):
-    _two_members(h)
+    _two_members(h, 1)
 
 
 def test_bad_topic_or_value_is_a_value_error(h):
@@ -273,61 +280,10 @@ def test_one_member_on_two_topics_consumes_and_commits_both(h):
     assert sorted(ids(drain(b, 5, h.quiet_s))) == sorted(ids(later))
 
 
-def _two_members_two_topics(h) -> None:
-    """Members of one group on two topics own the same partition numbers of both: records with one
-    key on both topics reach one member (what the joiner's completions and feedback need)."""
-    ta, tb, group = new_name("co-a"), new_name("co-b"), new_name("g")
-    members = [h.consumer([ta, tb], group), h.consumer([ta, tb], group)]
-    got: dict[int, list[Record]] = {0: [], 1: []}
-    assigned: dict[int, list[tuple[str, int]]] = {0: [], 1: []}
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            while not stop.is_set():
-                recs = members[i].poll(max_records=50, timeout_s=0.2)
-                assigned[i] = members[i].assignment()
-                if recs:
-                    got[i].extend(recs)
-                    members[i].commit(recs)
-        except BaseException as e:  # surfaced by the assertion below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in (0, 1)]
-    for t in threads:
-        t.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not (assigned[0] and assigned[1] and len(assigned[0]) + len(assigned[1]) == 2 * PARTITIONS):
-            assert time.monotonic() < deadline, f"group did not settle: {assigned}"
-            assert not errors, errors
-            time.sleep(0.1)
-        settled = {i: list(assigned[i]) for i in (0, 1)}
-        sent = publish(h.bus, ta, 120, keys=30) + publish(h.bus, tb, 120, start=1000, keys=30)
-        deadline = time.monotonic() + 30
-        while len(got[0]) + len(got[1]) < 240 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(h.quiet_s)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=10)
-    assert not errors, errors
-    for i in (0, 1):
-        parts = {t: {p for tt, p in settled[i] if tt == t} for t in (ta, tb)}
-        assert parts[ta] and parts[ta] == parts[tb], settled
-    assert Counter(ids(got[0] + got[1])) == Counter(ids(sent))
-    keys = [{r.key for r in got[i]} for i in (0, 1)]
-    assert keys[0] and keys[1] and not keys[0] & keys[1]  # every key on both topics went to one member
-    for i in (0, 1):
-        assert {r.topic for r in got[i]} == {ta, tb}
-
-
 @pytest.mark.parametrize("h", ["embedded", pytest.param("kafka", marks=[pytest.mark.kafka, pytest.mark.slow])],
                          indirect=True)
 def test_two_members_on_two_topics_own_the_same_partitions_of_both(h):
-    _two_members_two_topics(h)
+    _two_members(h, 2)
 
 
 def test_bus_sink_publishes_completions_keyed_by_completion_id(h):

@@ -8,29 +8,20 @@ import torch
 import pytest
 
 from feedback.bus_embedded import EmbeddedBus
-from feedback.events import TOPICS, CompletionEvent, SampleEvent
+from feedback.events import TOPICS
 from gating.registry import Registry
 from learner.service import LearnerConfig, LearnerService
 from learner.trainer import TrainerConfig
 from serving.engine import EmbeddedEngine
-from serving.sampling import SamplingParams
+from tests.conftest import served_samples
 
 N = 40
 
 
 @pytest.fixture(scope="module")
 def samples(tiny_checkpoint):
-    eng = EmbeddedEngine(max_batch=16, max_model_len=128)
-    try:
-        eng.add_version(tiny_checkpoint.name, tiny_checkpoint)
-        tok = eng.tokenizer()
-        outs = eng.generate([tok.encode_prompt(f"# add {i % 9} to x\ndef f(x):\n") for i in range(N)],
-                            [SamplingParams(max_tokens=10, seed=i) for i in range(N)])
-    finally:
-        eng.shutdown()
     rng = random.Random(0)
-    return [SampleEvent(tenant="t", completion=CompletionEvent.from_completion(c, "t", "u", "completions"),
-                        reward=rng.choice([-0.25, 0.75]), signals=[], reward_spec="default-v1") for c in outs]
+    return served_samples(tiny_checkpoint, [rng.choice([-0.25, 0.75]) for _ in range(N)])
 
 
 def publish(bus, events):
