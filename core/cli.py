@@ -86,7 +86,7 @@ def _learner(args) -> None:
     try:
         while True:
             v = service.run_once(timeout_s=1.0)
-            if v:
+            if v and service.rank == 0:  # data-parallel ranks all know the version; one says it
                 print(json.dumps({"new_version": v, "counters": dict(service.counters)}), flush=True)
             time.sleep(0.01)
     except KeyboardInterrupt:

@@ -16,14 +16,17 @@ Called by `gating.registry.Registry`.
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 
 from sqlalchemy import event
 from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import ArgumentError
+from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError, ProgrammingError
 from sqlalchemy.pool import StaticPool
 from sqlmodel import Session, SQLModel, create_engine
 
+log = logging.getLogger(__name__)
 SQLITE_BUSY_S = 30.0
 
 
@@ -74,11 +77,24 @@ def make_engine(url: str, echo: bool = False) -> Engine:
     return engine
 
 
-def create_all(engine: Engine) -> None:
-    """Create the registry's tables (and any other imported SQLModel tables) that do not exist yet."""
+def create_all(engine: Engine, attempts: int = 5) -> None:
+    """Create the registry's tables (and any other imported SQLModel tables) that do not exist yet.
+
+    Several processes may start on an empty database at once (the learner's ranks, the gateway, the
+    promotion dashboard): between one's "does the table exist?" and its CREATE another may create it,
+    and the loser's CREATE fails (or, on a new SQLite file, switching it to WAL finds it locked). It
+    then looks again, and finds the tables; an error that persists is raised."""
     import gating.models  # noqa: F401  (registers the tables on SQLModel.metadata)
 
-    SQLModel.metadata.create_all(engine)
+    for attempt in range(attempts):
+        try:
+            SQLModel.metadata.create_all(engine)
+            return
+        except (OperationalError, ProgrammingError, IntegrityError) as e:
+            if attempt == attempts - 1:
+                raise
+            log.info("creating the registry tables raced another process (%s); looking again", e.orig)
+            time.sleep(0.02 * (attempt + 1))
 
 
 def session(engine: Engine) -> Session:
