@@ -15,15 +15,21 @@ are the checker's pass/fail (they only matter for the throughput part, which nee
      pair is cross-checked against `mismatch_stats`, which the learner logs every update.
    Target (issue): |Δlogprob| with replay <= 1e-6, serving and trainer both float32. Replay cannot
    close the float32 gap by itself: the engine computes decode steps against a KV cache, the trainer
-   one full forward, and the two round differently (a few float32 ulps of a log-prob).
+   one full forward. Both use the model's batch-invariant kernels by default (`serving/model.py`),
+   which make the two bit-identical; one more pair, "float32 (default kernels)", serves and re-scores
+   with torch's default kernels (`batch_invariant=False` on both sides), the numerics before them.
+   The floor under any gap: the float32 trainer against itself, micro-batch 64 vs 1, in both modes.
 2. Throughput. `Trainer.update` (float32, micro_batch 64, one Adam step, no mismatch measurement)
-   on 64 / 256 / 512 of those completions, replay on and off: samples/s and completion tokens/s
+   on 64 / 256 / 512 of those completions, replay on and off (batch-invariant kernels), plus 512 with
+   replay on and the default kernels (the cost of invariance): samples/s and completion tokens/s
    from the update's own stats, median over `--repeats` timed updates after one warm-up. The grid
    runs with `--threads` intra-op threads (default 1); one extra row repeats 64 samples / replay on
    with 2 threads, because on the shared 2-core dev machine (load ~2-4 from other work) 2 OpenMP
    threads were measured 2-10x *slower* than 1: every parallel region waits for a descheduled thread.
 
-The engine runs on its own thread with 1 intra-op thread and is shut down before anything is timed.
+The engine runs on its own thread with 1 intra-op thread and is shut down before anything is timed;
+the serving wall time of each engine (512 requests, 64 at a time) is recorded as a rough measure of
+what the batch-invariant decode costs (bench/serving.py is the serving benchmark).
 Writes bench/results/learner.json and bench/results/learner.md.
 Usage: python bench/learner.py [--model DIR] [--n 512] [--repeats 3]
 """
@@ -59,6 +65,8 @@ MAX_TOKENS = 48
 MICRO_BATCH = 64
 UPDATE_SIZES = (64, 256, 512)
 THREADS_CHECK = (2, 64, True)  # (threads, samples, replay): the contention row
+DEFAULT_FP32 = "float32 (default kernels)"  # batch_invariant=False in the engine and the trainer
+DEFAULT_KERNELS_CHECK = (512, True)  # (samples, replay) with batch_invariant=False: the cost of invariance
 TARGET = 1e-6
 
 
@@ -74,8 +82,9 @@ def serve(engine: EmbeddedEngine, version: str, tok: Tokenizer, tasks, seed: int
 
 
 @torch.no_grad()
-def mismatch(model: Transformer, seqs: list[Sequence], pad_id: int, n_vocab: int) -> dict:
-    """|Δlogprob| with and without replay and routing disagreement over all `seqs`."""
+def mismatch(model: Transformer, seqs: list[Sequence], pad_id: int, n_vocab: int, invariant: bool = True) -> dict:
+    """|Δlogprob| with and without replay and routing disagreement over all `seqs` (`invariant`: the
+    trainer's batch-invariant kernels)."""
     args = model.args
     model.eval()
     d_rep, d_free = [], []
@@ -85,8 +94,8 @@ def mismatch(model: Transformer, seqs: list[Sequence], pad_id: int, n_vocab: int
         batch = make_batch(seqs[i: i + MICRO_BATCH], pad_id, args.n_layers, args.top_k, replay=True)
         assert batch.replay_BSLK is not None, "every served completion records its routing"
         m = batch.mask_BT.bool()
-        lp_rep, _ = trainer_logprobs(model, batch, n_vocab, replay=True)
-        lp_free, experts = trainer_logprobs(model, batch, n_vocab, replay=False)
+        lp_rep, _ = trainer_logprobs(model, batch, n_vocab, replay=True, batch_invariant=invariant)
+        lp_free, experts = trainer_logprobs(model, batch, n_vocab, replay=False, batch_invariant=invariant)
         d_rep.append((lp_rep - batch.behaviour_BT).abs()[m])
         d_free.append((lp_free - batch.behaviour_BT).abs()[m])
         # Fed tokens: prompt + output - 1 per sequence (the last output token is never fed).
@@ -98,7 +107,7 @@ def mismatch(model: Transformer, seqs: list[Sequence], pad_id: int, n_vocab: int
         tok_dis += int((differ_BSL.any(-1) & fed_BS).sum())
         fed_tokens += int(fed_BS.sum())
         if check is None:  # the learner's own per-update numbers, on the first micro-batch
-            ms, n = mismatch_stats(model, batch, n_vocab), m.sum()
+            ms, n = mismatch_stats(model, batch, n_vocab, batch_invariant=invariant), m.sum()
             mine = {"abs_dlogp_mean": float(d_rep[0].sum() / n), "abs_dlogp_max": float(d_rep[0].max()),
                     "abs_dlogp_mean_no_replay": float(d_free[0].sum() / n),
                     "abs_dlogp_max_no_replay": float(d_free[0].max()),
@@ -123,46 +132,52 @@ def mismatch(model: Transformer, seqs: list[Sequence], pad_id: int, n_vocab: int
 
 
 @torch.no_grad()
-def batch_noise(model: Transformer, seqs: list[Sequence], pad_id: int, n_vocab: int) -> dict:
+def batch_noise(model: Transformer, seqs: list[Sequence], pad_id: int, n_vocab: int, invariant: bool) -> dict:
     """The trainer against itself: the same sequences scored in one micro-batch of 64 and one by one.
-    Float32 CPU kernels are not batch-invariant, so this is the floor under any serving-vs-trainer gap."""
+    torch's default float32 CPU kernels are not batch-invariant, so with them this is the floor under
+    any serving-vs-trainer gap; with the batch-invariant kernels it is 0."""
     args = model.args
     seqs = seqs[:MICRO_BATCH]
-    full, _ = trainer_logprobs(model, make_batch(seqs, pad_id, args.n_layers, args.top_k), n_vocab)
+    full, _ = trainer_logprobs(model, make_batch(seqs, pad_id, args.n_layers, args.top_k), n_vocab,
+                               batch_invariant=invariant)
     d = []
     for i, s in enumerate(seqs):
-        one, _ = trainer_logprobs(model, make_batch([s], pad_id, args.n_layers, args.top_k), n_vocab)
+        one, _ = trainer_logprobs(model, make_batch([s], pad_id, args.n_layers, args.top_k), n_vocab,
+                                  batch_invariant=invariant)
         d.append((one[0] - full[i, : len(s.output_ids)]).abs())
     d_all = torch.cat(d)
-    return {"sequences": len(seqs), "mean": float(d_all.mean()), "max": float(d_all.max())}
+    return {"sequences": len(seqs), "batch_invariant": invariant, "mean": float(d_all.mean()),
+            "max": float(d_all.max())}
 
 
 def throughput(base: Transformer, seqs: list[Sequence], pad_id: int, n_vocab: int, repeats: int,
                threads: int) -> list[dict]:
     rows = []
     # replay on/off interleaved per size: the load of the shared machine drifts during the run
-    grid = [(threads, size, replay) for size in UPDATE_SIZES for replay in (True, False)]
+    grid = [(threads, size, replay, True) for size in UPDATE_SIZES for replay in (True, False)]
+    grid.append((threads, *DEFAULT_KERNELS_CHECK, False))
     if THREADS_CHECK[0] != threads:
-        grid.append(THREADS_CHECK)
-    for n_threads, size, replay in grid:
+        grid.append((*THREADS_CHECK, True))
+    for n_threads, size, replay, invariant in grid:
         torch.set_num_threads(n_threads)
         if size > len(seqs):
             raise ValueError(f"update size {size} needs at least {size} completions (--n)")
         model = copy.deepcopy(base)
-        cfg = TrainerConfig(micro_batch=MICRO_BATCH, replay=replay, lr=1e-5)
+        cfg = TrainerConfig(micro_batch=MICRO_BATCH, replay=replay, lr=1e-5, batch_invariant=invariant)
         trainer = Trainer(model, cfg, n_vocab, pad_id)
         batch = seqs[:size]
         trainer.update(batch)  # warm-up: allocator, Adam state
         runs = [trainer.update(batch).stats for _ in range(repeats)]
         pick = lambda k: statistics.median(r[k] for r in runs)  # noqa: E731
-        row = {"threads": n_threads, "replay": replay, "samples": size, "micro_batch": MICRO_BATCH,
+        row = {"threads": n_threads, "replay": replay, "batch_invariant": invariant, "samples": size,
+               "micro_batch": MICRO_BATCH,
                "tokens": int(sum(len(s.output_ids) for s in batch)), "repeats": repeats,
                "update_s": pick("update_seconds"), "samples_per_s": pick("samples_per_s"),
                "tokens_per_s": pick("tokens_per_s"),
                "samples_per_s_range": [min(r["samples_per_s"] for r in runs),
                                        max(r["samples_per_s"] for r in runs)]}
         rows.append(row)
-        print(f"  update threads={n_threads} replay={replay} samples={size}: "
+        print(f"  update threads={n_threads} replay={replay} invariant={invariant} samples={size}: "
               f"{row['samples_per_s']:.0f} samples/s, "
               f"{row['tokens_per_s']:.0f} tokens/s ({row['update_s']:.2f} s)", flush=True)
     torch.set_num_threads(threads)
@@ -171,11 +186,13 @@ def throughput(base: Transformer, seqs: list[Sequence], pad_id: int, n_vocab: in
 
 def markdown(res: dict) -> str:
     m = res["machine"]
+    w = res["serve_wall_s"]
     lines = [f"Machine: {m['platform']}, {m['cpus']} CPUs, torch {m['torch']}; "
              f"load average {m['load_before'][0]:.2f} before, {m['load_after'][0]:.2f} after. "
-             f"{res['completions']} completions per serving dtype, "
+             f"{res['completions']} completions per serving engine, "
              f"{res['mismatch'][0]['tokens']} output tokens "
-             f"(float32 serving).", "",
+             f"(float32 serving). Serving and trainer use the batch-invariant float32 kernels unless the row "
+             f"says default kernels (both sides torch's own).", "",
              "| serving | trainer | replay | mean |Δlogprob| | p99 | max | tokens > 1e-6 | "
              "routing decisions differing (no replay) | tokens with a rerouted layer |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -189,19 +206,22 @@ def markdown(res: dict) -> str:
                          f"{s['mean']:.2e} | {s['p99']:.2e} | {s['max']:.2e} | "
                          f"{s['share_over_target'] * 100:.1f}% | "
                          f"{extra} |")
-    t, n = res["target"], res["trainer_batch_noise_fp32"]
+    t, n, nd = res["target"], res["trainer_batch_noise_fp32"], res["trainer_batch_noise_fp32_default_kernels"]
+    where = f"; at a token of recorded log-prob {t['max_at_logprob']:.2f}" if t["max"] > 0 else ""
     lines += ["", f"Target |Δlogprob| <= 1e-6 with replay, float32/float32: mean {t['mean']:.2e} "
                   f"({'meets' if t['mean_ok'] else 'MISSES'}), max {t['max']:.2e} "
-                  f"({'meets' if t['max_ok'] else 'MISSES'}; at a token of recorded log-prob "
-                  f"{t['max_at_logprob']:.2f}). Floor: the float32 trainer against itself, micro-batch "
-                  f"64 vs 1 ({n['sequences']} sequences), |Δlogprob| mean {n['mean']:.2e}, "
-                  f"max {n['max']:.2e}.",
+                  f"({'meets' if t['max_ok'] else 'MISSES'}{where}). The float32 trainer against itself, "
+                  f"micro-batch 64 vs 1 ({n['sequences']} sequences): |Δlogprob| max {n['max']:.2e} with the "
+                  f"batch-invariant kernels, mean {nd['mean']:.2e} / max {nd['max']:.2e} with the default ones. "
+                  f"Serving wall time of the {res['completions']} float32 requests (64 at a time): "
+                  f"{w['float32']:.1f} s batch-invariant, {w[DEFAULT_FP32]:.1f} s default kernels.",
               "",
-              "| threads | replay | samples / update | micro-batch | tokens | update (s) | samples/s | "
+              "| threads | replay | kernels | samples / update | micro-batch | tokens | update (s) | samples/s | "
               "tokens/s | samples/s min–max |",
-              "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+              "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["throughput"]:
-        lines.append(f"| {r['threads']} | {'on' if r['replay'] else 'off'} | {r['samples']} | "
+        lines.append(f"| {r['threads']} | {'on' if r['replay'] else 'off'} | "
+                     f"{'batch-invariant' if r['batch_invariant'] else 'default'} | {r['samples']} | "
                      f"{r['micro_batch']} | {r['tokens']} | "
                      f"{r['update_s']:.2f} | {r['samples_per_s']:.0f} | {r['tokens_per_s']:.0f} | "
                      f"{r['samples_per_s_range'][0]:.0f}–{r['samples_per_s_range'][1]:.0f} |")
@@ -231,29 +251,37 @@ def main():
     tasks = sample_tasks(a.n, seed=a.seed + 4242)
 
     t0 = time.perf_counter()
-    engine = EmbeddedEngine(max_batch=64, max_model_len=fp32.args.max_seq_len, seed=a.seed)
-    try:
-        engine.add_version("fp32", fp32, tok)
-        engine.add_version("bf16", bf16, tok)
-        served = {"float32": serve(engine, "fp32", tok, tasks, a.seed),
-                  "bfloat16": serve(engine, "bf16", tok, tasks, a.seed)}
-    finally:
-        engine.shutdown()
+    served, serve_wall = {}, {}
+    for invariant, versions in ((True, (("float32", "fp32", fp32), ("bfloat16", "bf16", bf16))),
+                                (False, ((DEFAULT_FP32, "fp32", fp32),))):
+        engine = EmbeddedEngine(max_batch=64, max_model_len=fp32.args.max_seq_len, seed=a.seed,
+                                batch_invariant=invariant)
+        try:
+            for _, name, model in versions:
+                engine.add_version(name, model, tok)
+            for label, name, _ in versions:
+                t1 = time.perf_counter()
+                served[label] = serve(engine, name, tok, tasks, a.seed)
+                serve_wall[label] = time.perf_counter() - t1
+                print(f"served {a.n} completions ({label}) in {serve_wall[label]:.1f} s", flush=True)
+        finally:
+            engine.shutdown()
     serve_s = time.perf_counter() - t0
-    print(f"served {a.n} completions per dtype in {serve_s:.1f} s", flush=True)
 
     t0 = time.perf_counter()
     rows = []
     for serving, trainer_dtype, model in (("float32", "float32", fp32), ("float32", "bfloat16", bf16),
-                                          ("bfloat16", "float32", fp32), ("bfloat16", "bfloat16", bf16)):
+                                          ("bfloat16", "float32", fp32), ("bfloat16", "bfloat16", bf16),
+                                          (DEFAULT_FP32, DEFAULT_FP32, fp32)):
         r = {"serving": serving, "trainer": trainer_dtype,
-             **mismatch(model, served[serving], tok.pad_id, n_vocab)}
+             **mismatch(model, served[serving], tok.pad_id, n_vocab, invariant=serving != DEFAULT_FP32)}
         rows.append(r)
         print(f"  serving {serving} / trainer {trainer_dtype}: replay mean {r['replay']['mean']:.3e} max "
               f"{r['replay']['max']:.3e}; no replay mean {r['no_replay']['mean']:.3e} "
               f"max {r['no_replay']['max']:.3e}, "
               f"routing differs {r['routing_disagreement'] * 100:.2f}%", flush=True)
-    noise = batch_noise(fp32, served["float32"], tok.pad_id, n_vocab)
+    noise = batch_noise(fp32, served["float32"], tok.pad_id, n_vocab, invariant=True)
+    noise_default = batch_noise(fp32, served[DEFAULT_FP32], tok.pad_id, n_vocab, invariant=False)
     mismatch_s = time.perf_counter() - t0
     base = rows[0]["replay"]
     target = {"mean": base["mean"], "max": base["max"], "max_at_logprob": base["max_at_logprob"],
@@ -269,7 +297,9 @@ def main():
                        "load_after": list(os.getloadavg())},
            "model": str(model_dir), "completions": a.n, "max_tokens": MAX_TOKENS, "temperature": 1.0,
            "mean_output_tokens": {k: sum(len(s.output_ids) for s in v) / len(v) for k, v in served.items()},
-           "target": target, "mismatch": rows, "trainer_batch_noise_fp32": noise, "throughput": tput,
+           "target": target, "mismatch": rows, "trainer_batch_noise_fp32": noise,
+           "trainer_batch_noise_fp32_default_kernels": noise_default, "throughput": tput,
+           "serve_wall_s": serve_wall,
            "seconds": {"serve": serve_s, "mismatch": mismatch_s, "throughput": tput_s,
                        "total": time.perf_counter() - t_start},
            "time": time.strftime("%Y-%m-%d %H:%M:%S")}

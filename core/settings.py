@@ -32,6 +32,10 @@ class Settings(BaseSettings):
     max_batch: int = Field(64, ge=1, le=1024, description="Sequences the embedded engine decodes at once.")
     max_model_len: int = Field(256, ge=16, description="Longest prompt + completion a request may ask for.")
     torch_threads: int | None = Field(None, ge=1, description="torch threads of the engine's compute thread; None: 1 (see serving/engine.py).")
+    batch_invariant: bool = Field(
+        True, description="The embedded engine decodes float32 models with batch-invariant kernels, so recorded "
+                          "log-probs equal the trainer's recomputation bit for bit (serving/model.py); off: torch's "
+                          "default kernels, faster decode, float32 noise between the two.")
     bus: Literal["embedded", "kafka"] = Field("embedded", description="Event bus implementation.")
     kafka_bootstrap: str = Field("127.0.0.1:9092", description="Kafka bootstrap servers (comma separated).")
     learner_distributed: bool = Field(

@@ -3,10 +3,12 @@
 Owns the step from recorded completions (prompt ids, output ids, the sampled log-probabilities,
 the experts every fed token went to, the sampling parameters) to the trainer's log-probabilities
 of the same tokens under the same sampling transform (`serving.sampling.sampling_logprobs`:
-temperature, then top-p), with every token routed to the experts it was routed to at serving
-time. Without replay, a MoE trainer whose numerics differ from the server's can send a token to
-other experts than the ones that produced it, and the importance ratio then measures routing noise
-rather than policy change.
+temperature, then top-p; applied row by row, `serving.engine.row_sampling_logprobs`), with every
+token routed to the experts it was routed to at serving time, computed with the model's
+batch-invariant kernels as the engine's decode steps were (bit-identical at the behaviour
+version). Without replay, a MoE trainer whose numerics differ from the server's (bf16, or the
+default kernels) can send a token to other experts than the ones that produced it, and the
+importance ratio then measures routing noise rather than policy change.
 
 Also measures, per batch, what the learner logs every update: |Δ log-prob| between the recorded
 values and the trainer's recomputation, and the share of (token, layer) routing decisions that
@@ -24,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from serving.engine import row_sampling_logprobs
 from serving.model import Transformer
-from serving.sampling import sampling_logprobs
 
 
 @dataclass
@@ -100,15 +102,20 @@ def make_batch(seqs: list[Sequence], pad_id: int, n_layers: int, top_k: int, rep
 
 
 def trainer_logprobs(model: Transformer, batch: Batch, n_vocab: int | None = None,
-                     replay: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probabilities of the output tokens [B, T] under the sampling transform, routed experts [B, S, L, K])."""
-    out = model(batch.tokens_BS, replay_experts=batch.replay_BSLK if replay else None, return_experts=True)
+                     replay: bool = True, batch_invariant: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probabilities of the output tokens [B, T] under the sampling transform, routed experts [B, S, L, K]).
+
+    `batch_invariant`: the model's batch-invariant kernels (float32), the ones the engine decodes
+    with by default, so the recomputation is bit-identical to the recorded values at the behaviour
+    version whatever the micro-batch; off, the two differ by float32 rounding (a few 1e-6)."""
+    out = model(batch.tokens_BS, replay_experts=batch.replay_BSLK if replay else None, return_experts=True,
+                batch_invariant=batch_invariant)
     B, T = batch.targets_BT.shape
     logits = out.logits.gather(1, batch.out_pos_BT[..., None].expand(B, T, out.logits.shape[-1]))
     logits = logits[..., :n_vocab] if n_vocab else logits
     V = logits.shape[-1]
-    logp = sampling_logprobs(logits.reshape(B * T, V), batch.temps_B.repeat_interleave(T),
-                             batch.top_p_B.repeat_interleave(T)).view(B, T, V)
+    logp = row_sampling_logprobs(logits.reshape(B * T, V), batch.temps_B.repeat_interleave(T),
+                                 batch.top_p_B.repeat_interleave(T)).view(B, T, V)
     chosen = logp.gather(-1, batch.targets_BT[..., None]).squeeze(-1)
     # A token cut by the trainer's own top-p has log-probability -inf: keep it finite and out of the loss.
     chosen = torch.where(torch.isfinite(chosen), chosen, torch.full_like(chosen, -30.0))
@@ -116,17 +123,19 @@ def trainer_logprobs(model: Transformer, batch: Batch, n_vocab: int | None = Non
 
 
 @torch.no_grad()
-def mismatch_stats(model: Transformer, batch: Batch, n_vocab: int | None = None) -> dict[str, float]:
+def mismatch_stats(model: Transformer, batch: Batch, n_vocab: int | None = None,
+                   batch_invariant: bool = True) -> dict[str, float]:
     """At the behaviour version: recorded vs recomputed log-probs (with replay), and how many
     (token, layer) routing decisions the trainer would make differently without replay."""
     stats: dict[str, float] = {}
     n = batch.mask_BT.sum().clamp(min=1)
-    lp, _ = trainer_logprobs(model, batch, n_vocab, replay=batch.replay_BSLK is not None)
+    lp, _ = trainer_logprobs(model, batch, n_vocab, replay=batch.replay_BSLK is not None,
+                             batch_invariant=batch_invariant)
     d = (lp - batch.behaviour_BT).abs() * batch.mask_BT
     stats["abs_dlogp_mean"] = float(d.sum() / n)
     stats["abs_dlogp_max"] = float(d.max())
     if batch.replay_BSLK is not None:
-        lp_free, experts = trainer_logprobs(model, batch, n_vocab, replay=False)
+        lp_free, experts = trainer_logprobs(model, batch, n_vocab, replay=False, batch_invariant=batch_invariant)
         fed = torch.zeros(batch.tokens_BS.shape, dtype=torch.bool)
         for i in range(fed.shape[0]):
             n_fed = int(batch.mask_BT[i].sum()) + int((batch.out_pos_BT[i, 0]).item())  # P + N - 1

@@ -35,6 +35,9 @@ class TrainerConfig(BaseModel):
     micro_batch: int = Field(64, ge=1, description="Sequences per forward/backward.")
     steps_per_update: int = Field(1, ge=1, description="Optimizer steps per update (passes over the batch).")
     replay: bool = Field(True, description="Route every token to its recorded experts.")
+    batch_invariant: bool = Field(
+        True, description="Recompute log-probs with the model's batch-invariant float32 kernels (as the engine "
+                          "decodes by default): bit-identical to the served values at the behaviour version.")
     baseline_decay: float = Field(0.95, gt=0, lt=1, description="EMA decay of the running reward baseline.")
     baseline_min_count: int = Field(20, ge=0, description="Rewards a key needs before its own baseline is used.")
     loss: LossConfig = Field(default_factory=LossConfig, description="The objective's settings.")
@@ -102,7 +105,7 @@ class Trainer:
                    for c in chunks]
         if behaviour_is_current:  # the model still is the behaviour version: measure serving vs trainer
             self.model.eval()
-            stats.update(mismatch_stats(self.model, batches[0], self.n_vocab))
+            stats.update(mismatch_stats(self.model, batches[0], self.n_vocab, self.cfg.batch_invariant))
         self.forward_model.train()
         agg: dict[str, float] = {}
         total_tokens = sum(float(b.mask_BT.sum()) for b in batches)
@@ -115,12 +118,13 @@ class Trainer:
                 sync = nullcontext() if no_sync is None or k_mb == len(batches) - 1 else no_sync()
                 with sync:
                     logp, _ = trainer_logprobs(self.forward_model, batch, self.n_vocab,
-                                               replay=self.cfg.replay)
+                                               replay=self.cfg.replay, batch_invariant=self.cfg.batch_invariant)
                     ref = None
                     if self.reference is not None and self.cfg.loss.kl_coef > 0:
                         with torch.no_grad():
                             ref, _ = trainer_logprobs(self.reference, batch, self.n_vocab,
-                                                      replay=self.cfg.replay)
+                                                      replay=self.cfg.replay,
+                                                      batch_invariant=self.cfg.batch_invariant)
                     out = policy_loss(logp, batch.behaviour_BT, adv[c], batch.mask_BT, self.cfg.loss, ref,
                                       weights[c])
                     # Micro-batches weigh by their share of the (whole) batch: tokens or sequences,

@@ -20,6 +20,12 @@ on the 2-core dev machine: once any other thread of the process has run an OpenM
 a second thread's 2-thread parallel regions cost ~40 us each (torch's libgomp), and a batch-64 decode
 step of the demo model takes ~15 ms instead of ~4 ms; with 1 thread it takes ~5 ms whatever the rest
 of the process does. Pass `threads=None` to keep torch's default.
+
+Numerics: `batch_invariant=True` (the default, from `FLYWHEEL_BATCH_INVARIANT`; float32 versions
+only) runs the model's batch-invariant kernels (`serving/model.py`), so a token's recorded
+log-probability is bit-identical to what the trainer recomputes in one full forward at the same
+weights, whatever the decode batch held. Off: torch's default kernels (a decode step of the demo
+model ~1.15x faster at batch 64, ~1.6x at batch 1; up to a few 1e-6 of a log-prob from the trainer).
 """
 
 from __future__ import annotations
@@ -207,12 +213,17 @@ class _Version:
 
 class EmbeddedEngine(GenerateMixin):
     def __init__(self, max_batch: int = 64, max_model_len: int = 256, threads: int | None = 1,
-                 max_prefill_tokens: int = 2048, seed: int = 0, start_thread: bool = True):
+                 max_prefill_tokens: int = 2048, seed: int = 0, start_thread: bool = True,
+                 batch_invariant: bool | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.max_batch, self.max_model_len = max_batch, max_model_len
         self.max_prefill_tokens = max_prefill_tokens
         self.threads = threads
+        if batch_invariant is None:  # the deployment's choice (FLYWHEEL_BATCH_INVARIANT, default on)
+            from core.settings import get_settings
+            batch_invariant = get_settings().batch_invariant
+        self.batch_invariant = batch_invariant
         self._versions: dict[str, _Version] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -430,7 +441,8 @@ class EmbeddedEngine(GenerateMixin):
         tok = torch.tensor([s.prompt_ids + [pad] * (T - len(s.prompt_ids)) for s in batch])
         pos = torch.arange(T).expand(len(batch), T)
         slots = torch.tensor([s.slot for s in batch])
-        out = v.model(tok, positions_BT=pos, cache=v.cache, slots_B=slots, return_experts=True)
+        out = v.model(tok, positions_BT=pos, cache=v.cache, slots_B=slots, return_experts=True,
+                      batch_invariant=self.batch_invariant)
         last = torch.tensor([len(s.prompt_ids) - 1 for s in batch])
         logits = out.logits[torch.arange(len(batch)), last]
         experts = out.experts.to(torch.uint8).numpy()
@@ -456,7 +468,8 @@ class EmbeddedEngine(GenerateMixin):
         tok = torch.tensor([[s.out_ids[-1]] for s in seqs])
         pos = torch.tensor([[s.length - 1] for s in seqs])
         slots = torch.tensor([s.slot for s in seqs])
-        out = v.model(tok, positions_BT=pos, cache=v.cache, slots_B=slots, return_experts=True)
+        out = v.model(tok, positions_BT=pos, cache=v.cache, slots_B=slots, return_experts=True,
+                      batch_invariant=self.batch_invariant)
         experts = out.experts.to(torch.uint8).numpy()
         for i, s in enumerate(seqs):
             s.experts.append(experts[i])
@@ -466,7 +479,7 @@ class EmbeddedEngine(GenerateMixin):
     def _sample_and_emit(self, v: _Version, seqs: list[_Seq], logits_NV: torch.Tensor) -> None:
         temps = torch.tensor([s.params.temperature for s in seqs])
         top_ps = torch.tensor([s.params.top_p for s in seqs])
-        logp = sampling_logprobs(logits_NV[:, : v.n_vocab], temps, top_ps)
+        logp = row_sampling_logprobs(logits_NV[:, : v.n_vocab], temps, top_ps)
         tokens, chosen = sample_rows(logp, temps == 0, self._uniforms(seqs))
         want_top = max(s.params.logprobs for s in seqs)
         if want_top:
@@ -533,23 +546,42 @@ class EmbeddedEngine(GenerateMixin):
             total_s=now - s.t_submit)
 
 
+def row_sampling_logprobs(logits_NV: torch.Tensor, temperature_N: torch.Tensor,
+                          top_p_N: torch.Tensor) -> torch.Tensor:
+    """`serving.sampling.sampling_logprobs`, with every row's result depending on that row alone.
+
+    `sampling_logprobs` renormalises *every* row (`logp - logsumexp(logp)`) as soon as *one* row of
+    the batch has top_p < 1, which moves a top_p = 1 row by a float32 ulp or two (measured 4.8e-7 of
+    a log-prob), so the recorded value depended on the other requests of the decode step and the
+    trainer's on its micro-batch. Here the rows with top_p < 1 go through the top-p branch and the
+    others through the plain log-softmax, whatever they are batched with."""
+    cut_N = top_p_N < 1.0
+    if bool(cut_N.all()) or not bool(cut_N.any()):
+        return sampling_logprobs(logits_NV, temperature_N, top_p_N)
+    rows = cut_N.nonzero().squeeze(1)
+    plain = sampling_logprobs(logits_NV, temperature_N, torch.ones_like(top_p_N))
+    return plain.index_put((rows,), sampling_logprobs(logits_NV[rows], temperature_N[rows], top_p_N[rows]))
+
+
 def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
     hits = [i for i in (text.find(x) for x in stops) if i >= 0]
     return min(hits) if hits else None
 
 
 def score(model: Transformer, prompt_ids: list[int], output_ids: list[int], params: SamplingParams,
-          replay_experts: np.ndarray | None = None, n_vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          replay_experts: np.ndarray | None = None, n_vocab: int | None = None,
+          batch_invariant: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """A full forward pass over prompt + output: (sampling log-probs of the output tokens [N],
     routed experts of every fed token [P + N - 1, L, K]). The reference the engine is tested against."""
     seq = torch.tensor([prompt_ids + output_ids[:-1]])
     replay = None if replay_experts is None else torch.as_tensor(replay_experts, dtype=torch.int64)[None]
     with torch.inference_mode():
-        out = model(seq, replay_experts=replay, return_experts=True)
+        out = model(seq, replay_experts=replay, return_experts=True, batch_invariant=batch_invariant)
     P = len(prompt_ids)
     logits = out.logits[0, P - 1:, :n_vocab]
     n = logits.shape[0]
-    logp = sampling_logprobs(logits, torch.full((n,), float(params.temperature)), torch.full((n,), float(params.top_p)))
+    logp = row_sampling_logprobs(logits, torch.full((n,), float(params.temperature)),
+                                 torch.full((n,), float(params.top_p)))
     chosen = logp.gather(-1, torch.tensor(output_ids)[:, None]).squeeze(-1)
     if params.greedy:
         chosen = torch.zeros_like(chosen)

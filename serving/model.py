@@ -11,6 +11,39 @@ Two things a plain LM does not need, and this one does:
   experts and renormalised over them, exactly as top-k renormalises), so the router keeps its
   gradient. Replaying the model's own routing reproduces its logits bit for bit.
 
+Batch-invariant mode (`batch_invariant=True`, float32 only; the engine and the trainer turn it on):
+a token gets bit-identical logits whatever else is in the batch, whether it is computed in a
+prefill, a decode step against the KV cache or one full forward, with 1 or 2 threads, whatever the
+micro-batch size. torch's default kernels on this machine's CPU build (torch 2.13, MKL, AVX-512)
+do not give that, measured on the demo model (256 completions, serving vs trainer, |Δlogprob|):
+- SDPA attention: a decode step (one query against the cache, masked) and a causal full forward
+  accumulate differently; alone worth mean 5.9e-8, max 3.0e-6 (1% of tokens over 1e-6);
+- matmuls with few rows (our M: a decode batch under 16 sequences, the few tokens an expert gets in
+  a decode step) take MKL's small-matrix path (M up to ~K/25, 15 at most), which rounds differently
+  from the blocked path a full forward takes; alone worth mean 1.0e-8, max 2.4e-6;
+- torch's fused SiLU rounds its vectorised body and its scalar tail differently, so a value depends
+  on where its row falls in the tensor (not for the demo's expert width, 256; for widths like 48);
+- MKL splits a reduction over more than ~400 terms into pieces whose size depends on its length.
+(The top-p renormalisation of every row of a batch as soon as one row has top_p < 1 was a fifth
+source, fixed where sampling log-probs are taken: `serving.engine.row_sampling_logprobs`.)
+The mode therefore:
+- computes every linear layer and expert matmul with at least `MIN_GEMM_ROWS` (16) rows, padding
+  small inputs with zero rows: from there on a row's result is independent of M and of the row's
+  place in the matrix (`tests/serving/test_model.py` checks this for the shapes used here);
+- computes attention (`InvariantAttention`) so that the dimension that varies between a decode step
+  and a full forward is never a matmul's row count or reduction length: scores = keys @ queries^T
+  ([S, Dh] @ [Dh, queries], S padded to a multiple of `KEY_BLOCK`), masked, minus the max over the
+  visible keys, exp (MKL's vector exp rounds an element the same wherever it falls); then
+  [v | 1 | 0...]^T @ p per block of `KEY_BLOCK` keys, which gives the weighted values and the softmax
+  denominator from one fixed-size reduction, and the blocks are summed pairwise - a tree that
+  trailing fully masked blocks (weights exactly 0) do not change. The KV cache keeps the 1 column;
+- computes SiLU as x / (1 + exp(-x)).
+Gradients come from torch's own kernels (SDPA, silu_backward): only the forward values need to be
+invariant. Everything else the forward does (RMSNorm, RoPE, router softmax, top-k, the per-token
+sum over experts, log-softmax) was measured row-invariant as it is. Cost on this machine: decode
+~1.2x the default at batch 64 and up to ~1.6x at batch 1-16 (dispatch overhead of a small model);
+a trainer update ~1.1x. README "Learner internals, measured" has the numbers.
+
 Numerics follow `transformers.MixtralForCausalLM` on purpose (router softmax in float32, the
 renormalised top-k weights kept in float32 when multiplying the expert output, RoPE in the
 rotate-half layout) so that the same folder gives the same logits in both.
@@ -27,6 +60,17 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# Batch-invariant mode: a float32 matmul with fewer rows than this takes MKL's small-matrix path
+# (measured: up to 15 rows for an inner dimension of 384 and more), which rounds differently.
+MIN_GEMM_ROWS = 16
+# Attention reduces over keys in blocks of this many (the key axis is padded to a multiple): MKL
+# splits a long reduction into pieces whose size depends on its length (measured: past ~400), so a
+# decode step and a full forward would otherwise group the same terms differently.
+KEY_BLOCK = 32
+# Scores are [KEY_BLOCK, Dh] @ [Dh, queries]; torch computes a matmul of fewer than 400 multiply-adds
+# with its own naive kernel, which rounds differently: smaller heads are padded with zero columns.
+_MIN_HEAD_DIM = 16
 
 
 @dataclass(frozen=True)
@@ -67,7 +111,7 @@ class ModelArgs:
         return self.dim // self.n_heads
 
     @classmethod
-    def from_name(cls, name: str, **overrides) -> "ModelArgs":
+    def from_name(cls, name: str, **overrides) -> ModelArgs:
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
         return replace(PRESETS[name], **overrides)
@@ -100,19 +144,25 @@ class KVCache:
     """A slot cache: each running sequence owns one slot; position p of slot s holds its p-th token.
 
     Writes happen before reads inside a layer, and a query at position p only sees keys at
-    positions <= p, so whatever a slot's previous owner left beyond p is never read.
+    positions <= p, so whatever a slot's previous owner left beyond p is never used (the
+    batch-invariant attention reads whole key blocks past p and gives those keys weight exactly 0).
+    Values carry `value_width(Dh) - Dh` extra columns, the first of them all ones: the
+    batch-invariant attention multiplies its probabilities by [v | 1 | 0...] to get the weighted
+    values and the softmax denominator in one reduction (`invariant_attention`).
     """
 
-    k: torch.Tensor  # [L, slots, S_max, G, Dh]
-    v: torch.Tensor
+    k: torch.Tensor  # [L, slots, G, S_max, Dh]
+    v: torch.Tensor  # [L, slots, G, S_max, value_width(Dh)]
     extra: dict = field(default_factory=dict)
 
     @classmethod
     def empty(cls, args: ModelArgs, n_slots: int, max_len: int | None = None,
-              dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "KVCache":
+              dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> KVCache:
         length = max_len or args.max_seq_len
-        shape = (args.n_layers, n_slots, length, args.n_kv_heads, args.head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        shape = (args.n_layers, n_slots, args.n_kv_heads, length, args.head_dim)
+        v = torch.zeros(shape[:-1] + (value_width(args.head_dim),), dtype=dtype, device=device)
+        v[..., args.head_dim] = 1.0
+        return cls(torch.zeros(shape, dtype=dtype, device=device), v)
 
     @property
     def n_slots(self) -> int:
@@ -120,7 +170,161 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
+
+    def write_read(self, layer: int, slots_B: torch.Tensor, positions_BT: torch.Tensor, k_BTGd: torch.Tensor,
+                   v_BTGd: torch.Tensor, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this call's keys/values at their positions, then read positions [0, length) of the slots:
+        (keys [B, G, length, Dh], values [B, G, length, value_width(Dh)]), both contiguous."""
+        Dh = self.k.shape[-1]
+        self.k[layer][slots_B[:, None], :, positions_BT] = k_BTGd.to(self.k.dtype)
+        self.v[layer][slots_B[:, None], :, positions_BT, :Dh] = v_BTGd.to(self.v.dtype)
+        length = min(length, self.max_len)
+        return self.k[layer][slots_B, :, :length].to(dtype), self.v[layer][slots_B, :, :length].to(dtype)
+
+
+def value_width(head_dim: int) -> int:
+    """Columns of a value row in the cache and in the batch-invariant attention: v, a 1, zeros up to
+    `MIN_GEMM_ROWS` (that matmul's rows)."""
+    return max(head_dim + 1, MIN_GEMM_ROWS)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, weight)` whose rows do not depend on how many rows there are (batch-invariant mode).
+
+    Inputs with fewer than `MIN_GEMM_ROWS` rows are padded with zero rows, so every call takes the
+    same blocked MKL path; from there on a row's result depends only on the row itself."""
+    m = x.numel() // x.shape[-1]
+    if m >= MIN_GEMM_ROWS and x.is_contiguous():
+        return F.linear(x, weight)  # one [m, K] matmul, as the 2-D call below
+    y = F.linear(_pad_rows(x.reshape(m, x.shape[-1]).contiguous()), weight)[:m]
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _pad_rows(x_MK: torch.Tensor) -> torch.Tensor:
+    m = x_MK.shape[0]
+    return F.pad(x_MK, (0, 0, 0, MIN_GEMM_ROWS - m)) if m < MIN_GEMM_ROWS else x_MK
+
+
+def _silu_values(x: torch.Tensor) -> torch.Tensor:
+    d = torch.neg(x).exp_().add_(1.0)
+    return torch.div(x, d, out=d)
+
+
+def invariant_silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU with batch-invariant values (`InvariantSiLU`); without autograd when no gradient is wanted."""
+    return InvariantSiLU.apply(x) if torch.is_grad_enabled() and x.requires_grad else _silu_values(x)
+
+
+class InvariantSiLU(torch.autograd.Function):
+    """SiLU as x / (1 + exp(-x)): exp is MKL's vector math, which rounds an element the same wherever
+    it falls (torch's fused silu kernel rounds its vectorised body and scalar tail differently).
+    The gradient is torch's own silu gradient: only the forward values need to be invariant."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return _silu_values(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(grad, x)
+
+
+def _attend(q_BHTd: torch.Tensor, k_BGSd: torch.Tensor, v_BGSW: torch.Tensor, query_pos_BT: torch.Tensor) -> torch.Tensor:
+    """The batch-invariant attention's forward (no autograd). Key s is visible to query t of sequence b
+    iff s <= query_pos_BT[b, t]. `v_BGSW` holds [v | 1 | 0...] rows (`value_width`). Returns [B, T, H * Dh]."""
+    B, H, T, Dh = q_BHTd.shape
+    if T == 1 and H == k_BGSd.shape[1]:
+        # One column per matmul would be a matrix-vector product, which MKL rounds differently: ask twice.
+        return _attend(q_BHTd.expand(B, H, 2, Dh), k_BGSd, v_BGSW, query_pos_BT.expand(B, 2))[:, :1]
+    G, S, W = k_BGSd.shape[1], k_BGSd.shape[2], v_BGSW.shape[-1]
+    R, N = H // G, H // G * T
+    S_pad = -(-S // KEY_BLOCK) * KEY_BLOCK
+    Dk = max(Dh, _MIN_HEAD_DIM)  # a small head is padded with zero columns (the scores do not change)
+    if S_pad != S or Dk != Dh or not k_BGSd.is_contiguous():
+        k_BGSd = F.pad(k_BGSd, (0, Dk - Dh, 0, S_pad - S)).contiguous()
+    if S_pad != S or not v_BGSW.is_contiguous():
+        v_BGSW = F.pad(v_BGSW, (0, 0, 0, S_pad - S)).contiguous()  # padded keys get weight 0 anyway
+    q_BGRTd = torch.empty((B, G, R, T, Dk), dtype=q_BHTd.dtype, device=q_BHTd.device)
+    if Dk != Dh:
+        q_BGRTd[..., Dh:] = 0.0
+    torch.mul(q_BHTd.view(B, G, R, T, Dh), 1.0 / math.sqrt(Dh), out=q_BGRTd[..., :Dh])
+    # Scores with the keys as the rows, [S_pad, Dk] @ [Dk, R*T]: never few rows (S_pad is a multiple of
+    # KEY_BLOCK), and a score does not depend on how many query columns there are.
+    s_BGSN = torch.matmul(k_BGSd, q_BGRTd.view(B, G, N, Dk).transpose(-1, -2))
+    # Softmax numerators down the key axis: masked keys -inf, minus the max of the visible ones, exp. All
+    # exact or elementwise (exp is MKL's vector math, the same for an element wherever it falls), so
+    # the layout they run in is free: rows of keys for few queries (a decode step), in place otherwise.
+    hidden_BTS = torch.arange(S_pad, device=q_BHTd.device)[None, None, :] > query_pos_BT[:, :, None]
+    if N < MIN_GEMM_ROWS:
+        s_BGNS = s_BGSN.transpose(-1, -2).contiguous()
+        s_BGNS.view(B, G, R, T, S_pad).masked_fill_(hidden_BTS[:, None, None], float("-inf"))
+        s_BGNS.sub_(s_BGNS.amax(dim=-1, keepdim=True)).exp_()
+        p_BGSN = s_BGNS.transpose(-1, -2).contiguous()
+    else:
+        s_BGSRT = s_BGSN.view(B, G, S_pad, R, T)
+        s_BGSRT.masked_fill_(hidden_BTS.transpose(1, 2)[:, None, :, None, :], float("-inf"))
+        s_BGSRT.sub_(s_BGSRT.amax(dim=2, keepdim=True))
+        p_BGSN = s_BGSN.exp_()
+    # [v | 1 | 0...]^T @ p per block of KEY_BLOCK keys, [W, KEY_BLOCK] @ [KEY_BLOCK, R*T]: the weighted
+    # values and the softmax denominator from the same fixed-size reductions; the blocks are then
+    # summed pairwise (0+1, 2+3, ..., then again), a tree that trailing all-masked blocks (p exactly 0)
+    # do not change. So neither how many keys the cache read nor how long the batch was matters.
+    nb = S_pad // KEY_BLOCK
+    o_BGbWN = torch.matmul(v_BGSW.view(B, G, nb, KEY_BLOCK, W).transpose(-1, -2), p_BGSN.view(B, G, nb, KEY_BLOCK, N))
+    while o_BGbWN.shape[2] > 1:
+        if o_BGbWN.shape[2] % 2:
+            o_BGbWN = F.pad(o_BGbWN, (0, 0, 0, 0, 0, 1))
+        o_BGbWN = o_BGbWN[:, :, 0::2] + o_BGbWN[:, :, 1::2]
+    o_BGWRT = o_BGbWN.view(B, G, W, R, T)
+    out_BTGRd = torch.empty((B, T, G, R, Dh), dtype=q_BHTd.dtype, device=q_BHTd.device)
+    torch.div(o_BGWRT[:, :, :Dh].permute(0, 4, 1, 3, 2), o_BGWRT[:, :, Dh:Dh + 1].permute(0, 4, 1, 3, 2),
+              out=out_BTGRd)
+    return out_BTGRd.view(B, T, H * Dh)
+
+
+def invariant_attention(q_BHTd: torch.Tensor, k_BGSd: torch.Tensor, v_BGSW: torch.Tensor,
+                        query_pos_BT: torch.Tensor, causal: bool) -> torch.Tensor:
+    """`InvariantAttention`; without autograd when no gradient is wanted (decode steps)."""
+    if torch.is_grad_enabled() and (q_BHTd.requires_grad or k_BGSd.requires_grad or v_BGSW.requires_grad):
+        return InvariantAttention.apply(q_BHTd, k_BGSd, v_BGSW, query_pos_BT, causal)
+    return _attend(q_BHTd, k_BGSd, v_BGSW, query_pos_BT)
+
+
+class InvariantAttention(torch.autograd.Function):
+    """softmax(q k^T / sqrt(Dh)) v, computed the same way for a decode step, a prefill and a full forward.
+
+    Inputs: q [B, H, T, Dh]; keys [B, G, S, Dh]; values [B, G, S, value_width(Dh)] as [v | 1 | 0...];
+    query positions [B, T] (key s is visible to query t iff s <= position); `causal`: the keys are the
+    queries' own tokens (a full forward), which the gradient uses. Output [B, T, H * Dh].
+    Queries of the R = H / G heads sharing a kv head are R * T columns of the same matmuls.
+    The gradient is SDPA's, recomputed in the backward: only the forward values need to be invariant.
+    """
+
+    @staticmethod
+    def forward(ctx, q_BHTd, k_BGSd, v_BGSW, query_pos_BT, causal: bool):
+        ctx.save_for_backward(q_BHTd, k_BGSd, v_BGSW, query_pos_BT)
+        ctx.causal = causal
+        return _attend(q_BHTd, k_BGSd, v_BGSW, query_pos_BT)
+
+    @staticmethod
+    def backward(ctx, grad_BTE):
+        q_BHTd, k_BGSd, v_BGSW, query_pos_BT = ctx.saved_tensors
+        B, H, T, Dh = q_BHTd.shape
+        wanted = ctx.needs_input_grad[:3]
+        with torch.enable_grad():
+            q, k, v = (t.detach().requires_grad_(w) for t, w in zip((q_BHTd, k_BGSd, v_BGSW), wanted))
+            if ctx.causal:
+                out = F.scaled_dot_product_attention(q, k, v[..., :Dh], is_causal=True, enable_gqa=True)
+            else:
+                mask_B1TS = (torch.arange(k.shape[2], device=q.device)[None, None, :] <= query_pos_BT[..., None])[:, None]
+                out = F.scaled_dot_product_attention(q, k, v[..., :Dh], attn_mask=mask_B1TS, enable_gqa=True)
+            out = out.transpose(1, 2).reshape(B, T, H * Dh)
+            inputs = [t for t, w in zip((q, k, v), wanted) if w]
+            grads = iter(torch.autograd.grad(out, inputs, grad_BTE) if inputs else ())
+        return (*(next(grads) if w else None for w in wanted), None, None)
 
 
 class RMSNorm(nn.Module):
@@ -163,25 +367,37 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x_BTD, cos, sin, cache: KVCache | None, layer: int, slots_B, positions_BT, mask_B1TS):
+    def forward(self, x_BTD, cos, sin, cache: KVCache | None, layer: int, slots_B, positions_BT, mask_B1TS,
+                invariant: bool = False):
         B, T, _ = x_BTD.shape
-        q_BHTd = self.q_proj(x_BTD).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k_BGTd = self.k_proj(x_BTD).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        v_BTGd = self.v_proj(x_BTD).view(B, T, self.n_kv, self.head_dim)
+        lin = (lambda m, x: invariant_linear(x, m.weight)) if invariant else (lambda m, x: m(x))
+        q_BHTd = lin(self.q_proj, x_BTD).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k_BGTd = lin(self.k_proj, x_BTD).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v_BTGd = lin(self.v_proj, x_BTD).view(B, T, self.n_kv, self.head_dim)
         q_BHTd = apply_rope(q_BHTd, cos, sin)
         k_BGTd = apply_rope(k_BGTd, cos, sin)
+        if invariant:
+            if cache is None:  # a full forward: causal over this call's tokens
+                v_BGTW = F.pad(v_BTGd.transpose(1, 2), (0, value_width(self.head_dim) - self.head_dim))
+                v_BGTW[..., self.head_dim] = 1.0
+                query_pos_BT = torch.arange(T, device=x_BTD.device).expand(B, T)
+                out_BTE = invariant_attention(q_BHTd, k_BGTd, v_BGTW, query_pos_BT, True)
+            else:  # whole key blocks from the cache: the keys past each position get weight 0
+                length = -(-mask_B1TS.shape[-1] // KEY_BLOCK) * KEY_BLOCK
+                k_BGSd, v_BGSW = cache.write_read(layer, slots_B, positions_BT, k_BGTd.transpose(1, 2), v_BTGd,
+                                                  length, q_BHTd.dtype)
+                out_BTE = invariant_attention(q_BHTd, k_BGSd, v_BGSW, positions_BT, False)
+            return invariant_linear(out_BTE, self.o_proj.weight)
         if cache is None:
             # Training / full forward: plain causal attention over this call's tokens.
             out = F.scaled_dot_product_attention(q_BHTd, k_BGTd, v_BTGd.transpose(1, 2), is_causal=True,
                                                  enable_gqa=True)
         else:
             # Decode / prefill into slots: write this call's K/V first, then read [0, S).
-            S = mask_B1TS.shape[-1]
-            cache.k[layer][slots_B[:, None], positions_BT] = k_BGTd.transpose(1, 2).to(cache.k.dtype)
-            cache.v[layer][slots_B[:, None], positions_BT] = v_BTGd.to(cache.v.dtype)
-            k_BGSd = cache.k[layer][slots_B, :S].transpose(1, 2).to(q_BHTd.dtype)
-            v_BGSd = cache.v[layer][slots_B, :S].transpose(1, 2).to(q_BHTd.dtype)
-            out = F.scaled_dot_product_attention(q_BHTd, k_BGSd, v_BGSd, attn_mask=mask_B1TS, enable_gqa=True)
+            k_BGSd, v_BGSW = cache.write_read(layer, slots_B, positions_BT, k_BGTd.transpose(1, 2), v_BTGd,
+                                              mask_B1TS.shape[-1], q_BHTd.dtype)
+            out = F.scaled_dot_product_attention(q_BHTd, k_BGSd, v_BGSW[..., :self.head_dim], attn_mask=mask_B1TS,
+                                                 enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
@@ -194,7 +410,11 @@ class Expert(nn.Module):
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        if invariant:  # x: [M, D] contiguous rows (the tokens routed here), padded once for all three
+            xp = _pad_rows(x)
+            h = invariant_silu(F.linear(xp, self.w1.weight)) * F.linear(xp, self.w3.weight)
+            return F.linear(h, self.w2.weight)[: x.shape[0]]
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -205,8 +425,9 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(args.dim, args.n_experts, bias=False)  # the router
         self.experts = nn.ModuleList(Expert(args.dim, args.hidden_dim) for _ in range(args.n_experts))
 
-    def forward(self, x_ND: torch.Tensor, replay_NK: torch.Tensor | None = None):
-        probs_NE = F.softmax(self.gate(x_ND).float(), dim=-1)
+    def forward(self, x_ND: torch.Tensor, replay_NK: torch.Tensor | None = None, invariant: bool = False):
+        router_ND = invariant_linear(x_ND, self.gate.weight) if invariant else self.gate(x_ND)
+        probs_NE = F.softmax(router_ND.float(), dim=-1)
         if replay_NK is None:
             w_NK, idx_NK = torch.topk(probs_NE, self.top_k, dim=-1)
         else:
@@ -218,7 +439,7 @@ class SparseMoE(nn.Module):
             tok_n, slot_n = torch.where(idx_NK == e)
             if tok_n.numel() == 0:
                 continue
-            y = expert(x_ND[tok_n]) * w_NK[tok_n, slot_n, None]
+            y = expert(x_ND[tok_n], invariant) * w_NK[tok_n, slot_n, None]
             out_ND.index_add_(0, tok_n, y.to(out_ND.dtype))
         return out_ND, idx_NK
 
@@ -231,20 +452,23 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.block_sparse_moe = SparseMoE(args)
 
-    def forward(self, x_BTD, cos, sin, cache, layer, slots_B, positions_BT, mask_B1TS, replay_BTK):
+    def forward(self, x_BTD, cos, sin, cache, layer, slots_B, positions_BT, mask_B1TS, replay_BTK,
+                invariant: bool = False):
         x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), cos, sin, cache, layer, slots_B,
-                                       positions_BT, mask_B1TS)
+                                       positions_BT, mask_B1TS, invariant)
         B, T, D = x_BTD.shape
         h_ND = self.post_attention_layernorm(x_BTD).reshape(B * T, D)
         replay_NK = None if replay_BTK is None else replay_BTK.reshape(B * T, -1)
-        moe_ND, idx_NK = self.block_sparse_moe(h_ND, replay_NK)
+        moe_ND, idx_NK = self.block_sparse_moe(h_ND, replay_NK, invariant)
         return x_BTD + moe_ND.view(B, T, D), idx_NK.view(B, T, -1)
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, batch_invariant: bool = False):
         super().__init__()
         self.args = args
+        # The default of `forward(batch_invariant=None)`; the engine and the trainer pass theirs.
+        self.batch_invariant = batch_invariant
         # padding_idx as HF: the pad row never receives a gradient.
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim, padding_idx=args.pad_id)
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
@@ -253,7 +477,7 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def init_weights(self, seed: int, std: float = 0.02) -> "Transformer":
+    def init_weights(self, seed: int, std: float = 0.02) -> Transformer:
         gen = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
             if name.endswith("layernorm.weight") or name == "norm.weight":
@@ -268,13 +492,16 @@ class Transformer(nn.Module):
 
     def forward(self, tokens_BT: torch.Tensor, *, positions_BT: torch.Tensor | None = None,
                 cache: KVCache | None = None, slots_B: torch.Tensor | None = None,
-                replay_experts: torch.Tensor | None = None, return_experts: bool = False) -> ModelOutput:
+                replay_experts: torch.Tensor | None = None, return_experts: bool = False,
+                batch_invariant: bool | None = None) -> ModelOutput:
         """Logits for every position of `tokens_BT`.
 
         Without `cache`: a causal forward over the tokens given (training, scoring, parity).
         With `cache`: the tokens are appended to each sequence's slot at `positions_BT` and attend
         to everything that slot holds up to their own position (prefill and decode).
         `replay_experts` `[B, T, L, K]` routes every token to the recorded experts.
+        `batch_invariant` (None: `self.batch_invariant`): the batch-invariant kernels of the module
+        docstring; float32 only (other dtypes always take the default kernels).
         """
         B, T = tokens_BT.shape
         args = self.args
@@ -297,13 +524,17 @@ class Transformer(nn.Module):
             key_pos_S = torch.arange(attn_len, device=tokens_BT.device)
             mask_B1TS = key_pos_S[None, None, None, :] <= positions_BT[:, None, :, None]
         x_BTD = self.embed_tokens(tokens_BT)
+        invariant = self.batch_invariant if batch_invariant is None else batch_invariant
+        invariant = bool(invariant) and x_BTD.dtype == torch.float32
         cos, sin = rope_cos_sin(positions_BT, args.head_dim, args.rope_theta, x_BTD.dtype)
         routed = []
         for i, layer in enumerate(self.layers):
             replay_BTK = None if replay_experts is None else replay_experts[:, :, i]
-            x_BTD, idx_BTK = layer(x_BTD, cos, sin, cache, i, slots_B, positions_BT, mask_B1TS, replay_BTK)
+            x_BTD, idx_BTK = layer(x_BTD, cos, sin, cache, i, slots_B, positions_BT, mask_B1TS, replay_BTK,
+                                   invariant)
             routed.append(idx_BTK)
-        logits = self.lm_head(self.norm(x_BTD))
+        h_BTD = self.norm(x_BTD)
+        logits = invariant_linear(h_BTD, self.lm_head.weight) if invariant else self.lm_head(h_BTD)
         experts = torch.stack(routed, dim=2) if return_experts else None  # [B, T, L, K]
         return ModelOutput(logits=logits, experts=experts)
 

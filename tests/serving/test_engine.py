@@ -68,6 +68,42 @@ def test_continuous_batching_from_many_threads_matches_full_forward(engine, mode
             assert all(lp == 0.0 for lp in r.logprobs)
 
 
+def test_recorded_logprobs_are_bit_identical_to_a_full_forward(engine, model):
+    """Batch-invariant numerics (the default): whatever shared the decode steps, a completion's recorded
+    log-probabilities equal a lone full forward's bit for bit (mixed temperatures and top-p in one batch)."""
+    tok = engine.tokenizer()
+    ps = prompts(tok, 9)
+    params = [SamplingParams(temperature=1.0, max_tokens=24, seed=i) if i % 3 else
+              SamplingParams(temperature=0.8, top_p=0.7, max_tokens=30, seed=i) for i in range(len(ps))]
+    for c in engine.generate(ps, params):
+        lp, experts = score(model, c.prompt_ids, c.output_ids, c.params, n_vocab=tok.vocab_size)
+        assert torch.equal(lp, torch.tensor(c.logprobs)), (lp - torch.tensor(c.logprobs)).abs().max()
+        assert np.array_equal(c.routed_experts, experts.numpy())
+
+
+def test_default_kernels_are_still_available(tiny_checkpoint, model):
+    eng = EmbeddedEngine(max_batch=4, max_model_len=128, batch_invariant=False)
+    try:
+        eng.add_version("v1", tiny_checkpoint)
+        tok = eng.tokenizer()
+        for c in eng.generate(prompts(tok, 5), SamplingParams(temperature=0.9, top_p=0.9, max_tokens=12, seed=3)):
+            lp, _ = score(model, c.prompt_ids, c.output_ids, c.params, n_vocab=tok.vocab_size, batch_invariant=False)
+            assert torch.allclose(lp, torch.tensor(c.logprobs), atol=1e-5)
+    finally:
+        eng.shutdown()
+
+
+def test_a_rows_sampling_logprobs_do_not_depend_on_its_batch_mates():
+    from serving.engine import row_sampling_logprobs
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
+    temps = torch.tensor([1.0, 0.7, 1.0, 1.3, 0.0, 1.0])
+    top_ps = torch.tensor([1.0, 0.9, 0.5, 1.0, 1.0, 0.95])
+    together = row_sampling_logprobs(logits, temps, top_ps)
+    for i in range(6):
+        alone = row_sampling_logprobs(logits[i:i + 1], temps[i:i + 1], top_ps[i:i + 1])
+        assert torch.equal(alone[0], together[i]), i
+
+
 def test_seed_gives_same_tokens_whatever_the_batch(engine):
     tok = engine.tokenizer()
     p = prompts(tok, 1)[0]

@@ -35,20 +35,23 @@ def hf_routing(router_logits, B, T, k):
     return torch.stack(per_layer, dim=2)
 
 
-def test_logits_and_routing_match_transformers(pair):
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch_invariant"])
+def test_logits_and_routing_match_transformers(pair, invariant):
     args, ours, hf = pair
     tokens = torch.randint(args.vocab_size, (2, 11), generator=torch.Generator().manual_seed(7))
-    out = ours(tokens, return_experts=True)
+    out = ours(tokens, return_experts=True, batch_invariant=invariant)
     ref = hf(tokens, output_router_logits=True)
     assert torch.allclose(out.logits, ref.logits, atol=1e-5, rtol=0), (out.logits - ref.logits).abs().max()
     assert torch.equal(out.experts, hf_routing(ref.router_logits, 2, 11, args.top_k))
 
 
-def test_gradients_match_transformers(pair):
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch_invariant"])
+def test_gradients_match_transformers(pair, invariant):
     args, ours, hf = pair
     tokens = torch.randint(args.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
     ours.train(), hf.train()
-    loss_ours = torch.nn.functional.cross_entropy(ours(tokens).logits[:, :-1].reshape(-1, args.vocab_size),
+    logits = ours(tokens, batch_invariant=invariant).logits
+    loss_ours = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, args.vocab_size),
                                                   tokens[:, 1:].reshape(-1))
     loss_hf = hf(tokens, labels=tokens).loss
     assert abs(loss_ours.item() - loss_hf.item()) < 1e-5
@@ -180,3 +183,124 @@ def test_missing_and_broken_files_are_refused(tmp_path):
     save_file(state, str(tmp_path / "c" / "model.safetensors"))
     with pytest.raises(CheckpointError, match="missing tensor 'model.layers.1.block_sparse_moe.experts.2.w3.weight'"):
         load_checkpoint(tmp_path / "c")
+
+
+# ---- batch-invariant mode: the same token gets bit-identical logits whatever it is computed with ----
+
+def test_invariant_linear_rows_do_not_depend_on_the_other_rows():
+    """The property the mode stands on, checked on this machine's kernels for the layer shapes used here:
+    from MIN_GEMM_ROWS rows on (small inputs are padded up to it), a row's result is the same whatever
+    M is and wherever the row sits."""
+    from serving.model import invariant_linear
+    g = torch.Generator().manual_seed(0)
+    for K, N in [(32, 48), (48, 32), (64, 64), (64, 320), (128, 128), (128, 64), (128, 4), (128, 256), (256, 128),
+                 (128, 512), (512, 1024)]:
+        w = torch.randn(N, K, generator=g)
+        pool = torch.randn(2000, K, generator=g)
+        ref = invariant_linear(pool, w)
+        for m in [*range(1, 40), 64, 100, 255, 1000, 2000]:
+            idx = torch.randperm(2000, generator=g)[:m]
+            assert torch.equal(invariant_linear(pool[idx], w), ref[idx]), (K, N, m)
+
+
+def _random_tokens(args, lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, args.vocab_size, (n,), generator=g) for n in lengths]
+
+
+def _padded(seqs, pad):
+    out = torch.full((len(seqs), max(len(s) for s in seqs)), pad, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = s
+    return out
+
+
+INVARIANT_CASES = [random_args(i) for i in range(6)] + [
+    ModelArgs.from_name("demo", max_seq_len=128),
+    # A long context: MKL splits a reduction over more than ~400 keys into pieces that depend on its length.
+    ModelArgs.from_name("tiny", dim=64, n_heads=2, n_kv_heads=1, hidden_dim=64, max_seq_len=640),
+]
+
+
+@pytest.mark.parametrize("args", INVARIANT_CASES, ids=lambda a: f"d{a.dim}h{a.n_heads}g{a.n_kv_heads}f{a.hidden_dim}s{a.max_seq_len}")
+def test_batch_invariant_logits_are_bit_identical_across_batches_decode_and_threads(args):
+    """Full forwards in different batches (micro-batch sizes, padding), a prefill plus decode steps over a
+    changing batch in a slot cache, with 1 and 2 threads: every token's logits are bit-identical."""
+    from serving.model import KVCache
+    model = Transformer(args).init_weights(seed=11, std=0.1).eval()
+    long = args.max_seq_len > 256
+    lengths = [args.max_seq_len - 20, 37, 450, 9] if long else [args.max_seq_len - 5, 13, 2, 41, 30, 64, 1]
+    seqs = _random_tokens(args, lengths, seed=args.dim)
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        alone = [model(s[None], batch_invariant=True).logits[0] for s in seqs]
+        try:
+            torch.set_num_threads(1 if threads > 1 else 2)
+            together = model(_padded(seqs, args.pad_id), batch_invariant=True).logits
+        finally:
+            torch.set_num_threads(threads)
+        for i, s in enumerate(seqs):
+            assert torch.equal(together[i, : len(s)], alone[i]), i
+        pair = model(_padded(seqs[1:3], args.pad_id), batch_invariant=True).logits
+        assert torch.equal(pair[0, : len(seqs[1])], alone[1]) and torch.equal(pair[1, : len(seqs[2])], alone[2])
+
+        # Serving: prompts prefilled together, then one decode step at a time for whoever is still running;
+        # sequences finish at different times and one joins late, into permuted slots.
+        cache = KVCache.empty(args, n_slots=len(seqs) + 2, max_len=args.max_seq_len)
+        slot = {i: len(seqs) + 1 - i for i in range(len(seqs))}
+        prompt = {i: max(1, len(s) // 3) for i, s in enumerate(seqs)}
+        got = {i: [] for i in range(len(seqs))}
+
+        def prefill(ids):
+            ps = [seqs[i][: prompt[i]] for i in ids]
+            T = max(len(p) for p in ps)
+            out = model(_padded(ps, args.pad_id), positions_BT=torch.arange(T).expand(len(ids), T), cache=cache,
+                        slots_B=torch.tensor([slot[i] for i in ids]), batch_invariant=True).logits
+            for j, i in enumerate(ids):
+                got[i].append(out[j, : prompt[i]])
+
+        late = len(seqs) - 1
+        prefill([i for i in range(len(seqs)) if i != late])
+        pos = {i: prompt[i] for i in range(len(seqs)) if i != late}
+        step = 0
+        while pos:
+            if step == 3:
+                prefill([late])
+                pos[late] = prompt[late]
+            ids = [i for i in pos if pos[i] < len(seqs[i])]
+            for i in [i for i in pos if pos[i] >= len(seqs[i])]:
+                del pos[i]
+            if not ids:
+                continue
+            out = model(torch.stack([seqs[i][pos[i]: pos[i] + 1] for i in ids]),
+                        positions_BT=torch.tensor([[pos[i]] for i in ids]), cache=cache,
+                        slots_B=torch.tensor([slot[i] for i in ids]), batch_invariant=True).logits
+            for j, i in enumerate(ids):
+                got[i].append(out[j])
+                pos[i] += 1
+            step += 1
+    for i, s in enumerate(seqs):
+        served = torch.cat(got[i])
+        assert served.shape == alone[i].shape
+        assert torch.equal(served, alone[i]), (i, (served - alone[i]).abs().max())
+
+
+def test_batch_invariant_backward_is_sdpa_gradient():
+    """The invariant attention and SiLU take their gradients from torch's own kernels: the same gradients
+    (to float32 rounding) as the default path."""
+    args = ModelArgs.from_name("tiny")
+    tokens = torch.randint(args.vocab_size, (3, 21), generator=torch.Generator().manual_seed(2))
+    grads = []
+    for invariant in (False, True):
+        model = Transformer(args).init_weights(seed=4, std=0.2)
+        torch.log_softmax(model(tokens, batch_invariant=invariant).logits, -1)[..., 5].sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        assert torch.allclose(g, grads[1][name], atol=1e-5, rtol=1e-4), name
+
+
+def test_batch_invariant_is_float32_only():
+    args = ModelArgs.from_name("tiny")
+    model = Transformer(args).init_weights(seed=4).to(torch.bfloat16).eval()
+    tokens = torch.randint(args.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(model(tokens, batch_invariant=True).logits, model(tokens, batch_invariant=False).logits)
