@@ -3,7 +3,7 @@
 Owns the step from recorded completions (prompt ids, output ids, the sampled log-probabilities,
 the experts every fed token went to, the sampling parameters) to the trainer's log-probabilities
 of the same tokens under the same sampling transform (`serving.sampling.sampling_logprobs`:
-temperature, then top-p; applied row by row, `serving.engine.row_sampling_logprobs`), with every
+temperature, then top-p; every row on its own), with every
 token routed to the experts it was routed to at serving time, computed with the model's
 batch-invariant kernels as the engine's decode steps were (bit-identical at the behaviour
 version). Without replay, a MoE trainer whose numerics differ from the server's (bf16, or the
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from serving.engine import row_sampling_logprobs
 from serving.model import Transformer
+from serving.sampling import sampling_logprobs
 
 
 @dataclass
@@ -114,7 +114,7 @@ def trainer_logprobs(model: Transformer, batch: Batch, n_vocab: int | None = Non
     logits = out.logits.gather(1, batch.out_pos_BT[..., None].expand(B, T, out.logits.shape[-1]))
     logits = logits[..., :n_vocab] if n_vocab else logits
     V = logits.shape[-1]
-    logp = row_sampling_logprobs(logits.reshape(B * T, V), batch.temps_B.repeat_interleave(T),
+    logp = sampling_logprobs(logits.reshape(B * T, V), batch.temps_B.repeat_interleave(T),
                                  batch.top_p_B.repeat_interleave(T)).view(B, T, V)
     chosen = logp.gather(-1, batch.targets_BT[..., None]).squeeze(-1)
     # A token cut by the trainer's own top-p has log-probability -inf: keep it finite and out of the loss.

@@ -479,7 +479,7 @@ class EmbeddedEngine(GenerateMixin):
     def _sample_and_emit(self, v: _Version, seqs: list[_Seq], logits_NV: torch.Tensor) -> None:
         temps = torch.tensor([s.params.temperature for s in seqs])
         top_ps = torch.tensor([s.params.top_p for s in seqs])
-        logp = row_sampling_logprobs(logits_NV[:, : v.n_vocab], temps, top_ps)
+        logp = sampling_logprobs(logits_NV[:, : v.n_vocab], temps, top_ps)
         tokens, chosen = sample_rows(logp, temps == 0, self._uniforms(seqs))
         want_top = max(s.params.logprobs for s in seqs)
         if want_top:
@@ -546,23 +546,6 @@ class EmbeddedEngine(GenerateMixin):
             total_s=now - s.t_submit)
 
 
-def row_sampling_logprobs(logits_NV: torch.Tensor, temperature_N: torch.Tensor,
-                          top_p_N: torch.Tensor) -> torch.Tensor:
-    """`serving.sampling.sampling_logprobs`, with every row's result depending on that row alone.
-
-    `sampling_logprobs` renormalises *every* row (`logp - logsumexp(logp)`) as soon as *one* row of
-    the batch has top_p < 1, which moves a top_p = 1 row by a float32 ulp or two (measured 4.8e-7 of
-    a log-prob), so the recorded value depended on the other requests of the decode step and the
-    trainer's on its micro-batch. Here the rows with top_p < 1 go through the top-p branch and the
-    others through the plain log-softmax, whatever they are batched with."""
-    cut_N = top_p_N < 1.0
-    if bool(cut_N.all()) or not bool(cut_N.any()):
-        return sampling_logprobs(logits_NV, temperature_N, top_p_N)
-    rows = cut_N.nonzero().squeeze(1)
-    plain = sampling_logprobs(logits_NV, temperature_N, torch.ones_like(top_p_N))
-    return plain.index_put((rows,), sampling_logprobs(logits_NV[rows], temperature_N[rows], top_p_N[rows]))
-
-
 def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
     hits = [i for i in (text.find(x) for x in stops) if i >= 0]
     return min(hits) if hits else None
@@ -580,7 +563,7 @@ def score(model: Transformer, prompt_ids: list[int], output_ids: list[int], para
     P = len(prompt_ids)
     logits = out.logits[0, P - 1:, :n_vocab]
     n = logits.shape[0]
-    logp = row_sampling_logprobs(logits, torch.full((n,), float(params.temperature)),
+    logp = sampling_logprobs(logits, torch.full((n,), float(params.temperature)),
                                  torch.full((n,), float(params.top_p)))
     chosen = logp.gather(-1, torch.tensor(output_ids)[:, None]).squeeze(-1)
     if params.greedy:

@@ -25,7 +25,7 @@ do not give that, measured on the demo model (256 completions, serving vs traine
   on where its row falls in the tensor (not for the demo's expert width, 256; for widths like 48);
 - MKL splits a reduction over more than ~400 terms into pieces whose size depends on its length.
 (The top-p renormalisation of every row of a batch as soon as one row has top_p < 1 was a fifth
-source, fixed where sampling log-probs are taken: `serving.engine.row_sampling_logprobs`.)
+source, fixed where sampling log-probs are taken: `serving.sampling.sampling_logprobs`.)
 The mode therefore:
 - computes every linear layer and expert matmul with at least `MIN_GEMM_ROWS` (16) rows, padding
   small inputs with zero rows: from there on a row's result is independent of M and of the row's

@@ -52,19 +52,27 @@ def sampling_logprobs(logits_NV: torch.Tensor, temperature_N: torch.Tensor, top_
     """Log-probabilities of the distribution sampled from, per row, float32 `[N, V]`.
 
     Rows with temperature 0 are returned as log_softmax of the raw logits (the caller treats them
-    as greedy). Tokens cut by top-p get -inf.
+    as greedy). Tokens cut by top-p get -inf. Every row's result depends on that row alone: only the
+    rows with top_p < 1 go through the top-p cut and its renormalisation (renormalising a top_p = 1
+    row too would move it by a float32 ulp or two, measured 4.8e-7 of a log-prob, so the recorded
+    value would depend on the other requests of a decode step and the trainer's on its micro-batch).
     """
     t = torch.where(temperature_N > 0, temperature_N, torch.ones_like(temperature_N)).float()
     logp = torch.log_softmax(logits_NV.float() / t[:, None], dim=-1)
-    if bool((top_p_N < 1.0).any()):
-        sorted_lp, order = torch.sort(logp, dim=-1, descending=True)
-        before = torch.cumsum(sorted_lp.exp(), dim=-1) - sorted_lp.exp()  # mass strictly before each token
-        drop_sorted = before >= top_p_N[:, None].float()
-        drop_sorted[:, 0] = False  # the most likely token always stays
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logp = logp.masked_fill(drop, float("-inf"))
-        logp = logp - torch.logsumexp(logp, dim=-1, keepdim=True)
-    return logp
+    cut_N = top_p_N < 1.0
+    if not bool(cut_N.any()):
+        return logp
+    rows = None if bool(cut_N.all()) else cut_N.nonzero().squeeze(1)
+    sub = logp if rows is None else logp[rows]
+    top_p = (top_p_N if rows is None else top_p_N[rows]).float()
+    sorted_lp, order = torch.sort(sub, dim=-1, descending=True)
+    before = torch.cumsum(sorted_lp.exp(), dim=-1) - sorted_lp.exp()  # mass strictly before each token
+    drop_sorted = before >= top_p[:, None]
+    drop_sorted[:, 0] = False  # the most likely token always stays
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    sub = sub.masked_fill(drop, float("-inf"))
+    sub = sub - torch.logsumexp(sub, dim=-1, keepdim=True)
+    return sub if rows is None else logp.index_put((rows,), sub)
 
 
 def sample_rows(logp_NV: torch.Tensor, greedy_N: torch.Tensor, uniforms_N: torch.Tensor):

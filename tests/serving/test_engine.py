@@ -94,13 +94,13 @@ def test_default_kernels_are_still_available(tiny_checkpoint, model):
 
 
 def test_a_rows_sampling_logprobs_do_not_depend_on_its_batch_mates():
-    from serving.engine import row_sampling_logprobs
+    from serving.sampling import sampling_logprobs
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
     temps = torch.tensor([1.0, 0.7, 1.0, 1.3, 0.0, 1.0])
     top_ps = torch.tensor([1.0, 0.9, 0.5, 1.0, 1.0, 0.95])
-    together = row_sampling_logprobs(logits, temps, top_ps)
+    together = sampling_logprobs(logits, temps, top_ps)
     for i in range(6):
-        alone = row_sampling_logprobs(logits[i:i + 1], temps[i:i + 1], top_ps[i:i + 1])
+        alone = sampling_logprobs(logits[i:i + 1], temps[i:i + 1], top_ps[i:i + 1])
         assert torch.equal(alone[0], together[i]), i
 
 
