@@ -1,10 +1,13 @@
 """Prometheus metrics of the gateway: requests, tokens and latency, labelled by model version.
 
 One registry per app (tests build several apps in one process). Served at `/metrics` in the
-Prometheus text format.
+Prometheus text format. `RequestCounter` is the ASGI middleware that counts requests; it is plain
+ASGI (no `BaseHTTPMiddleware`, which costs a task and a memory stream per request).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
@@ -30,3 +33,40 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RequestCounter:
+    """ASGI middleware: `requests{endpoint, status, model_version}` for every HTTP request that
+    matched a route and got a response, once the response has started.
+
+    `endpoint` is the route's path template, `model_version` the response's `version_header` (empty
+    when absent); the metrics are those of the app's gateway (`app.state.gateway.metrics`), so
+    nothing is counted before start-up has built it.
+    """
+
+    def __init__(self, app: Any, version_header: str):
+        self.app = app
+        self.version_header = version_header.lower().encode("latin-1")
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status, version = 0, ""
+
+        async def send_and_see(message: dict) -> None:
+            nonlocal status, version
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                for name, value in message.get("headers", ()):
+                    if name.lower() == self.version_header:
+                        version = value.decode("latin-1")
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_see)
+        finally:
+            route = scope.get("route")
+            gw = getattr(scope["app"].state, "gateway", None) if "app" in scope else None
+            if status and route is not None and gw is not None:
+                gw.metrics.requests.labels(getattr(route, "path", "?"), str(status), version).inc()

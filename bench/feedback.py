@@ -13,7 +13,8 @@ One run measures, on one machine, every part in its own process (broker, gateway
      events/s (requests start on a fixed schedule; latency counts from the scheduled start, so a
      slow server is not hidden by a slowed-down client).
      What "events/s into Kafka" means: the gateway answers 200 once each event is fsynced into its
-     local spool; a forwarder thread delivers the spool to the broker (acks=all) asynchronously.
+     local spool; the spool's forwarder, a child process of the gateway, delivers the spool to the
+     broker (acks=all) asynchronously.
      So the HTTP rate is the spooled (durable) rate; the delivered rate is measured separately from
      the spool's saved position (`<home>/spool/forwarded.json`, written after each acknowledged
      batch) sampled every 50 ms, plus the backlog draining time after each phase, and checked at the
@@ -22,13 +23,15 @@ One run measures, on one machine, every part in its own process (broker, gateway
 
 Writes bench/results/feedback.json and bench/results/feedback.md. Bounded: every loop has a
 deadline; the whole run takes about 3-5 minutes on 2 cores.
-Usage: python bench/feedback.py [--seconds 8] [--model DIR]
+Usage: python bench/feedback.py [--seconds 8] [--model DIR] [--buses kafka,embedded] [--modes batch,single]
+(a subset of buses or modes is for quick comparisons; the README quotes full runs).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -53,7 +56,7 @@ TARGET_SHARE, TARGET_P99_MS, TARGET_ENQUEUE_US = 0.5, 25.0, 20.0
 
 def pct(xs, q):
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
+    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))] if xs else float("nan")
 
 
 def free_port() -> int:
@@ -72,11 +75,24 @@ def event_dict(cid: str, i: int) -> dict:
     return ev
 
 
-def cpu_s(pid: int) -> float:
-    import psutil
+def forwarder_of(pid: int) -> int | None:
+    """The spool forwarder among the child processes of `pid` (Linux /proc), if there is one."""
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        for child in task.read_text().split():
+            with contextlib.suppress(FileNotFoundError):
+                if b"feedback.forwarder" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    return int(child)
+    return None
 
-    t = psutil.Process(pid).cpu_times()
-    return t.user + t.system + t.children_user + t.children_system
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds of `pid` and its reaped children (Linux /proc; 0 once it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return 0.0
+    fields = stat.rpartition(")")[2].split()  # after "pid (comm)": state is fields[0]
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime
 
 
 # ---- 1. the raw producer (its own process) ---------------------------------------------------
@@ -324,7 +340,7 @@ def sub(args: list[str], timeout_s: float) -> dict | list:
 
 
 def bench_gateway(bus: str, model: Path, broker: str | None, tansu_pid: int | None, seconds: float,
-                  scratch: Path, with_sdk: bool) -> dict:
+                  scratch: Path, with_sdk: bool, modes: tuple[str, ...] = ("batch", "single")) -> dict:
     import httpx
 
     home = scratch / f"home-{bus}"
@@ -334,7 +350,7 @@ def bench_gateway(bus: str, model: Path, broker: str | None, tansu_pid: int | No
     if broker:
         env["FLYWHEEL_KAFKA_BOOTSTRAP"] = broker
     home.mkdir(parents=True)
-    log = open(home / "gateway.log", "wb")
+    log = open(home / "gateway.log", "wb")  # noqa: SIM115 (the gateway's stdout until it stops)
     gw = subprocess.Popen([sys.executable, "-m", "core.cli", "serve"], cwd=ROOT, env=env, stdout=log,
                           stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -353,16 +369,17 @@ def bench_gateway(bus: str, model: Path, broker: str | None, tansu_pid: int | No
         published = len(cids)  # completion records go through the same bus (and spool)
         if watch is not None:
             watch.drain(published, 30)
-        cpu0 = cpu_s(gw.pid)
+        # The gateway's own processes: itself and (Kafka) the spool's forwarder, its child.
+        fwd = forwarder_of(gw.pid)
+        pids = {"gateway": gw.pid, **({"forwarder": fwd} if fwd else {}), **({"tansu": tansu_pid} if tansu_pid else {})}
+        cpu0 = {k: cpu_s(p) for k, p in pids.items()}
         time.sleep(3.0)  # the gateway's own CPU use with no load: the baseline of the CPU table
-        idle_cores = (cpu_s(gw.pid) - cpu0) / 3.0
+        idle_cores = sum(cpu_s(pids[k]) - cpu0[k] for k in ("gateway", "forwarder") if k in pids) / 3.0
         rows = []
-        plan = [("batch", "max", 8, None), ("single", "max", 32, None), ("batch", "open", 0, None),
-                ("single", "open", 0, None)]
+        plan = [("batch", "max", 8), ("single", "max", 32), ("batch", "open", 0), ("single", "open", 0)]
         max_eps = {}
-        for mode, kind, conc, _ in plan:
+        for mode, kind, conc in [step for step in plan if step[0] in modes]:
             rate = max_eps[mode] / 2 if kind == "open" else None
-            pids = {"gateway": gw.pid, **({"tansu": tansu_pid} if tansu_pid else {})}
             cpu0 = {k: cpu_s(p) for k, p in pids.items()}
             row = sub(["--one", "load", "--url", url, "--cids", str(cid_file), "--mode", mode, "--kind", kind,
                        "--concurrency", str(conc), "--rate", str(rate or 0), "--seconds", str(seconds)],
@@ -425,7 +442,8 @@ def read_broker(broker: str, topic: str, timeout_s: float = 60.0) -> dict:
 
 NOTE = ("HTTP rows: events/s the gateway acknowledged (200) per second of load; it acknowledges once every "
         "event of the request is fsynced to the Kafka bus's local spool (or to the embedded log). For Kafka the "
-        "forwarder delivers the spool to the broker afterwards (acks=all): see the delivered table. Batch = 100 "
+        "spool's forwarder (a child process of the gateway, at a lower CPU priority) delivers the spool to the "
+        "broker afterwards (acks=all): see the delivered table. Batch = 100 "
         "events per request; each event carries an idempotency key, as the SDK sends it. 'max' = closed loop; "
         "'open loop' = requests started on a fixed schedule at half the max rate, latency counted from the "
         "scheduled start. Targets: HTTP max >= 50% of the raw producer; p99 <= 25 ms at half the max rate; "
@@ -463,22 +481,23 @@ def table(result: dict) -> list[str]:
     for r in result["raw_producer_configs"]:
         lines.append(f"| {r['config']} | {r['events']} | {r['wall_s']:.2f} | {r['events_per_s']:.0f} |")
     lines += ["", "Kafka path, delivered to the broker (spool position, acks=all):", "",
-              "| mode | load | HTTP-acked events/s | delivered during the phase ev/s | backlog at end | "
-              "drain s | delivered ev/s (phase start .. last acked) |", "|---|---|---:|---:|---:|---:|---:|"]
+              ("| mode | load | HTTP-acked events/s | delivered during the phase ev/s | backlog at end | "
+               "drain s | delivered ev/s (phase start .. last acked) |"), "|---|---|---:|---:|---:|---:|---:|"]
     for r in result["gateway_rows"]:
         if "drain_s" in r:
             d, drain = r.get("delivered_events_per_s"), r["drain_s"]
             lines.append(f"| {r['mode']} | {r['kind']} | {r['events_per_s']:.0f} | "
                          f"{r['delivered_during_events_per_s']:.0f} | {r['backlog_at_end']} | "
                          f"{'n/a' if drain is None else f'{drain:.2f}'} | {'n/a' if d is None else f'{d:.0f}'} |")
-    idle = result["gateway_idle_cores"]
-    lines += ["", f"CPU seconds used per phase (2 cores shared with other work; the gateway idle uses "
-                  f"{idle['kafka']:.2f} cores with the Kafka bus, {idle['embedded']:.2f} with the embedded one):", "",
-              "| path | mode | load | wall s | gateway | tansu | load generator |", "|---|---|---|---:|---:|---:|---:|"]
+    idle = "; ".join(f"{v:.2f} cores with the {k} bus" for k, v in result["gateway_idle_cores"].items())
+    lines += ["", (f"CPU seconds used per phase (2 cores shared with other work; idle, the gateway and its "
+                   f"forwarder use {idle}):"), "",
+              "| path | mode | load | wall s | gateway | forwarder (its child) | tansu | load generator |",
+              "|---|---|---|---:|---:|---:|---:|---:|"]
     for r in result["gateway_rows"]:
         c = r["cpu_s"]
         lines.append(f"| {r['path']} | {r['mode']} | {r['kind']} | {r['wall_s']:.1f} | {c['gateway']:.1f} | "
-                     f"{c.get('tansu', 0):.1f} | {c['loadgen']:.1f} |")
+                     f"{c.get('forwarder', 0):.1f} | {c.get('tansu', 0):.1f} | {c['loadgen']:.1f} |")
     return lines
 
 
@@ -487,6 +506,8 @@ def main():
     ap.add_argument("--model", default=str(ROOT / "var" / "models" / "demo-base"))
     ap.add_argument("--seconds", type=float, default=8.0, help="length of each measured load phase")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--buses", default="kafka,embedded", help="gateways to measure: kafka, embedded or both")
+    ap.add_argument("--modes", default="batch,single", help="request kinds: batch, single or both")
     for hidden in ("--one", "--result-to", "--url", "--cids", "--mode", "--kind", "--bootstrap"):
         ap.add_argument(hidden, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--concurrency", type=int, default=8, help=argparse.SUPPRESS)
@@ -505,10 +526,14 @@ def main():
         Path(a.result_to).write_text(json.dumps(res))
         return
 
+    buses, modes = tuple(a.buses.split(",")), tuple(a.modes.split(","))
+    if not set(buses) <= {"kafka", "embedded"} or not set(modes) <= {"batch", "single"}:
+        raise SystemExit(f"--buses from kafka,embedded and --modes from batch,single; got {a.buses!r} {a.modes!r}")
+    full = set(buses) == {"kafka", "embedded"} and set(modes) == {"batch", "single"}
     load0, t_start = os.getloadavg(), time.time()
     scratch = Path(tempfile.mkdtemp(prefix="flywheel-bench-feedback-"))
     port = free_port()
-    tansu_log = open(scratch / "tansu.log", "wb")
+    tansu_log = open(scratch / "tansu.log", "wb")  # noqa: SIM115 (tansu's stdout until it stops)
     url = f"tcp://127.0.0.1:{port}"
     tansu = subprocess.Popen([tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
                               "--storage-engine", "memory://tansu/"], stdout=tansu_log, stderr=subprocess.STDOUT)
@@ -520,11 +545,16 @@ def main():
         raw_rows = sub(["--one", "raw", "--bootstrap", broker, "--seconds", str(min(a.seconds, 6))], timeout_s=120)
         raw = max(raw_rows, key=lambda r: r["events_per_s"])
         print(f"  ceiling {raw['events_per_s']:.0f} events/s ({raw['config']})", flush=True)
-        print("gateway, FLYWHEEL_BUS=kafka ...", flush=True)
-        kafka = bench_gateway("kafka", model, broker, tansu.pid, a.seconds, scratch, with_sdk=False)
-        on_broker = {t: read_broker(broker, t) for t in ("flywheel.completions", "flywheel.feedback")}
-        print("gateway, FLYWHEEL_BUS=embedded ...", flush=True)
-        embedded = bench_gateway("embedded", model, None, None, a.seconds, scratch, with_sdk=True)
+        runs = {}
+        if "kafka" in buses:
+            print("gateway, FLYWHEEL_BUS=kafka ...", flush=True)
+            runs["kafka"] = bench_gateway("kafka", model, broker, tansu.pid, a.seconds, scratch, with_sdk=False,
+                                          modes=modes)
+            on_broker = {t: read_broker(broker, t) for t in ("flywheel.completions", "flywheel.feedback")}
+        if "embedded" in buses:
+            print("gateway, FLYWHEEL_BUS=embedded ...", flush=True)
+            runs["embedded"] = bench_gateway("embedded", model, None, None, a.seconds, scratch, with_sdk=full,
+                                             modes=modes)
     finally:
         tansu.kill()
         tansu.wait(10)
@@ -535,11 +565,14 @@ def main():
                     "loadavg_start": load0, "loadavg_end": os.getloadavg()},
         "model": str(model), "seconds_per_phase": a.seconds, "events_per_batch": BATCH,
         "raw_producer": raw, "raw_producer_configs": raw_rows,
-        "gateway_rows": kafka["rows"] + embedded["rows"],
-        "kafka_check": {"published_through_gateway": kafka["published"], "on_broker": on_broker,
-                        "spool_forwarded": kafka["forwarded"], "gateway_log_warnings": kafka["log_warnings"][:20]},
-        "gateway_idle_cores": {"kafka": kafka["idle_cores"], "embedded": embedded["idle_cores"]},
-        "sdk": embedded["sdk"], "total_s": time.time() - t_start, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "buses": buses, "modes": modes,
+        "gateway_rows": [row for run in runs.values() for row in run["rows"]],
+        "kafka_check": {"published_through_gateway": runs["kafka"]["published"], "on_broker": on_broker,
+                        "spool_forwarded": runs["kafka"]["forwarded"],
+                        "gateway_log_warnings": runs["kafka"]["log_warnings"][:20]} if "kafka" in runs else None,
+        "gateway_idle_cores": {bus: run["idle_cores"] for bus, run in runs.items()},
+        "sdk": runs["embedded"]["sdk"] if "embedded" in runs else None, "total_s": time.time() - t_start,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -547,14 +580,16 @@ def main():
     lines = ["# Feedback ingestion", "", NOTE, ""] + table(result)
     m = result["machine"]
     k = result["kafka_check"]
-    got = "; ".join(f"{t}: {v['records']} records, {v['distinct_event_ids']} distinct event ids, end offsets "
-                    f"{v['end_offsets_sum']}" for t, v in k["on_broker"].items())
-    lines += ["", f"End to end (Kafka): the gateway acknowledged {k['published_through_gateway']} records "
-                  f"(completions + feedback, warm-ups included); the spool says {k['spool_forwarded']} forwarded; "
-                  f"read back from the broker by a consumer: {got}. Gateway log warnings: "
-                  f"{len(k['gateway_log_warnings'])} (first: {k['gateway_log_warnings'][:1]}).",
-              "", f"Machine: {m['platform']}, {m['cpus']} CPUs; load average {m['loadavg_start'][0]:.2f} at start, "
-                  f"{m['loadavg_end'][0]:.2f} at end. Total {result['total_s']:.0f} s."]
+    if k is not None:
+        got = "; ".join(f"{t}: {v['records']} records, {v['distinct_event_ids']} distinct event ids, end offsets "
+                        f"{v['end_offsets_sum']}" for t, v in k["on_broker"].items())
+        lines += ["", (f"End to end (Kafka): the gateway acknowledged {k['published_through_gateway']} records "
+                       f"(completions + feedback, warm-ups included); the spool says {k['spool_forwarded']} "
+                       f"forwarded; read back from the broker by a consumer: {got}. Gateway log warnings: "
+                       f"{len(k['gateway_log_warnings'])} (first: {k['gateway_log_warnings'][:1]}).")]
+    lines += ["", f"Machine: {m['platform']}, {m['cpus']} CPUs; load average {m['loadavg_start'][0]:.2f} at start, "
+                  f"{m['loadavg_end'][0]:.2f} at end. Total {result['total_s']:.0f} s."
+                  + ("" if full else f" Partial run: buses {', '.join(buses)}; modes {', '.join(modes)}.")]
     (out / "feedback.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

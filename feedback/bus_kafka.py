@@ -1,11 +1,13 @@
 """The Kafka event bus (kafka-python): a spooled idempotent producer and consumer groups.
 
-Owns the Kafka clients of one process: one `KafkaProducer` (acks=all, idempotent) used only by
-the spool's forwarder thread, one admin client that creates topics on first use (`partitions`,
-`replication`), and one `KafkaConsumer` per `consumer()` call. `publish()` validates the record and
-appends it to a `feedback.spool.Spool` under `spool_dir` — it returns once the record is fsynced
-locally and never waits for the broker; the forwarder delivers spooled records in order (key =
-completion id, so a completion and its feedback share a partition) and retries through outages.
+Owns the Kafka clients of one process: one admin client that creates topics on first use
+(`partitions`, `replication`), and one `KafkaConsumer` per `consumer()` call. `publish()` validates
+the record and appends it to a `feedback.spool.Spool` under `spool_dir` — it returns once the record
+is fsynced locally and never waits for the broker; the spool's forwarder, a process of its own
+(`feedback.forwarder`, so that kafka-python's producer does not share the gateway's interpreter),
+delivers spooled records in order (key = completion id, so a completion and its feedback share a
+partition) and retries through outages. In that process `forward_target()` builds a `KafkaBus`
+without a spool whose `_deliver` owns the one `KafkaProducer` (acks=all, idempotent).
 
 Per-key order through failures: a batch handed to `_deliver` is at most `MAX_BATCH_BYTES`, the
 producer's `batch_size` is larger and `linger_ms` (up to 1 s, far longer than queueing one batch
@@ -36,12 +38,18 @@ from kafka.errors import CommitFailedError, KafkaConnectionError, KafkaError, Ka
 
 from feedback.bus import Consumer, EventBus, Record, topic_list
 from feedback.bus_embedded import _check_name
-from feedback.spool import Spool, SpooledRecord
+from feedback.spool import ProcessTarget, Spool, SpooledRecord
 
 log = logging.getLogger(__name__)
 
 MAX_RECORD_BYTES = 900_000  # key + value; under Kafka's default message.max.bytes (1 MiB)
 MAX_BATCH_BYTES = 1_000_000  # one spool batch; below the producer's batch_size (atomic per partition)
+SPOOL_BATCH = 500  # records per spool batch (one send + flush round trip each)
+# The forwarder process runs at a lower CPU priority than the gateway: under contention the request
+# path (whose callers wait) goes first and the forwarder catches up from the spool when the CPU is
+# free (so under sustained overload the backlog grows). Measured on 2 cores, 100-event batches at
+# 4000 events/s: p99 32 -> 28 ms (mean of 3 runs); the closed-loop maximum rose by ~10-20%.
+FORWARDER_NICE = 10
 _TOPIC_ALREADY_EXISTS = 36
 
 
@@ -55,12 +63,13 @@ def _accepts(addr: str, timeout_s: float = 1.0) -> bool:
 
 
 class KafkaBus(EventBus):
-    def __init__(self, bootstrap: str, spool_dir: str | Path, partitions: int = 12, client_id: str = "flywheel",
-                 *, replication: int = 1, send_timeout_s: float = 10.0,
+    def __init__(self, bootstrap: str, spool_dir: str | Path | None, partitions: int = 12,
+                 client_id: str = "flywheel", *, replication: int = 1, send_timeout_s: float = 10.0,
                  consumer_config: dict[str, Any] | None = None, spool_backoff_s: tuple[float, float] = (0.05, 2.0)):
         """`send_timeout_s` bounds one delivery attempt (and connecting); `consumer_config` overrides
         kafka-python consumer settings (e.g. a short `session_timeout_ms` in tests: a group settles
-        in about half the session timeout on tansu)."""
+        in about half the session timeout on tansu). `spool_dir=None`: no spool, so no publishing —
+        a bus that only consumes, or the forwarder process's, which only delivers (`forward_target`)."""
         if partitions < 1:
             raise ValueError(f"partitions must be >= 1, got {partitions}")
         if replication < 1:
@@ -73,59 +82,76 @@ class KafkaBus(EventBus):
         self.client_id, self.send_timeout_s = client_id, send_timeout_s
         timeout_ms = int(send_timeout_s * 1000)
         linger_ms = min(1000, timeout_ms // 4)
-        self._producer_config = dict(
-            bootstrap_servers=bootstrap, client_id=f"{client_id}-producer", acks="all", enable_idempotence=True,
-            allow_auto_create_topics=False, linger_ms=linger_ms, batch_size=2 * MAX_BATCH_BYTES,
-            max_request_size=2 * MAX_BATCH_BYTES + 100_000, delivery_timeout_ms=timeout_ms,
-            request_timeout_ms=timeout_ms - linger_ms, max_block_ms=timeout_ms, bootstrap_timeout_ms=timeout_ms)
-        self._consumer_config = dict(
-            bootstrap_servers=bootstrap, client_id=f"{client_id}-consumer", enable_auto_commit=False,
-            auto_offset_reset="earliest", allow_auto_create_topics=False, session_timeout_ms=10_000,
-            heartbeat_interval_ms=1_000, bootstrap_timeout_ms=timeout_ms)
+        self._producer_config = {
+            "bootstrap_servers": bootstrap, "client_id": f"{client_id}-producer", "acks": "all",
+            "enable_idempotence": True, "allow_auto_create_topics": False, "linger_ms": linger_ms,
+            "batch_size": 2 * MAX_BATCH_BYTES, "max_request_size": 2 * MAX_BATCH_BYTES + 100_000,
+            "delivery_timeout_ms": timeout_ms, "request_timeout_ms": timeout_ms - linger_ms, "max_block_ms": timeout_ms,
+            "bootstrap_timeout_ms": timeout_ms}
+        self._consumer_config = {
+            "bootstrap_servers": bootstrap, "client_id": f"{client_id}-consumer", "enable_auto_commit": False,
+            "auto_offset_reset": "earliest", "allow_auto_create_topics": False, "session_timeout_ms": 10_000,
+            "heartbeat_interval_ms": 1_000, "bootstrap_timeout_ms": timeout_ms}
         self._consumer_config.update(consumer_config or {})
         self._producer: KafkaProducer | None = None
         self._admin: KafkaAdminClient | None = None
         self._admin_lock = threading.Lock()
         self._ready_topics: set[str] = set()  # created (or found) since the last delivery failure
         self._closed = False
-        self.spool = Spool(spool_dir, self._deliver, retriable=(KafkaError, OSError), backoff_s=spool_backoff_s,
-                           max_batch_bytes=MAX_BATCH_BYTES)
+        target = ProcessTarget("feedback.bus_kafka:forward_target", {
+            "bootstrap": bootstrap, "partitions": partitions, "client_id": client_id, "replication": replication,
+            "send_timeout_s": send_timeout_s})
+        self.spool = None if spool_dir is None else Spool(
+            spool_dir, target, backoff_s=spool_backoff_s, batch_size=SPOOL_BATCH, max_batch_bytes=MAX_BATCH_BYTES,
+            forwarder_nice=FORWARDER_NICE)
 
     # ---- producing ------------------------------------------------------------------------------
-    def _check(self, topic: str, key: str, value: bytes) -> None:
+    def _spool_for(self, topic: str) -> Spool:
+        """The spool to publish `topic` to (after checking the name)."""
         if self._closed:
             raise RuntimeError("bus is closed")
+        spool = self.spool
+        if spool is None:
+            raise RuntimeError("this bus has no spool: it cannot publish")
         _check_name("topic", topic)
+        return spool
+
+    @staticmethod
+    def _check_record(key: str, value: bytes) -> None:
         if not isinstance(key, str) or not key:
             raise ValueError(f"key must be a non-empty str (the completion id), got {key!r}")
-        if not isinstance(value, (bytes, bytearray)):
-            raise ValueError(f"value must be bytes, got {type(value).__name__}")
+        if not isinstance(value, (bytes, bytearray)):  # a ValueError on both buses (the contract suite)
+            raise ValueError(f"value must be bytes, got {type(value).__name__}")  # noqa: TRY004
         size = len(key.encode()) + len(value)
         if size > MAX_RECORD_BYTES:
             raise ValueError(f"record of key {key!r} is {size} bytes, more than the {MAX_RECORD_BYTES} a "
                              f"Kafka record may hold")
 
     def publish(self, topic: str, key: str, value: bytes) -> None:
-        self._check(topic, key, value)
-        self.spool.publish(topic, key, bytes(value))
+        spool = self._spool_for(topic)
+        self._check_record(key, value)
+        spool.publish(topic, key, bytes(value))
 
     def publish_many(self, topic: str, records: list[tuple[str, bytes]]) -> None:
         """All of them into the spool with one fsync (all checked first: none is spooled if one is bad)."""
+        spool = self._spool_for(topic)
         for key, value in records:
-            self._check(topic, key, value)
+            self._check_record(key, value)
         if records:
-            self.spool.publish_many([(topic, k, bytes(v)) for k, v in records])
+            spool.publish_many([(topic, k, bytes(v)) for k, v in records])
 
     def flush(self, timeout_s: float = 30.0) -> None:
-        self.spool.flush(timeout_s)
+        if self.spool is not None:
+            self.spool.flush(timeout_s)
 
     @property
     def healthy(self) -> bool:
-        return self.spool.healthy
+        """False when the spool's forwarder died (or is being restarted); not for a broker outage."""
+        return self.spool is None or self.spool.healthy
 
     @property
     def backlog(self) -> int:
-        return self.spool.backlog
+        return 0 if self.spool is None else self.spool.backlog
 
     def _deliver(self, batch: list[SpooledRecord]) -> None:
         """Send `batch` in order and return once the broker acknowledged all of it (acks=all)."""
@@ -215,12 +241,34 @@ class KafkaBus(EventBus):
         if self._closed:
             return
         self._closed = True
-        self.spool.close(flush_timeout_s=flush_timeout_s)
+        if self.spool is not None:
+            self.spool.close(flush_timeout_s=flush_timeout_s)
         self._drop_producer()
         with self._admin_lock:
             if self._admin is not None:
                 self._admin.close()
                 self._admin = None
+
+
+class _ForwardTarget:
+    """What the spool's forwarder process delivers to (`feedback.forwarder.Target`)."""
+
+    retriable = (KafkaError, OSError)
+
+    def __init__(self, bus: KafkaBus):
+        self.bus = bus
+
+    def deliver(self, batch: list[SpooledRecord]) -> None:
+        self.bus._deliver(batch)
+
+    def close(self) -> None:
+        self.bus.close()
+
+
+def forward_target(**kwargs: Any) -> _ForwardTarget:
+    """Called in the spool's forwarder process (`feedback.spool.ProcessTarget`): a bus without a
+    spool, whose producer delivers the spooled batches."""
+    return _ForwardTarget(KafkaBus(spool_dir=None, **kwargs))
 
 
 class KafkaBusConsumer(Consumer):

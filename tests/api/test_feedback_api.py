@@ -312,3 +312,19 @@ def test_index_accepted_record_is_bounded_by_ttl_and_size(tmp_path):
     idx.close()
     with pytest.raises(ValueError, match="accepted_max"):
         CompletionIndex(tmp_path / "j.db", accepted_max=0)
+
+
+def test_requests_are_counted_by_route_and_status(live, cid):
+    def count(status: str) -> float:
+        for line in httpx.get(live.url + "/metrics").text.splitlines():
+            if line.startswith(f'flywheel_requests_total{{endpoint="/v1/feedback",model_version="",status="{status}"}}'):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    ok, missing = count("200"), count("404")
+    assert post(live, {"completion_id": cid, "kind": "thumb_up"}).status_code == 200
+    assert post(live, {"events": [{"completion_id": cid, "kind": "copied"}] * 2}).status_code == 200
+    assert post(live, {"completion_id": "cmpl-nope", "kind": "thumb_up"}).status_code == 404
+    assert count("200") == ok + 2 and count("404") == missing + 1
+    assert httpx.get(live.url + "/no/such/route").status_code == 404  # no route: not counted
+    assert "/no/such/route" not in httpx.get(live.url + "/metrics").text

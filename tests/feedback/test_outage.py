@@ -3,7 +3,8 @@
 A producer thread publishes N feedback/completion-like events (unique event ids, 30 completion
 ids as keys) at a steady pace. Partway through, the broker is killed; publishing goes on — it never
 raises and never blocks for more than a few ms — and the spool's backlog grows; then an empty
-broker comes back on the same port and the spool delivers the rest.
+broker comes back on the same port and the spool's forwarder (a process of its own) delivers the
+rest. Consumers read with buses of their own, as the joiner does.
 
 tansu keeps its data in memory, so the kill also destroys what the first broker held. To still
 count every event, the test holds the spool (`Spool.hold`: the batch in flight finishes, nothing
@@ -19,6 +20,7 @@ import statistics
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -43,9 +45,12 @@ def event(i: int) -> tuple[str, str, bytes]:
     return key, body["event_id"], json.dumps(body).encode()
 
 
-def consume(bus: KafkaBus, group: str, expected: int, dedupe: Deduper, timeout_s: float = 60.0):
+def consume(bootstrap: str, group: str, expected: int, dedupe: Deduper, timeout_s: float = 60.0):
     """Read until `expected` new event ids arrived (and 1 s more); commit after processing.
-    Returns (kept (key, event_id) in arrival order, number of repeats dropped)."""
+    Returns (kept (key, event_id) in arrival order, number of repeats dropped). The consumer has a
+    bus of its own, without a spool, as the joiner would in its own process (a new one per phase:
+    the one before the outage would first have to reconnect)."""
+    bus = KafkaBus(bootstrap, None, partitions=6, send_timeout_s=2, consumer_config=FAST_CONSUMER)
     c = bus.consumer(TOPICS["feedback"], group)
     kept, repeats = [], 0
     try:
@@ -65,6 +70,7 @@ def consume(bus: KafkaBus, group: str, expected: int, dedupe: Deduper, timeout_s
                 quiet_until = time.monotonic() + 1.0
     finally:
         c.close()
+        bus.close()
     return kept, repeats
 
 
@@ -73,43 +79,40 @@ def test_broker_outage_mid_stream_loses_and_reorders_nothing(kafka_broker, tmp_p
                    consumer_config=FAST_CONSUMER, spool_backoff_s=(0.05, 0.5))
     broker_down, broker_up, published = threading.Event(), threading.Event(), [0]
     latencies_down: list[float] = []
-    errors: list[BaseException] = []
 
-    def produce() -> None:
-        try:
-            for i in range(N):
-                if i == DOWN_AT:
-                    assert broker_down.wait(60), "broker was never stopped"
-                if i == UP_AT:
-                    assert broker_up.wait(60), "broker was never started again"
-                key, _, value = event(i)
-                t0 = time.perf_counter()
-                bus.publish(TOPICS["feedback"], key, value)
-                dt = time.perf_counter() - t0
-                if not kafka_broker.running:
-                    latencies_down.append(dt)
-                published[0] = i + 1
-                time.sleep(PACE_S)
-        except BaseException as e:  # surfaced by the assertions below
-            errors.append(e)
+    def produce() -> None:  # on a thread; an error surfaces from `producer.result()`
+        for i in range(N):
+            if i == DOWN_AT:
+                assert broker_down.wait(60), "broker was never stopped"
+            if i == UP_AT:
+                assert broker_up.wait(60), "broker was never started again"
+            key, _, value = event(i)
+            t0 = time.perf_counter()
+            bus.publish(TOPICS["feedback"], key, value)
+            dt = time.perf_counter() - t0
+            if not kafka_broker.running:
+                latencies_down.append(dt)
+            published[0] = i + 1
+            time.sleep(PACE_S)
 
     def wait_published(n: int) -> None:
         deadline = time.monotonic() + 60
         while published[0] < n:
-            assert not errors, errors
+            if producer.done():
+                producer.result()  # raises what stopped it
             assert time.monotonic() < deadline, f"producer stuck at {published[0]}"
             time.sleep(0.01)
 
-    producer = threading.Thread(target=produce, daemon=True)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="producer")
     dedupe = Deduper()
     try:
-        producer.start()
+        producer = pool.submit(produce)
         wait_published(150)
 
         # Phase 1: everything the first broker acknowledged is consumed, then the broker dies.
         with bus.spool.hold() as forwarded_before_stop:
             assert 0 < forwarded_before_stop <= DOWN_AT
-            phase1, repeats1 = consume(bus, "joiner", forwarded_before_stop, dedupe)
+            phase1, repeats1 = consume(kafka_broker.bootstrap, "joiner", forwarded_before_stop, dedupe)
             assert len(phase1) == forwarded_before_stop
             kafka_broker.stop()
         broker_down.set()
@@ -128,16 +131,16 @@ def test_broker_outage_mid_stream_loses_and_reorders_nothing(kafka_broker, tmp_p
         # Back up (empty): the rest is delivered, while the producer keeps going.
         kafka_broker.start()
         broker_up.set()
-        producer.join(timeout=60)
-        assert not producer.is_alive() and not errors, errors
+        producer.result(timeout=60)
         assert published[0] == N
         bus.flush(timeout_s=60)
         assert bus.backlog == 0
-        phase2, repeats2 = consume(bus, "joiner", N - forwarded_before_stop, dedupe)
+        phase2, repeats2 = consume(kafka_broker.bootstrap, "joiner", N - forwarded_before_stop, dedupe)
     finally:
         broker_down.set()
         broker_up.set()
         bus.close(flush_timeout_s=0)
+        pool.shutdown(wait=False)
         if not kafka_broker.running:
             kafka_broker.start()
 

@@ -1,20 +1,62 @@
 """The producer spool against a real broker (tansu) and while it is down: the backlog grows and
 drains, a restarted spool resumes from its saved position (repeats possible, loss never), the
-Deduper removes repeats, and a forwarder that dies says so."""
+Deduper removes repeats, and a forwarder that dies says so. The forwarder process: killed, it is
+started again and resumes; it exits with the process that owns the spool; one that cannot start
+makes the spool unhealthy."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
-from collections import Counter
 import uuid
+from collections import Counter
+from pathlib import Path
 
 import pytest
 
 from feedback.bus import Consumer
 from feedback.bus_kafka import KafkaBus
-from feedback.spool import Deduper, Spool
+from feedback.spool import Deduper, ProcessTarget, Spool, SpooledRecord
 from tests.feedback.conftest import FAST_CONSUMER
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class FileTarget:
+    """A destination for a forwarder process (built there by `ProcessTarget`): one line per record
+    delivered, `offset value`, appended to `path`."""
+
+    retriable = (OSError,)
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def deliver(self, batch: list[SpooledRecord]) -> None:
+        with open(self.path, "a") as f:
+            f.write("".join(f"{r.offset} {r.value.decode()}\n" for r in batch))
+
+    def close(self) -> None:
+        pass
+
+
+def file_target(path: Path) -> ProcessTarget:
+    return ProcessTarget(f"{__name__}:FileTarget", {"path": str(path)})
+
+
+def delivered_lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie nobody reaped counts as exited)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 def make_bus(broker, spool_dir) -> KafkaBus:
@@ -190,3 +232,70 @@ def test_forwarded_segments_are_deleted_and_offsets_survive_reopening(tmp_path):
     reopened.flush(10)
     reopened.close()
     assert delivered[-1] == (50, "t", "k", b"next") and len(delivered) == 51
+
+
+def test_a_killed_forwarder_process_is_started_again_and_resumes(tmp_path):
+    out = tmp_path / "delivered.txt"
+    spool = Spool(tmp_path / "spool", file_target(out), restart_backoff_s=(0.2, 1.0))
+    try:
+        for i in range(20):
+            spool.publish("t", "k", b"%d" % i)
+        spool.flush(30)
+        first = spool.forwarder_pid
+        assert first is not None and spool.healthy
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while spool.healthy:  # noticed at once, unhealthy until the next one is started
+            assert time.monotonic() < deadline, "the spool did not notice its forwarder was killed"
+            time.sleep(0.01)
+        for i in range(20, 40):  # publishing goes on meanwhile
+            spool.publish("t", "k", b"%d" % i)
+        spool.flush(30)
+        assert spool.restarts == 1 and spool.healthy and spool.forwarder_pid not in (None, first)
+        assert gone(first)
+    finally:
+        spool.close()
+    seen: list[str] = []
+    for line in delivered_lines(out):  # at-least-once: keep the first of any repeat, in order
+        if line not in seen:
+            seen.append(line)
+    assert seen == [f"{i} {i}" for i in range(40)]
+
+
+def test_the_forwarder_process_exits_with_the_process_that_owns_the_spool(tmp_path):
+    out = tmp_path / "delivered.txt"
+    owner = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import sys, time\n"
+            "from feedback.spool import Spool\n"
+            "from tests.feedback.test_spool import file_target\n"
+            "spool = Spool(sys.argv[1], file_target(sys.argv[2]))\n"
+            "spool.publish('t', 'k', b'0')\n"
+            "spool.flush(30)\n"
+            "print(spool.forwarder_pid, flush=True)\n"
+            "time.sleep(120)\n"), str(tmp_path / "spool"), str(out)],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        forwarder = int(owner.stdout.readline())
+        assert not gone(forwarder)
+        owner.kill()  # no chance to close the spool
+        owner.wait(10)
+        deadline = time.monotonic() + 10
+        while not gone(forwarder):
+            assert time.monotonic() < deadline, "the forwarder outlived the spool's process"
+            time.sleep(0.05)
+    finally:
+        owner.kill()
+        owner.stdout.close()
+    assert delivered_lines(out) == ["0 0"]
+
+
+def test_a_forwarder_that_cannot_start_makes_the_spool_unhealthy(tmp_path):
+    spool = Spool(tmp_path / "spool", ProcessTarget("feedback.no_such_module:target"))
+    try:
+        assert spool.publish("t", "k", b"kept") == 0  # spooling does not need the forwarder
+        with pytest.raises(RuntimeError, match="before it started"):
+            spool.flush(30)
+        assert not spool.healthy and spool.backlog == 1 and spool.restarts == 0
+    finally:
+        spool.close()
