@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -187,11 +188,22 @@ class KafkaBus(EventBus):
     def ensure_topic(self, topic: str) -> None:
         """Create `topic` with the bus's partitions and replication unless it exists."""
         _check_name("topic", topic)
+        deadline = time.monotonic() + self.send_timeout_s
         with self._admin_lock:
             admin = self._admin_client()
-            result = admin.create_topics(
-                {topic: {"num_partitions": self.partitions, "replication_factor": self.replication}},
-                raise_errors=False)
+            while True:
+                try:
+                    result = admin.create_topics(
+                        {topic: {"num_partitions": self.partitions, "replication_factor": self.replication}},
+                        raise_errors=False)
+                    break
+                except KafkaError as e:
+                    # After a broker restart the admin client reconnects with backoff: its node is "not
+                    # ready" for a while. Retriable errors are retried until send_timeout_s.
+                    if not getattr(e, "retriable", False) or time.monotonic() >= deadline:
+                        raise
+                    log.info("kafka bus: creating topic %s: %r; retrying", topic, e)
+                    time.sleep(0.2)
             code = result["topics"][0]["error_code"]
             if code == 0:
                 admin.wait_for_topics([topic], timeout_ms=int(self.send_timeout_s * 1000))

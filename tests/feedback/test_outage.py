@@ -23,6 +23,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from kafka.errors import KafkaError
 
 from feedback.bus_kafka import KafkaBus
 from feedback.events import TOPICS
@@ -168,3 +169,23 @@ def test_broker_outage_mid_stream_loses_and_reorders_nothing(kafka_broker, tmp_p
           f"restart, {repeats2} repeats dropped, {bus.spool.failures} failed delivery attempts, publish while "
           f"down: median {statistics.median(lat) * 1e3:.2f} ms, p95 {p95 * 1e3:.2f} ms, max {lat[-1] * 1e3:.2f} ms "
           f"over {len(lat)} calls")
+
+
+def test_a_bus_opens_topics_and_consumers_again_after_a_broker_restart(kafka_broker, tmp_path):
+    """The bus's admin client reconnects with backoff after a restart ("node not ready" for a while):
+    creating a topic or a consumer waits for it instead of failing."""
+    if not kafka_broker.running:
+        kafka_broker.start()
+    bus = KafkaBus(kafka_broker.bootstrap, tmp_path / "spool", partitions=2, send_timeout_s=5,
+                   consumer_config=FAST_CONSUMER)
+    try:
+        bus.ensure_topic("before-restart")
+        kafka_broker.stop()
+        with pytest.raises(KafkaError):  # down: a clear error after send_timeout_s, and the client backs off
+            bus.ensure_topic("while-down")
+        kafka_broker.start()
+        bus.ensure_topic("after-restart")
+        c = bus.consumer("after-restart-2", "g")
+        c.close()
+    finally:
+        bus.close()
