@@ -9,6 +9,7 @@ concurrent) publish once. Also the `CompletionIndex` itself (bounded idempotency
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import httpx
@@ -312,6 +313,27 @@ def test_index_accepted_record_is_bounded_by_ttl_and_size(tmp_path):
     idx.close()
     with pytest.raises(ValueError, match="accepted_max"):
         CompletionIndex(tmp_path / "j.db", accepted_max=0)
+
+
+def test_index_checkpoints_its_log_in_the_background(tmp_path):
+    path = tmp_path / "i.db"
+    idx = CompletionIndex(path, checkpoint_every_s=0.05)
+    assert idx._db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0  # never inside a request's commit
+    size0 = path.stat().st_size
+    for i in range(3000):  # ~100 pages of log, under SQLite's automatic threshold (1000) anyway
+        idx.add(f"c{i}", "t", "v1", ts=float(i))
+    deadline = time.monotonic() + 10
+    while path.stat().st_size <= size0:  # the pages reach the database file only by a checkpoint
+        assert time.monotonic() < deadline, "no checkpoint ran"
+        time.sleep(0.05)
+    idx.close()
+    wal = tmp_path / "i.db-wal"
+    assert not wal.exists() or wal.stat().st_size == 0  # closing leaves no log behind
+    again = CompletionIndex(path)
+    assert again.get("c2999") == ("t", "v1", 2999.0)
+    again.close()
+    with pytest.raises(ValueError, match="checkpoint_every_s"):
+        CompletionIndex(tmp_path / "k.db", checkpoint_every_s=0)
 
 
 def test_requests_are_counted_by_route_and_status(live, cid):
