@@ -69,14 +69,17 @@ def _parse_keys(entries: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-def get_gateway(request: Request) -> Gateway:
+# Both dependencies are async on purpose: they only read memory, and FastAPI runs a sync dependency
+# on its thread pool (a thread hop per dependency per request, measured ~16% of the gateway's CPU in
+# the feedback benchmark together with the rest of the framework).
+async def get_gateway(request: Request) -> Gateway:
     return request.app.state.gateway
 
 
 GatewayDep = Annotated[Gateway, Depends(get_gateway)]
 
 
-def get_tenant(request: Request, gw: GatewayDep) -> str:
+async def get_tenant(request: Request, gw: GatewayDep) -> str:
     return gw.tenant_for(request)
 
 
