@@ -180,12 +180,16 @@ class EmbeddedConsumer(Consumer):
         for tp in list(self._next):
             if tp not in assigned:  # rebalanced away: its new owner starts from the committed position
                 del self._next[tp]
-        committed = {t: self.bus.committed(t, self.group) for t in self.topics}
+        committed: dict[str, dict[int, int]] = {}  # read only for partitions not yet positioned
         out: list[Record] = []
         for topic, p in assigned:
             if len(out) >= max_records:
                 break
-            start = self._next.get((topic, p), committed[topic].get(p, 0))
+            start = self._next.get((topic, p))
+            if start is None:
+                if topic not in committed:
+                    committed[topic] = self.bus.committed(topic, self.group)
+                start = committed[topic].get(p, 0)
             log = self.bus._log(topic, p)
             for off, frame in log.read(start, limit=max_records - len(out)):
                 head, _, value = frame.partition(b"\n")
