@@ -109,6 +109,10 @@ def test_broker_outage_mid_stream_loses_and_reorders_nothing(kafka_broker, tmp_p
     try:
         producer = pool.submit(produce)
         wait_published(150)
+        deadline = time.monotonic() + 30
+        while bus.spool.forwarded == 0:  # under load the forwarder (nice 10) may not have run yet
+            assert time.monotonic() < deadline, "nothing was forwarded while the broker was up"
+            time.sleep(0.05)
 
         # Phase 1: everything the first broker acknowledged is consumed, then the broker dies.
         with bus.spool.hold() as forwarded_before_stop:
