@@ -12,8 +12,10 @@ Called by the gateway (completion and feedback producers), the joiner and the le
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 
@@ -24,6 +26,36 @@ class Record:
     offset: int
     key: str
     value: bytes
+
+
+def all_of(futures: list[Future], then=None) -> Future:
+    """A future that resolves once every one of `futures` did: to None, after calling `then()` (in
+    the thread that finished the last one), or to the first error among them (`then` not called)."""
+    out: Future = Future()
+    left = [len(futures) + 1]  # + 1: this call's own turn, so an empty list resolves too
+    lock = threading.Lock()
+
+    def one_done(_: Future | None) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        errors = [e for f in futures if (e := f.exception()) is not None]
+        if errors:
+            out.set_exception(errors[0])
+            return
+        try:
+            if then is not None:
+                then()
+        except BaseException as e:
+            out.set_exception(e)
+        else:
+            out.set_result(None)
+
+    for f in futures:
+        f.add_done_callback(one_done)
+    one_done(None)
+    return out
 
 
 def topic_list(topics: str | Sequence[str]) -> tuple[str, ...]:
@@ -83,6 +115,16 @@ class EventBus(ABC):
         (one fsync per batch instead of one per record). Per-key order is the list's order."""
         for key, value in records:
             self.publish(topic, key, value)
+
+    def publish_many_async(self, topic: str, records: list[tuple[str, bytes]]) -> Future:
+        """`publish_many` without waiting: bad records raise ValueError at once (nothing is written);
+        the future resolves (to None) once every record is durable, or to the write's error. For
+        callers that must not park a thread while the disk syncs (the gateway's event loop awaits it
+        with `asyncio.wrap_future`). This default writes before it returns."""
+        fut: Future = Future()
+        self.publish_many(topic, records)
+        fut.set_result(None)
+        return fut
 
     @abstractmethod
     def flush(self, timeout_s: float = 30.0) -> None:

@@ -21,9 +21,10 @@ import threading
 import time
 import zlib
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
-from feedback.bus import Consumer, EventBus, Record, topic_list
+from feedback.bus import Consumer, EventBus, Record, all_of, topic_list
 from feedback.log import DurableLog
 
 DEFAULT_PARTITIONS = 4
@@ -73,6 +74,9 @@ class EmbeddedBus(EventBus):
 
     def publish_many(self, topic: str, records: list[tuple[str, bytes]]) -> None:
         """One group-committed append (one fsync) per partition touched."""
+        self.publish_many_async(topic, records).result(timeout=30)
+
+    def publish_many_async(self, topic: str, records: list[tuple[str, bytes]]) -> Future:
         if self._closed:
             raise RuntimeError("bus is closed")
         _check_name("topic", topic)
@@ -82,9 +86,10 @@ class EmbeddedBus(EventBus):
                 raise ValueError(f"value must be bytes, got {type(value).__name__}")
             frame = json.dumps({"k": key}).encode() + b"\n" + bytes(value)
             by_partition.setdefault(partition_for(key, self.partitions), []).append(frame)
-        futures = [self._log(topic, p).append_async(frames) for p, frames in by_partition.items()]
-        for f in futures:
-            f.result(timeout=30)
+        return all_of([self._log(topic, p).append_async(frames) for p, frames in by_partition.items()],
+                      then=self._wake_consumers)
+
+    def _wake_consumers(self) -> None:
         with self._new_data:
             self._new_data.notify_all()
 

@@ -29,6 +29,7 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from kafka.admin import KafkaAdminClient
 from kafka.coordinator.assignors.range import RangePartitionAssignor
 from kafka.errors import CommitFailedError, KafkaConnectionError, KafkaError, KafkaTimeoutError, for_code
 
-from feedback.bus import Consumer, EventBus, Record, topic_list
+from feedback.bus import Consumer, EventBus, Record, all_of, topic_list
 from feedback.bus_embedded import _check_name
 from feedback.spool import ProcessTarget, Spool, SpooledRecord
 
@@ -140,6 +141,12 @@ class KafkaBus(EventBus):
             self._check_record(key, value)
         if records:
             spool.publish_many([(topic, k, bytes(v)) for k, v in records])
+
+    def publish_many_async(self, topic: str, records: list[tuple[str, bytes]]) -> Future:
+        spool = self._spool_for(topic)
+        for key, value in records:
+            self._check_record(key, value)
+        return all_of([spool.publish_many_async([(topic, k, bytes(v)) for k, v in records])] if records else [])
 
     def flush(self, timeout_s: float = 30.0) -> None:
         if self.spool is not None:

@@ -130,22 +130,28 @@ class FeedbackEvent(Event):
     @classmethod
     def _value_fits_kind(cls, v, info):
         kind = info.data.get("kind")
-        if kind is None:
-            return v
-        if v is not None and not math.isfinite(v):
+        return v if kind is None else check_value(kind, v)
+
+
+def check_value(kind: str, v: float | None) -> float | None:
+    """`FeedbackEvent.value`'s rule for `kind` (a valid kind): the value as a float (or None), or a
+    ValueError naming it."""
+    if v is not None:
+        v = float(v)
+        if not math.isfinite(v):
             raise ValueError(f"value must be a finite number, got {v!r}")
-        if kind == "rating":
-            if v is None or v != int(v) or not 1 <= v <= 5:
-                raise ValueError(f"rating needs an integer value 1..5, got {v!r}")
-        elif kind == "edited":
-            if v is None or not 0.0 <= v <= 1.0:
-                raise ValueError(f"edited needs value = kept fraction in [0, 1], got {v!r}")
-        elif kind == "dwell":
-            if v is None or not 0.0 <= v <= MAX_DWELL_S:
-                raise ValueError(f"dwell needs value = seconds in [0, {MAX_DWELL_S:.0f}], got {v!r}")
-        elif v is not None:
-            raise ValueError(f"{kind} takes no value, got {v!r}")
-        return v
+    if kind == "rating":
+        if v is None or v != int(v) or not 1 <= v <= 5:
+            raise ValueError(f"rating needs an integer value 1..5, got {v!r}")
+    elif kind == "edited":
+        if v is None or not 0.0 <= v <= 1.0:
+            raise ValueError(f"edited needs value = kept fraction in [0, 1], got {v!r}")
+    elif kind == "dwell":
+        if v is None or not 0.0 <= v <= MAX_DWELL_S:
+            raise ValueError(f"dwell needs value = seconds in [0, {MAX_DWELL_S:.0f}], got {v!r}")
+    elif v is not None:
+        raise ValueError(f"{kind} takes no value, got {v!r}")
+    return v
 
 
 class Signal(BaseModel):

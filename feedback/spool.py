@@ -43,6 +43,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -199,9 +200,25 @@ class Spool:
 
     def publish_many(self, records: list[tuple[str, str, bytes]]) -> int:
         """Spool (topic, key, value) records with one fsync; returns the first one's spool offset."""
-        offset = self._log.append([encode(t, k, v) for t, k, v in records])
-        self._durable_to(offset + len(records))
-        return offset
+        return self.publish_many_async(records).result(timeout=30)
+
+    def publish_many_async(self, records: list[tuple[str, str, bytes]]) -> Future:
+        """`publish_many` without waiting: the future resolves to the first record's spool offset once
+        they are fsynced (and announced to the forwarder), or to the write's error."""
+        out: Future = Future()
+        n = len(records)
+
+        def written(f: Future) -> None:  # on the log's writer thread
+            try:
+                offset = f.result()
+                self._durable_to(offset + n)
+            except BaseException as e:
+                out.set_exception(e)
+            else:
+                out.set_result(offset)
+
+        self._log.append_async([encode(t, k, v) for t, k, v in records]).add_done_callback(written)
+        return out
 
     def _durable_to(self, end: int) -> None:
         with self._cond:

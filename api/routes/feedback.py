@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from api.deps import GatewayDep, TenantDep
 from api.errors import APIError
 from feedback.completion_index import CompletionIndex
-from feedback.events import TOPICS, FeedbackEvent, FeedbackKind, hash_user
+from feedback.events import TOPICS, FeedbackEvent, FeedbackKind, check_value, hash_user, new_event_id
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1")
@@ -29,6 +29,7 @@ MAX_BATCH = 1000
 MAX_BODY_BYTES = 4 << 20
 MAX_CLOCK_SKEW_S = 300.0  # an event may not claim to come from further in the future than this
 CLAIM_WAIT_S = 10.0  # how long a retry waits for the same key still being published by another request
+_json_str = json.encoder.encode_basestring_ascii  # what json.dumps writes for a str
 
 
 class FeedbackIn(BaseModel):
@@ -50,8 +51,10 @@ class FeedbackBatch(BaseModel):
 
 
 def event_id_for(tenant: str, idempotency_key: str) -> str:
-    """Deterministic: the same key from the same tenant always names the same event."""
-    what = json.dumps(["flywheel.feedback", tenant, idempotency_key]).encode()
+    """Deterministic: the same key from the same tenant always names the same event. The hashed text
+    is `json.dumps(["flywheel.feedback", tenant, idempotency_key])`, spelled out (3x faster; ids
+    must never change, or a retry across an upgrade would count twice)."""
+    what = f'["flywheel.feedback", {_json_str(tenant)}, {_json_str(idempotency_key)}]'.encode()
     return hashlib.sha256(what).hexdigest()[:32]
 
 
@@ -85,23 +88,29 @@ async def post_feedback(request: Request, gw: GatewayDep, tenant: TenantDep):
         if item.ts is not None and item.ts > now + MAX_CLOCK_SKEW_S:
             raise APIError(400, f"ts {item.ts} is in the future", _param(prefix, i, "ts"), "invalid_value")
         try:
-            ev = FeedbackEvent(tenant=tenant, completion_id=item.completion_id,
-                               user_id=hash_user(tenant, item.user), kind=item.kind, value=item.value,
-                               edit_distance=item.edit_distance,
-                               ts=item.ts if item.ts is not None else now,
-                               **({"event_id": event_id_for(tenant, key)} if key else {}))
-        except ValidationError as e:
-            raise RequestValidationError([{**err, "loc": (*prefix, i, *err["loc"]) if prefix else err["loc"]}
-                                          for err in e.errors()]) from None
-        fp = _fingerprint(item)
-        if key and fingerprints.setdefault(ev.event_id, fp) != fp:
-            raise APIError(409, f"idempotency key {key!r} is used twice for different events",
-                           _param(prefix, i, "idempotency_key"), "idempotency_key_reused")
+            value = check_value(item.kind, item.value)
+        except ValueError as e:  # the same error FeedbackEvent's own validation gives
+            raise RequestValidationError([{"type": "value_error", "loc": (*prefix, i, "value") if prefix else ("value",),
+                                           "msg": f"Value error, {e}", "input": item.value}]) from None
+        # Every field is checked by now (FeedbackIn, the tenant dependency, check_value): build the
+        # event without validating it a second time (measured: 9 -> 3 us per event).
+        ev = FeedbackEvent.model_construct(
+            event_id=event_id_for(tenant, key) if key else new_event_id(), tenant=tenant,
+            ts=float(item.ts) if item.ts is not None else now, completion_id=item.completion_id,
+            user_id=hash_user(tenant, item.user), kind=item.kind, value=value, edit_distance=item.edit_distance)
+        if key:
+            fp = _fingerprint(item)
+            if fingerprints.setdefault(ev.event_id, fp) != fp:
+                raise APIError(409, f"idempotency key {key!r} is used twice for different events",
+                               _param(prefix, i, "idempotency_key"), "idempotency_key_reused")
         first.setdefault(ev.event_id, i)
         events.append(ev)
 
-    # One trip to the index's thread: are the completions this tenant's? If so, claim the keys.
-    unknown, first_claim = await asyncio.to_thread(_lookup_and_claim, gw.index, events, tenant, fingerprints)
+    # Are the completions this tenant's? If so, claim the keys. On the loop, not a worker thread:
+    # recent completions are in the index's memory, the claim is one indexed SELECT of the new ids
+    # (~0.3 ms for 100); at the maximum rate of bench/feedback.py the hop to the thread pool and
+    # back waited ~10 ms at p50 for the interpreter lock.
+    unknown, first_claim = _lookup_and_claim(gw.index, events, tenant, fingerprints)
     if unknown is not None:  # another tenant's id is as unknown as a made-up one
         raise APIError(404, f"No completion with id '{events[unknown].completion_id}'.",
                        _param(prefix, unknown, "completion_id"), "completion_not_found")
@@ -113,11 +122,18 @@ async def post_feedback(request: Request, gw: GatewayDep, tenant: TenantDep):
             new.append(ev)
             seen.add(ev.event_id)
     try:
-        await asyncio.to_thread(_publish_and_confirm, gw.bus, gw.index, new, claimed)
+        # Awaited on the loop, no thread parked: the bus's writer thread resolves it after the fsync.
+        await asyncio.wrap_future(gw.bus.publish_many_async(
+            TOPICS["feedback"], [(ev.completion_id, ev.model_dump_json().encode()) for ev in new]))
     except Exception as e:  # nothing acknowledged: a retry may publish again (consumers drop event ids seen)
+        gw.index.release(claimed)  # in memory: a retry may claim them again
         log.exception("publishing %d feedback event(s) failed", len(new))
         raise APIError(503, f"The feedback could not be published ({type(e).__name__}); retry.", None,
                        "publish_failed", headers={"Retry-After": "1"}) from e
+    except asyncio.CancelledError:  # the server is stopping: the write may still land; a retry may
+        gw.index.release(claimed)   # publish again, and the consumers drop the second copy by event id
+        raise
+    gw.index.confirm(claimed)  # in memory (written behind by the index's thread)
     return {"accepted": len(new), "duplicates": len(events) - len(new),
             "event_ids": [ev.event_id for ev in events]}
 
@@ -190,30 +206,15 @@ async def _claim(index: CompletionIndex, fingerprints: dict[str, str],
         claimed += c.claimed
         for eid, fp in c.done.items():
             if fp != fingerprints[eid]:
-                await asyncio.to_thread(index.release, claimed)
+                index.release(claimed)
                 raise APIError(409, "This idempotency key was already used for a different event.",
                                params[eid], "idempotency_key_reused")
             done.add(eid)
         todo = {eid: fingerprints[eid] for eid in c.pending}
         if todo and time.monotonic() > deadline:
-            await asyncio.to_thread(index.release, claimed)
+            index.release(claimed)
             raise APIError(503, "Another request with the same idempotency key is still being processed.",
                            None, "idempotency_key_in_use", headers={"Retry-After": "1"})
         if todo:
             await asyncio.sleep(0.05)
     return claimed, done
-
-
-def _publish_and_confirm(bus, index: CompletionIndex, events: list[FeedbackEvent], claimed: list[str]) -> None:
-    """Publish, then mark the claimed keys done; if publishing fails, release them (a retry may claim)."""
-    try:
-        _publish(bus, events)
-    except Exception:
-        index.release(claimed)
-        raise
-    index.confirm(claimed)
-
-
-def _publish(bus, events: list[FeedbackEvent]) -> None:
-    # One durable write for the whole request (per partition), not one fsync per event.
-    bus.publish_many(TOPICS["feedback"], [(ev.completion_id, ev.model_dump_json().encode()) for ev in events])

@@ -297,12 +297,14 @@ def test_index_claims_confirm_release_and_stale_claims(tmp_path):
 
 
 def test_index_accepted_record_is_bounded_by_ttl_and_size(tmp_path):
-    idx = CompletionIndex(tmp_path / "i.db", accepted_ttl_s=50, accepted_max=10, prune_every=1)
+    idx = CompletionIndex(tmp_path / "i.db", accepted_ttl_s=50, accepted_max=10, prune_every=10**9)
     for i in range(30):
         eid = f"e{i}"
         assert idx.claim({eid: "f"}, now=1000 + i).claimed == [eid]
         idx.confirm([eid], now=1000 + i)
-    assert idx.accepted_count() <= 11
+    assert idx.accepted_count() == 30
+    idx.prune(now=1030)  # nothing is older than the TTL yet: the row cap keeps the newest 10
+    assert idx.accepted_count() == 10
     assert idx.claim({"e29": "f"}, now=1030).done == {"e29": "f"}  # the newest are kept
     assert idx.claim({"e0": "f"}, now=1030).claimed == ["e0"]  # the oldest are forgotten
     idx.confirm(["e0"], now=1030)
@@ -313,6 +315,43 @@ def test_index_accepted_record_is_bounded_by_ttl_and_size(tmp_path):
     idx.close()
     with pytest.raises(ValueError, match="accepted_max"):
         CompletionIndex(tmp_path / "j.db", accepted_max=0)
+
+
+def test_index_prunes_as_it_writes_and_keeps_accepted_ids_across_a_restart(tmp_path):
+    idx = CompletionIndex(tmp_path / "i.db", accepted_max=25, prune_every=10, write_every_s=0.02)
+    for i in range(60):
+        c = idx.claim({f"e{i}": "f"})
+        idx.confirm(c.claimed)
+    deadline = time.monotonic() + 10
+    while idx._unwritten:  # written behind, without a flush
+        assert time.monotonic() < deadline, "the confirmed ids were never written"
+        time.sleep(0.02)
+    assert 25 <= idx.accepted_count() < 60  # pruned to the cap on the way, within one prune period
+    idx.confirm(idx.claim({"last": "f"}).claimed)
+    idx.close()  # writes what is left
+    again = CompletionIndex(tmp_path / "i.db")
+    assert again.claim({"last": "f", "e59": "f", "new": "g"}) == (["new"], {"last": "f", "e59": "f"}, [])
+    again.confirm(["never-claimed"])  # not claimed: nothing to confirm
+    assert again.claim({"never-claimed": "f"}).claimed == ["never-claimed"]
+    again.close()
+    with pytest.raises(ValueError, match="write_every_s"):
+        CompletionIndex(tmp_path / "k.db", write_every_s=0)
+
+
+def test_index_finds_completions_beyond_its_memory(tmp_path):
+    idx = CompletionIndex(tmp_path / "i.db", recent_max=2)
+    for i in range(5):
+        idx.add(f"c{i}", f"t{i}", "v1", ts=float(i))
+    assert len(idx._recent) == 2  # the newest two in memory, all five in the table
+    assert idx.get_many(["c0", "c4", "nope"]) == {"c0": ("t0", "v1", 0.0), "c4": ("t4", "v1", 4.0)}
+    idx.add("c0", "other", "v2", ts=9.0)  # a second add replaces, in memory and in the table
+    assert idx.get("c0") == ("other", "v2", 9.0)
+    idx.close()
+    again = CompletionIndex(tmp_path / "i.db", recent_max=0)
+    assert again.get("c0") == ("other", "v2", 9.0) and again.get("c3") == ("t3", "v1", 3.0)
+    again.close()
+    with pytest.raises(ValueError, match="recent_max"):
+        CompletionIndex(tmp_path / "k.db", recent_max=-1)
 
 
 def test_index_checkpoints_its_log_in_the_background(tmp_path):

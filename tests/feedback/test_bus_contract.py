@@ -263,6 +263,25 @@ def test_bad_topic_or_value_is_a_value_error(h):
         h.bus.consumer(["fine", "fine"], "g")
 
 
+def test_publish_many_async_resolves_once_durable_and_refuses_bad_records_whole(h):
+    topic = new_name("async")
+    batches = [[(f"cmp-{i % 5}", json.dumps({"event_id": f"ev-{b}-{i:03d}"}).encode()) for i in range(40)]
+               for b in range(3)]
+    futures = [h.bus.publish_many_async(topic, batch) for batch in batches]  # in flight together
+    for f in futures:
+        assert f.result(timeout=30) is None
+    with pytest.raises(ValueError, match="bytes"):  # one bad record: none of the batch is written
+        h.bus.publish_many_async(topic, [("cmp-0", b'{"event_id": "never"}'), ("cmp-1", "not bytes")])
+    assert h.bus.publish_many_async(topic, []).result(timeout=5) is None
+    h.bus.flush(30)
+    got = drain(h.consumer(topic, new_name("g")), 120, h.quiet_s)
+    assert sorted(ids(got)) == sorted(json.loads(v)["event_id"] for batch in batches for _, v in batch)
+    for b, batch in enumerate(batches):  # per key, each batch's order
+        for key in {k for k, _ in batch}:
+            assert [e for e in by_key(got)[key] if e.startswith(f"ev-{b}-")] == \
+                [json.loads(v)["event_id"] for k, v in batch if k == key]
+
+
 def test_one_member_on_two_topics_consumes_and_commits_both(h):
     ta, tb, other = new_name("two-a"), new_name("two-b"), new_name("other")
     sent = publish(h.bus, ta, 40) + publish(h.bus, tb, 30, start=100)
