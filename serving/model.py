@@ -19,7 +19,7 @@ do not give that, measured on the demo model (256 completions, serving vs traine
 - SDPA attention: a decode step (one query against the cache, masked) and a causal full forward
   accumulate differently; alone worth mean 5.9e-8, max 3.0e-6 (1% of tokens over 1e-6);
 - matmuls with few rows (our M: a decode batch under 16 sequences, the few tokens an expert gets in
-  a decode step) take MKL's small-matrix path (M up to ~K/25, 15 at most), which rounds differently
+  a decode step) or few columns (the queries of a decode step) take MKL's small-matrix path (M up to ~K/25, 15 at most), which rounds differently
   from the blocked path a full forward takes; alone worth mean 1.0e-8, max 2.4e-6;
 - torch's fused SiLU rounds its vectorised body and its scalar tail differently, so a value depends
   on where its row falls in the tensor (not for the demo's expert width, 256; for widths like 48);
@@ -32,7 +32,8 @@ The mode therefore:
   place in the matrix (`tests/serving/test_model.py` checks this for the shapes used here);
 - computes attention (`InvariantAttention`) so that the dimension that varies between a decode step
   and a full forward is never a matmul's row count or reduction length: scores = keys @ queries^T
-  ([S, Dh] @ [Dh, queries], S padded to a multiple of `KEY_BLOCK`), masked, minus the max over the
+  ([S, Dh] @ [Dh, queries], S padded to a multiple of `KEY_BLOCK`, at least `MIN_GEMM_ROWS` query
+  columns: a decode step repeats its query), masked, minus the max over the
   visible keys, exp (MKL's vector exp rounds an element the same wherever it falls); then
   [v | 1 | 0...]^T @ p per block of `KEY_BLOCK` keys, which gives the weighted values and the softmax
   denominator from one fixed-size reduction, and the blocks are summed pairwise - a tree that
@@ -236,9 +237,15 @@ def _attend(q_BHTd: torch.Tensor, k_BGSd: torch.Tensor, v_BGSW: torch.Tensor, qu
     """The batch-invariant attention's forward (no autograd). Key s is visible to query t of sequence b
     iff s <= query_pos_BT[b, t]. `v_BGSW` holds [v | 1 | 0...] rows (`value_width`). Returns [B, T, H * Dh]."""
     B, H, T, Dh = q_BHTd.shape
-    if T == 1 and H == k_BGSd.shape[1]:
-        # One column per matmul would be a matrix-vector product, which MKL rounds differently: ask twice.
-        return _attend(q_BHTd.expand(B, H, 2, Dh), k_BGSd, v_BGSW, query_pos_BT.expand(B, 2))[:, :1]
+    t_min = -(-MIN_GEMM_ROWS // (H // k_BGSd.shape[1]))
+    if T < t_min:
+        # Few query columns per matmul (a decode step, a short prompt) take other MKL kernels, which round
+        # differently (one column: a matrix-vector product; 2 columns differed too on an AVX-512 Zen 4):
+        # the last query is repeated until every matmul has at least MIN_GEMM_ROWS columns.
+        extra = t_min - T
+        q_BHTd = torch.cat([q_BHTd, q_BHTd[:, :, -1:].expand(B, H, extra, Dh)], dim=2)
+        query_pos_BT = torch.cat([query_pos_BT, query_pos_BT[:, -1:].expand(B, extra)], dim=1)
+        return _attend(q_BHTd, k_BGSd, v_BGSW, query_pos_BT)[:, :T]
     G, S, W = k_BGSd.shape[1], k_BGSd.shape[2], v_BGSW.shape[-1]
     R, N = H // G, H // G * T
     S_pad = -(-S // KEY_BLOCK) * KEY_BLOCK
@@ -254,20 +261,13 @@ def _attend(q_BHTd: torch.Tensor, k_BGSd: torch.Tensor, v_BGSW: torch.Tensor, qu
     # Scores with the keys as the rows, [S_pad, Dk] @ [Dk, R*T]: never few rows (S_pad is a multiple of
     # KEY_BLOCK), and a score does not depend on how many query columns there are.
     s_BGSN = torch.matmul(k_BGSd, q_BGRTd.view(B, G, N, Dk).transpose(-1, -2))
-    # Softmax numerators down the key axis: masked keys -inf, minus the max of the visible ones, exp. All
-    # exact or elementwise (exp is MKL's vector math, the same for an element wherever it falls), so
-    # the layout they run in is free: rows of keys for few queries (a decode step), in place otherwise.
+    # Softmax numerators down the key axis, in place: masked keys -inf, minus the max of the visible ones,
+    # exp. All exact or elementwise (exp is MKL's vector math, the same for an element wherever it falls).
     hidden_BTS = torch.arange(S_pad, device=q_BHTd.device)[None, None, :] > query_pos_BT[:, :, None]
-    if N < MIN_GEMM_ROWS:
-        s_BGNS = s_BGSN.transpose(-1, -2).contiguous()
-        s_BGNS.view(B, G, R, T, S_pad).masked_fill_(hidden_BTS[:, None, None], float("-inf"))
-        s_BGNS.sub_(s_BGNS.amax(dim=-1, keepdim=True)).exp_()
-        p_BGSN = s_BGNS.transpose(-1, -2).contiguous()
-    else:
-        s_BGSRT = s_BGSN.view(B, G, S_pad, R, T)
-        s_BGSRT.masked_fill_(hidden_BTS.transpose(1, 2)[:, None, :, None, :], float("-inf"))
-        s_BGSRT.sub_(s_BGSRT.amax(dim=2, keepdim=True))
-        p_BGSN = s_BGSN.exp_()
+    s_BGSRT = s_BGSN.view(B, G, S_pad, R, T)
+    s_BGSRT.masked_fill_(hidden_BTS.transpose(1, 2)[:, None, :, None, :], float("-inf"))
+    s_BGSRT.sub_(s_BGSRT.amax(dim=2, keepdim=True))
+    p_BGSN = s_BGSN.exp_()
     # [v | 1 | 0...]^T @ p per block of KEY_BLOCK keys, [W, KEY_BLOCK] @ [KEY_BLOCK, R*T]: the weighted
     # values and the softmax denominator from the same fixed-size reductions; the blocks are then
     # summed pairwise (0+1, 2+3, ..., then again), a tree that trailing all-masked blocks (p exactly 0)
