@@ -22,8 +22,9 @@ One run measures, on one machine, every part in its own process (broker, gateway
   3. the SDK: `FeedbackClient` (flush interval 1 h) pointed at the gateway, time per `send()`.
 
 Writes bench/results/feedback.json and bench/results/feedback.md. Bounded: every loop has a
-deadline; the whole run takes about 6-8 minutes on 2 cores.
+deadline; the whole run takes about 3-4 minutes on 2 cores.
 Usage: python bench/feedback.py [--seconds 15] [--model DIR] [--buses kafka,embedded] [--modes batch,single]
+       [--fixed-rates 5000,...] (extra batch phases at a fixed offered rate, to compare runs at equal load)
 (a subset of buses or modes is for quick comparisons; the README quotes full runs).
 """
 
@@ -396,7 +397,8 @@ def sub(args: list[str], timeout_s: float) -> dict | list:
 
 
 def bench_gateway(bus: str, model: Path, broker: str | None, tansu_pid: int | None, seconds: float,
-                  scratch: Path, with_sdk: bool, modes: tuple[str, ...] = ("batch", "single")) -> dict:
+                  scratch: Path, with_sdk: bool, modes: tuple[str, ...] = ("batch", "single"),
+                  fixed_rates: tuple[float, ...] = ()) -> dict:
     import httpx
 
     home = scratch / f"home-{bus}"
@@ -432,10 +434,12 @@ def bench_gateway(bus: str, model: Path, broker: str | None, tansu_pid: int | No
         time.sleep(3.0)  # the gateway's own CPU use with no load: the baseline of the CPU table
         idle_cores = sum(cpu_s(pids[k]) - cpu0[k] for k in ("gateway", "forwarder") if k in pids) / 3.0
         rows = []
-        plan = [("batch", "max", 8), ("single", "max", 32), ("batch", "open", 0), ("single", "open", 0)]
+        plan = [("batch", "max", 8, None), ("single", "max", 32, None), ("batch", "open", 0, None),
+                ("single", "open", 0, None)] + [("batch", "fixed", 0, r) for r in fixed_rates]
         max_eps = {}
-        for mode, kind, conc in [step for step in plan if step[0] in modes]:
-            rate = max_eps[mode] / 2 if kind == "open" else None
+        for mode, kind, conc, fixed in [step for step in plan if step[0] in modes]:
+            rate = fixed if kind == "fixed" else max_eps[mode] / 2 if kind == "open" else None
+            kind = "open" if kind == "fixed" else kind
             cpu0 = {k: cpu_s(p) for k, p in pids.items()}
             row = sub(["--one", "load", "--url", url, "--cids", str(cid_file), "--mode", mode, "--kind", kind,
                        "--concurrency", str(conc), "--rate", str(rate or 0), "--seconds", str(seconds)],
@@ -443,6 +447,7 @@ def bench_gateway(bus: str, model: Path, broker: str | None, tansu_pid: int | No
             row["cpu_s"] = {k: cpu_s(p) - cpu0[k] for k, p in pids.items()}
             row["cpu_s"]["loadgen"] = row.pop("loadgen_cpu_s")
             row["path"] = f"HTTP -> {bus}"
+            row["fixed_rate"] = fixed is not None
             published += row["warmup_events"] + row["events"]
             if kind == "max":
                 max_eps[mode] = row["events_per_s"]
@@ -506,6 +511,10 @@ NOTE = ("HTTP rows: events/s the gateway acknowledged (200) per second of load; 
         "SDK enqueue <= 20 us per event.")
 
 
+def _load_name(r: dict) -> str:
+    return f"fixed {r['offered_events_per_s']:.0f}" if r.get("fixed_rate") else r["kind"]
+
+
 def table(result: dict) -> list[str]:
     ceiling = result["raw_producer"]["events_per_s"]
     lines = ["| path | mode | load | events/s | p50 ms | p90 ms | p99 ms | % of raw producer | target met? |",
@@ -520,6 +529,9 @@ def table(result: dict) -> list[str]:
         else:
             load = f"open loop {r['offered_events_per_s']:.0f} ev/s"
             met = f"{'yes' if r['p99_ms'] <= TARGET_P99_MS else 'NO'} (p99 <= {TARGET_P99_MS:.0f} ms)"
+            if r.get("fixed_rate"):  # --fixed-rates: for comparing runs, not a target row
+                load = f"open loop, fixed {r['offered_events_per_s']:.0f} ev/s"
+                met = f"(comparison; p99 {'<=' if r['p99_ms'] <= TARGET_P99_MS else '>'} {TARGET_P99_MS:.0f} ms)"
         lines.append(f"| {r['path']} | {r['mode']} | {load} | {r['events_per_s']:.0f} | {r['p50_ms']:.1f} | "
                      f"{r['p90_ms']:.1f} | {r['p99_ms']:.1f} | {share:.1%} | {met} |")
     sdk = result.get("sdk")
@@ -542,7 +554,7 @@ def table(result: dict) -> list[str]:
     for r in result["gateway_rows"]:
         if "drain_s" in r:
             d, drain = r.get("delivered_events_per_s"), r["drain_s"]
-            lines.append(f"| {r['mode']} | {r['kind']} | {r['events_per_s']:.0f} | "
+            lines.append(f"| {r['mode']} | {_load_name(r)} | {r['events_per_s']:.0f} | "
                          f"{r['delivered_during_events_per_s']:.0f} | {r['backlog_at_end']} | "
                          f"{'n/a' if drain is None else f'{drain:.2f}'} | {'n/a' if d is None else f'{d:.0f}'} |")
     idle = "; ".join(f"{v:.2f} cores with the {k} bus" for k, v in result["gateway_idle_cores"].items())
@@ -552,7 +564,7 @@ def table(result: dict) -> list[str]:
               "|---|---|---|---:|---:|---:|---:|---:|"]
     for r in result["gateway_rows"]:
         c = r["cpu_s"]
-        lines.append(f"| {r['path']} | {r['mode']} | {r['kind']} | {r['wall_s']:.1f} | {c['gateway']:.1f} | "
+        lines.append(f"| {r['path']} | {r['mode']} | {_load_name(r)} | {r['wall_s']:.1f} | {c['gateway']:.1f} | "
                      f"{c.get('forwarder', 0):.1f} | {c.get('tansu', 0):.1f} | {c['loadgen']:.1f} |")
     return lines
 
@@ -566,6 +578,8 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--buses", default="kafka,embedded", help="gateways to measure: kafka, embedded or both")
     ap.add_argument("--modes", default="batch,single", help="request kinds: batch, single or both")
+    ap.add_argument("--fixed-rates", default="", help="extra open-loop batch phases at these events/s (comma "
+                    "separated), to compare runs at the same offered load")
     for hidden in ("--one", "--result-to", "--url", "--cids", "--mode", "--kind", "--bootstrap"):
         ap.add_argument(hidden, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--concurrency", type=int, default=8, help=argparse.SUPPRESS)
@@ -585,6 +599,12 @@ def main():
         return
 
     buses, modes = tuple(a.buses.split(",")), tuple(a.modes.split(","))
+    try:
+        fixed_rates = tuple(float(r) for r in a.fixed_rates.split(",") if r.strip())
+    except ValueError:
+        raise SystemExit(f"--fixed-rates takes events/s numbers, comma separated; got {a.fixed_rates!r}") from None
+    if any(not r > 0 for r in fixed_rates):
+        raise SystemExit(f"--fixed-rates must be > 0 events/s; got {a.fixed_rates!r}")
     if not set(buses) <= {"kafka", "embedded"} or not set(modes) <= {"batch", "single"}:
         raise SystemExit(f"--buses from kafka,embedded and --modes from batch,single; got {a.buses!r} {a.modes!r}")
     full = set(buses) == {"kafka", "embedded"} and set(modes) == {"batch", "single"}
@@ -607,12 +627,12 @@ def main():
         if "kafka" in buses:
             print("gateway, FLYWHEEL_BUS=kafka ...", flush=True)
             runs["kafka"] = bench_gateway("kafka", model, broker, tansu.pid, a.seconds, scratch, with_sdk=False,
-                                          modes=modes)
+                                          modes=modes, fixed_rates=fixed_rates)
             on_broker = {t: read_broker(broker, t) for t in ("flywheel.completions", "flywheel.feedback")}
         if "embedded" in buses:
             print("gateway, FLYWHEEL_BUS=embedded ...", flush=True)
             runs["embedded"] = bench_gateway("embedded", model, None, None, a.seconds, scratch, with_sdk=full,
-                                             modes=modes)
+                                             modes=modes, fixed_rates=fixed_rates)
     finally:
         tansu.kill()
         tansu.wait(10)
