@@ -106,9 +106,8 @@ class LearnerService:
         # What the serving fleet pulls: bf16 shipping weights, snapshots every N versions, lossless deltas.
         self.store = WeightStore(self.models_dir / "store", snapshot_every=cfg.snapshot_every)
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        if self.world_size > 1 and min(cfg.min_samples, cfg.update_every_samples) < self.world_size:
-            raise ValueError(f"min_samples ({cfg.min_samples}) and update_every_samples ({cfg.update_every_samples}) "
-                             f"must be >= the {self.world_size} ranks: every rank trains on a shard")
+        # A batch smaller than the rank count is fine: `DataParallelTrainer` then trains it whole on every
+        # rank (so min_samples=1 lets the time trigger train a last lone sample under DDP too).
         if self.rank == 0:
             self._init_state(base_dir)
         if self.world_size > 1:

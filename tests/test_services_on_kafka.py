@@ -121,8 +121,9 @@ def _learner_rank(rank: int, world_size: int, port: int, bootstrap: str, root: s
     bus = KafkaBus(bootstrap, root_dir / f"spool-rank{rank}", partitions=PARTITIONS, send_timeout_s=5,
                    consumer_config=FAST_CONSUMER)
     # Batch sizes depend on when each rank's polls return, so the number of versions varies: staleness
-    # is not what this test is about (a fourth version would make the base's samples stale).
-    cfg = LearnerConfig(update_every_samples=10, min_samples=2, update_every_s=2.0, topic=topic, max_staleness=1000,
+    # is not what this test is about (a fourth version would make the base's samples stale). A lone last
+    # sample must be trainable by the time trigger (with min_samples=2 it waited forever: 39 of 40).
+    cfg = LearnerConfig(update_every_samples=10, min_samples=1, update_every_s=2.0, topic=topic, max_staleness=1000,
                         trainer=TrainerConfig(lr=1e-3))
     svc = LearnerService(bus, Registry(f"sqlite:///{root_dir}/registry.db"), root_dir / "models", base, cfg)
     try:
