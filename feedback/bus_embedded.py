@@ -62,15 +62,7 @@ class EmbeddedBus(EventBus):
             return log
 
     def publish(self, topic: str, key: str, value: bytes) -> None:
-        if self._closed:
-            raise RuntimeError("bus is closed")
-        _check_name("topic", topic)
-        if not isinstance(value, (bytes, bytearray)):
-            raise ValueError(f"value must be bytes, got {type(value).__name__}")
-        frame = json.dumps({"k": key}).encode() + b"\n" + bytes(value)
-        self._log(topic, partition_for(key, self.partitions)).append([frame])
-        with self._new_data:
-            self._new_data.notify_all()
+        self.publish_many(topic, [(key, value)])
 
     def publish_many(self, topic: str, records: list[tuple[str, bytes]]) -> None:
         """One group-committed append (one fsync) per partition touched."""

@@ -130,17 +130,11 @@ class KafkaBus(EventBus):
                              f"Kafka record may hold")
 
     def publish(self, topic: str, key: str, value: bytes) -> None:
-        spool = self._spool_for(topic)
-        self._check_record(key, value)
-        spool.publish(topic, key, bytes(value))
+        self.publish_many(topic, [(key, value)])
 
     def publish_many(self, topic: str, records: list[tuple[str, bytes]]) -> None:
         """All of them into the spool with one fsync (all checked first: none is spooled if one is bad)."""
-        spool = self._spool_for(topic)
-        for key, value in records:
-            self._check_record(key, value)
-        if records:
-            spool.publish_many([(topic, k, bytes(v)) for k, v in records])
+        self.publish_many_async(topic, records).result(timeout=30)
 
     def publish_many_async(self, topic: str, records: list[tuple[str, bytes]]) -> Future:
         spool = self._spool_for(topic)

@@ -100,11 +100,9 @@ class CompletionIndex:
                 ts REAL NOT NULL);
             CREATE INDEX IF NOT EXISTS accepted_events_ts ON accepted_events (ts);
         """)
-        # Rows with state PENDING were left by versions that kept claims on disk: nobody holds them.
-        self._db.execute(f"DELETE FROM accepted_events WHERE state != {DONE}")
         self._pending: dict[str, tuple[str, float]] = {}  # claimed, being published: id -> (fingerprint, ts)
         self._unwritten: dict[str, tuple[str, float]] = {}  # confirmed, not yet in the table
-        self._rows = self._db.execute("SELECT count(*) FROM accepted_events").fetchone()[0]  # an upper bound
+        self._rows = 0  # an upper bound of the table's rows once `_background` has counted them
         self._written_since_prune = 0
         self._closed = False
         self.checkpoint_errors = self.write_errors = 0
@@ -120,6 +118,10 @@ class CompletionIndex:
         next_checkpoint = time.monotonic() + self.checkpoint_every_s
         checkpoints = sqlite3.connect(self.path, isolation_level=None, timeout=30.0)  # this thread's own
         try:
+            with self._writer_lock:  # table scans, here rather than in the constructor (start-up)
+                # Rows with state PENDING were left by versions that kept claims on disk: nobody holds them.
+                self._wdb.execute(f"DELETE FROM accepted_events WHERE state != {DONE}")
+                self._rows += self._wdb.execute("SELECT count(*) FROM accepted_events").fetchone()[0]
             self._background_loop(checkpoints, next_checkpoint)
         finally:
             checkpoints.close()

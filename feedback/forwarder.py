@@ -42,11 +42,10 @@ import sys
 import tempfile
 import threading
 import time
-import zlib
 from pathlib import Path
 from typing import Any, Protocol
 
-from feedback.log import _HEADER, LogCorrupted
+from feedback.log import LogCorrupted, next_frame
 from feedback.spool import COMMAND, HOLD, RELEASE, SPOOLED, STOP, SpooledRecord, decode, read_position
 
 log = logging.getLogger("feedback.forwarder")  # also when run as __main__
@@ -101,21 +100,16 @@ class SegmentReader:
     def _frame(self) -> bytes | None:
         """The next record's payload in the open segment (None at its end)."""
         while True:
+            frame = next_frame(self._buf, self._i)
+            if frame is not None:
+                payload, end, good = frame
+                if not good:
+                    raise LogCorrupted(f"{self.folder}/{self.segment:020d}.log: record {self._next} fails "
+                                       f"its checksum")
+                self._i, self._next = end, self._next + 1
+                return payload
             have = len(self._buf) - self._i
-            if have >= _HEADER.size:
-                length, crc = _HEADER.unpack_from(self._buf, self._i)
-                end = self._i + _HEADER.size + length
-                if end <= len(self._buf):
-                    payload = self._buf[self._i + _HEADER.size:end]
-                    if zlib.crc32(payload) != crc:
-                        raise LogCorrupted(f"{self.folder}/{self.segment:020d}.log: record {self._next} fails "
-                                           f"its checksum")
-                    self._i, self._next = end, self._next + 1
-                    return payload
-                want = end - len(self._buf)
-            else:
-                want = _HEADER.size - have
-            more = self._f.read(max(READ_CHUNK, want))
+            more = self._f.read(READ_CHUNK)  # a longer record takes several reads
             if not more:
                 if have:
                     raise LogCorrupted(f"{self.folder}/{self.segment:020d}.log: torn record {self._next} below "

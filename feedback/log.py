@@ -30,6 +30,20 @@ class LogCorrupted(RuntimeError):
     """A record in the middle of a segment fails its checksum."""
 
 
+def next_frame(data: bytes, pos: int) -> tuple[bytes, int, bool] | None:
+    """The frame starting at `data[pos]`: (payload, position after it, checksum good), or None when
+    `data` ends inside it. The one frame parser of the log's readers (`DurableLog`, the spool's
+    forwarder)."""
+    if pos + _HEADER.size > len(data):
+        return None
+    length, crc = _HEADER.unpack_from(data, pos)
+    end = pos + _HEADER.size + length
+    if end > len(data):
+        return None
+    payload = data[pos + _HEADER.size:end]
+    return payload, end, zlib.crc32(payload) == crc
+
+
 class DurableLog:
     def __init__(self, folder: str | Path, segment_bytes: int = SEGMENT_BYTES, fsync: bool = True):
         self.folder = Path(folder)
@@ -65,12 +79,8 @@ class DurableLog:
         with open(path, "rb") as f:
             data = f.read()
         pos = 0
-        while pos + _HEADER.size <= len(data):
-            length, crc = _HEADER.unpack_from(data, pos)
-            end = pos + _HEADER.size + length
-            if end > len(data) or zlib.crc32(data[pos + _HEADER.size:end]) != crc:
-                break
-            pos, count = end, count + 1
+        while (frame := next_frame(data, pos)) is not None and frame[2]:
+            pos, count = frame[1], count + 1
         good_bytes = pos
         if good_bytes != len(data):
             # A crash mid-write leaves a torn last frame: cut the log back to the last whole record.
@@ -171,13 +181,9 @@ class DurableLog:
                 f.seek(pos0)
                 data = f.read()
             pos = 0
-            while pos + _HEADER.size <= len(data):
-                length, crc = _HEADER.unpack_from(data, pos)
-                end = pos + _HEADER.size + length
-                if end > len(data):
-                    break  # being written right now
-                payload = data[pos + _HEADER.size:end]
-                if zlib.crc32(payload) != crc:
+            while (frame := next_frame(data, pos)) is not None:  # None: the last one is being written
+                payload, end, good = frame
+                if not good:
                     raise LogCorrupted(f"{path}: record at offset {off} fails its checksum")
                 pos, off = end, off + 1
                 if off - 1 >= start:

@@ -194,9 +194,7 @@ class Spool:
     # ---- producer side ------------------------------------------------------------------------
     def publish(self, topic: str, key: str, value: bytes) -> int:
         """Spool one record durably (fsynced) and return its spool offset; never waits for the broker."""
-        offset = self._log.append([encode(topic, key, value)])
-        self._durable_to(offset + 1)
-        return offset
+        return self.publish_many([(topic, key, value)])
 
     def publish_many(self, records: list[tuple[str, str, bytes]]) -> int:
         """Spool (topic, key, value) records with one fsync; returns the first one's spool offset."""

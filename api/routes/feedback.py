@@ -202,7 +202,7 @@ async def _claim(index: CompletionIndex, fingerprints: dict[str, str],
     todo = dict(fingerprints)
     deadline = time.monotonic() + CLAIM_WAIT_S
     while todo:
-        c, first = (first, None) if first is not None else (await asyncio.to_thread(index.claim, todo), None)
+        c, first = (first, None) if first is not None else (index.claim(todo), None)  # on the loop, as the first
         claimed += c.claimed
         for eid, fp in c.done.items():
             if fp != fingerprints[eid]:
