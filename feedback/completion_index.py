@@ -16,8 +16,15 @@ entry survives a crash of the process; a power loss may lose the last few, which
 fsynced completion log. Pending claims live in memory only (they belong to requests of this
 process, and die with it), and done ids are written behind, in batches, by a thread of the index's
 own, at most `write_every_s` after `confirm()` (and on `flush()`/`close()`): a claim costs the request
-one indexed SELECT, not a transaction. Measured on the 2-core dev VM, 100 random ids per request
-with 400k rows in the table: claim + confirm as two transactions took 2.8 ms at p50 and 7.5 ms at
+one indexed SELECT, not a transaction. A batch is one INSERT of a JSON array (`json_each`), so SQLite
+stores every row without taking the interpreter lock back: `executemany` took it once per row, and
+under load those hand-overs, thousands a second, held up the gateway's event loop (measured with
+bench/feedback.py: the wait for a publish went from ~2.5 ms at p90 to ~11 ms with them). A second is
+the default batch interval: ids are random, so each batch dirties index pages all over the table,
+and SQLite writes whole pages (to the WAL, then again at the checkpoint). Measured on the 2-core dev
+VM at ~7000 ids/s: 0.1 s batches wrote ~5.6 KB per id (39 MB/s), 1 s batches ~1.2 KB (8.5 MB/s); that
+traffic shares the disk with the event log's fsyncs, which a request waits for. Measured on the
+2-core dev VM, 100 random ids per request with 400k rows in the table: claim + confirm as two transactions took 2.8 ms at p50 and 7.5 ms at
 p99 (the commit writing ~200 scattered pages), the in-memory claim ~0.3 ms. What this trades: if
 the process dies, ids confirmed in its last `write_every_s` are forgotten, so a client's retry of
 one of them is published again — the consumers drop it by `event_id` (the joiner's dedupe), so it
@@ -34,6 +41,7 @@ take ~0.2 ms for 100 ids and the gateway calls them on its event loop; `add()` i
 
 from __future__ import annotations
 
+import json
 import logging
 import sqlite3
 import threading
@@ -65,7 +73,7 @@ class Claim(NamedTuple):
 class CompletionIndex:
     def __init__(self, path: str | Path, accepted_ttl_s: float = 7 * 24 * 3600.0,
                  accepted_max: int = 1_000_000, stale_claim_s: float = 60.0, prune_every: int = 1000,
-                 checkpoint_every_s: float = 1.0, write_every_s: float = 0.1, recent_max: int = 100_000):
+                 checkpoint_every_s: float = 1.0, write_every_s: float = 1.0, recent_max: int = 100_000):
         if accepted_ttl_s <= 0:
             raise ValueError(f"accepted_ttl_s must be > 0, got {accepted_ttl_s}")
         if accepted_max < 1:
@@ -108,6 +116,10 @@ class CompletionIndex:
         self.checkpoint_errors = self.write_errors = 0
         self._writer_lock = threading.Lock()  # one batch write (and prune) at a time
         self._wdb = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30.0)
+        try:  # SQLite's JSON functions (built in since 3.38, an option before)
+            self._json_rows = self._wdb.execute("SELECT json_extract('[1]', '$[0]')").fetchone()[0] == 1
+        except sqlite3.OperationalError:
+            self._json_rows = False
         self._wake, self._stop = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._background, name=f"index:{self.path.name}", daemon=True)
         self._thread.start()
@@ -154,10 +166,15 @@ class CompletionIndex:
                 batch = dict(self._unwritten)
             if batch:
                 db = self._wdb
+                rows = [(eid, DONE, fp, ts) for eid, (fp, ts) in batch.items()]
                 db.execute("BEGIN IMMEDIATE")
                 try:
-                    db.executemany("INSERT OR REPLACE INTO accepted_events VALUES (?, ?, ?, ?)",
-                                   [(eid, DONE, fp, ts) for eid, (fp, ts) in batch.items()])
+                    if self._json_rows:  # one statement: SQLite inserts every row without the interpreter lock
+                        db.execute("INSERT OR REPLACE INTO accepted_events SELECT json_extract(value, '$[0]'), "
+                                   "json_extract(value, '$[1]'), json_extract(value, '$[2]'), "
+                                   "json_extract(value, '$[3]') FROM json_each(?)", (json.dumps(rows),))
+                    else:
+                        db.executemany("INSERT OR REPLACE INTO accepted_events VALUES (?, ?, ?, ?)", rows)
                     db.execute("COMMIT")
                 except BaseException:
                     db.execute("ROLLBACK")

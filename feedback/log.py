@@ -1,13 +1,19 @@
 """A durable, append-only local log: the embedded default behind the record sink and the event bus.
 
 Owns one folder per log. Records are framed as `[u32 length][u32 crc32][payload]` in segment
-files named by their first offset; every record has a dense offset starting at 0. Appends go
-through one writer thread that group-commits: all records waiting are written, the file is
+files named by their first offset; every record has a dense offset starting at 0. Appends are
+group-committed by a `LogWriter` thread: every batch waiting is written, each file written is
 fsynced once, then every waiter is released, so an acknowledged record survives a crash of the
-process or the machine. On open, a torn or corrupt tail (a crash mid-write) is cut off at the
-last whole record; corruption in the middle of a segment is an error, never skipped silently.
+process or the machine. A log has a writer of its own unless it is given one: the embedded bus
+gives all its partition logs one writer, so a request that touches several partitions wakes one
+thread, not one per partition. The caller frames its records (`append_async`, a few microseconds a
+record); the writer thread runs almost no Python, so it hardly competes with the caller's thread
+for the interpreter lock (with one writer thread per partition log, that competition stalled the
+gateway's event loop: bench/feedback.py). On open, a torn or corrupt tail (a crash mid-write) is
+cut off at the last whole record; corruption in the middle of a segment is an error, never skipped
+silently.
 
-Called by `feedback.sink.LogSink` (completion records) and the embedded event bus.
+Called by `feedback.sink.LogSink` (completion records), the spool and the embedded event bus.
 """
 
 from __future__ import annotations
@@ -17,13 +23,14 @@ import os
 import struct
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 _HEADER = struct.Struct("<II")
 SEGMENT_BYTES = 64 << 20
+READ_CHUNK = 1 << 20
 
 
 class LogCorrupted(RuntimeError):
@@ -44,20 +51,100 @@ def next_frame(data: bytes, pos: int) -> tuple[bytes, int, bool] | None:
     return payload, end, zlib.crc32(payload) == crc
 
 
+def frames(payloads: list[bytes]) -> bytes:
+    """`payloads` framed, back to back, as they lie in a segment."""
+    parts = []
+    for p in payloads:
+        parts.append(_HEADER.pack(len(p), zlib.crc32(p)))
+        parts.append(p)
+    return b"".join(parts)
+
+
+class LogWriter:
+    """The group-commit thread of one or more `DurableLog`s.
+
+    It takes every append waiting, in any of its logs, writes each log's appends with one write,
+    fsyncs each log it wrote to, then resolves the appends' futures (their callbacks run on this
+    thread). A write or fsync that fails fails that log (its waiters hear the error, later appends
+    raise it); the other logs go on. Whoever makes a writer closes it, after its logs.
+    """
+
+    def __init__(self, name: str = "log-writer"):
+        self._cond = threading.Condition()
+        self._queue: list[tuple[DurableLog, bytes, int, Future, Callable[[int], None] | None]] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _submit(self, target: DurableLog, data: bytes, count: int, then: Callable[[int], None] | None = None) -> Future:
+        fut: Future = Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"log {target.folder}: its writer is closed")
+            self._queue.append((target, data, count, fut, then))
+            if len(self._queue) == 1:
+                self._cond.notify()
+        return fut
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                queue, self._queue = self._queue, []
+            per_log: dict[DurableLog, list[tuple[bytes, int, Future, Callable[[int], None] | None]]] = {}
+            for target, data, count, fut, then in queue:
+                per_log.setdefault(target, []).append((data, count, fut, then))
+            written = []
+            for target, batch in per_log.items():
+                try:
+                    written.append((target, batch, target._write(batch)))
+                except BaseException as e:  # nothing of this batch acknowledged; every waiter hears it
+                    target._fail(e, batch)
+            synced = []
+            for target, batch, firsts in written:
+                try:
+                    target._sync()
+                except BaseException as e:
+                    target._fail(e, batch)
+                else:
+                    synced.append((batch, firsts))
+            for batch, firsts in synced:
+                for (_, _, fut, then), first in zip(batch, firsts):
+                    if then is not None:
+                        try:
+                            then(first)
+                        except BaseException as e:  # the caller's bookkeeping failed: its waiter hears it
+                            log.exception("log writer: callback of an append at offset %d failed", first)
+                            fut.set_exception(e)
+                            continue
+                    fut.set_result(first)
+
+    def close(self) -> None:
+        """Write what waits, then stop the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+
 class DurableLog:
-    def __init__(self, folder: str | Path, segment_bytes: int = SEGMENT_BYTES, fsync: bool = True):
+    def __init__(self, folder: str | Path, segment_bytes: int = SEGMENT_BYTES, fsync: bool = True,
+                 writer: LogWriter | None = None):
+        """`writer`: a group-commit thread shared with other logs (closed by whoever made it);
+        None: the log makes its own, and closes it."""
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.segment_bytes, self.fsync = segment_bytes, fsync
-        self._cond = threading.Condition()
-        self._pending: list[tuple[list[bytes], Future]] = []
         self._closed = False
+        self._error: BaseException | None = None  # a failed write or fsync: the log takes no more
         self._cursors: dict[int, tuple[int, int]] = {}  # offset -> (segment base, byte position)
         self._cursor_lock = threading.Lock()
         self._next = self._recover()
-        self._writer_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._write_loop, name=f"log-{self.folder.name}", daemon=True)
-        self._thread.start()
+        self._own_writer = writer is None
+        self._writer = LogWriter(f"log-{self.folder.name}") if writer is None else writer
 
     # ---- segments -------------------------------------------------------------------------
     def _segments(self) -> list[tuple[int, Path]]:
@@ -91,12 +178,12 @@ class DurableLog:
                 f.truncate(good_bytes)
                 f.flush()
                 os.fsync(f.fileno())
-        self._fh = open(path, "ab")
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
         self._seg_base, self._seg_size = base, good_bytes
         return base + count
 
     def _open_segment(self, base: int) -> None:
-        self._fh = open(self.folder / f"{base:020d}.log", "ab")
+        self._fd = os.open(self.folder / f"{base:020d}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._seg_base, self._seg_size = base, 0
         if self.fsync:
             dfd = os.open(self.folder, os.O_RDONLY)
@@ -106,55 +193,58 @@ class DurableLog:
                 os.close(dfd)
 
     # ---- writing --------------------------------------------------------------------------
-    def append_async(self, payloads: list[bytes]) -> Future:
-        """Queue records; the future resolves to their first offset once they are on disk."""
-        fut: Future = Future()
-        with self._cond:
-            if self._closed:
-                raise RuntimeError(f"log {self.folder} is closed")
-            if self._writer_error is not None:
-                raise RuntimeError(f"log {self.folder} writer failed: {self._writer_error!r}")
-            self._pending.append((list(payloads), fut))
-            self._cond.notify()
-        return fut
+    def append_async(self, payloads: list[bytes], then: Callable[[int], None] | None = None) -> Future:
+        """Queue records; the future resolves to their first offset once they are on disk. Framed
+        here, on the caller's thread. `then(first offset)`, if given, runs on the writer thread once
+        they are on disk, before the future resolves; the writer calls it in offset order (whoever
+        indexes the records sees them in order)."""
+        if self._closed:
+            raise RuntimeError(f"log {self.folder} is closed")
+        if self._error is not None:
+            raise RuntimeError(f"log {self.folder} writer failed: {self._error!r}")
+        return self._writer._submit(self, frames(payloads), len(payloads), then)
 
     def append(self, payloads: list[bytes], timeout: float | None = 30.0) -> int:
         return self.append_async(payloads).result(timeout=timeout)
 
-    def _write_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._pending and not self._closed:
-                    self._cond.wait()
-                if not self._pending and self._closed:
-                    return
-                batch, self._pending = self._pending, []
-            try:
-                firsts = []
-                for payloads, _ in batch:
-                    firsts.append(self._next)
-                    for p in payloads:
-                        if self._seg_size >= self.segment_bytes:
-                            self._fh.flush()
-                            if self.fsync:
-                                os.fsync(self._fh.fileno())
-                            self._fh.close()
-                            self._open_segment(self._next)
-                        frame = _HEADER.pack(len(p), zlib.crc32(p)) + p
-                        self._fh.write(frame)
-                        self._seg_size += len(frame)
-                        self._next += 1
-                self._fh.flush()
-                if self.fsync:
-                    os.fsync(self._fh.fileno())
-            except BaseException as e:  # nothing acknowledged past this point; every waiter hears it
-                with self._cond:
-                    self._writer_error = e
-                for _, fut in batch:
-                    fut.set_exception(e)
-                raise
-            for (_, fut), first in zip(batch, firsts):
-                fut.set_result(first)
+    def _write(self, batch: list[tuple[bytes, int, Future, Callable[[int], None] | None]]) -> list[int]:
+        """On the writer thread: write framed appends (a new segment once this one is full, between
+        appends); their first offsets. Not yet fsynced."""
+        if self._error is not None:
+            raise RuntimeError(f"log {self.folder} writer failed: {self._error!r}")
+        firsts, run = [], []
+        for data, count, _, _ in batch:
+            if self._seg_size >= self.segment_bytes and self._seg_size:
+                self._write_all(b"".join(run))
+                run = []
+                self._roll()
+            firsts.append(self._next)
+            run.append(data)
+            self._seg_size += len(data)
+            self._next += count
+        self._write_all(run[0] if len(run) == 1 else b"".join(run))
+        return firsts
+
+    def _write_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view):]
+
+    def _roll(self) -> None:
+        if self.fsync:
+            os.fsync(self._fd)
+        os.close(self._fd)
+        self._open_segment(self._next)
+
+    def _sync(self) -> None:
+        if self.fsync:
+            os.fsync(self._fd)
+
+    def _fail(self, error: BaseException, batch: list) -> None:
+        log.error("log %s: write failed, the log takes no more records: %r", self.folder, error)
+        self._error = error
+        for _, _, fut, _ in batch:
+            fut.set_exception(error)
 
     @property
     def end_offset(self) -> int:
@@ -163,11 +253,15 @@ class DurableLog:
 
     # ---- reading --------------------------------------------------------------------------
     def read(self, start: int = 0, limit: int | None = None) -> Iterator[tuple[int, bytes]]:
-        """(offset, payload) for durable records from `start` on (a snapshot of what is written).
+        """(offset, payload) for the records written from `start` on (a snapshot of what is written:
+        a record may be read before its fsync has returned; readers that must see only acknowledged
+        records bound their reads, as the embedded bus does with its partition index).
 
-        Sequential readers (consumers, the spool's forwarder) ask for the offset where their last read
-        ended: a small cache of (offset -> segment, byte position) lets that read seek straight there
-        instead of parsing the segment from its start.
+        Segments are read in chunks of `READ_CHUNK` bytes (more for a larger record), so a reader
+        that asks for a few records does not read the rest of a 64 MiB segment. Sequential readers
+        (consumers, the spool's forwarder) ask for the offset where their last read ended: a small
+        cache of (offset -> segment, byte position) lets that read seek straight there instead of
+        parsing the segment from its start.
         """
         segs = self._segments()
         hint = self._cursors.get(start)
@@ -179,20 +273,24 @@ class DurableLog:
             pos0, off = (hint[1], start) if hint is not None and hint[0] == base else (0, base)
             with open(path, "rb") as f:
                 f.seek(pos0)
-                data = f.read()
-            pos = 0
-            while (frame := next_frame(data, pos)) is not None:  # None: the last one is being written
-                payload, end, good = frame
-                if not good:
-                    raise LogCorrupted(f"{path}: record at offset {off} fails its checksum")
-                pos, off = end, off + 1
-                if off - 1 >= start:
-                    yield off - 1, payload
-                    n += 1
-                    if limit is not None and n >= limit:
-                        self._remember(off, base, pos0 + pos)
-                        return
-            self._remember(off, base, pos0 + pos)
+                buf, at, chunk = b"", pos0, READ_CHUNK  # `at`: the file position of buf[0]
+                while more := f.read(chunk):
+                    buf = buf + more if buf else more
+                    pos = 0
+                    while (frame := next_frame(buf, pos)) is not None:  # None: the rest is not read yet
+                        payload, end, good = frame
+                        if not good:
+                            raise LogCorrupted(f"{path}: record at offset {off} fails its checksum")
+                        pos, off = end, off + 1
+                        if off - 1 >= start:
+                            yield off - 1, payload
+                            n += 1
+                            if limit is not None and n >= limit:
+                                self._remember(off, base, at + pos)
+                                return
+                    buf, at = buf[pos:], at + pos
+                    chunk = READ_CHUNK if pos else chunk * 2  # no whole record in the buffer: read more at once
+            self._remember(off, base, at)
 
     def _remember(self, offset: int, segment: int, byte_pos: int) -> None:
         with self._cursor_lock:
@@ -201,8 +299,17 @@ class DurableLog:
             self._cursors[offset] = (segment, byte_pos)
 
     def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join(timeout=30)
-        self._fh.close()
+        """Wait for this log's appends queued so far, then release the file (and the writer, when
+        the log made its own)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._writer._submit(self, b"", 0).exception(timeout=30)  # queued behind every append
+        except RuntimeError:  # the shared writer was closed first: nothing of ours can be waiting
+            pass
+        except TimeoutError:
+            log.warning("log %s: appends still unwritten after 30 s at close", self.folder)
+        if self._own_writer:
+            self._writer.close()
+        os.close(self._fd)
