@@ -323,7 +323,7 @@ def test_index_prunes_as_it_writes_and_keeps_accepted_ids_across_a_restart(tmp_p
         c = idx.claim({f"e{i}": "f"})
         idx.confirm(c.claimed)
     deadline = time.monotonic() + 10
-    while idx._unwritten:  # written behind, without a flush
+    while idx._unwritten or idx._writing:  # written behind, without a flush
         assert time.monotonic() < deadline, "the confirmed ids were never written"
         time.sleep(0.02)
     assert 25 <= idx.accepted_count() < 60  # pruned to the cap on the way, within one prune period
