@@ -321,6 +321,11 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the gateway, which stops us in order
     if cfg.get("nice"):
         os.nice(cfg["nice"])
+    if cfg.get("idle") and hasattr(os, "SCHED_IDLE"):  # Linux: run only on a CPU nothing else wants
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except OSError as e:
+            log.warning("forwarder: SCHED_IDLE refused (%r); running at nice %s", e, cfg.get("nice"))
     sock = socket.socket(fileno=cfg["fd"])
     target = load_target(cfg["factory"], cfg["kwargs"])
     fwd = Forwarder(cfg["folder"], target, sock, batch_size=cfg["batch_size"], max_batch_bytes=cfg["max_batch_bytes"],

@@ -140,11 +140,14 @@ class Spool:
                  retriable: tuple[type[BaseException], ...] = (OSError,),
                  batch_size: int = 500, max_batch_bytes: int = 1 << 20, backoff_s: tuple[float, float] = (0.05, 2.0),
                  segment_bytes: int = SPOOL_SEGMENT_BYTES, fsync: bool = True,
-                 restart_backoff_s: tuple[float, float] = (0.5, 30.0), forwarder_nice: int = 0):
+                 restart_backoff_s: tuple[float, float] = (0.5, 30.0), forwarder_nice: int = 0,
+                 forwarder_idle: bool = False):
         """`deliver`: a callable (its forwarder runs on a thread; `retriable` says what it may raise
         and be retried) or a `ProcessTarget` (a forwarder process; the target says what is retriable).
         `forwarder_nice`: added to the forwarder process's nice value (lower CPU priority than the
-        process that spools, whose callers wait; the forwarder catches up when the CPU is free)."""
+        process that spools, whose callers wait; the forwarder catches up when the CPU is free).
+        `forwarder_idle`: the forwarder process runs under Linux's SCHED_IDLE policy (only on a CPU
+        no other process wants; elsewhere `forwarder_nice` alone)."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         for name, (first, cap) in (("backoff_s", backoff_s), ("restart_backoff_s", restart_backoff_s)):
@@ -155,7 +158,7 @@ class Spool:
         self._target = deliver if isinstance(deliver, ProcessTarget) else _CallableTarget(deliver, retriable)
         self.batch_size, self.max_batch_bytes = batch_size, max_batch_bytes
         self.backoff_s, self.restart_backoff_s, self.fsync = backoff_s, restart_backoff_s, fsync
-        self.forwarder_nice = forwarder_nice
+        self.forwarder_nice, self.forwarder_idle = forwarder_nice, forwarder_idle
         self._log = DurableLog(self.folder / "log", segment_bytes=segment_bytes, fsync=fsync)
         self._pos_path = self.folder / "forwarded.json"
         self._cond = threading.Condition()
@@ -348,7 +351,7 @@ class Spool:
         if isinstance(self._target, ProcessTarget):
             cfg = {**settings, "factory": self._target.factory, "kwargs": self._target.kwargs,
                    "fd": theirs.fileno(), "log_level": logging.getLogger().getEffectiveLevel(),
-                   "nice": self.forwarder_nice}
+                   "nice": self.forwarder_nice, "idle": self.forwarder_idle}
             root = str(Path(__file__).resolve().parents[1])
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
             try:
