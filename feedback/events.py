@@ -9,8 +9,9 @@ joiner and the learner (consumers). No torch here: tensors travel as compact int
 from __future__ import annotations
 
 import base64
-import math
 import hashlib
+import json
+import math
 import time
 import uuid
 from typing import Literal
@@ -131,6 +132,26 @@ class FeedbackEvent(Event):
     def _value_fits_kind(cls, v, info):
         kind = info.data.get("kind")
         return v if kind is None else check_value(kind, v)
+
+
+_json_str = json.encoder.encode_basestring_ascii
+
+
+def _json_opt_str(v: str | None) -> str:
+    return "null" if v is None else _json_str(v)
+
+
+def feedback_json(event_id: str, tenant: str, ts: float, completion_id: str, user_id: str | None, kind: str,
+                  value: float | None, edit_distance: int | None) -> bytes:
+    """The wire form of a `FeedbackEvent` whose fields are already checked (the gateway checks them
+    with `FeedbackIn` and `check_value`), written without building the model: what
+    `FeedbackEvent(...).model_dump_json()` writes (same fields, same order; floats as Python's
+    `repr`, non-ASCII escaped), ~5x faster. tests/feedback/test_events.py holds the two equal."""
+    return (f'{{"event_id":{_json_str(event_id)},"tenant":{_json_str(tenant)},"ts":{float(ts)!r},'
+            f'"version":{SCHEMA_VERSION},"type":"feedback","completion_id":{_json_str(completion_id)},'
+            f'"user_id":{_json_opt_str(user_id)},"kind":{_json_str(kind)},'
+            f'"value":{"null" if value is None else repr(float(value))},'
+            f'"edit_distance":{"null" if edit_distance is None else int(edit_distance)}}}').encode()
 
 
 def check_value(kind: str, v: float | None) -> float | None:

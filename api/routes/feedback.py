@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import time
+from typing import NamedTuple
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from api.deps import GatewayDep, TenantDep
 from api.errors import APIError
 from feedback.completion_index import CompletionIndex
-from feedback.events import TOPICS, FeedbackEvent, FeedbackKind, check_value, hash_user, new_event_id
+from feedback.events import TOPICS, FeedbackKind, check_value, feedback_json, hash_user, new_event_id
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1")
@@ -43,6 +44,15 @@ class FeedbackIn(BaseModel):
     user: str | None = Field(None, max_length=256)
     ts: float | None = Field(None, gt=0, allow_inf_nan=False)
     idempotency_key: str | None = Field(None, min_length=1, max_length=256)
+
+
+class _Event(NamedTuple):
+    """One accepted event on its way to the bus: its id, its key, its wire form (`FeedbackEvent`'s
+    JSON, from `feedback.events.feedback_json`)."""
+
+    event_id: str
+    completion_id: str
+    wire: bytes
 
 
 class FeedbackBatch(BaseModel):
@@ -92,12 +102,12 @@ async def post_feedback(request: Request, gw: GatewayDep, tenant: TenantDep):
         except ValueError as e:  # the same error FeedbackEvent's own validation gives
             raise RequestValidationError([{"type": "value_error", "loc": (*prefix, i, "value") if prefix else ("value",),
                                            "msg": f"Value error, {e}", "input": item.value}]) from None
-        # Every field is checked by now (FeedbackIn, the tenant dependency, check_value): build the
-        # event without validating it a second time (measured: 9 -> 3 us per event).
-        ev = FeedbackEvent.model_construct(
-            event_id=event_id_for(tenant, key) if key else new_event_id(), tenant=tenant,
-            ts=float(item.ts) if item.ts is not None else now, completion_id=item.completion_id,
-            user_id=hash_user(tenant, item.user), kind=item.kind, value=value, edit_distance=item.edit_distance)
+        # Every field is checked by now (FeedbackIn, the tenant dependency, check_value): write the
+        # event's wire form without building (and validating again) the model: 7 -> 1.5 us per event.
+        event_id = event_id_for(tenant, key) if key else new_event_id()
+        ev = _Event(event_id, item.completion_id, feedback_json(
+            event_id, tenant, float(item.ts) if item.ts is not None else now, item.completion_id,
+            hash_user(tenant, item.user), item.kind, value, item.edit_distance))
         if key:
             fp = _fingerprint(item)
             if fingerprints.setdefault(ev.event_id, fp) != fp:
@@ -124,7 +134,7 @@ async def post_feedback(request: Request, gw: GatewayDep, tenant: TenantDep):
     try:
         # Awaited on the loop, no thread parked: the bus's writer thread resolves it after the fsync.
         await asyncio.wrap_future(gw.bus.publish_many_async(
-            TOPICS["feedback"], [(ev.completion_id, ev.model_dump_json().encode()) for ev in new]))
+            TOPICS["feedback"], [(ev.completion_id, ev.wire) for ev in new]))
     except Exception as e:  # nothing acknowledged: a retry may publish again (consumers drop event ids seen)
         gw.index.release(claimed)  # in memory: a retry may claim them again
         log.exception("publishing %d feedback event(s) failed", len(new))
@@ -181,7 +191,7 @@ def _fingerprint(item: FeedbackIn) -> str:
     return hashlib.sha256(item.model_dump_json(exclude=_NOT_FINGERPRINTED).encode()).hexdigest()[:16]
 
 
-def _lookup_and_claim(index: CompletionIndex, events: list[FeedbackEvent], tenant: str,
+def _lookup_and_claim(index: CompletionIndex, events: list[_Event], tenant: str,
                       fingerprints: dict[str, str]):
     """(index of the first event whose completion is not this tenant's, or None; the first claim)."""
     known = index.get_many([ev.completion_id for ev in events])
