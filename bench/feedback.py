@@ -215,7 +215,7 @@ async def run_load(url: str, cids: list[str], mode: str, kind: str, seconds: flo
                 lat.append(time.perf_counter() - start)
             else:
                 errors[str(status)] = errors.get(str(status), 0) + 1
-        except (OSError, asyncio.IncompleteReadError, ValueError) as e:
+        except (OSError, asyncio.IncompleteReadError, ValueError, RuntimeError) as e:  # RuntimeError: pool full
             errors[type(e).__name__] = errors.get(type(e).__name__, 0) + 1
 
     try:
@@ -503,8 +503,8 @@ def read_broker(broker: str, topic: str, timeout_s: float = 60.0) -> dict:
 
 NOTE = ("HTTP rows: events/s the gateway acknowledged (200) per second of load; it acknowledges once every "
         "event of the request is fsynced to the Kafka bus's local spool (or to the embedded log). For Kafka the "
-        "spool's forwarder (a child process of the gateway, at a lower CPU priority) delivers the spool to the "
-        "broker afterwards (acks=all): see the delivered table. Batch = 100 "
+        "spool's forwarder (a child process of the gateway, under SCHED_IDLE: it runs on CPU the gateway leaves "
+        "idle) delivers the spool to the broker afterwards (acks=all): see the delivered table. Batch = 100 "
         "events per request; each event carries an idempotency key, as the SDK sends it. 'max' = closed loop; "
         "'open loop' = requests started on a fixed schedule at half the max rate, latency counted from the "
         "scheduled start. Targets: HTTP max >= 50% of the raw producer; p99 <= 25 ms at half the max rate; "
