@@ -14,9 +14,10 @@ import uuid
 from collections import Counter, defaultdict
 
 import pytest
+from kafka.partitioner import murmur2
 
 from feedback.bus import Consumer, EventBus, Record
-from feedback.bus_embedded import EmbeddedBus
+from feedback.bus_embedded import EmbeddedBus, partition_for
 from feedback.bus_kafka import KafkaBus
 from feedback.events import TOPICS, CompletionEvent, RoutedExperts
 from feedback.sink import BusSink
@@ -127,6 +128,10 @@ def test_per_key_order(h):
     for p in {r.partition for r in got}:
         offsets = [r.offset for r in got if r.partition == p]
         assert offsets == sorted(offsets) and len(set(offsets)) == len(offsets)
+    # Each key in its bus's partition: crc32 (embedded), the Java client's murmur2 rule (Kafka).
+    rule = (lambda k: partition_for(k, PARTITIONS)) if h.kind == "embedded" else \
+        (lambda k: (murmur2(k.encode()) & 0x7FFFFFFF) % PARTITIONS)
+    assert all(r.partition == rule(r.key) for r in got)
 
 
 def test_group_that_commits_consumes_everything_exactly_once(h):
