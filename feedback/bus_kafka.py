@@ -52,6 +52,9 @@ SPOOL_BATCH = 500  # records per spool batch (one send + flush round trip each)
 # path (whose callers wait) goes first and the forwarder catches up from the spool when the CPU is
 # free (so under sustained overload the backlog grows). Measured on 2 cores, 100-event batches at
 # 4000 events/s: p99 32 -> 28 ms (mean of 3 runs); the closed-loop maximum rose by ~10-20%.
+# On Linux it runs under SCHED_IDLE (only on CPU nothing else wants; nice 10 where that is refused):
+# half-rate p99 (~11k events/s) 19.6-34.4 ms in the runs after, 108.9 ms in the run before
+# (bench/feedback.py); at the maximum rate the backlog then drains after the load (README).
 FORWARDER_NICE = 10
 FORWARDER_IDLE = True
 _TOPIC_ALREADY_EXISTS = 36
