@@ -41,6 +41,8 @@ def all_of(futures: list[Future], then=None) -> Future:
             if left[0]:
                 return
         errors = [e for f in futures if (e := f.exception()) is not None]
+        if out.cancelled():  # its waiter went away; the records are written all the same
+            return
         if errors:
             out.set_exception(errors[0])
             return

@@ -24,7 +24,7 @@ import struct
 import threading
 import zlib
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,19 @@ def frames(payloads: list[bytes]) -> bytes:
         parts.append(_HEADER.pack(len(p), zlib.crc32(p)))
         parts.append(p)
     return b"".join(parts)
+
+
+def _settle(fut: Future, result: int | None = None, error: BaseException | None = None) -> None:
+    """Resolve an append's future, unless its waiter cancelled it (an asyncio task awaiting it
+    through `asyncio.wrap_future` was cancelled): setting a cancelled future raises, and on the
+    writer thread that would stop every later append of every log it serves."""
+    try:
+        if error is None:
+            fut.set_result(result)
+        else:
+            fut.set_exception(error)
+    except InvalidStateError:
+        pass
 
 
 class LogWriter:
@@ -113,14 +126,14 @@ class LogWriter:
                     synced.append((batch, firsts))
             for batch, firsts in synced:
                 for (_, _, fut, then), first in zip(batch, firsts):
-                    if then is not None:
+                    if then is not None:  # also for a cancelled waiter: the records are written
                         try:
                             then(first)
                         except BaseException as e:  # the caller's bookkeeping failed: its waiter hears it
                             log.exception("log writer: callback of an append at offset %d failed", first)
-                            fut.set_exception(e)
+                            _settle(fut, error=e)
                             continue
-                    fut.set_result(first)
+                    _settle(fut, first)
 
     def close(self) -> None:
         """Write what waits, then stop the thread."""
@@ -244,7 +257,7 @@ class DurableLog:
         log.error("log %s: write failed, the log takes no more records: %r", self.folder, error)
         self._error = error
         for _, _, fut, _ in batch:
-            fut.set_exception(error)
+            _settle(fut, error=error)
 
     @property
     def end_offset(self) -> int:

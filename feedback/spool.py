@@ -210,6 +210,10 @@ class Spool:
         n = len(records)
 
         def written(f: Future) -> None:  # on the log's writer thread
+            if out.cancelled():  # its waiter went away: the records are spooled all the same
+                with contextlib.suppress(BaseException):
+                    self._durable_to(f.result() + n)
+                return
             try:
                 offset = f.result()
                 self._durable_to(offset + n)

@@ -117,3 +117,14 @@ def test_shared_writer_orders_callbacks_and_isolates_a_failed_log(tmp_path):
     a.close()
     b.close()
     writer.close()
+
+
+def test_a_cancelled_append_is_written_and_the_writer_goes_on(tmp_path):
+    log = DurableLog(tmp_path)
+    indexed = []
+    with log._writer._cond:  # the writer cannot take the queue yet
+        fut = log.append_async([b"a"], then=indexed.append)
+        assert fut.cancel()  # its waiter went away (e.g. a cancelled request)
+    assert log.append([b"b"]) == 1  # the writer thread survived setting the cancelled future
+    assert indexed == [0] and [p for _, p in log.read()] == [b"a", b"b"]
+    log.close()
