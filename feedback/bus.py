@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from feedback.log import settle
+
 
 @dataclass(frozen=True)
 class Record:
@@ -41,18 +43,16 @@ def all_of(futures: list[Future], then=None) -> Future:
             if left[0]:
                 return
         errors = [e for f in futures if (e := f.exception()) is not None]
-        if out.cancelled():  # its waiter went away; the records are written all the same
-            return
         if errors:
-            out.set_exception(errors[0])
+            settle(out, error=errors[0])
             return
         try:
             if then is not None:
                 then()
         except BaseException as e:
-            out.set_exception(e)
+            settle(out, error=e)
         else:
-            out.set_result(None)
+            settle(out)
 
     for f in futures:
         f.add_done_callback(one_done)

@@ -38,7 +38,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from feedback.bus import Consumer, EventBus, Record, all_of, topic_list
-from feedback.log import DurableLog, LogWriter
+from feedback.log import DurableLog, LogWriter, fsync_dir
 
 DEFAULT_PARTITIONS = 4
 MAX_PARTITIONS = 1 << 16
@@ -107,11 +107,7 @@ def _migrate_partition_logs(folder: Path, partitions: int, fsync: bool) -> None:
             dst.close()
         os.replace(tmp, folder / "log")
         if fsync:
-            dfd = os.open(folder, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            fsync_dir(folder)
     for _, d in legacy:
         shutil.rmtree(d)
 

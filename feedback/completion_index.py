@@ -16,20 +16,22 @@ entry survives a crash of the process; a power loss may lose the last few, which
 fsynced completion log. Pending claims live in memory only (they belong to requests of this
 process, and die with it), and done ids are written behind, in batches, by a thread of the index's
 own, at most `write_every_s` after `confirm()` (and on `flush()`/`close()`): a claim costs the request
-one indexed SELECT, not a transaction. A batch is written with one INSERT per 1000 ids, each a JSON
-array (`json_each`), so SQLite stores the rows without taking the interpreter lock back:
-`executemany` took it once per row, and under load those hand-overs, thousands a second, held up the gateway's event loop (measured with
-bench/feedback.py: the wait for a publish went from ~2.5 ms at p90 to ~11 ms with them). A second is
-the default batch interval: ids are random, so each batch dirties index pages all over the table,
-and SQLite writes whole pages (to the WAL, then again at the checkpoint). Measured on the 2-core dev
-VM at ~7000 ids/s: 0.1 s batches wrote ~5.6 KB per id (39 MB/s), 1 s batches ~1.2 KB (8.5 MB/s); that
-traffic shares the disk with the event log's fsyncs, which a request waits for. Measured on the
-2-core dev VM, 100 random ids per request with 400k rows in the table: claim + confirm as two transactions took 2.8 ms at p50 and 7.5 ms at
+one indexed SELECT, not a transaction. Measured on the 2-core dev VM, 100 random ids per request
+with 400k rows in the table: claim + confirm as two transactions took 2.8 ms at p50 and 7.5 ms at
 p99 (the commit writing ~200 scattered pages), the in-memory claim ~0.3 ms. What this trades: if
 the process dies, ids confirmed in its last `write_every_s` are forgotten, so a client's retry of
 one of them is published again — the consumers drop it by `event_id` (the joiner's dedupe), so it
-still reaches the learner once. The same thread runs the pruning (a TTL and a row cap) and the WAL
-checkpoints (copying the log back into the database, with its fsync) every `checkpoint_every_s`,
+still reaches the learner once.
+
+A batch is written with one INSERT per 1000 ids, each a JSON array (`json_each`), so SQLite stores
+the rows without taking the interpreter lock back: `executemany` took it once per row, and under
+load those hand-overs, thousands a second, held up the gateway's event loop (bench/feedback.py: the
+wait for a publish went from ~2.5 ms at p90 to ~11 ms with them). A second is the default batch
+interval: ids are random, so each batch dirties index pages all over the table, and SQLite writes
+whole pages (to the WAL, then again at the checkpoint); on the dev VM at ~7000 ids/s, 0.1 s batches
+wrote ~5.6 KB per id (39 MB/s), 1 s batches ~1.2 KB (8.5 MB/s), traffic that shares the disk with
+the event log's fsyncs a request waits for. The same thread runs the pruning (a TTL and a row
+cap) and the WAL checkpoints (copying the log back into the database, with its fsync) every `checkpoint_every_s`,
 never inside a request's transaction: SQLite's automatic checkpoint would run them in whichever
 commit crossed 1000 pages, and under load those commits took 9-17 ms at p99 (measured with
 bench/feedback.py). Production replicas would share the same two tables through PostgreSQL.

@@ -51,6 +51,15 @@ def next_frame(data: bytes, pos: int) -> tuple[bytes, int, bool] | None:
     return payload, end, zlib.crc32(payload) == crc
 
 
+def fsync_dir(folder: str | Path) -> None:
+    """Make the names in `folder` (a new or renamed file) durable."""
+    dfd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
 def frames(payloads: list[bytes]) -> bytes:
     """`payloads` framed, back to back, as they lie in a segment."""
     parts = []
@@ -60,10 +69,11 @@ def frames(payloads: list[bytes]) -> bytes:
     return b"".join(parts)
 
 
-def _settle(fut: Future, result: int | None = None, error: BaseException | None = None) -> None:
-    """Resolve an append's future, unless its waiter cancelled it (an asyncio task awaiting it
-    through `asyncio.wrap_future` was cancelled): setting a cancelled future raises, and on the
-    writer thread that would stop every later append of every log it serves."""
+def settle(fut: Future, result=None, error: BaseException | None = None) -> None:
+    """Resolve `fut` (to `error` when given), unless its waiter cancelled it (an asyncio task awaiting
+    it through `asyncio.wrap_future` was cancelled): setting a cancelled future raises, and on a
+    writer thread that would stop every later append of every log it serves. Used by the log
+    writer, `feedback.bus.all_of` and the spool."""
     try:
         if error is None:
             fut.set_result(result)
@@ -131,9 +141,9 @@ class LogWriter:
                             then(first)
                         except BaseException as e:  # the caller's bookkeeping failed: its waiter hears it
                             log.exception("log writer: callback of an append at offset %d failed", first)
-                            _settle(fut, error=e)
+                            settle(fut, error=e)
                             continue
-                    _settle(fut, first)
+                    settle(fut, first)
 
     def close(self) -> None:
         """Write what waits, then stop the thread."""
@@ -199,11 +209,7 @@ class DurableLog:
         self._fd = os.open(self.folder / f"{base:020d}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._seg_base, self._seg_size = base, 0
         if self.fsync:
-            dfd = os.open(self.folder, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            fsync_dir(self.folder)
 
     # ---- writing --------------------------------------------------------------------------
     def append_async(self, payloads: list[bytes], then: Callable[[int], None] | None = None) -> Future:
@@ -257,7 +263,7 @@ class DurableLog:
         log.error("log %s: write failed, the log takes no more records: %r", self.folder, error)
         self._error = error
         for _, _, fut, _ in batch:
-            _settle(fut, error=error)
+            settle(fut, error=error)
 
     @property
     def end_offset(self) -> int:

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from api.deps import GatewayDep, TenantDep
 from api.errors import APIError
 from feedback.completion_index import CompletionIndex
-from feedback.events import TOPICS, FeedbackKind, check_value, feedback_json, hash_user, new_event_id
+from feedback.events import TOPICS, FeedbackKind, check_value, feedback_json, hash_user, json_str, new_event_id
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1")
@@ -30,7 +30,6 @@ MAX_BATCH = 1000
 MAX_BODY_BYTES = 4 << 20
 MAX_CLOCK_SKEW_S = 300.0  # an event may not claim to come from further in the future than this
 CLAIM_WAIT_S = 10.0  # how long a retry waits for the same key still being published by another request
-_json_str = json.encoder.encode_basestring_ascii  # what json.dumps writes for a str
 
 
 class FeedbackIn(BaseModel):
@@ -64,7 +63,7 @@ def event_id_for(tenant: str, idempotency_key: str) -> str:
     """Deterministic: the same key from the same tenant always names the same event. The hashed text
     is `json.dumps(["flywheel.feedback", tenant, idempotency_key])`, spelled out (3x faster; ids
     must never change, or a retry across an upgrade would count twice)."""
-    what = f'["flywheel.feedback", {_json_str(tenant)}, {_json_str(idempotency_key)}]'.encode()
+    what = f'["flywheel.feedback", {json_str(tenant)}, {json_str(idempotency_key)}]'.encode()
     return hashlib.sha256(what).hexdigest()[:32]
 
 

@@ -389,3 +389,23 @@ def test_requests_are_counted_by_route_and_status(live, cid):
     assert count("200") == ok + 2 and count("404") == missing + 1
     assert httpx.get(live.url + "/no/such/route").status_code == 404  # no route: not counted
     assert "/no/such/route" not in httpx.get(live.url + "/metrics").text
+
+
+@pytest.mark.parametrize("json_rows", [True, False])
+def test_index_writes_accepted_ids_with_or_without_sqlite_json(tmp_path, json_rows):
+    """The write-behind's two ways to insert (json_each chunks; executemany where SQLite has no
+    JSON functions) store the same rows, across more than one chunk."""
+    idx = CompletionIndex(tmp_path / "i.db")
+    assert idx._json_rows  # this machine's SQLite has them
+    idx._json_rows = json_rows
+    ids = {f"e{i}": f"fp{i % 7}" for i in range(2500)}
+    now = time.time()  # within the TTL: the write-behind's pruning keeps them
+    c = idx.claim(ids, now=now)
+    idx.confirm(c.claimed, now=now + 0.25)
+    idx.flush()
+    rows = idx._db.execute("SELECT event_id, state, fingerprint, ts FROM accepted_events").fetchall()
+    assert sorted(rows) == sorted((e, 1, fp, now + 0.25) for e, fp in ids.items())
+    idx.close()
+    again = CompletionIndex(tmp_path / "i.db")
+    assert again.claim({"e5": "fp5", "new": "x"}) == (["new"], {"e5": "fp5"}, [])
+    again.close()
