@@ -131,6 +131,9 @@ def encode(topic: str, key: str, value: bytes) -> bytes:
 
 def decode(offset: int, frame: bytes) -> SpooledRecord:
     head, _, value = frame.partition(b"\n")
+    parts = head[2:-2].split(b'", "')  # `encode`'s header: ["topic", "key"]
+    if len(parts) == 2 and b"\\" not in head:  # nothing escaped (json.loads: 3 us of a record's ~8)
+        return SpooledRecord(offset, parts[0].decode(), parts[1].decode(), value)
     topic, key = json.loads(head)
     return SpooledRecord(offset, topic, key, value)
 

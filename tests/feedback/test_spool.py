@@ -20,7 +20,7 @@ import pytest
 
 from feedback.bus import Consumer
 from feedback.bus_kafka import KafkaBus
-from feedback.spool import Deduper, ProcessTarget, Spool, SpooledRecord
+from feedback.spool import Deduper, ProcessTarget, Spool, SpooledRecord, decode, encode
 from tests.feedback.conftest import FAST_CONSUMER
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -299,3 +299,11 @@ def test_a_forwarder_that_cannot_start_makes_the_spool_unhealthy(tmp_path):
         assert not spool.healthy and spool.backlog == 1 and spool.restarts == 0
     finally:
         spool.close()
+
+
+@pytest.mark.parametrize(("topic", "key"), [("feedback", "cmpl-00ab"), ("t", 'a", "b'), ("t", "back\\slash"),
+                                            ("t", "ünïcode-ключ"), ("t", '"'), ("t.x-y_z", "k\n2")])
+def test_spooled_record_header_round_trip(topic, key):
+    value = b'{"any": "bytes"}\n\x00\xff'
+    rec = decode(7, encode(topic, key, value))
+    assert (rec.offset, rec.topic, rec.key, rec.value) == (7, topic, key, value)
