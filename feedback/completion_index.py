@@ -16,29 +16,33 @@ entry survives a crash of the process; a power loss may lose the last few, which
 fsynced completion log. Pending claims live in memory only (they belong to requests of this
 process, and die with it), and done ids are written behind, in batches, by a thread of the index's
 own, at most `write_every_s` after `confirm()` (and on `flush()`/`close()`): a claim costs the request
-one indexed SELECT, not a transaction. Measured on the 2-core dev VM, 100 random ids per request
-with 400k rows in the table: claim + confirm as two transactions took 2.8 ms at p50 and 7.5 ms at
-p99 (the commit writing ~200 scattered pages), the in-memory claim ~0.3 ms. What this trades: if
-the process dies, ids confirmed in its last `write_every_s` are forgotten, so a client's retry of
-one of them is published again — the consumers drop it by `event_id` (the joiner's dedupe), so it
-still reaches the learner once.
+no transaction. What this trades: if the process dies, ids confirmed in its last `write_every_s` are
+forgotten, so a client's retry of one of them is published again — the consumers drop it by
+`event_id` (the joiner's dedupe), so it still reaches the learner once.
+
+Accepted ids are an append-only log, `accepted_log(seq, event_id, fingerprint, ts)`, keyed by `seq`
+(confirmation order) and with no index on the id; in memory, `hash(event_id) → seq` for every row
+(read at start-up: ~0.9 s and ~110 MB per million rows, the default row cap). A claim looks each id
+up in memory, and only on a hit (a retry) reads that row by `seq` to compare the stored id (so two
+ids of one hash are never confused) and take its fingerprint. Pruning (TTL, then the row cap)
+deletes a prefix of the log. Why: the earlier table keyed by `event_id` took random ids into a
+B-tree, so each batch dirtied index pages all over it and SQLite wrote whole pages (to the WAL, then
+again at the checkpoint): at 400-500k rows, 5000 ids cost 264 ms of CPU and ~3.2 KB of WAL per id;
+appended, the same batch writes ~76 B per id (bench: /tmp scripts on the 2-core dev VM, recorded in
+the issue notes), and the gateway's CPU per feedback event no longer grows with the table.
 
 A batch is written with one INSERT per 1000 ids, each a JSON array (`json_each`), so SQLite stores
 the rows without taking the interpreter lock back: `executemany` took it once per row, and under
 load those hand-overs, thousands a second, held up the gateway's event loop (bench/feedback.py: the
-wait for a publish went from ~2.5 ms at p90 to ~11 ms with them). A second is the default batch
-interval: ids are random, so each batch dirties index pages all over the table, and SQLite writes
-whole pages (to the WAL, then again at the checkpoint); on the dev VM at ~7000 ids/s, 0.1 s batches
-wrote ~5.6 KB per id (39 MB/s), 1 s batches ~1.2 KB (8.5 MB/s), traffic that shares the disk with
-the event log's fsyncs a request waits for. The same thread runs the pruning (a TTL and a row
-cap) and the WAL checkpoints (copying the log back into the database, with its fsync) every `checkpoint_every_s`,
-never inside a request's transaction: SQLite's automatic checkpoint would run them in whichever
-commit crossed 1000 pages, and under load those commits took 9-17 ms at p99 (measured with
-bench/feedback.py). Production replicas would share the same two tables through PostgreSQL.
-Writes (`add`, the write-behind, pruning) go through a connection and a lock of their own, so
-the reads never wait for them (WAL readers do not block on the writer): `claim()` and `get_many()`
-take ~0.2 ms for 100 ids and the gateway calls them on its event loop; `add()` it calls through
-`asyncio.to_thread`. Called by `api/`.
+wait for a publish went from ~2.5 ms at p90 to ~11 ms with them). The same thread runs the pruning
+and the WAL checkpoints (copying the log back into the database, with its fsync) every
+`checkpoint_every_s`, never inside a request's transaction: SQLite's automatic checkpoint would run
+them in whichever commit crossed 1000 pages, and under load those commits took 9-17 ms at p99
+(measured with bench/feedback.py). Production replicas would share the same two tables through
+PostgreSQL. Writes (`add`, the write-behind, pruning) go through a connection and a lock of their
+own, so the reads never wait for them (WAL readers do not block on the writer): `claim()` and
+`get_many()` take ~0.2 ms for 100 ids and the gateway calls them on its event loop; `add()` it calls
+through `asyncio.to_thread`. Called by `api/`.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 log = logging.getLogger(__name__)
-PENDING, DONE = 0, 1
+DONE = 1  # the state of an accepted id in the table before `accepted_log` (see the migration)
 _SQLITE_VARS = 500  # ids per `IN (...)` query, well under SQLite's bound-parameter limit
 _INSERT_CHUNK = 1000  # accepted ids per INSERT statement of the write-behind
 
@@ -106,15 +110,20 @@ class CompletionIndex:
             CREATE TABLE IF NOT EXISTS completions (
                 completion_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, model_version TEXT NOT NULL,
                 ts REAL NOT NULL) WITHOUT ROWID;
-            CREATE TABLE IF NOT EXISTS accepted_events (
-                event_id TEXT PRIMARY KEY, state INTEGER NOT NULL, fingerprint TEXT NOT NULL,
-                ts REAL NOT NULL);
-            CREATE INDEX IF NOT EXISTS accepted_events_ts ON accepted_events (ts);
+            CREATE TABLE IF NOT EXISTS accepted_log (
+                seq INTEGER PRIMARY KEY, event_id TEXT NOT NULL, fingerprint TEXT NOT NULL, ts REAL NOT NULL);
         """)
         self._pending: dict[str, tuple[str, float]] = {}  # claimed, being published: id -> (fingerprint, ts)
         self._unwritten: dict[str, tuple[str, float]] = {}  # confirmed, not yet in the table
         self._writing: dict[str, tuple[str, float]] = {}  # confirmed, being written (its transaction open)
-        self._rows = 0  # an upper bound of the table's rows once `_background` has counted them
+        self._migrate_accepted_events()
+        # Every written id: hash(event_id) -> its row's seq (checked against the row on a hit).
+        self._accepted: dict[int, int] = {}
+        for seq, eid in self._db.execute("SELECT seq, event_id FROM accepted_log"):
+            self._accepted[hash(eid)] = seq
+        last = self._db.execute("SELECT max(seq), min(seq) FROM accepted_log").fetchone()
+        self._next_seq = 0 if last[0] is None else last[0] + 1
+        self._first_seq = self._next_seq if last[1] is None else last[1]  # rows: [_first_seq, _next_seq)
         self._written_since_prune = 0
         self._closed = False
         self.checkpoint_errors = self.write_errors = 0
@@ -134,10 +143,6 @@ class CompletionIndex:
         next_checkpoint = time.monotonic() + self.checkpoint_every_s
         checkpoints = sqlite3.connect(self.path, isolation_level=None, timeout=30.0)  # this thread's own
         try:
-            with self._writer_lock:  # table scans, here rather than in the constructor (start-up)
-                # Rows with state PENDING were left by versions that kept claims on disk: nobody holds them.
-                self._wdb.execute(f"DELETE FROM accepted_events WHERE state != {DONE}")
-                self._rows += self._wdb.execute("SELECT count(*) FROM accepted_events").fetchone()[0]
             self._background_loop(checkpoints, next_checkpoint)
         finally:
             checkpoints.close()
@@ -170,40 +175,58 @@ class CompletionIndex:
                 batch, self._unwritten = self._unwritten, {}
                 self._writing = batch
             if batch:
+                first = self._next_seq
                 try:
-                    self._insert(self._wdb, batch)
+                    self._insert(self._wdb, first, batch)
                 except BaseException:  # kept for the next try; ids confirmed meanwhile are newer
                     with self._lock:
                         batch.update(self._unwritten)
                         self._unwritten, self._writing = batch, {}
                     raise
-                with self._lock:
+                self._next_seq = first + len(batch)
+                with self._lock:  # ~0.1 us an id
+                    accepted = self._accepted
+                    for seq, eid in enumerate(batch, first):
+                        accepted[hash(eid)] = seq
                     self._writing = {}
-                self._rows += len(batch)
                 self._written_since_prune += len(batch)
             if self._written_since_prune >= self.prune_every:
                 self._written_since_prune = 0
                 self._prune(self._wdb, time.time() if now is None else now)
 
-    def _insert(self, db: sqlite3.Connection, batch: dict[str, tuple[str, float]]) -> None:
-        """One transaction; with SQLite's JSON functions, one INSERT per `_INSERT_CHUNK` rows: SQLite
-        stores them without the interpreter lock, and the Python side of a chunk (its JSON) holds the
-        lock ~1 ms at a time rather than for the whole batch (~12k ids at 1 s of full load)."""
-        rows = [(eid, DONE, fp, ts) for eid, (fp, ts) in batch.items()]
+    def _insert(self, db: sqlite3.Connection, first: int, batch: dict[str, tuple[str, float]]) -> None:
+        """One transaction appending the batch as rows `first`, `first + 1`, ...; with SQLite's JSON
+        functions, one INSERT per `_INSERT_CHUNK` rows: SQLite stores them without the interpreter
+        lock, and the Python side of a chunk (its JSON) holds the lock ~1 ms at a time rather than
+        for the whole batch (~12k ids at 1 s of full load)."""
+        rows = [(seq, eid, fp, ts) for seq, (eid, (fp, ts)) in enumerate(batch.items(), first)]
         db.execute("BEGIN IMMEDIATE")
         try:
             if self._json_rows:
                 for i in range(0, len(rows), _INSERT_CHUNK):
-                    db.execute("INSERT OR REPLACE INTO accepted_events SELECT json_extract(value, '$[0]'), "
+                    db.execute("INSERT INTO accepted_log SELECT json_extract(value, '$[0]'), "
                                "json_extract(value, '$[1]'), json_extract(value, '$[2]'), "
                                "json_extract(value, '$[3]') FROM json_each(?)",
                                (json.dumps(rows[i:i + _INSERT_CHUNK]),))
             else:
-                db.executemany("INSERT OR REPLACE INTO accepted_events VALUES (?, ?, ?, ?)", rows)
+                db.executemany("INSERT INTO accepted_log VALUES (?, ?, ?, ?)", rows)
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
             raise
+
+    def _migrate_accepted_events(self) -> None:
+        """Versions before `accepted_log` kept the ids in `accepted_events` (keyed by event id, a
+        state column): their done rows move over, oldest first, once."""
+        if self._db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'accepted_events'").fetchone():
+            with self._db:
+                self._db.execute("BEGIN IMMEDIATE")
+                start = self._db.execute("SELECT coalesce(max(seq) + 1, 0) FROM accepted_log").fetchone()[0]
+                self._db.execute("INSERT INTO accepted_log (seq, event_id, fingerprint, ts) "
+                                 "SELECT ? + row_number() OVER (ORDER BY ts, event_id) - 1, event_id, fingerprint, ts "
+                                 f"FROM accepted_events WHERE state = {DONE}", (start,))
+                self._db.execute("DROP TABLE accepted_events")
+            log.info("completion index %s: accepted ids moved to accepted_log", self.path)
 
     def _tx(self):
         if self._closed:
@@ -261,15 +284,20 @@ class CompletionIndex:
         now = time.time() if now is None else now
         claimed, done, pending = [], {}, []
         with self._tx() as db:
-            unwritten, writing = self._unwritten, self._writing
-            ask = [eid for eid in fingerprints
-                   if eid not in self._pending and eid not in unwritten and eid not in writing]
+            unwritten, writing, accepted = self._unwritten, self._writing, self._accepted
+            ask: dict[int, str] = {}  # seq -> id: written rows that may be these ids (a hash matched)
+            for eid in fingerprints:
+                if eid not in self._pending and eid not in unwritten and eid not in writing:
+                    if (seq := accepted.get(hash(eid))) is not None:
+                        ask[seq] = eid
             stored: dict[str, str] = {}
-            for i in range(0, len(ask), _SQLITE_VARS):
-                chunk = ask[i:i + _SQLITE_VARS]
-                stored.update(db.execute("SELECT event_id, fingerprint FROM accepted_events "
-                                         f"WHERE state = {DONE} AND event_id IN ({','.join('?' * len(chunk))})",
-                                         chunk).fetchall())
+            seqs = list(ask)
+            for i in range(0, len(seqs), _SQLITE_VARS):
+                chunk = seqs[i:i + _SQLITE_VARS]
+                for seq, eid, fp in db.execute("SELECT seq, event_id, fingerprint FROM accepted_log "
+                                               f"WHERE seq IN ({','.join('?' * len(chunk))})", chunk):
+                    if ask[seq] == eid:  # not another id of the same hash
+                        stored[eid] = fp
             for eid, fp in fingerprints.items():
                 if (entry := unwritten.get(eid) or writing.get(eid)) is not None:
                     done[eid] = entry[0]
@@ -309,7 +337,7 @@ class CompletionIndex:
         """Accepted (done) ids remembered, written or not."""
         self.flush()
         with self._tx() as db:
-            return db.execute(f"SELECT count(*) FROM accepted_events WHERE state = {DONE}").fetchone()[0]
+            return db.execute("SELECT count(*) FROM accepted_log").fetchone()[0]
 
     def prune(self, now: float | None = None) -> None:
         """Forget done events older than the TTL, then the oldest beyond the row cap."""
@@ -318,16 +346,21 @@ class CompletionIndex:
             self._prune(self._wdb, time.time() if now is None else now)
 
     def _prune(self, db: sqlite3.Connection, now: float) -> None:
-        """On the writer's connection, holding `_writer_lock`. The exact row count (a scan of the
-        table) only once the running upper bound passes the cap."""
-        deleted = db.execute("DELETE FROM accepted_events WHERE ts < ?", (now - self.accepted_ttl_s,)).rowcount
-        self._rows = max(0, self._rows - deleted)
-        if self._rows > self.accepted_max:
-            self._rows = db.execute("SELECT count(*) FROM accepted_events").fetchone()[0]
-            if self._rows > self.accepted_max:
-                db.execute("DELETE FROM accepted_events WHERE event_id IN (SELECT event_id FROM accepted_events "
-                           "ORDER BY ts LIMIT ?)", (self._rows - self.accepted_max,))
-                self._rows = self.accepted_max
+        """On the writer's connection, holding `_writer_lock`: the rows are in confirmation order, so
+        what goes is a prefix — those older than the TTL, then the oldest beyond the row cap."""
+        fresh = db.execute("SELECT seq FROM accepted_log WHERE ts >= ? ORDER BY seq LIMIT 1",
+                           (now - self.accepted_ttl_s,)).fetchone()  # scans the expired rows only
+        cut = max(self._next_seq if fresh is None else fresh[0], self._next_seq - self.accepted_max)
+        if cut <= self._first_seq:
+            return
+        gone = db.execute("SELECT seq, event_id FROM accepted_log WHERE seq < ?", (cut,)).fetchall()
+        with self._lock:
+            accepted = self._accepted
+            for seq, eid in gone:
+                if accepted.get(h := hash(eid)) == seq:
+                    del accepted[h]
+        db.execute("DELETE FROM accepted_log WHERE seq < ?", (cut,))
+        self._first_seq = cut
 
     def close(self) -> None:
         self._stop.set()

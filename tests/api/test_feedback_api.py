@@ -403,9 +403,47 @@ def test_index_writes_accepted_ids_with_or_without_sqlite_json(tmp_path, json_ro
     c = idx.claim(ids, now=now)
     idx.confirm(c.claimed, now=now + 0.25)
     idx.flush()
-    rows = idx._db.execute("SELECT event_id, state, fingerprint, ts FROM accepted_events").fetchall()
-    assert sorted(rows) == sorted((e, 1, fp, now + 0.25) for e, fp in ids.items())
+    rows = idx._db.execute("SELECT seq, event_id, fingerprint, ts FROM accepted_log").fetchall()
+    assert sorted(rows) == [(i, e, fp, now + 0.25) for i, (e, fp) in enumerate(ids.items())]  # in order
     idx.close()
     again = CompletionIndex(tmp_path / "i.db")
     assert again.claim({"e5": "fp5", "new": "x"}) == (["new"], {"e5": "fp5"}, [])
     again.close()
+
+
+def test_index_takes_over_the_accepted_ids_of_the_previous_table(tmp_path):
+    """A database of the version that kept accepted ids in `accepted_events` (keyed by event id,
+    with a state column): the done ones move to `accepted_log` and are still duplicates after."""
+    import sqlite3
+
+    path = tmp_path / "old.db"
+    db = sqlite3.connect(path)
+    db.executescript("""
+        CREATE TABLE accepted_events (event_id TEXT PRIMARY KEY, state INTEGER NOT NULL,
+            fingerprint TEXT NOT NULL, ts REAL NOT NULL);
+        CREATE INDEX accepted_events_ts ON accepted_events (ts);""")
+    now = time.time()
+    db.executemany("INSERT INTO accepted_events VALUES (?, ?, ?, ?)",
+                   [("b", 1, "fb", now + 2), ("a", 1, "fa", now + 1), ("p", 0, "fp", now + 3)])
+    db.commit()
+    db.close()
+    idx = CompletionIndex(path)
+    assert idx.claim({"a": "fa", "b": "fb", "p": "fp", "n": "fn"}) == (["p", "n"], {"a": "fa", "b": "fb"}, [])
+    assert idx._db.execute("SELECT seq, event_id FROM accepted_log").fetchall() == [(0, "a"), (1, "b")]
+    assert idx._db.execute("SELECT name FROM sqlite_master WHERE name LIKE 'accepted_events%'").fetchall() == []
+    idx.confirm(["p", "n"])
+    idx.flush()
+    assert idx._db.execute("SELECT seq, event_id FROM accepted_log WHERE seq >= 2").fetchall() == [(2, "p"), (3, "n")]
+    idx.close()
+
+
+def test_index_checks_a_hash_match_against_the_stored_id(tmp_path):
+    """Written ids are found in memory by hash; a different id whose hash matches a stored row's
+    (forced here) is not taken for that row's duplicate."""
+    idx = CompletionIndex(tmp_path / "i.db")
+    idx.confirm(idx.claim({"known": "f1"}).claimed)
+    idx.flush()
+    seq = idx._accepted[hash("known")]
+    idx._accepted[hash("stranger")] = seq  # as if "stranger" hashed like "known"
+    assert idx.claim({"stranger": "f2", "known": "f1"}) == (["stranger"], {"known": "f1"}, [])
+    idx.close()
