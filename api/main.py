@@ -119,4 +119,5 @@ def serve(settings: Settings | None = None) -> None:
     import uvicorn
 
     settings = settings or get_settings()
-    uvicorn.run(create_app(settings, freeze_gc=True), host=settings.host, port=settings.port, log_level="info")
+    uvicorn.run(create_app(settings, freeze_gc=True), host=settings.host, port=settings.port, log_level="info",
+                access_log=settings.access_log)

@@ -9,6 +9,7 @@ joiner and the learner (consumers). No torch here: tensors travel as compact int
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 import math
@@ -35,6 +36,11 @@ def hash_user(tenant: str, user: str | None) -> str | None:
     """Pseudonymous, stable per tenant: the raw user id never leaves the gateway."""
     if user is None:
         return None
+    return _hash_user(tenant, user)
+
+
+@functools.lru_cache(maxsize=1 << 16)  # the same users come back: ~0.2 us instead of ~1.5 us
+def _hash_user(tenant: str, user: str) -> str:
     return hashlib.sha256(f"flywheel:{tenant}:{user}".encode()).hexdigest()[:32]
 
 

@@ -13,9 +13,10 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -108,7 +109,7 @@ async def post_feedback(request: Request, gw: GatewayDep, tenant: TenantDep):
             event_id, tenant, float(item.ts) if item.ts is not None else now, item.completion_id,
             hash_user(tenant, item.user), item.kind, value, item.edit_distance))
         if key:
-            fp = _fingerprint(item)
+            fp = fingerprint(item)
             if fingerprints.setdefault(ev.event_id, fp) != fp:
                 raise APIError(409, f"idempotency key {key!r} is used twice for different events",
                                _param(prefix, i, "idempotency_key"), "idempotency_key_reused")
@@ -123,8 +124,8 @@ async def post_feedback(request: Request, gw: GatewayDep, tenant: TenantDep):
     if unknown is not None:  # another tenant's id is as unknown as a made-up one
         raise APIError(404, f"No completion with id '{events[unknown].completion_id}'.",
                        _param(prefix, unknown, "completion_id"), "completion_not_found")
-    claimed, done = await _claim(gw.index, fingerprints, {eid: _param(prefix, i, "idempotency_key")
-                                                          for eid, i in first.items()}, first_claim)
+    claimed, done = await _claim(gw.index, fingerprints, lambda eid: items[first[eid]][0],
+                                 lambda eid: _param(prefix, first[eid], "idempotency_key"), first_claim)
     new, seen = [], set(done)  # keyed ids are now either claimed by this request or done
     for ev in events:
         if ev.event_id not in seen:
@@ -143,8 +144,10 @@ async def post_feedback(request: Request, gw: GatewayDep, tenant: TenantDep):
         gw.index.release(claimed)   # publish again, and the consumers drop the second copy by event id
         raise
     gw.index.confirm(claimed)  # in memory (written behind by the index's thread)
-    return {"accepted": len(new), "duplicates": len(events) - len(new),
-            "event_ids": [ev.event_id for ev in events]}
+    # Written directly: FastAPI's encoder walked the answer (100 ids) for ~4 us an event.
+    ids = ",".join([json_str(ev.event_id) for ev in events])
+    return Response(f'{{"accepted":{len(new)},"duplicates":{len(events) - len(new)},"event_ids":[{ids}]}}',
+                    media_type="application/json")
 
 
 def _parse(raw: bytes, header_key: str | None) -> tuple[list[tuple[FeedbackIn, str | None]], tuple]:
@@ -184,10 +187,24 @@ def _param(prefix: tuple, i: int, name: str) -> str:
     return ".".join([*prefix, str(i), name]) if prefix else name
 
 
-def _fingerprint(item: FeedbackIn) -> str:
-    """What an idempotency key stands for (everything but the key); pydantic's serializer keeps the
-    field order fixed, so equal events give equal fingerprints."""
+def fingerprint(item: FeedbackIn) -> str:
+    """What an idempotency key stands for (everything but the key): "f2" and 16 hex digits of the
+    SHA-256 of the fields' `repr` (numbers as floats, so 4 and 4.0 are one event). ~1 us, where
+    `legacy_fingerprint` (pydantic's JSON of the fields) took ~5 us an event."""
+    v, ts = item.value, item.ts
+    what = repr((item.completion_id, item.kind, None if v is None else float(v), item.edit_distance, item.user,
+                 None if ts is None else float(ts)))
+    return "f2" + hashlib.sha256(what.encode()).hexdigest()[:16]
+
+
+def legacy_fingerprint(item: FeedbackIn) -> str:
+    """The fingerprint of ids accepted by versions before `fingerprint` (16 hex digits): a retry of
+    one of those, within the index's TTL, is compared with this."""
     return hashlib.sha256(item.model_dump_json(exclude=_NOT_FINGERPRINTED).encode()).hexdigest()[:16]
+
+
+def _same_event(stored: str, item: FeedbackIn, fp: str) -> bool:
+    return stored == fp or (not stored.startswith("f2") and stored == legacy_fingerprint(item))
 
 
 def _lookup_and_claim(index: CompletionIndex, events: list[_Event], tenant: str,
@@ -201,11 +218,12 @@ def _lookup_and_claim(index: CompletionIndex, events: list[_Event], tenant: str,
     return None, index.claim(fingerprints) if fingerprints else None
 
 
-async def _claim(index: CompletionIndex, fingerprints: dict[str, str],
-                 params: dict[str, str], first=None) -> tuple[list[str], set[str]]:
+async def _claim(index: CompletionIndex, fingerprints: dict[str, str], item_of: Callable[[str], FeedbackIn],
+                 param_of: Callable[[str], str], first=None) -> tuple[list[str], set[str]]:
     """Claim the keyed event ids; wait (bounded) for ids another request is still publishing.
-    `first`: the result of a claim already made for all of them. Returns (claimed ids, ids already
-    accepted)."""
+    `item_of(id)`, `param_of(id)`: the event an id stands for, its key's parameter name (for the
+    error). `first`: the result of a claim already made for all of them. Returns (claimed ids, ids
+    already accepted)."""
     claimed: list[str] = []
     done: set[str] = set()
     todo = dict(fingerprints)
@@ -214,10 +232,10 @@ async def _claim(index: CompletionIndex, fingerprints: dict[str, str],
         c, first = (first, None) if first is not None else (index.claim(todo), None)  # on the loop, as the first
         claimed += c.claimed
         for eid, fp in c.done.items():
-            if fp != fingerprints[eid]:
+            if not _same_event(fp, item_of(eid), fingerprints[eid]):
                 index.release(claimed)
                 raise APIError(409, "This idempotency key was already used for a different event.",
-                               params[eid], "idempotency_key_reused")
+                               param_of(eid), "idempotency_key_reused")
             done.add(eid)
         todo = {eid: fingerprints[eid] for eid in c.pending}
         if todo and time.monotonic() > deadline:

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from api.main import create_app
+from api.routes.feedback import FeedbackIn, event_id_for, fingerprint, legacy_fingerprint
 from core.settings import Settings
 from feedback.bus_embedded import EmbeddedBus
 from feedback.completion_index import CompletionIndex
@@ -447,3 +448,30 @@ def test_index_checks_a_hash_match_against_the_stored_id(tmp_path):
     idx._accepted[hash("stranger")] = seq  # as if "stranger" hashed like "known"
     assert idx.claim({"stranger": "f2", "known": "f1"}) == (["stranger"], {"known": "f1"}, [])
     idx.close()
+
+
+def test_fingerprints_are_stable_and_numbers_compare_as_numbers():
+    """An idempotency key's fingerprint is stored with the accepted id: its form may never change
+    silently (a retry across an upgrade would be refused as a reused key)."""
+    item = FeedbackIn(completion_id="cmpl-1", kind="rating", value=4, user="u-1", idempotency_key="k")
+    assert fingerprint(item) == "f2bd87049764b256b1"
+    assert legacy_fingerprint(item) == "6c9eae12b59a097a"  # what versions before "f2" stored
+    same = FeedbackIn(completion_id="cmpl-1", kind="rating", value=4.0, user="u-1", idempotency_key="other")
+    assert fingerprint(same) == fingerprint(item)  # 4 and 4.0: one event; the key is not part of it
+    for other in ({"value": 5}, {"user": "u-2"}, {"user": None}, {"ts": 1.0e9}, {"completion_id": "cmpl-2"}):
+        changed = item.model_copy(update=other)
+        assert fingerprint(changed) != fingerprint(item), other
+
+
+def test_a_retry_of_an_event_accepted_under_the_legacy_fingerprint(live, cid):
+    """Ids accepted before the "f2" fingerprints hold the legacy one: the same event again is a
+    duplicate, a different event with the key is still refused."""
+    key = f"legacy-{uuid.uuid4()}"
+    body = {"completion_id": cid, "kind": "rating", "value": 4, "idempotency_key": key}
+    eid = event_id_for("default", key)
+    claim = live.index.claim({eid: legacy_fingerprint(FeedbackIn.model_validate(body))})
+    live.index.confirm(claim.claimed)
+    r = post(live, body)
+    assert r.status_code == 200 and r.json() == {"accepted": 0, "duplicates": 1, "event_ids": [eid]}
+    r = post(live, {**body, "value": 5})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "idempotency_key_reused"
