@@ -59,6 +59,10 @@ SPOOL_BATCH = 500  # records per spool batch (one send + flush round trip each)
 # (bench/feedback.py); at the maximum rate the backlog then drains after the load (README).
 FORWARDER_NICE = 10
 FORWARDER_IDLE = True
+# A spool batch short of SPOOL_BATCH records waits this long for more: at ~80 requests/s each
+# request's records went out as a delivery of their own (a produce round trip, a "forwarded" message
+# the gateway's spool thread takes, all on a CPU the gateway shares); the learner reads hours later.
+FORWARDER_LINGER_S = 0.05
 _TOPIC_ALREADY_EXISTS = 36
 
 
@@ -139,7 +143,7 @@ class KafkaBus(EventBus):
             "send_timeout_s": send_timeout_s})
         self.spool = None if spool_dir is None else Spool(
             spool_dir, target, backoff_s=spool_backoff_s, batch_size=SPOOL_BATCH, max_batch_bytes=MAX_BATCH_BYTES,
-            forwarder_nice=FORWARDER_NICE, forwarder_idle=FORWARDER_IDLE)
+            forwarder_nice=FORWARDER_NICE, forwarder_idle=FORWARDER_IDLE, linger_s=FORWARDER_LINGER_S)
 
     # ---- producing ------------------------------------------------------------------------------
     def _spool_for(self, topic: str) -> Spool:

@@ -31,6 +31,10 @@ again at the checkpoint): at 400-500k rows, 5000 ids cost 264 ms of CPU and ~3.2
 appended, the same batch writes ~76 B per id (bench: /tmp scripts on the 2-core dev VM, recorded in
 the issue notes), and the gateway's CPU per feedback event no longer grows with the table.
 
+Every `write_every_s` (0.25 s): appending, a batch costs little more than its rows, so it is written
+often and small — what the writer thread does holding the interpreter lock (~0.5 us an id) is a
+pause of the gateway's event loop, and at 1 s batches of ~9000 ids (~30 ms of it, when rows were
+built and floats formatted in Python) the slowest requests of bench/feedback.py lined up with them.
 A batch is written with one INSERT per 1000 ids, each a JSON array (`json_each`), so SQLite stores
 the rows without taking the interpreter lock back: `executemany` took it once per row, and under
 load those hand-overs, thousands a second, held up the gateway's event loop (bench/feedback.py: the
@@ -80,7 +84,7 @@ class Claim(NamedTuple):
 class CompletionIndex:
     def __init__(self, path: str | Path, accepted_ttl_s: float = 7 * 24 * 3600.0,
                  accepted_max: int = 1_000_000, stale_claim_s: float = 60.0, prune_every: int = 1000,
-                 checkpoint_every_s: float = 1.0, write_every_s: float = 1.0, recent_max: int = 100_000):
+                 checkpoint_every_s: float = 1.0, write_every_s: float = 0.25, recent_max: int = 100_000):
         if accepted_ttl_s <= 0:
             raise ValueError(f"accepted_ttl_s must be > 0, got {accepted_ttl_s}")
         if accepted_max < 1:
@@ -114,8 +118,8 @@ class CompletionIndex:
                 seq INTEGER PRIMARY KEY, event_id TEXT NOT NULL, fingerprint TEXT NOT NULL, ts REAL NOT NULL);
         """)
         self._pending: dict[str, tuple[str, float]] = {}  # claimed, being published: id -> (fingerprint, ts)
-        self._unwritten: dict[str, tuple[str, float]] = {}  # confirmed, not yet in the table
-        self._writing: dict[str, tuple[str, float]] = {}  # confirmed, being written (its transaction open)
+        self._unwritten: dict[str, tuple[str, int]] = {}  # confirmed, not yet in the table: id -> (fp, ms)
+        self._writing: dict[str, tuple[str, int]] = {}  # confirmed, being written (its transaction open)
         self._migrate_accepted_events()
         # Every written id: hash(event_id) -> its row's seq (checked against the row on a hit).
         self._accepted: dict[int, int] = {}
@@ -184,32 +188,30 @@ class CompletionIndex:
                         self._unwritten, self._writing = batch, {}
                     raise
                 self._next_seq = first + len(batch)
-                with self._lock:  # ~0.1 us an id
-                    accepted = self._accepted
-                    for seq, eid in enumerate(batch, first):
-                        accepted[hash(eid)] = seq
+                with self._lock:  # in C: ~0.1 us an id (a Python loop took 0.5 us)
+                    self._accepted.update(zip(map(hash, batch), range(first, first + len(batch))))
                     self._writing = {}
                 self._written_since_prune += len(batch)
             if self._written_since_prune >= self.prune_every:
                 self._written_since_prune = 0
                 self._prune(self._wdb, time.time() if now is None else now)
 
-    def _insert(self, db: sqlite3.Connection, first: int, batch: dict[str, tuple[str, float]]) -> None:
+    def _insert(self, db: sqlite3.Connection, first: int, batch: dict[str, tuple[str, int]]) -> None:
         """One transaction appending the batch as rows `first`, `first + 1`, ...; with SQLite's JSON
-        functions, one INSERT per `_INSERT_CHUNK` rows: SQLite stores them without the interpreter
-        lock, and the Python side of a chunk (its JSON) holds the lock ~1 ms at a time rather than
-        for the whole batch (~12k ids at 1 s of full load)."""
-        rows = [(seq, eid, fp, ts) for seq, (eid, (fp, ts)) in enumerate(batch.items(), first)]
+        functions, one INSERT per `_INSERT_CHUNK` ids, each `json.dumps` of `[[id, [fingerprint,
+        ms]], ...]` — the dict's own items: no row built in Python, no float to format (those took
+        ~2.5 us an id, all holding the interpreter lock); SQLite then stores them without it."""
+        items = list(batch.items())
         db.execute("BEGIN IMMEDIATE")
         try:
             if self._json_rows:
-                for i in range(0, len(rows), _INSERT_CHUNK):
-                    db.execute("INSERT INTO accepted_log SELECT json_extract(value, '$[0]'), "
-                               "json_extract(value, '$[1]'), json_extract(value, '$[2]'), "
-                               "json_extract(value, '$[3]') FROM json_each(?)",
-                               (json.dumps(rows[i:i + _INSERT_CHUNK]),))
+                for i in range(0, len(items), _INSERT_CHUNK):
+                    db.execute("INSERT INTO accepted_log SELECT ? + key, json_extract(value, '$[0]'), "
+                               "json_extract(value, '$[1][0]'), json_extract(value, '$[1][1]') / 1000.0 "
+                               "FROM json_each(?)", (first + i, json.dumps(items[i:i + _INSERT_CHUNK])))
             else:
-                db.executemany("INSERT INTO accepted_log VALUES (?, ?, ?, ?)", rows)
+                db.executemany("INSERT INTO accepted_log VALUES (?, ?, ?, ?)",
+                               [(seq, eid, fp, ms / 1000) for seq, (eid, (fp, ms)) in enumerate(items, first)])
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
@@ -314,11 +316,11 @@ class CompletionIndex:
         """The claimed events are published: from now on a retry is a duplicate (written to the
         table within `write_every_s`). An id no longer claimed (a stale claim another request took
         over, and confirms itself) is left alone."""
-        now = time.time() if now is None else now
+        ms = round((time.time() if now is None else now) * 1000)  # stored to the millisecond
         with self._tx():
             for eid in event_ids:
                 if (entry := self._pending.pop(eid, None)) is not None:
-                    self._unwritten[eid] = (entry[0], now)
+                    self._unwritten[eid] = (entry[0], ms)
         self._wake.set()
 
     def release(self, event_ids: list[str]) -> None:

@@ -153,10 +153,12 @@ class SegmentReader:
 class Forwarder:
     def __init__(self, folder: str | Path, target: Target, sock: socket.socket, *, batch_size: int = 500,
                  max_batch_bytes: int = 1 << 20, backoff_s: tuple[float, float] = (0.05, 2.0),
-                 fsync: bool = True):
+                 fsync: bool = True, linger_s: float = 0.0):
+        """`linger_s`: a batch short of `batch_size` waits up to this long (from when its first record
+        became durable) for more records; stopping or holding ends the wait."""
         self.folder, self.target, self._sock = Path(folder), target, sock
-        self.batch_size, self.max_batch_bytes, self.backoff_s, self.fsync = (
-            batch_size, max_batch_bytes, backoff_s, fsync)
+        self.batch_size, self.max_batch_bytes, self.backoff_s, self.fsync, self.linger_s = (
+            batch_size, max_batch_bytes, backoff_s, fsync, linger_s)
         self._pos_path = self.folder / "forwarded.json"
         self._reader = SegmentReader(self.folder / "log")
         self._cond = threading.Condition()
@@ -241,6 +243,10 @@ class Forwarder:
                     return None
                 self._cond.wait(0.1)
 
+    def _lingers(self, forwarded: int, since: float) -> bool:
+        """Whether a short batch waits on for more records (caller holds `_cond`)."""
+        return self._durable - forwarded < self.batch_size and time.monotonic() < since + self.linger_s
+
     def _save_position(self, forwarded: int) -> None:
         fd, tmp = tempfile.mkstemp(dir=self.folder, prefix="forwarded.json.")
         with os.fdopen(fd, "w") as f:
@@ -255,9 +261,11 @@ class Forwarder:
         self._delete_forwarded_segments(forwarded)  # a previous forwarder may have stopped before it did
         segment = -1
         saved, saved_at = forwarded, time.monotonic()  # the position in forwarded.json, and when written
+        waiting_since: float | None = None  # when records were first seen waiting (for `linger_s`)
         while True:
             with self._cond:
-                while not self._stop and (self._held or forwarded >= self._durable):
+                while not self._stop and (self._held or forwarded >= self._durable or self._lingers(
+                        forwarded, waiting_since := waiting_since or time.monotonic())):
                     if forwarded != saved and (self._held or time.monotonic() - saved_at >= SAVE_EVERY_S):
                         self._save_position(forwarded)
                         saved, saved_at = forwarded, time.monotonic()
@@ -265,7 +273,10 @@ class Forwarder:
                         self._send("held", self._hold_seq, forwarded)
                         held_said = self._hold_seq
                     due = 1.0 if forwarded == saved else SAVE_EVERY_S - (time.monotonic() - saved_at)
+                    if waiting_since is not None and not self._held and forwarded < self._durable:
+                        due = min(due, waiting_since + self.linger_s - time.monotonic())
                     self._cond.wait(timeout=max(0.001, due))
+                waiting_since = None
                 if self._stop:
                     if forwarded != saved:
                         self._save_position(forwarded)
@@ -345,7 +356,7 @@ def main(argv: list[str]) -> int:
     sock = socket.socket(fileno=cfg["fd"])
     target = load_target(cfg["factory"], cfg["kwargs"])
     fwd = Forwarder(cfg["folder"], target, sock, batch_size=cfg["batch_size"], max_batch_bytes=cfg["max_batch_bytes"],
-                    backoff_s=tuple(cfg["backoff_s"]), fsync=cfg["fsync"])
+                    backoff_s=tuple(cfg["backoff_s"]), fsync=cfg["fsync"], linger_s=cfg.get("linger_s", 0.0))
     signal.signal(signal.SIGTERM, lambda *_: fwd.stop())
 
     def watchdog() -> None:  # the gateway is gone and the batch in flight does not end

@@ -144,15 +144,18 @@ class Spool:
                  batch_size: int = 500, max_batch_bytes: int = 1 << 20, backoff_s: tuple[float, float] = (0.05, 2.0),
                  segment_bytes: int = SPOOL_SEGMENT_BYTES, fsync: bool = True,
                  restart_backoff_s: tuple[float, float] = (0.5, 30.0), forwarder_nice: int = 0,
-                 forwarder_idle: bool = False):
+                 forwarder_idle: bool = False, linger_s: float = 0.0):
         """`deliver`: a callable (its forwarder runs on a thread; `retriable` says what it may raise
         and be retried) or a `ProcessTarget` (a forwarder process; the target says what is retriable).
         `forwarder_nice`: added to the forwarder process's nice value (lower CPU priority than the
         process that spools, whose callers wait; the forwarder catches up when the CPU is free).
         `forwarder_idle`: the forwarder process runs under Linux's SCHED_IDLE policy (only on a CPU
-        no other process wants; elsewhere `forwarder_nice` alone)."""
+        no other process wants; elsewhere `forwarder_nice` alone). `linger_s`: how long the forwarder
+        lets a batch short of `batch_size` records wait for more (fewer, fuller deliveries)."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not 0 <= linger_s <= 10:
+            raise ValueError(f"linger_s must be in [0, 10] seconds, got {linger_s}")
         for name, (first, cap) in (("backoff_s", backoff_s), ("restart_backoff_s", restart_backoff_s)):
             if not 0 < first <= cap:
                 raise ValueError(f"{name} must be (first, cap) with 0 < first <= cap, got {(first, cap)}")
@@ -161,7 +164,7 @@ class Spool:
         self._target = deliver if isinstance(deliver, ProcessTarget) else _CallableTarget(deliver, retriable)
         self.batch_size, self.max_batch_bytes = batch_size, max_batch_bytes
         self.backoff_s, self.restart_backoff_s, self.fsync = backoff_s, restart_backoff_s, fsync
-        self.forwarder_nice, self.forwarder_idle = forwarder_nice, forwarder_idle
+        self.forwarder_nice, self.forwarder_idle, self.linger_s = forwarder_nice, forwarder_idle, linger_s
         self._log = DurableLog(self.folder / "log", segment_bytes=segment_bytes, fsync=fsync)
         self._pos_path = self.folder / "forwarded.json"
         self._cond = threading.Condition()
@@ -350,7 +353,7 @@ class Spool:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ours.setblocking(False)
         settings = {"folder": str(self.folder), "batch_size": self.batch_size, "max_batch_bytes": self.max_batch_bytes,
-                    "backoff_s": list(self.backoff_s), "fsync": self.fsync}
+                    "backoff_s": list(self.backoff_s), "fsync": self.fsync, "linger_s": self.linger_s}
         if isinstance(self._target, ProcessTarget):
             cfg = {**settings, "factory": self._target.factory, "kwargs": self._target.kwargs,
                    "fd": theirs.fileno(), "log_level": logging.getLogger().getEffectiveLevel(),
@@ -366,7 +369,8 @@ class Spool:
             from feedback.forwarder import Forwarder  # it imports this module
 
             fwd = Forwarder(self.folder, self._target, theirs, batch_size=self.batch_size,
-                            max_batch_bytes=self.max_batch_bytes, backoff_s=self.backoff_s, fsync=self.fsync)
+                            max_batch_bytes=self.max_batch_bytes, backoff_s=self.backoff_s, fsync=self.fsync,
+                            linger_s=self.linger_s)
             self._thread = threading.Thread(target=_run_on_thread, args=(fwd, theirs), daemon=True,
                                             name=f"spool-forwarder-{self.folder.name}")
             self._thread.start()

@@ -307,3 +307,30 @@ def test_spooled_record_header_round_trip(topic, key):
     value = b'{"any": "bytes"}\n\x00\xff'
     rec = decode(7, encode(topic, key, value))
     assert (rec.offset, rec.topic, rec.key, rec.value) == (7, topic, key, value)
+
+
+def test_linger_gathers_short_batches_and_a_full_batch_goes_at_once(tmp_path):
+    """With `linger_s`, records published one by one go out together once the first has waited
+    that long; `batch_size` records waiting go out without lingering."""
+    batches: list[tuple[float, list[int]]] = []
+
+    def deliver(batch: list[SpooledRecord]) -> None:
+        batches.append((time.monotonic(), [r.offset for r in batch]))
+
+    spool = Spool(tmp_path / "s", deliver, batch_size=50, linger_s=0.4, fsync=False)
+    try:
+        t0 = time.monotonic()
+        for i in range(10):  # ten appends, each its own fsync group
+            spool.publish("t", f"k{i}", b"v")
+        spool.flush(timeout_s=10)
+        assert [offsets for _, offsets in batches] == [list(range(10))]  # one delivery
+        assert batches[0][0] - t0 >= 0.35  # after lingering
+        t1 = time.monotonic()
+        spool.publish_many([("t", f"k{i}", b"v") for i in range(50)])  # a full batch: at once
+        spool.flush(timeout_s=10)
+        assert [offsets for _, offsets in batches[1:]] == [list(range(10, 60))]
+        assert batches[1][0] - t1 < 0.3
+    finally:
+        spool.close()
+    with pytest.raises(ValueError, match="linger_s"):
+        Spool(tmp_path / "x", deliver, linger_s=-1)
