@@ -51,11 +51,12 @@ from feedback.spool import COMMAND, HOLD, RELEASE, SPOOLED, STOP, SpooledRecord,
 log = logging.getLogger("feedback.forwarder")  # also when run as __main__
 READ_CHUNK = 1 << 20
 ORPHAN_GRACE_S = 60.0  # after the gateway is gone, the batch in flight may take this long
-# forwarded.json is written (a new file, fsynced, renamed over the old) at most this often while
-# batches keep coming, and at once when the forwarder idles that long, is held, stops, or is about to
-# delete segments. Writing it after every batch (~50/s at 5000 events/s in 100-event requests) cost
-# the forwarder ~20% of its CPU and put a file creation + fsync per batch on the disk the gateway
-# fsyncs its spool on. A crash re-sends at most this long's batches: consumers drop them by event id.
+# forwarded.json is written (a new file renamed over the old) at most this often while batches keep
+# coming, and at once when the forwarder idles that long, is held, stops, or is about to delete
+# segments — fsynced only in the last three cases (`Forwarder._save_position`). Writing and fsyncing it
+# after every batch (~50/s at 5000 events/s in 100-event requests) cost the forwarder ~20% of its CPU
+# and put a file creation + journal commit per batch on the disk the gateway fsyncs its spool on. A
+# crash re-sends at most this long's batches: consumers drop them by event id.
 SAVE_EVERY_S = 0.1
 
 
@@ -213,6 +214,11 @@ class Forwarder:
             return
         try:
             forwarded = read_position(self._pos_path)
+            first = self._first_segment()
+            if first is not None and forwarded < first:  # a position older than the segments kept
+                log.warning("spool %s: saved position %d is below the first segment (%d), whose records were "
+                            "all forwarded before it was deleted: resuming there", self.folder, forwarded, first)
+                forwarded = first
             self._send("ready", forwarded)
             self._forward(forwarded)
         except BaseException as e:
@@ -247,12 +253,19 @@ class Forwarder:
         """Whether a short batch waits on for more records (caller holds `_cond`)."""
         return self._durable - forwarded < self.batch_size and time.monotonic() < since + self.linger_s
 
-    def _save_position(self, forwarded: int) -> None:
+    def _first_segment(self) -> int | None:
+        bases = [int(p.stem) for p in (self.folder / "log").glob("*.log") if p.stem.isdigit()]
+        return min(bases, default=None)
+
+    def _save_position(self, forwarded: int, durable: bool = False) -> None:
+        """Replace forwarded.json. Fsynced only when `durable` (before segments are deleted, when
+        held or stopping): a position lost to a power cut is an older one, whose records go again
+        (consumers drop them by event id); one older than the first segment kept resumes there."""
         fd, tmp = tempfile.mkstemp(dir=self.folder, prefix="forwarded.json.")
         with os.fdopen(fd, "w") as f:
             json.dump({"forwarded": forwarded}, f)
             f.flush()
-            if self.fsync:
+            if self.fsync and durable:
                 os.fsync(f.fileno())
         os.replace(tmp, self._pos_path)
 
@@ -267,7 +280,7 @@ class Forwarder:
                 while not self._stop and (self._held or forwarded >= self._durable or self._lingers(
                         forwarded, waiting_since := waiting_since or time.monotonic())):
                     if forwarded != saved and (self._held or time.monotonic() - saved_at >= SAVE_EVERY_S):
-                        self._save_position(forwarded)
+                        self._save_position(forwarded, durable=self._held)
                         saved, saved_at = forwarded, time.monotonic()
                     if self._held and held_said != self._hold_seq:  # no batch in flight: say so
                         self._send("held", self._hold_seq, forwarded)
@@ -279,7 +292,7 @@ class Forwarder:
                 waiting_since = None
                 if self._stop:
                     if forwarded != saved:
-                        self._save_position(forwarded)
+                        self._save_position(forwarded, durable=True)
                     return
                 start, end = forwarded, self._durable
             batch = self._reader.read(start, end, self.batch_size, self.max_batch_bytes)
@@ -305,7 +318,7 @@ class Forwarder:
             forwarded = start + len(batch)
             moved = self._reader.segment != segment  # to a new segment: the ones below may go, once saved
             if moved or time.monotonic() - saved_at >= SAVE_EVERY_S:
-                self._save_position(forwarded)
+                self._save_position(forwarded, durable=moved)
                 saved, saved_at = forwarded, time.monotonic()
             self._send("forwarded", forwarded)
             if moved:

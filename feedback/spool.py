@@ -115,10 +115,15 @@ class Deduper:
 
 
 def read_position(path: Path) -> int:
-    """How far the spool was forwarded: `forwarded.json`, written by the forwarder (0 before that)."""
-    if not path.is_file():
+    """How far the spool was forwarded: `forwarded.json`, written by the forwarder (0 before that,
+    and 0 when a power cut left it empty or torn: the forwarder then resumes at its first segment)."""
+    try:
+        return int(json.loads(path.read_text())["forwarded"])
+    except FileNotFoundError:
         return 0
-    return int(json.loads(path.read_text())["forwarded"])
+    except (ValueError, KeyError, TypeError):
+        log.warning("spool: %s is unreadable; taking position 0", path)
+        return 0
 
 
 
