@@ -30,12 +30,13 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
+from typing import get_args
 from email.utils import parsedate_to_datetime
 
 import httpx
 from pydantic import ValidationError
 
-from feedback.events import FeedbackEvent
+from feedback.events import FeedbackEvent, FeedbackKind, check_value
 
 log = logging.getLogger("flywheel.feedback.sdk")
 OnError = Callable[[BaseException, list[dict]], None]
@@ -81,6 +82,9 @@ class FeedbackAPIError(FeedbackError):
         return int(parts[1]) if len(parts) >= 2 and parts[0] == "events" and parts[1].isdigit() else None
 
 
+_KINDS = frozenset(get_args(FeedbackKind))
+
+
 def make_event(kind: str, completion_id: str, value: float | None = None, *, edit_distance: int | None = None,
                user: str | None = None, ts: float | None = None, idempotency_key: str | None = None) -> dict:
     """One event as the gateway expects it; `ValueError` naming the value when it is not valid."""
@@ -94,21 +98,32 @@ def make_event(kind: str, completion_id: str, value: float | None = None, *, edi
     key = idempotency_key
     if key is not None and (not isinstance(key, str) or not 1 <= len(key) <= 256):
         raise ValueError(f"idempotency_key must be a string of 1-256 characters, got {idempotency_key!r}")
-    try:
-        ev = FeedbackEvent(event_id="sdk-validation", tenant="sdk", ts=1.0, completion_id=completion_id,
-                           kind=kind, value=value, edit_distance=edit_distance)
-    except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "event"
-        given = {"kind": kind, "completion_id": completion_id, "value": value, "edit_distance": edit_distance}
-        raise ValueError(f"invalid feedback {field}={given.get(field, err.get('input'))!r} "
-                         f"(kind {kind!r}): {err['msg']}") from None
+    # FeedbackEvent's rules, checked directly (building the model cost ~5 us of the ~10 us an enqueue
+    # took); anything they refuse goes through the model, whose error names the field and the value.
+    fast = (kind in _KINDS and type(completion_id) is str and 1 <= len(completion_id) <= 128
+            and (edit_distance is None or (type(edit_distance) is int and edit_distance >= 0)))
+    if fast:
+        try:
+            checked, edit = check_value(kind, value), edit_distance
+        except ValueError:
+            fast = False
+    if not fast:
+        try:
+            ev = FeedbackEvent(event_id="sdk-validation", tenant="sdk", ts=1.0, completion_id=completion_id,
+                               kind=kind, value=value, edit_distance=edit_distance)
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = ".".join(str(p) for p in err["loc"]) or "event"
+            given = {"kind": kind, "completion_id": completion_id, "value": value, "edit_distance": edit_distance}
+            raise ValueError(f"invalid feedback {field}={given.get(field, err.get('input'))!r} "
+                             f"(kind {kind!r}): {err['msg']}") from None
+        checked, edit = ev.value, ev.edit_distance
     out: dict = {"completion_id": completion_id, "kind": kind, "ts": time.time() if ts is None else float(ts),
                  "idempotency_key": idempotency_key or os.urandom(16).hex()}
-    if ev.value is not None:
-        out["value"] = ev.value
-    if ev.edit_distance is not None:
-        out["edit_distance"] = ev.edit_distance
+    if checked is not None:
+        out["value"] = checked
+    if edit is not None:
+        out["edit_distance"] = edit
     if user is not None:
         out["user"] = user
     return out

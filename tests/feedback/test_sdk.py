@@ -27,7 +27,7 @@ from feedback.bus_embedded import EmbeddedBus
 from feedback.completion_index import CompletionIndex
 from feedback.events import TOPICS, FeedbackEvent, hash_user
 from feedback.sdk import (AsyncFeedbackClient, ClientClosedError, FeedbackAPIError, FeedbackClient,
-                          QueueFullError, RetriesExhaustedError)
+                          QueueFullError, RetriesExhaustedError, make_event)
 from feedback.sink import LogSink
 from serving.engine import EmbeddedEngine
 from tests.conftest import LiveServer
@@ -365,3 +365,18 @@ def test_async_client_batches_retries_and_flushes(live):
     assert len(errors) == 1 and isinstance(errors[0][0], ClientClosedError)
     got = on_bus(live, [c])
     assert sorted(e.kind for e in got) == ["dwell", "edited", "rating", "thumb_up"]
+
+
+@pytest.mark.parametrize(("kind", "value", "edit"), [
+    ("thumb_up", None, None), ("rating", 3, None), ("rating", 5.0, None), ("edited", 0, 7), ("edited", 1, None),
+    ("dwell", 0.25, None), ("dwell", 86400, None), ("regenerated", None, None), ("edited", 0.5, True)])
+def test_make_event_checks_as_the_event_model_does(kind, value, edit):
+    """The SDK checks FeedbackEvent's rules directly (the fast path); what it queues is what the model
+    makes of the same call."""
+    ev = make_event(kind, "cmpl-x", value, edit_distance=edit, ts=5.0, idempotency_key="k")
+    model = FeedbackEvent(event_id="e" * 8, tenant="t", ts=1.0, completion_id="cmpl-x", kind=kind, value=value,
+                          edit_distance=edit)
+    assert ev == {"completion_id": "cmpl-x", "kind": kind, "ts": 5.0, "idempotency_key": "k",
+                  **({"value": model.value} if model.value is not None else {}),
+                  **({"edit_distance": model.edit_distance} if model.edit_distance is not None else {})}
+    assert type(ev.get("value", 0.0)) is float
