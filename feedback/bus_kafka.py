@@ -49,14 +49,15 @@ log = logging.getLogger(__name__)
 
 MAX_RECORD_BYTES = 900_000  # key + value; under Kafka's default message.max.bytes (1 MiB)
 MAX_BATCH_BYTES = 1_000_000  # keys + values of one spool batch: with record overheads under a broker's 1 MiB batch limit
-SPOOL_BATCH = 500  # records per spool batch (one send + flush round trip each)
+SPOOL_BATCH = 500  # records per spool batch (one produce round trip each)
 # The forwarder process runs at a lower CPU priority than the gateway: under contention the request
 # path (whose callers wait) goes first and the forwarder catches up from the spool when the CPU is
 # free (so under sustained overload the backlog grows). Measured on 2 cores, 100-event batches at
 # 4000 events/s: p99 32 -> 28 ms (mean of 3 runs); the closed-loop maximum rose by ~10-20%.
 # On Linux it runs under SCHED_IDLE (only on CPU nothing else wants; nice 10 where that is refused):
 # half-rate p99 (~11k events/s) 19.6-34.4 ms in the runs after, 108.9 ms in the run before
-# (bench/feedback.py); at the maximum rate the backlog then drains after the load (README).
+# (bench/feedback.py). With `BatchSender` (a seventh of KafkaProducer's CPU per record) it keeps up
+# at the maximum rate too (README).
 FORWARDER_NICE = 10
 FORWARDER_IDLE = True
 # A spool batch short of SPOOL_BATCH records waits this long for more: at ~80 requests/s each

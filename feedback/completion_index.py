@@ -27,9 +27,9 @@ up in memory, and only on a hit (a retry) reads that row by `seq` to compare the
 ids of one hash are never confused) and take its fingerprint. Pruning (TTL, then the row cap)
 deletes a prefix of the log. Why: the earlier table keyed by `event_id` took random ids into a
 B-tree, so each batch dirtied index pages all over it and SQLite wrote whole pages (to the WAL, then
-again at the checkpoint): at 400-500k rows, 5000 ids cost 264 ms of CPU and ~3.2 KB of WAL per id;
-appended, the same batch writes ~76 B per id (bench: /tmp scripts on the 2-core dev VM, recorded in
-the issue notes), and the gateway's CPU per feedback event no longer grows with the table.
+again at the checkpoint): with 400k ids in the table, a 5000-id batch took 237 ms of CPU and 3020 B
+of WAL per id; appended, 54 ms and 74 B (`bench/accepted_ids.py`, the 2-core dev VM), and the
+gateway's CPU per feedback event no longer grows with the table.
 
 Every `write_every_s` (0.25 s): appending, a batch costs little more than its rows, so it is written
 often and small — what the writer thread does holding the interpreter lock (~0.5 us an id) is a
