@@ -71,9 +71,10 @@ class KeyPartitioner(Partitioner):
     """kafka-python's `DefaultPartitioner` for keyed records — partition `murmur2(key) & 0x7fffffff`
     modulo the partition count, the Java client's rule, so every key keeps its partition — with each
     key's hash remembered (up to `cache_size` keys, then forgotten at once). A completion's events
-    share its id as their key; the default recomputed the pure-Python murmur2, re-sorted the
-    partitions and listed the available ones for every record: ~30% of the forwarder's time in
-    `KafkaProducer.send` (py-spy, bench/feedback.py at half rate). Unkeyed records: the default."""
+    share its id as their key; the default recomputes the pure-Python murmur2 for every record.
+    The forwarder's `BatchSender` calls `partition_of`; `partition` is kafka-python's `Partitioner`
+    interface (a `KafkaProducer` given this one places records where the forwarder does; unkeyed
+    records: the default's choice)."""
 
     def __init__(self, cache_size: int = 1 << 16):
         if cache_size < 1:

@@ -19,7 +19,8 @@ The forwarder owns, in the spool folder, `forwarded.json` (replaced atomically a
 `forwarder.lock` (an flock: one forwarder per spool; a restarted one waits for a previous one still
 finishing its batch). It only reads the log (`SegmentReader`), never past the durable end the
 gateway announced. It exits when told to STOP or when the socket reaches end of file (the gateway is
-gone): no orphans; its batch in flight ends first (deliveries are bounded by the target's timeouts; a watchdog ends it otherwise).
+gone): no orphans; its batch in flight ends first (deliveries are bounded by the target's timeouts;
+a watchdog ends it otherwise).
 
 The delivery target is built here from `spool.ProcessTarget`: `factory` ("module:function") is
 called with `kwargs` and returns an object with `deliver(batch)`, `retriable` (exception types
@@ -45,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from feedback.log import LogCorrupted, next_frame
+from feedback.log import LogCorrupted, next_frame, segments
 from feedback.spool import COMMAND, HOLD, RELEASE, SPOOLED, STOP, SpooledRecord, decode, read_position
 
 log = logging.getLogger("feedback.forwarder")  # also when run as __main__
@@ -95,7 +96,7 @@ class SegmentReader:
                 and (self.folder / f"{self._mark[1]:020d}.log").is_file()):
             self._open(self._mark[1], self._mark[2], start)
             return
-        bases = sorted(int(p.stem) for p in self.folder.glob("*.log") if p.stem.isdigit())
+        bases = [base for base, _ in segments(self.folder)]
         below = [b for b in bases if b <= start]
         if not below:
             raise RuntimeError(f"{self.folder}: no segment holds durable record {start} (first: {bases[:1]})")
@@ -254,8 +255,8 @@ class Forwarder:
         return self._durable - forwarded < self.batch_size and time.monotonic() < since + self.linger_s
 
     def _first_segment(self) -> int | None:
-        bases = [int(p.stem) for p in (self.folder / "log").glob("*.log") if p.stem.isdigit()]
-        return min(bases, default=None)
+        segs = segments(self.folder / "log")
+        return segs[0][0] if segs else None
 
     def _save_position(self, forwarded: int, durable: bool = False) -> None:
         """Replace forwarded.json. Fsynced only when `durable` (before segments are deleted, when
@@ -328,7 +329,7 @@ class Forwarder:
     def _delete_forwarded_segments(self, forwarded: int) -> None:
         """Delete whole segments below `forwarded`; the active (last) segment always stays."""
         folder = self.folder / "log"
-        segs = sorted((int(p.stem), p) for p in folder.glob("*.log") if p.stem.isdigit())
+        segs = segments(folder)
         for (base, path), (next_base, _) in itertools.pairwise(segs):
             if next_base <= forwarded:
                 path.unlink()
@@ -369,7 +370,7 @@ def main(argv: list[str]) -> int:
     sock = socket.socket(fileno=cfg["fd"])
     target = load_target(cfg["factory"], cfg["kwargs"])
     fwd = Forwarder(cfg["folder"], target, sock, batch_size=cfg["batch_size"], max_batch_bytes=cfg["max_batch_bytes"],
-                    backoff_s=tuple(cfg["backoff_s"]), fsync=cfg["fsync"], linger_s=cfg.get("linger_s", 0.0))
+                    backoff_s=tuple(cfg["backoff_s"]), fsync=cfg["fsync"], linger_s=cfg["linger_s"])
     signal.signal(signal.SIGTERM, lambda *_: fwd.stop())
 
     def watchdog() -> None:  # the gateway is gone and the batch in flight does not end

@@ -153,6 +153,11 @@ class LogWriter:
         self._thread.join(timeout=30)
 
 
+def segments(folder: Path) -> list[tuple[int, Path]]:
+    """A log folder's segments, `(base offset, path)`, in offset order (`<base>.log` files)."""
+    return sorted((int(p.stem), p) for p in folder.glob("*.log") if p.stem.isdigit())
+
+
 class DurableLog:
     def __init__(self, folder: str | Path, segment_bytes: int = SEGMENT_BYTES, fsync: bool = True,
                  writer: LogWriter | None = None):
@@ -171,13 +176,7 @@ class DurableLog:
 
     # ---- segments -------------------------------------------------------------------------
     def _segments(self) -> list[tuple[int, Path]]:
-        segs = []
-        for p in self.folder.glob("*.log"):
-            try:
-                segs.append((int(p.stem), p))
-            except ValueError:
-                continue
-        return sorted(segs)
+        return segments(self.folder)
 
     def _recover(self) -> int:
         segs = self._segments()
