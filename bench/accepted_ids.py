@@ -1,13 +1,15 @@
-"""Accepted idempotency ids: the completion index's append-only log against the table keyed by the id.
+"""Accepted idempotency ids: the completion index's layouts, one SQLite table each, same run.
 
 `feedback.completion_index` keeps every accepted feedback event id (a TTL and a row cap) so that a
 retried request is not published twice. It used to keep them in a table keyed by the random id
-(`accepted_events`: `event_id TEXT PRIMARY KEY`, an index on `ts`); it now appends them to
-`accepted_log` (`seq INTEGER PRIMARY KEY`, no index on the id; lookups go through an in-memory
-hash -> seq map). This writes, into one SQLite file per layout (WAL, synchronous=NORMAL, as the
-index), `--prefill` ids in batches, then times `--batches` more batches of `--batch` random ids each
-(one transaction, `json_each` inserts of 1000 rows, then a checkpoint, as the index's writer thread
-does) and reports CPU per batch and WAL bytes per id. Same process, same machine, one run.
+(`accepted_events`: `event_id TEXT PRIMARY KEY`, an index on `ts`), then appended them one row each
+to `accepted_log` (`seq INTEGER PRIMARY KEY`, `json_each` inserts of 1000 rows); it now writes each
+write-behind batch as one row of `accepted_batches` (`first_seq INTEGER PRIMARY KEY`, the batch's
+ids, fingerprints and ms as one JSON text); lookups go through an in-memory hash -> seq map. This
+writes, into one SQLite file per layout (WAL, synchronous=NORMAL, as the index), `--prefill` ids in
+batches, then times `--batches` more batches of `--batch` random ids each (one transaction, then a
+checkpoint, as the index's writer thread does) and reports CPU per batch and WAL bytes per id. Same
+process, same machine, one run.
 
     .venv/bin/python bench/accepted_ids.py [--prefill 400000] [--batch 5000] [--batches 20]
 
@@ -21,6 +23,7 @@ import json
 import os
 import platform
 import resource
+import sys
 import sqlite3
 import tempfile
 import time
@@ -28,6 +31,9 @@ import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from feedback.completion_index import _encode  # noqa: E402 (after the path)
 
 LAYOUTS = {
     "keyed by event id (before)": (
@@ -35,10 +41,13 @@ LAYOUTS = {
          "ts REAL NOT NULL); CREATE INDEX a_ts ON a (ts);"),
         ("INSERT OR REPLACE INTO a SELECT json_extract(value, '$[0]'), 1, json_extract(value, '$[1][0]'), "
          "json_extract(value, '$[1][1]') / 1000.0 FROM json_each(?)")),
-    "append-only log (now)": (
+    "append-only log, one row per id (before)": (
         "CREATE TABLE a (seq INTEGER PRIMARY KEY, event_id TEXT NOT NULL, fingerprint TEXT NOT NULL, ts REAL NOT NULL);",
         ("INSERT INTO a SELECT ? + key, json_extract(value, '$[0]'), json_extract(value, '$[1][0]'), "
          "json_extract(value, '$[1][1]') / 1000.0 FROM json_each(?)")),
+    "one row per batch (now)": (
+        "CREATE TABLE a (first_seq INTEGER PRIMARY KEY, n INTEGER NOT NULL, last_ts REAL NOT NULL, ids TEXT NOT NULL);",
+        "INSERT INTO a VALUES (?, ?, ?, ?)"),
 }
 
 
@@ -55,29 +64,36 @@ def run(name: str, folder: Path, prefill: int, batch: int, batches: int) -> dict
     db.execute("PRAGMA synchronous=NORMAL")
     db.execute("PRAGMA wal_autocheckpoint=0")
     db.executescript(schema)
-    appending = "?" in insert.split("SELECT", 1)[1].split(",", 1)[0]
+    batch_rows = "VALUES" in insert
+    appending = batch_rows or "?" in insert.split("SELECT", 1)[1].split(",", 1)[0]
     seq = 0
 
-    def write(n: int) -> None:
-        nonlocal seq
+    def ids(n: int) -> list:
         ms = round(time.time() * 1000)
-        items = [(uuid.uuid4().hex, (os.urandom(9).hex(), ms)) for _ in range(n)]
+        return [(uuid.uuid4().hex, (os.urandom(9).hex(), ms)) for _ in range(n)]
+
+    def write(items: list) -> None:
+        nonlocal seq
+        n = len(items)
         db.execute("BEGIN IMMEDIATE")
-        for i in range(0, n, 1000):
+        if batch_rows:  # as CompletionIndex._insert: `feedback.completion_index._encode`
+            db.execute(insert, (seq, *_encode(dict(items))))
+        for i in range(0, n if not batch_rows else 0, 1000):
             chunk = json.dumps(items[i:i + 1000])
             db.execute(insert, (seq + i, chunk) if appending else (chunk,))
         db.execute("COMMIT")
         seq += n
 
     while seq < prefill:
-        write(min(batch, prefill - seq))
+        write(ids(min(batch, prefill - seq)))
     db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     wal = path.with_name(path.name + "-wal")
     cpu = wall = 0.0
     wal_bytes = 0
     for _ in range(batches):
+        items = ids(batch)  # made before the clock starts (the index gets them from requests)
         c0, w0 = cpu_s(), time.perf_counter()
-        write(batch)
+        write(items)
         wal_bytes += wal.stat().st_size
         db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         cpu += cpu_s() - c0
@@ -111,7 +127,7 @@ def main() -> None:
     lines += [f"| {r['layout']} | {r['cpu_ms_per_batch']:.0f} | {r['wall_ms_per_batch']:.0f} | "
               f"{r['cpu_us_per_id']:.1f} | {r['wal_bytes_per_id']:.0f} |" for r in rows]
     lines += ["", (f"Machine: {meta['machine']}; SQLite {meta['sqlite']}; {meta['date']}. Batches include the "
-                   "Python side (ids, JSON) and a checkpoint each, as the index's writer thread.")]
+                   "Python side (JSON) and a checkpoint each, as the index's writer thread; the ids are made before.")]
     (out / "accepted_ids.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

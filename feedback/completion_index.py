@@ -20,25 +20,22 @@ no transaction. What this trades: if the process dies, ids confirmed in its last
 forgotten, so a client's retry of one of them is published again — the consumers drop it by
 `event_id` (the joiner's dedupe), so it still reaches the learner once.
 
-Accepted ids are an append-only log, `accepted_log(seq, event_id, fingerprint, ts)`, keyed by `seq`
-(confirmation order) and with no index on the id; in memory, `hash(event_id) → seq` for every row
-(read at start-up: ~0.9 s and ~110 MB per million rows, the default row cap). A claim looks each id
-up in memory, and only on a hit (a retry) reads that row by `seq` to compare the stored id (so two
-ids of one hash are never confused) and take its fingerprint. Pruning (TTL, then the row cap)
-deletes a prefix of the log. Why: the earlier table keyed by `event_id` took random ids into a
-B-tree, so each batch dirtied index pages all over it and SQLite wrote whole pages (to the WAL, then
-again at the checkpoint): with 400k ids in the table, a 5000-id batch took 237 ms of CPU and 3020 B
-of WAL per id; appended, 54 ms and 74 B (`bench/accepted_ids.py`, the 2-core dev VM), and the
-gateway's CPU per feedback event no longer grows with the table.
-
-Every `write_every_s` (0.25 s): appending, a batch costs little more than its rows, so it is written
-often and small — what the writer thread does holding the interpreter lock (~0.5 us an id) is a
-pause of the gateway's event loop, and at 1 s batches of ~9000 ids (~30 ms of it, when rows were
-built and floats formatted in Python) the slowest requests of bench/feedback.py lined up with them.
-A batch is written with one INSERT per 1000 ids, each a JSON array (`json_each`), so SQLite stores
-the rows without taking the interpreter lock back: `executemany` took it once per row, and under
-load those hand-overs, thousands a second, held up the gateway's event loop (bench/feedback.py: the
-wait for a publish went from ~2.5 ms at p90 to ~11 ms with them). The same thread runs the pruning
+Accepted ids are kept in confirmation order, one row per write-behind batch:
+`accepted_batches(first_seq, n, last_ts, ids)`, the ids numbered `first_seq`, `first_seq + 1`, ...
+and stored as one JSON text (`[[event_id, ...], [fingerprint, ...], [ms, ...]]`); in memory,
+`hash(event_id) → seq` for every id (read at start-up: ~110 MB per million ids, the default cap). A
+claim looks each id up in memory, and only on a hit (a retry) reads that id's batch row to compare
+the stored id (so two ids of one hash are never confused) and take its fingerprint. Pruning (TTL,
+then the cap) deletes a prefix: whole rows, and the row the cut falls into keeps its newer part.
+Why one row per batch: writing a batch is one INSERT of one text (~1 ms of CPU for ~2000 ids, most
+of it `json.dumps`). Before, each id was a row of its own — first in a table keyed by the id (random
+ids all over a B-tree: 237 ms of CPU per 5000-id batch with 400k ids stored), then appended by
+`seq` with SQLite's `json_each` (54 ms); at the half rate of bench/feedback.py (~8500 ids/s) that
+was 12-14 ms of CPU every 0.25 s, and the gateway's slowest requests lined up with those writes
+(timeline traced; with the write switched off in an experiment, p99 went from ~20 ms to ~11 ms in
+most runs). `bench/accepted_ids.py` compares the three layouts. Every `write_every_s` (0.25 s) the
+batch is written: what the writer thread does holding the interpreter lock is a pause of the
+gateway's event loop, so batches are kept small. The same thread runs the pruning
 and the WAL checkpoints (copying the log back into the database, with its fsync) every
 `checkpoint_every_s`, never inside a request's transaction: SQLite's automatic checkpoint would run
 them in whichever commit crossed 1000 pages, and under load those commits took 9-17 ms at p99
@@ -56,14 +53,21 @@ import logging
 import sqlite3
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from pathlib import Path
 from typing import NamedTuple
 
 log = logging.getLogger(__name__)
-DONE = 1  # the state of an accepted id in the table before `accepted_log` (see the migration)
+DONE = 1  # the state of a done id in `accepted_events`, the first table of accepted ids (see `_migrate`)
 _SQLITE_VARS = 500  # ids per `IN (...)` query, well under SQLite's bound-parameter limit
-_INSERT_CHUNK = 1000  # accepted ids per INSERT statement of the write-behind
+_MIGRATE_CHUNK = 10_000  # ids per batch row when rows of an earlier table move over
+
+
+def _encode(batch: dict[str, tuple[str, int]]) -> tuple[int, float, str]:
+    """A batch row's (n, last_ts, ids): ids is the JSON of `[[event_id, ...], [fingerprint, ...],
+    [ms, ...]]` (confirmation order; ms since the epoch), last_ts the newest ms in seconds."""
+    fps, ms = zip(*batch.values())
+    return len(batch), max(ms) / 1000, json.dumps([list(batch), fps, ms])
 
 
 class CompletionEntry(NamedTuple):
@@ -114,29 +118,30 @@ class CompletionIndex:
             CREATE TABLE IF NOT EXISTS completions (
                 completion_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, model_version TEXT NOT NULL,
                 ts REAL NOT NULL) WITHOUT ROWID;
-            CREATE TABLE IF NOT EXISTS accepted_log (
-                seq INTEGER PRIMARY KEY, event_id TEXT NOT NULL, fingerprint TEXT NOT NULL, ts REAL NOT NULL);
+            CREATE TABLE IF NOT EXISTS accepted_batches (
+                first_seq INTEGER PRIMARY KEY, n INTEGER NOT NULL, last_ts REAL NOT NULL, ids TEXT NOT NULL);
         """)
         self._pending: dict[str, tuple[str, float]] = {}  # claimed, being published: id -> (fingerprint, ts)
         self._unwritten: dict[str, tuple[str, int]] = {}  # confirmed, not yet in the table: id -> (fp, ms)
         self._writing: dict[str, tuple[str, int]] = {}  # confirmed, being written (its transaction open)
-        self._migrate_accepted_events()
-        # Every written id: hash(event_id) -> its row's seq (checked against the row on a hit).
+        self._migrate()
+        # Every written id: hash(event_id) -> its seq (checked against the stored id on a hit).
         self._accepted: dict[int, int] = {}
-        for seq, eid in self._db.execute("SELECT seq, event_id FROM accepted_log"):
-            self._accepted[hash(eid)] = seq
-        last = self._db.execute("SELECT max(seq), min(seq) FROM accepted_log").fetchone()
-        self._next_seq = 0 if last[0] is None else last[0] + 1
-        self._first_seq = self._next_seq if last[1] is None else last[1]  # rows: [_first_seq, _next_seq)
+        # Batch rows a claim read lately, (first_seq, [ids, fingerprints, ms]): a retried batch asks
+        # for many ids of one row. A seq names the same id for as long as it is kept, so they stay true.
+        self._rows_read: deque[tuple[int, list]] = deque(maxlen=8)
+        self._first_seq = self._next_seq = 0  # the ids written: seqs [_first_seq, _next_seq)
+        for i, (first, ids) in enumerate(self._db.execute("SELECT first_seq, ids FROM accepted_batches "
+                                                          "ORDER BY first_seq")):
+            eids = json.loads(ids)[0]
+            self._accepted.update(zip(map(hash, eids), range(first, first + len(eids))))
+            self._first_seq = first if i == 0 else self._first_seq
+            self._next_seq = first + len(eids)
         self._written_since_prune = 0
         self._closed = False
         self.checkpoint_errors = self.write_errors = 0
         self._writer_lock = threading.Lock()  # one batch write (and prune) at a time
         self._wdb = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30.0)
-        try:  # SQLite's JSON functions (built in since 3.38, an option before)
-            self._json_rows = self._wdb.execute("SELECT json_extract('[1]', '$[0]')").fetchone()[0] == 1
-        except sqlite3.OperationalError:
-            self._json_rows = False
         self._wake, self._stop = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._background, name=f"index:{self.path.name}", daemon=True)
         self._thread.start()
@@ -197,38 +202,30 @@ class CompletionIndex:
                 self._prune(self._wdb, time.time() if now is None else now)
 
     def _insert(self, db: sqlite3.Connection, first: int, batch: dict[str, tuple[str, int]]) -> None:
-        """One transaction appending the batch as rows `first`, `first + 1`, ...; with SQLite's JSON
-        functions, one INSERT per `_INSERT_CHUNK` ids, each `json.dumps` of `[[id, [fingerprint,
-        ms]], ...]` — the dict's own items: no row built in Python, no float to format (those took
-        ~2.5 us an id, all holding the interpreter lock); SQLite then stores them without it."""
-        items = list(batch.items())
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            if self._json_rows:
-                for i in range(0, len(items), _INSERT_CHUNK):
-                    db.execute("INSERT INTO accepted_log SELECT ? + key, json_extract(value, '$[0]'), "
-                               "json_extract(value, '$[1][0]'), json_extract(value, '$[1][1]') / 1000.0 "
-                               "FROM json_each(?)", (first + i, json.dumps(items[i:i + _INSERT_CHUNK])))
-            else:
-                db.executemany("INSERT INTO accepted_log VALUES (?, ?, ?, ?)",
-                               [(seq, eid, fp, ms / 1000) for seq, (eid, (fp, ms)) in enumerate(items, first)])
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
+        """The batch as one row: seqs `first`, `first + 1`, ... (autocommit: one statement)."""
+        db.execute("INSERT INTO accepted_batches VALUES (?, ?, ?, ?)", (first, *_encode(batch)))
 
-    def _migrate_accepted_events(self) -> None:
-        """Versions before `accepted_log` kept the ids in `accepted_events` (keyed by event id, a
-        state column): their done rows move over, oldest first, once."""
-        if self._db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'accepted_events'").fetchone():
+    def _migrate(self) -> None:
+        """Earlier versions kept accepted ids one row each: in `accepted_events` (keyed by the id,
+        with a state column), then in `accepted_log` (`seq, event_id, fingerprint, ts`). Their done
+        ids move over into batch rows, oldest first, once."""
+        tables = {name for (name,) in self._db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        for table, select in (
+                ("accepted_events", f"SELECT event_id, fingerprint, ts FROM accepted_events WHERE state = {DONE} "
+                                    "ORDER BY ts, event_id"),
+                ("accepted_log", "SELECT event_id, fingerprint, ts FROM accepted_log ORDER BY seq")):
+            if table not in tables:
+                continue
             with self._db:
                 self._db.execute("BEGIN IMMEDIATE")
-                start = self._db.execute("SELECT coalesce(max(seq) + 1, 0) FROM accepted_log").fetchone()[0]
-                self._db.execute("INSERT INTO accepted_log (seq, event_id, fingerprint, ts) "
-                                 "SELECT ? + row_number() OVER (ORDER BY ts, event_id) - 1, event_id, fingerprint, ts "
-                                 f"FROM accepted_events WHERE state = {DONE}", (start,))
-                self._db.execute("DROP TABLE accepted_events")
-            log.info("completion index %s: accepted ids moved to accepted_log", self.path)
+                seq = self._db.execute("SELECT coalesce(max(first_seq + n), 0) FROM accepted_batches").fetchone()[0]
+                rows = self._db.execute(select)
+                while chunk := rows.fetchmany(_MIGRATE_CHUNK):
+                    self._db.execute("INSERT INTO accepted_batches VALUES (?, ?, ?, ?)",
+                                     (seq, *_encode({eid: (fp, round(ts * 1000)) for eid, fp, ts in chunk})))
+                    seq += len(chunk)
+                self._db.execute(f"DROP TABLE {table}")
+            log.info("completion index %s: accepted ids of %s moved to accepted_batches", self.path, table)
 
     def _tx(self):
         if self._closed:
@@ -293,13 +290,19 @@ class CompletionIndex:
                     if (seq := accepted.get(hash(eid))) is not None:
                         ask[seq] = eid
             stored: dict[str, str] = {}
-            seqs = list(ask)
-            for i in range(0, len(seqs), _SQLITE_VARS):
-                chunk = seqs[i:i + _SQLITE_VARS]
-                for seq, eid, fp in db.execute("SELECT seq, event_id, fingerprint FROM accepted_log "
-                                               f"WHERE seq IN ({','.join('?' * len(chunk))})", chunk):
-                    if ask[seq] == eid:  # not another id of the same hash
-                        stored[eid] = fp
+            found = self._rows_read
+            for seq in sorted(ask):
+                row = next(((f, r) for f, r in found if f <= seq < f + len(r[0])), None)
+                if row is None:
+                    hit = db.execute("SELECT first_seq, ids FROM accepted_batches WHERE first_seq <= ? "
+                                     "ORDER BY first_seq DESC LIMIT 1", (seq,)).fetchone()
+                    if hit is None:
+                        continue
+                    row = (hit[0], json.loads(hit[1]))
+                    found.append(row)
+                first, (eids, fps, _) = row
+                if seq - first < len(eids) and eids[seq - first] == ask[seq]:  # not another id of that hash
+                    stored[ask[seq]] = fps[seq - first]
             for eid, fp in fingerprints.items():
                 if (entry := unwritten.get(eid) or writing.get(eid)) is not None:
                     done[eid] = entry[0]
@@ -339,7 +342,7 @@ class CompletionIndex:
         """Accepted (done) ids remembered, written or not."""
         self.flush()
         with self._tx() as db:
-            return db.execute("SELECT count(*) FROM accepted_log").fetchone()[0]
+            return db.execute("SELECT coalesce(sum(n), 0) FROM accepted_batches").fetchone()[0]
 
     def prune(self, now: float | None = None) -> None:
         """Forget done events older than the TTL, then the oldest beyond the row cap."""
@@ -348,20 +351,40 @@ class CompletionIndex:
             self._prune(self._wdb, time.time() if now is None else now)
 
     def _prune(self, db: sqlite3.Connection, now: float) -> None:
-        """On the writer's connection, holding `_writer_lock`: the rows are in confirmation order, so
-        what goes is a prefix — those older than the TTL, then the oldest beyond the row cap."""
-        fresh = db.execute("SELECT seq FROM accepted_log WHERE ts >= ? ORDER BY seq LIMIT 1",
-                           (now - self.accepted_ttl_s,)).fetchone()  # scans the expired rows only
-        cut = max(self._next_seq if fresh is None else fresh[0], self._next_seq - self.accepted_max)
+        """On the writer's connection, holding `_writer_lock`: the ids are in confirmation order, so
+        what goes is a prefix — those older than the TTL, then the oldest beyond the cap. Whole
+        batch rows are deleted; the one the cut falls into keeps its newer part."""
+        oldest_kept = now - self.accepted_ttl_s
+        row = db.execute("SELECT first_seq, ids FROM accepted_batches WHERE last_ts >= ? ORDER BY first_seq LIMIT 1",
+                         (oldest_kept,)).fetchone()  # scans the expired rows only
+        cut = self._next_seq
+        if row is not None:
+            ms = json.loads(row[1])[2]
+            cut = row[0] + next((i for i, m in enumerate(ms) if m / 1000 >= oldest_kept), len(ms))
+        cut = max(cut, self._next_seq - self.accepted_max)
         if cut <= self._first_seq:
             return
-        gone = db.execute("SELECT seq, event_id FROM accepted_log WHERE seq < ?", (cut,)).fetchall()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            gone: list[tuple[int, str]] = []
+            for first, ids in db.execute("SELECT first_seq, ids FROM accepted_batches WHERE first_seq < ?",
+                                         (cut,)).fetchall():
+                eids, fps, ms = json.loads(ids)
+                keep = max(0, cut - first)
+                gone += zip(range(first, first + min(keep, len(eids))), eids[:keep])
+                db.execute("DELETE FROM accepted_batches WHERE first_seq = ?", (first,))
+                if keep < len(eids):  # the cut falls inside: its newer ids stay, as a row from `cut`
+                    rest = dict(zip(eids[keep:], zip(fps[keep:], ms[keep:])))
+                    db.execute("INSERT INTO accepted_batches VALUES (?, ?, ?, ?)", (cut, *_encode(rest)))
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
         with self._lock:
             accepted = self._accepted
             for seq, eid in gone:
                 if accepted.get(h := hash(eid)) == seq:
                     del accepted[h]
-        db.execute("DELETE FROM accepted_log WHERE seq < ?", (cut,))
         self._first_seq = cut
 
     def close(self) -> None:

@@ -392,51 +392,83 @@ def test_requests_are_counted_by_route_and_status(live, cid):
     assert "/no/such/route" not in httpx.get(live.url + "/metrics").text
 
 
-@pytest.mark.parametrize("json_rows", [True, False])
-def test_index_writes_accepted_ids_with_or_without_sqlite_json(tmp_path, json_rows):
-    """The write-behind's two ways to insert (json_each chunks; executemany where SQLite has no
-    JSON functions) store the same rows, across more than one chunk."""
+def test_index_writes_accepted_ids_as_one_row_per_batch(tmp_path):
+    """The write-behind stores a batch as one row (ids in confirmation order, their fingerprints and
+    ms); a new index reads them back; a retry of a written id finds its fingerprint there."""
+    import json
+
     idx = CompletionIndex(tmp_path / "i.db")
-    assert idx._json_rows  # this machine's SQLite has them
-    idx._json_rows = json_rows
     ids = {f"e{i}": f"fp{i % 7}" for i in range(2500)}
     now = time.time()  # within the TTL: the write-behind's pruning keeps them
-    c = idx.claim(ids, now=now)
-    idx.confirm(c.claimed, now=now + 0.25)
+    idx.confirm(idx.claim(ids, now=now).claimed, now=now + 0.25)
     idx.flush()
-    rows = idx._db.execute("SELECT seq, event_id, fingerprint, ts FROM accepted_log").fetchall()
-    ts = round((now + 0.25) * 1000) / 1000  # kept to the millisecond
-    assert rows == [(i, e, fp, ts) for i, (e, fp) in enumerate(ids.items())]  # in confirmation order
+    idx.confirm(idx.claim({"late": "fl"}, now=now).claimed, now=now + 1)
+    idx.flush()
+    rows = idx._db.execute("SELECT first_seq, n, last_ts, ids FROM accepted_batches ORDER BY first_seq").fetchall()
+    ms = round((now + 0.25) * 1000)  # kept to the millisecond
+    assert [r[:3] for r in rows] == [(0, 2500, ms / 1000), (2500, 1, round((now + 1) * 1000) / 1000)]
+    assert json.loads(rows[0][3]) == [list(ids), list(ids.values()), [ms] * 2500]
+    assert idx.accepted_count() == 2501
     idx.close()
     again = CompletionIndex(tmp_path / "i.db")
-    assert again.claim({"e5": "fp5", "new": "x"}) == (["new"], {"e5": "fp5"}, [])
+    assert again.claim({"e5": "x", "e2499": "y", "late": "z", "new": "n"}) == (
+        ["new"], {"e5": "fp5", "e2499": "fp0", "late": "fl"}, [])  # 2499 % 7 == 0
+    assert again.accepted_count() == 2501
     again.close()
 
 
-def test_index_takes_over_the_accepted_ids_of_the_previous_table(tmp_path):
-    """A database of the version that kept accepted ids in `accepted_events` (keyed by event id,
-    with a state column): the done ones move to `accepted_log` and are still duplicates after."""
+@pytest.mark.parametrize("old", ["accepted_events", "accepted_log"])
+def test_index_takes_over_the_accepted_ids_of_earlier_tables(tmp_path, old):
+    """Databases of the versions that kept one row per accepted id -- `accepted_events` (keyed by
+    event id, with a state column; only done ids count) or `accepted_log` (by seq): the ids move to
+    batch rows, oldest first, the old table goes, and they are still duplicates after."""
     import sqlite3
 
     path = tmp_path / "old.db"
     db = sqlite3.connect(path)
-    db.executescript("""
-        CREATE TABLE accepted_events (event_id TEXT PRIMARY KEY, state INTEGER NOT NULL,
-            fingerprint TEXT NOT NULL, ts REAL NOT NULL);
-        CREATE INDEX accepted_events_ts ON accepted_events (ts);""")
     now = time.time()
-    db.executemany("INSERT INTO accepted_events VALUES (?, ?, ?, ?)",
-                   [("b", 1, "fb", now + 2), ("a", 1, "fa", now + 1), ("p", 0, "fp", now + 3)])
+    if old == "accepted_events":
+        db.executescript("""
+            CREATE TABLE accepted_events (event_id TEXT PRIMARY KEY, state INTEGER NOT NULL,
+                fingerprint TEXT NOT NULL, ts REAL NOT NULL);
+            CREATE INDEX accepted_events_ts ON accepted_events (ts);""")
+        db.executemany("INSERT INTO accepted_events VALUES (?, ?, ?, ?)",
+                       [("b", 1, "fb", now + 2), ("a", 1, "fa", now + 1), ("p", 0, "fp", now + 3)])
+    else:
+        db.execute("CREATE TABLE accepted_log (seq INTEGER PRIMARY KEY, event_id TEXT NOT NULL, "
+                   "fingerprint TEXT NOT NULL, ts REAL NOT NULL)")
+        db.executemany("INSERT INTO accepted_log VALUES (?, ?, ?, ?)",
+                       [(7, "b", "fb", now + 2), (6, "a", "fa", now + 1)])  # pruned up to seq 6
     db.commit()
     db.close()
     idx = CompletionIndex(path)
     assert idx.claim({"a": "fa", "b": "fb", "p": "fp", "n": "fn"}) == (["p", "n"], {"a": "fa", "b": "fb"}, [])
-    assert idx._db.execute("SELECT seq, event_id FROM accepted_log").fetchall() == [(0, "a"), (1, "b")]
-    assert idx._db.execute("SELECT name FROM sqlite_master WHERE name LIKE 'accepted_events%'").fetchall() == []
+    assert idx._db.execute("SELECT first_seq, n FROM accepted_batches").fetchall() == [(0, 2)]
+    assert idx._db.execute(f"SELECT name FROM sqlite_master WHERE name LIKE '{old}%'").fetchall() == []
     idx.confirm(["p", "n"])
     idx.flush()
-    assert idx._db.execute("SELECT seq, event_id FROM accepted_log WHERE seq >= 2").fetchall() == [(2, "p"), (3, "n")]
+    assert idx._db.execute("SELECT first_seq, n FROM accepted_batches").fetchall() == [(0, 2), (2, 2)]
     idx.close()
+    again = CompletionIndex(path)
+    assert again.claim({"a": "x", "n": "y"}).done == {"a": "fa", "n": "fn"}
+    again.close()
+
+
+def test_index_prunes_inside_a_batch_row(tmp_path):
+    """The TTL and the cap cut the ids where they fall, also inside one batch row: the row keeps
+    its newer ids, which stay duplicates (after a restart too); the older ones are forgotten."""
+    idx = CompletionIndex(tmp_path / "i.db", accepted_ttl_s=100, accepted_max=1000, prune_every=10**9)
+    for i in range(6):  # one batch of ids confirmed at 1000..1005
+        idx.confirm(idx.claim({f"e{i}": f"f{i}"}, now=1000 + i).claimed, now=1000 + i)
+    idx.flush()
+    idx.prune(now=1102.5)  # ids confirmed before 1002.5 are past the TTL
+    assert idx.accepted_count() == 3
+    assert idx._db.execute("SELECT first_seq, n FROM accepted_batches").fetchall() == [(3, 3)]
+    assert idx.claim({"e2": "f2", "e3": "x", "e5": "y"}, now=1103) == (["e2"], {"e3": "f3", "e5": "f5"}, [])
+    idx.close()
+    again = CompletionIndex(tmp_path / "i.db", accepted_ttl_s=100, prune_every=10**9)
+    assert again.claim({"e3": "x", "e0": "z"}, now=1103) == (["e0"], {"e3": "f3"}, [])
+    again.close()
 
 
 def test_index_checks_a_hash_match_against_the_stored_id(tmp_path):
