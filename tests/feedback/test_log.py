@@ -80,3 +80,26 @@ def test_sequential_chunked_reads_seek_and_agree_with_a_full_read(tmp_path):
     assert chunks == full and len(full) == 500
     assert list(log.read(123, limit=3)) == full[123:126]  # an arbitrary start still works
     log.close()
+
+
+@pytest.mark.skipif(not getattr(__import__("os"), "O_DSYNC", 0), reason="the platform has no O_DSYNC")
+def test_segments_are_written_synchronously_when_fsync_is_on(tmp_path):
+    """With fsync on, every segment (the first, a reopened one, a rolled one) is opened O_DSYNC: a
+    write is on disk when it returns, so the group commit needs no fsync of its own."""
+    import fcntl
+    import os
+
+    log = DurableLog(tmp_path / "a", segment_bytes=64)
+    assert fcntl.fcntl(log._fd, fcntl.F_GETFL) & os.O_DSYNC
+    log.append([b"x" * 100])
+    log.append([b"y"])  # the first segment is full: this one goes to a new segment
+    assert len(list((tmp_path / "a").glob("*.log"))) == 2
+    assert fcntl.fcntl(log._fd, fcntl.F_GETFL) & os.O_DSYNC
+    log.close()
+    again = DurableLog(tmp_path / "a")
+    assert fcntl.fcntl(again._fd, fcntl.F_GETFL) & os.O_DSYNC
+    assert [r for _, r in again.read(0)] == [b"x" * 100, b"y"]
+    again.close()
+    off = DurableLog(tmp_path / "b", fsync=False)
+    assert not fcntl.fcntl(off._fd, fcntl.F_GETFL) & os.O_DSYNC
+    off.close()
