@@ -155,6 +155,14 @@ def _parse(raw: bytes, header_key: str | None) -> tuple[list[tuple[FeedbackIn, s
     if len(raw) > MAX_BODY_BYTES:
         raise APIError(413, f"The body is larger than {MAX_BODY_BYTES} bytes; send smaller batches.", None,
                        "request_too_large")
+    if raw[:16].lstrip().startswith(b'{"events"'):  # a batch, as the SDK sends it: validated from the
+        try:                                          # bytes in one pass (~2 us an event less than below)
+            items = FeedbackBatch.model_validate_json(raw).events
+        except ValidationError:
+            pass  # the path below parses it again, to say what is wrong exactly as it always has
+        else:
+            _check_header_key(header_key)
+            return _keyed(items, header_key), ("events",)
     try:
         body = json.loads(raw)
     except ValueError as e:
@@ -163,8 +171,7 @@ def _parse(raw: bytes, header_key: str | None) -> tuple[list[tuple[FeedbackIn, s
     if not isinstance(body, dict):
         raise APIError(400, "The body must be a JSON object: one event or {\"events\": [...]}.", None,
                        "invalid_request")
-    if header_key is not None and not 1 <= len(header_key) <= 256:
-        raise APIError(400, "Idempotency-Key must be 1-256 characters", "Idempotency-Key", "invalid_value")
+    _check_header_key(header_key)
     batch = "events" in body
     try:
         items = FeedbackBatch.model_validate(body).events if batch else [FeedbackIn.model_validate(body)]
@@ -176,8 +183,17 @@ def _parse(raw: bytes, header_key: str | None) -> tuple[list[tuple[FeedbackIn, s
             raise APIError(400, "idempotency_key and the Idempotency-Key header differ", "idempotency_key",
                            "invalid_value")
         return [(items[0], key or header_key)], ()
-    return [(it, it.idempotency_key or (f"{header_key}#{i}" if header_key else None))
-            for i, it in enumerate(items)], ("events",)
+    return _keyed(items, header_key), ("events",)
+
+
+def _check_header_key(header_key: str | None) -> None:
+    if header_key is not None and not 1 <= len(header_key) <= 256:
+        raise APIError(400, "Idempotency-Key must be 1-256 characters", "Idempotency-Key", "invalid_value")
+
+
+def _keyed(items: list[FeedbackIn], header_key: str | None) -> list[tuple[FeedbackIn, str | None]]:
+    """A batch's events with their keys: their own, else `<Idempotency-Key header>#<i>`, else none."""
+    return [(it, it.idempotency_key or (f"{header_key}#{i}" if header_key else None)) for i, it in enumerate(items)]
 
 
 _NOT_FINGERPRINTED = {"idempotency_key"}

@@ -508,3 +508,48 @@ def test_a_retry_of_an_event_accepted_under_the_legacy_fingerprint(live, cid):
     assert r.status_code == 200 and r.json() == {"accepted": 0, "duplicates": 1, "event_ids": [eid]}
     r = post(live, {**body, "value": 5})
     assert r.status_code == 409 and r.json()["error"]["code"] == "idempotency_key_reused"
+
+
+_BODIES = [  # batches: (JSON text, Idempotency-Key header)
+    ('{"events": [{"completion_id": "c1", "kind": "thumb_up"}]}', None),
+    ('{"events": [{"completion_id": "c1", "kind": "rating", "value": 4, "ts": 1700000000, "user": "u\\u00e9",'
+     ' "idempotency_key": "k1"}, {"completion_id": "c2", "kind": "edited", "value": 0.25, "edit_distance": 3},'
+     ' {"completion_id": "c3", "kind": "dwell", "value": 12.5, "ts": 1700000000.25}]}', "h"),
+    ('{"events":[{"completion_id":"c1","kind":"rating","value":4,"value":5}]}', None),  # last one wins
+    ('{"events": [{"completion_id": "c\\ud800", "kind": "copied"}]}', None),  # a lone surrogate
+    # refused, each for its own reason:
+    ('{"events": [{"completion_id": "c1", "kind": "thumbs"}]}', None),
+    ('{"events": [{"completion_id": "c1", "kind": "rating", "value": "4"}]}', None),
+    ('{"events": [{"completion_id": "c1", "kind": "dwell", "value": NaN}]}', None),
+    ('{"events": [{"completion_id": "c1", "kind": "dwell", "value": 1e999}]}', None),
+    ('{"events": [{"completion_id": "c1", "kind": "edited", "edit_distance": 2.0}]}', None),
+    ('{"events": [], "more": 1}', None),
+    ('{"events": []}', None),
+    ('{"events": [{"completion_id": "c1", "kind": "thumb_up"}]}', ""),
+    ('{"events": [{"completion_id": "c1", "kind": "thumb_up"}] trailing', None),
+]
+
+
+@pytest.mark.parametrize("text,header", _BODIES)
+def test_batch_fast_path_parses_as_the_full_path(text, header):
+    """A batch body starting `{"events"` is validated straight from the bytes; any other spelling
+    goes through json.loads and the models. Both give the same events and keys, and a refused body
+    the same error (the fast path hands what it refuses to the full one)."""
+    from fastapi.exceptions import RequestValidationError
+
+    from api.errors import APIError
+    from api.routes.feedback import _parse
+
+    def outcome(raw: bytes):
+        try:
+            items, prefix = _parse(raw, header)
+        except RequestValidationError as e:
+            return "invalid", e.errors()
+        except APIError as e:
+            return "api", e.status, e.code, e.param  # (the message quotes positions in the text)
+        return [(it.model_dump(), type(it.value), key) for it, key in items], prefix
+
+    fast = text.encode()
+    slow = fast.replace(b'{"events"', b'{\n"events"', 1)  # not the fast path's prefix
+    assert slow != fast
+    assert outcome(fast) == outcome(slow)
