@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -119,5 +120,6 @@ def serve(settings: Settings | None = None) -> None:
     import uvicorn
 
     settings = settings or get_settings()
+    sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)  # this process is the gateway
     uvicorn.run(create_app(settings, freeze_gc=True), host=settings.host, port=settings.port, log_level="info",
                 access_log=settings.access_log)

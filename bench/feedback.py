@@ -12,7 +12,7 @@ One run measures, on one machine, every part in its own process (broker, gateway
      "max": closed loop, fixed concurrency, for `--seconds`; "half": open loop at half the max
      events/s (requests start on a fixed schedule; latency counts from the scheduled start, so a
      slow server is not hidden by a slowed-down client).
-     What "events/s into Kafka" means: the gateway answers 200 once each event is fsynced into its
+     What "events/s into Kafka" means: the gateway answers 200 once each event is on disk in its
      local spool; the spool's forwarder, a child process of the gateway, delivers the spool to the
      broker (acks=all) asynchronously.
      So the HTTP rate is the spooled (durable) rate; the delivered rate is measured separately from
@@ -148,7 +148,8 @@ class Http11:
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = []  # oldest first
         self.max_connections, self.opened = max_connections, 0
 
-    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes, dict[str, float]]:
+        """(status, body, the `Server-Timing` durations in ms by name)."""
         while self.idle and time.monotonic() - self.idle[0][2] > self.IDLE_S:  # the server may close them
             self.idle.pop(0)[1].close()
             self.opened -= 1
@@ -166,15 +167,20 @@ class Http11:
             raw = await reader.readuntil(b"\r\n\r\n")
             lines = raw.decode("latin-1").split("\r\n")
             status = int(lines[0].split(" ", 2)[1])
-            length = next(int(v) for k, _, v in (ln.partition(":") for ln in lines[1:])
-                          if k.strip().lower() == "content-length")
+            head = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
+            length = int(head["content-length"])
             data = await reader.readexactly(length)
+            timing = {}
+            for part in head.get("server-timing", "").split(","):
+                name, _, dur = part.strip().partition(";dur=")
+                if dur:
+                    timing[name] = float(dur)
         except BaseException:
             writer.close()
             self.opened -= 1
             raise
         self.idle.append((reader, writer, time.monotonic()))
-        return status, data
+        return status, data, timing
 
     async def close(self) -> None:
         for _, writer, _ in self.idle:
@@ -204,15 +210,18 @@ async def run_load(url: str, cids: list[str], mode: str, kind: str, seconds: flo
     next_body = iter(bodies)
 
     lat, errors, accepted = [], {}, 0
+    stages: dict[str, list[float]] = {"validate": [], "commit": []}  # the gateway's Server-Timing, ms
     client = Http11(url, max_connections=max(concurrency, 512))
 
     async def one(start: float, content: bytes) -> None:
         nonlocal accepted
         try:
-            status, data = await client.post("/v1/feedback", content, headers)
+            status, data, timing = await client.post("/v1/feedback", content, headers)
             if status == 200:
                 accepted += json.loads(data)["accepted"]
                 lat.append(time.perf_counter() - start)
+                for name, ms in timing.items():
+                    stages.setdefault(name, []).append(ms)
             else:
                 errors[str(status)] = errors.get(str(status), 0) + 1
         except (OSError, asyncio.IncompleteReadError, ValueError, RuntimeError) as e:  # RuntimeError: pool full
@@ -222,6 +231,8 @@ async def run_load(url: str, cids: list[str], mode: str, kind: str, seconds: flo
         for _ in range(3):  # warm-up: connections (its events are published too: counted apart)
             await one(time.perf_counter(), body())
         warmup, accepted, lat = accepted, 0, []
+        for v in stages.values():
+            v.clear()
         t0 = time.perf_counter()
         wall0, cpu0 = time.time(), time.process_time()
         end = t0 + seconds
@@ -257,6 +268,7 @@ async def run_load(url: str, cids: list[str], mode: str, kind: str, seconds: flo
             "wall_s": wall, "events_per_s": accepted / wall, "p50_ms": pct(lat, 50) * 1e3,
             "p90_ms": pct(lat, 90) * 1e3, "p99_ms": pct(lat, 99) * 1e3,
             "max_ms": max(lat) * 1e3 if lat else None, "errors": errors, "late_starts": late,
+            "server_ms": {name: {"p50": pct(v, 50), "p90": pct(v, 90), "p99": pct(v, 99)} for name, v in stages.items()},
             "t_start": wall0, "t_end": time.time(), "loadgen_cpu_s": time.process_time() - cpu0}
 
 
@@ -566,6 +578,16 @@ def table(result: dict) -> list[str]:
         c = r["cpu_s"]
         lines.append(f"| {r['path']} | {r['mode']} | {_load_name(r)} | {r['wall_s']:.1f} | {c['gateway']:.1f} | "
                      f"{c.get('forwarder', 0):.1f} | {c.get('tansu', 0):.1f} | {c['loadgen']:.1f} |")
+    lines += ["", ("Inside the gateway (its `Server-Timing` answers, ms): 'validate' = from the route's start to the "
+                   "publish (parse, checks, ids, claims), 'commit' = waiting for the events to be on disk; the rest of "
+                   "the latency above is queueing for the event loop, HTTP and the answer:"), "",
+              "| path | mode | load | validate p50 | p90 | p99 | commit p50 | p90 | p99 | latency p99 |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in result["gateway_rows"]:
+        v, c = r.get("server_ms", {}).get("validate"), r.get("server_ms", {}).get("commit")
+        if v and c:
+            lines.append(f"| {r['path']} | {r['mode']} | {_load_name(r)} | {v['p50']:.1f} | {v['p90']:.1f} | "
+                         f"{v['p99']:.1f} | {c['p50']:.1f} | {c['p90']:.1f} | {c['p99']:.1f} | {r['p99_ms']:.1f} |")
     return lines
 
 

@@ -553,3 +553,24 @@ def test_batch_fast_path_parses_as_the_full_path(text, header):
     slow = fast.replace(b'{"events"', b'{\n"events"', 1)  # not the fast path's prefix
     assert slow != fast
     assert outcome(fast) == outcome(slow)
+
+
+def test_accepted_feedback_reports_its_stages(live, cid):
+    """An accepted request says how long it spent before the publish and waiting for the events to
+    be on disk (Server-Timing), and /metrics counts both stages."""
+    import re
+
+    def count(stage: str) -> float:
+        for line in httpx.get(live.url + "/metrics").text.splitlines():
+            if line.startswith(f'flywheel_feedback_stage_seconds_count{{stage="{stage}"}}'):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    before = count("validate"), count("commit")
+    r = post(live, {"events": [{"completion_id": cid, "kind": "copied"}, {"completion_id": cid, "kind": "thumb_up"}]})
+    assert r.status_code == 200
+    m = re.fullmatch(r"validate;dur=(\d+\.\d\d), commit;dur=(\d+\.\d\d)", r.headers["server-timing"])
+    assert m and float(m[2]) > 0, r.headers["server-timing"]  # the disk write takes time
+    assert (count("validate"), count("commit")) == (before[0] + 1, before[1] + 1)
+    assert post(live, {"completion_id": "cmpl-nope", "kind": "thumb_up"}).status_code == 404  # refused: not counted
+    assert (count("validate"), count("commit")) == (before[0] + 1, before[1] + 1)

@@ -179,3 +179,25 @@ def test_a_stream_the_client_drops_is_still_recorded(live):
     rec = records_by_id(live)[cid]
     assert rec.finish_reason in ("abort", "length") and len(rec.output_ids) >= 1
     print("dropped stream recorded:", rec.finish_reason, len(rec.output_ids))
+
+
+def test_serve_sets_the_gil_switch_interval(monkeypatch, tmp_path):
+    """`serve` (the gateway process) sets Python's switch interval from the settings before uvicorn
+    starts; the setting refuses values that are not a positive number of milliseconds up to 100."""
+    import sys
+
+    import uvicorn
+
+    import api.main
+
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(interval=sys.getswitchinterval(), **kw))
+    before = sys.getswitchinterval()
+    try:
+        api.main.serve(Settings(home=tmp_path, gil_switch_interval_ms=2.5, port=0))
+    finally:
+        sys.setswitchinterval(before)
+    assert seen["interval"] == pytest.approx(0.0025) and seen["port"] == 0
+    for bad in (0, -1, 101):
+        with pytest.raises(ValueError, match="gil_switch_interval_ms"):
+            Settings(home=tmp_path, gil_switch_interval_ms=bad)
