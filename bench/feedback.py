@@ -514,7 +514,7 @@ def read_broker(broker: str, topic: str, timeout_s: float = 60.0) -> dict:
 
 
 NOTE = ("HTTP rows: events/s the gateway acknowledged (200) per second of load; it acknowledges once every "
-        "event of the request is on disk in the Kafka bus's local spool (or to the embedded log). For Kafka the "
+        "event of the request is on disk in the Kafka bus's local spool (or in the embedded log). For Kafka the "
         "spool's forwarder (a child process of the gateway, under SCHED_IDLE: it runs on CPU the gateway leaves "
         "idle) delivers the spool to the broker afterwards (acks=all): see the delivered table. Batch = 100 "
         "events per request; each event carries an idempotency key, as the SDK sends it. 'max' = closed loop; "
