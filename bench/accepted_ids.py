@@ -46,8 +46,9 @@ LAYOUTS = {
         ("INSERT INTO a SELECT ? + key, json_extract(value, '$[0]'), json_extract(value, '$[1][0]'), "
          "json_extract(value, '$[1][1]') / 1000.0 FROM json_each(?)")),
     "one row per batch (now)": (
-        "CREATE TABLE a (first_seq INTEGER PRIMARY KEY, n INTEGER NOT NULL, last_ts REAL NOT NULL, ids TEXT NOT NULL);",
-        "INSERT INTO a VALUES (?, ?, ?, ?)"),
+        ("CREATE TABLE a (first_seq INTEGER PRIMARY KEY, n INTEGER NOT NULL, first_ts REAL NOT NULL, "
+         "last_ts REAL NOT NULL, ids TEXT NOT NULL);"),
+        "INSERT INTO a VALUES (?, ?, ?, ?, ?)"),
 }
 
 

@@ -21,7 +21,7 @@ forgotten, so a client's retry of one of them is published again — the consume
 `event_id` (the joiner's dedupe), so it still reaches the learner once.
 
 Accepted ids are kept in confirmation order, one row per write-behind batch:
-`accepted_batches(first_seq, n, last_ts, ids)`, the ids numbered `first_seq`, `first_seq + 1`, ...
+`accepted_batches(first_seq, n, first_ts, last_ts, ids)`, the ids numbered `first_seq`, `first_seq + 1`, ...
 and stored as one JSON text (`[[event_id, ...], [fingerprint, ...], [ms, ...]]`); in memory,
 `hash(event_id) → seq` for every id (read at start-up: ~110 MB per million ids, the default cap). A
 claim looks each id up in memory, and only on a hit (a retry) reads that id's batch row to compare
@@ -63,11 +63,15 @@ _SQLITE_VARS = 500  # ids per `IN (...)` query, well under SQLite's bound-parame
 _MIGRATE_CHUNK = 10_000  # ids per batch row when rows of an earlier table move over
 
 
-def _encode(batch: dict[str, tuple[str, int]]) -> tuple[int, float, str]:
-    """A batch row's (n, last_ts, ids): ids is the JSON of `[[event_id, ...], [fingerprint, ...],
-    [ms, ...]]` (confirmation order; ms since the epoch), last_ts the newest ms in seconds."""
+_INSERT_BATCH = "INSERT INTO accepted_batches (first_seq, n, first_ts, last_ts, ids) VALUES (?, ?, ?, ?, ?)"
+
+
+def _encode(batch: dict[str, tuple[str, int]]) -> tuple[int, float, float, str]:
+    """A batch row's (n, first_ts, last_ts, ids): ids is the JSON of `[[event_id, ...], [fingerprint,
+    ...], [ms, ...]]` (confirmation order; ms since the epoch), first_ts/last_ts the oldest/newest ms
+    in seconds."""
     fps, ms = zip(*batch.values())
-    return len(batch), max(ms) / 1000, json.dumps([list(batch), fps, ms])
+    return len(batch), min(ms) / 1000, max(ms) / 1000, json.dumps([list(batch), fps, ms])
 
 
 class CompletionEntry(NamedTuple):
@@ -119,8 +123,12 @@ class CompletionIndex:
                 completion_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, model_version TEXT NOT NULL,
                 ts REAL NOT NULL) WITHOUT ROWID;
             CREATE TABLE IF NOT EXISTS accepted_batches (
-                first_seq INTEGER PRIMARY KEY, n INTEGER NOT NULL, last_ts REAL NOT NULL, ids TEXT NOT NULL);
+                first_seq INTEGER PRIMARY KEY, n INTEGER NOT NULL, first_ts REAL NOT NULL, last_ts REAL NOT NULL,
+                ids TEXT NOT NULL);
         """)
+        if "first_ts" not in {c[1] for c in self._db.execute("PRAGMA table_info(accepted_batches)")}:
+            # a table of this layout's first days, without it: 0 makes pruning read those rows' times
+            self._db.execute("ALTER TABLE accepted_batches ADD COLUMN first_ts REAL NOT NULL DEFAULT 0")
         self._pending: dict[str, tuple[str, float]] = {}  # claimed, being published: id -> (fingerprint, ts)
         self._unwritten: dict[str, tuple[str, int]] = {}  # confirmed, not yet in the table: id -> (fp, ms)
         self._writing: dict[str, tuple[str, int]] = {}  # confirmed, being written (its transaction open)
@@ -203,7 +211,7 @@ class CompletionIndex:
 
     def _insert(self, db: sqlite3.Connection, first: int, batch: dict[str, tuple[str, int]]) -> None:
         """The batch as one row: seqs `first`, `first + 1`, ... (autocommit: one statement)."""
-        db.execute("INSERT INTO accepted_batches VALUES (?, ?, ?, ?)", (first, *_encode(batch)))
+        db.execute(_INSERT_BATCH, (first, *_encode(batch)))
 
     def _migrate(self) -> None:
         """Earlier versions kept accepted ids one row each: in `accepted_events` (keyed by the id,
@@ -221,7 +229,7 @@ class CompletionIndex:
                 seq = self._db.execute("SELECT coalesce(max(first_seq + n), 0) FROM accepted_batches").fetchone()[0]
                 rows = self._db.execute(select)
                 while chunk := rows.fetchmany(_MIGRATE_CHUNK):
-                    self._db.execute("INSERT INTO accepted_batches VALUES (?, ?, ?, ?)",
+                    self._db.execute(_INSERT_BATCH,
                                      (seq, *_encode({eid: (fp, round(ts * 1000)) for eid, fp, ts in chunk})))
                     seq += len(chunk)
                 self._db.execute(f"DROP TABLE {table}")
@@ -355,12 +363,13 @@ class CompletionIndex:
         what goes is a prefix — those older than the TTL, then the oldest beyond the cap. Whole
         batch rows are deleted; the one the cut falls into keeps its newer part."""
         oldest_kept = now - self.accepted_ttl_s
-        row = db.execute("SELECT first_seq, ids FROM accepted_batches WHERE last_ts >= ? ORDER BY first_seq LIMIT 1",
-                         (oldest_kept,)).fetchone()  # scans the expired rows only
-        cut = self._next_seq
-        if row is not None:
-            ms = json.loads(row[1])[2]
-            cut = row[0] + next((i for i, m in enumerate(ms) if m / 1000 >= oldest_kept), len(ms))
+        row = db.execute("SELECT first_seq, first_ts FROM accepted_batches WHERE last_ts >= ? ORDER BY first_seq "
+                         "LIMIT 1", (oldest_kept,)).fetchone()  # scans the expired rows only
+        cut = self._next_seq if row is None else row[0]
+        if row is not None and row[1] < oldest_kept:  # the TTL falls inside this row: read its times
+            ms = json.loads(db.execute("SELECT ids FROM accepted_batches WHERE first_seq = ?",
+                                       (row[0],)).fetchone()[0])[2]
+            cut += next((i for i, m in enumerate(ms) if m / 1000 >= oldest_kept), len(ms))
         cut = max(cut, self._next_seq - self.accepted_max)
         if cut <= self._first_seq:
             return
@@ -375,7 +384,7 @@ class CompletionIndex:
                 db.execute("DELETE FROM accepted_batches WHERE first_seq = ?", (first,))
                 if keep < len(eids):  # the cut falls inside: its newer ids stay, as a row from `cut`
                     rest = dict(zip(eids[keep:], zip(fps[keep:], ms[keep:])))
-                    db.execute("INSERT INTO accepted_batches VALUES (?, ?, ?, ?)", (cut, *_encode(rest)))
+                    db.execute(_INSERT_BATCH, (cut, *_encode(rest)))
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")

@@ -169,10 +169,11 @@ class DurableLog:
         self.segment_bytes, self.fsync = segment_bytes, fsync
         # Segments are opened O_DSYNC: a write returns once its data (and the size) is on disk, as
         # write + fdatasync would, in one system call -- the writer thread takes the interpreter lock
-        # back once per group commit instead of twice (each time it may wait for the event loop's
-        # switch interval, 5 ms): the wait for a publish at p99 under bench/feedback.py's half
-        # rate went from 10.7-16.9 ms to 8.8-14.0 ms (three runs each, alternated).
+        # back once per group commit instead of twice (each time it may wait up to the interpreter's
+        # switch interval for the event loop): the wait for a publish at p99 under bench/feedback.py's
+        # half rate went from 10.7-16.9 ms to 8.8-14.0 ms (three runs each, alternated).
         self._dsync = _O_DSYNC if fsync else 0
+        self._fsync_after_write = fsync and not self._dsync
         self._closed = False
         self._error: BaseException | None = None  # a failed write or fsync: the log takes no more
         self._cursors: dict[int, tuple[int, int]] = {}  # offset -> (segment base, byte position)
@@ -182,11 +183,8 @@ class DurableLog:
         self._writer = LogWriter(f"log-{self.folder.name}") if writer is None else writer
 
     # ---- segments -------------------------------------------------------------------------
-    def _segments(self) -> list[tuple[int, Path]]:
-        return segments(self.folder)
-
     def _recover(self) -> int:
-        segs = self._segments()
+        segs = segments(self.folder)
         if not segs:
             self._open_segment(0)
             return 0
@@ -257,13 +255,13 @@ class DurableLog:
             view = view[os.write(self._fd, view):]
 
     def _roll(self) -> None:
-        if self.fsync and not self._dsync:
+        if self._fsync_after_write:
             os.fsync(self._fd)
         os.close(self._fd)
         self._open_segment(self._next)
 
     def _sync(self) -> None:
-        if self.fsync and not self._dsync:
+        if self._fsync_after_write:
             os.fsync(self._fd)
 
     def _fail(self, error: BaseException, batch: list) -> None:
@@ -289,7 +287,7 @@ class DurableLog:
         cache of (offset -> segment, byte position) lets that read seek straight there instead of
         parsing the segment from its start.
         """
-        segs = self._segments()
+        segs = segments(self.folder)
         hint = self._cursors.get(start)
         n = 0
         for i, (base, path) in enumerate(segs):

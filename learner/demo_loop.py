@@ -86,10 +86,11 @@ def run_demo_loop(model_dir: str | Path, cfg: DemoLoopConfig = DemoLoopConfig(),
         log.info("demo loop: base %s", base)
         for r in range(cfg.rounds):
             version = f"v{r}"
-            tasks = sample_tasks(cfg.samples_per_round, seed=cfg.seed * 100_003 + r)
+            round_seed = cfg.seed * 100_003 + r
+            tasks = sample_tasks(cfg.samples_per_round, seed=round_seed)
             # One seed per completion, as `evaluate` does: what is served (and so learned) does not
             # depend on how the engine's thread happens to batch the requests.
-            first = (cfg.seed * 100_003 + r) * cfg.samples_per_round
+            first = round_seed * cfg.samples_per_round
             outs = engine.generate([tok.encode_prompt(t.prompt) for t in tasks],
                                    [SamplingParams(max_tokens=cfg.max_tokens, seed=first + i)
                                     for i in range(len(tasks))], version)

@@ -30,8 +30,8 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import get_args
 from email.utils import parsedate_to_datetime
+from typing import get_args
 
 import httpx
 from pydantic import ValidationError

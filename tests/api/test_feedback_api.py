@@ -454,6 +454,29 @@ def test_index_takes_over_the_accepted_ids_of_earlier_tables(tmp_path, old):
     again.close()
 
 
+def test_index_opens_a_batch_table_without_first_ts(tmp_path):
+    """`accepted_batches` as it was first written had no `first_ts`: the column is added (0 for the
+    old rows), the ids are still duplicates, and the TTL still cuts inside such a row."""
+    import json
+    import sqlite3
+
+    path = tmp_path / "i.db"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE accepted_batches (first_seq INTEGER PRIMARY KEY, n INTEGER NOT NULL, "
+               "last_ts REAL NOT NULL, ids TEXT NOT NULL)")
+    db.execute("INSERT INTO accepted_batches VALUES (0, 3, 1002.0, ?)",
+               (json.dumps([["a", "b", "c"], ["fa", "fb", "fc"], [1000_000, 1001_000, 1002_000]]),))
+    db.commit()
+    db.close()
+    idx = CompletionIndex(path, accepted_ttl_s=100, prune_every=10**9)
+    assert idx.claim({"b": "x"}, now=1050).done == {"b": "fb"}
+    idx.confirm(idx.claim({"d": "fd"}, now=1050).claimed, now=1050)
+    idx.prune(now=1101.5)  # a and b are past the TTL
+    assert idx.claim({"a": "x", "c": "y", "d": "z"}, now=1102) == (["a"], {"c": "fc", "d": "fd"}, [])
+    assert idx.accepted_count() == 2
+    idx.close()
+
+
 def test_index_prunes_inside_a_batch_row(tmp_path):
     """The TTL and the cap cut the ids where they fall, also inside one batch row: the row keeps
     its newer ids, which stay duplicates (after a restart too); the older ones are forgotten."""
@@ -553,6 +576,21 @@ def test_batch_fast_path_parses_as_the_full_path(text, header):
     slow = fast.replace(b'{"events"', b'{\n"events"', 1)  # not the fast path's prefix
     assert slow != fast
     assert outcome(fast) == outcome(slow)
+
+
+def test_batch_fast_path_is_taken_for_a_valid_batch(monkeypatch):
+    """The SDK's batch spelling never reaches json.loads (it is validated from the bytes); another
+    spelling of the same body does."""
+    import json
+    import types
+
+    import api.routes.feedback as route
+
+    calls = []
+    monkeypatch.setattr(route, "json", types.SimpleNamespace(loads=lambda raw: calls.append(raw) or json.loads(raw)))
+    body = b'{"events": [{"completion_id": "c1", "kind": "thumb_up"}]}'
+    assert route._parse(body, None)[1] == ("events",) and calls == []
+    assert route._parse(body.replace(b"{", b"{ ", 1), None)[1] == ("events",) and len(calls) == 1
 
 
 def test_accepted_feedback_reports_its_stages(live, cid):
