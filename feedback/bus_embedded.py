@@ -154,17 +154,20 @@ class EmbeddedBus(EventBus):
             raise RuntimeError("bus is closed")
         _check_name("topic", topic)
         frames, parts = [], []
+        heads: dict[str, tuple[int, bytes]] = {}  # key -> (partition, record head): a batch repeats keys
         for key, value in records:
             if not isinstance(value, (bytes, bytearray)):
                 raise ValueError(f"value must be bytes, got {type(value).__name__}")
-            if not isinstance(key, str):
-                raise ValueError(f"key must be a str, got {type(key).__name__}")
-            kb = key.encode()
-            if len(kb) >= 1 << 16:
-                raise ValueError(f"key must be under 64 KiB, got {len(kb)} bytes")
-            p = zlib.crc32(kb) % self.partitions
-            frames.append(_HEAD.pack(p, len(kb)) + kb + value)
-            parts.append(p)
+            if (head := heads.get(key)) is None:
+                if not isinstance(key, str):
+                    raise ValueError(f"key must be a str, got {type(key).__name__}")
+                kb = key.encode()
+                if len(kb) >= 1 << 16:
+                    raise ValueError(f"key must be under 64 KiB, got {len(kb)} bytes")
+                p = zlib.crc32(kb) % self.partitions
+                head = heads[key] = (p, _HEAD.pack(p, len(kb)) + kb)
+            frames.append(head[1] + value)
+            parts.append(head[0])
         tl = self._topic(topic)
         if not frames:
             return all_of([])

@@ -54,6 +54,7 @@ import sqlite3
 import threading
 import time
 from collections import OrderedDict, deque
+from itertools import repeat
 from pathlib import Path
 from typing import NamedTuple
 
@@ -289,39 +290,58 @@ class CompletionIndex:
         """Try to claim each `event_id → fingerprint` (what the event says, to detect a key reused
         for a different event). Returns what was claimed, what is done, what is still pending."""
         now = time.time() if now is None else now
-        claimed, done, pending = [], {}, []
         with self._tx() as db:
-            unwritten, writing, accepted = self._unwritten, self._writing, self._accepted
-            ask: dict[int, str] = {}  # seq -> id: written rows that may be these ids (a hash matched)
-            for eid in fingerprints:
-                if eid not in self._pending and eid not in unwritten and eid not in writing:
-                    if (seq := accepted.get(hash(eid))) is not None:
-                        ask[seq] = eid
-            stored: dict[str, str] = {}
-            found = self._rows_read
-            for seq in sorted(ask):
-                row = next(((f, r) for f, r in found if f <= seq < f + len(r[0])), None)
-                if row is None:
-                    hit = db.execute("SELECT first_seq, ids FROM accepted_batches WHERE first_seq <= ? "
-                                     "ORDER BY first_seq DESC LIMIT 1", (seq,)).fetchone()
-                    if hit is None:
-                        continue
-                    row = (hit[0], json.loads(hit[1]))
-                    found.append(row)
-                first, (eids, fps, _) = row
-                if seq - first < len(eids) and eids[seq - first] == ask[seq]:  # not another id of that hash
-                    stored[ask[seq]] = fps[seq - first]
+            unwritten, writing, pending = self._unwritten, self._writing, self._pending
+            ids = fingerprints.keys()
+            # Set operations run in C: a batch of new ids (the common case) costs no Python loop here.
+            in_memory = (ids & pending.keys()) | (ids & unwritten.keys()) | (ids & writing.keys())
+            stored = self._stored_fingerprints(db, ids - in_memory if in_memory else ids)
+            if not in_memory and not stored:
+                pending.update(zip(ids, zip(fingerprints.values(), repeat(now))))
+                return Claim(list(ids), {}, [])
+            claimed, done, waiting = [], {}, []
             for eid, fp in fingerprints.items():
                 if (entry := unwritten.get(eid) or writing.get(eid)) is not None:
                     done[eid] = entry[0]
                 elif eid in stored:
                     done[eid] = stored[eid]
-                elif (entry := self._pending.get(eid)) is not None and now - entry[1] <= self.stale_claim_s:
-                    pending.append(eid)
+                elif (entry := pending.get(eid)) is not None and now - entry[1] <= self.stale_claim_s:
+                    waiting.append(eid)
                 else:
-                    self._pending[eid] = (fp, now)
+                    pending[eid] = (fp, now)
                     claimed.append(eid)
-        return Claim(claimed, done, pending)
+        return Claim(claimed, done, waiting)
+
+    def _stored_fingerprints(self, db: sqlite3.Connection, ids) -> dict[str, str]:
+        """The fingerprints of those of `ids` that are written (caller holds `_lock`)."""
+        accepted = self._accepted
+        by_hash = dict(zip(map(hash, ids), ids))
+        shared = len(by_hash) < len(ids)  # two of the ids have one hash (~2^-64): keep every one
+        if shared:
+            by_hash = {}
+            for eid in ids:
+                by_hash.setdefault(hash(eid), []).append(eid)
+        hits = by_hash.keys() & accepted.keys()  # a hit may be another id of the same hash: checked below
+        if not hits:
+            return {}
+        ask: dict[int, list[str]] = {}  # seq -> the ids whose hash names it
+        for h in hits:
+            ask.setdefault(accepted[h], []).extend(by_hash[h] if shared else (by_hash[h],))
+        stored: dict[str, str] = {}
+        found = self._rows_read
+        for seq in sorted(ask):
+            row = next(((f, r) for f, r in found if f <= seq < f + len(r[0])), None)
+            if row is None:
+                hit = db.execute("SELECT first_seq, ids FROM accepted_batches WHERE first_seq <= ? "
+                                 "ORDER BY first_seq DESC LIMIT 1", (seq,)).fetchone()
+                if hit is None:
+                    continue
+                row = (hit[0], json.loads(hit[1]))
+                found.append(row)
+            first, (eids, fps, _) = row
+            if seq - first < len(eids) and (eid := eids[seq - first]) in ask[seq]:  # not another id of that hash
+                stored[eid] = fps[seq - first]
+        return stored
 
     def confirm(self, event_ids: list[str], now: float | None = None) -> None:
         """The claimed events are published: from now on a retry is a duplicate (written to the

@@ -116,6 +116,7 @@ FEEDBACK_KINDS = EXPLICIT_KINDS + IMPLICIT_KINDS
 FeedbackKind = Literal["thumb_up", "thumb_down", "rating", "accepted", "rejected", "edited", "copied",
                        "regenerated", "dwell"]
 MAX_DWELL_S = 24 * 3600.0
+VALUED_KINDS = frozenset({"rating", "edited", "dwell"})  # the kinds that carry a value (`check_value`)
 
 
 class FeedbackEvent(Event):
@@ -153,11 +154,27 @@ def feedback_json(event_id: str, tenant: str, ts: float, completion_id: str, use
     with `FeedbackIn` and `check_value`), written without building the model: what
     `FeedbackEvent(...).model_dump_json()` writes (same fields, same order; floats as Python's
     `repr`, non-ASCII escaped), ~5x faster. tests/feedback/test_events.py holds the two equal."""
-    return (f'{{"event_id":{json_str(event_id)},"tenant":{json_str(tenant)},"ts":{float(ts)!r},'
-            f'"version":{SCHEMA_VERSION},"type":"feedback","completion_id":{json_str(completion_id)},'
-            f'"user_id":{_json_opt_str(user_id)},"kind":{json_str(kind)},'
+    return feedback_wire(json_str(event_id), json_str(tenant), repr(float(ts)),
+                         feedback_core_json(completion_id, user_id, kind, value, edit_distance))
+
+
+def feedback_core_json(completion_id: str, user_id: str | None, kind: str, value: float | None,
+                       edit_distance: int | None) -> str:
+    """What a feedback event says, as its wire form spells it: the members from `completion_id` to
+    `edit_distance`, comma separated, no braces. Shared by `feedback_wire` and the gateway's
+    idempotency fingerprint, so an event's numbers are formatted once."""
+    return (f'"completion_id":{json_str(completion_id)},"user_id":{_json_opt_str(user_id)},"kind":{json_str(kind)},'
             f'"value":{"null" if value is None else repr(float(value))},'
-            f'"edit_distance":{"null" if edit_distance is None else int(edit_distance)}}}').encode()
+            f'"edit_distance":{"null" if edit_distance is None else int(edit_distance)}')
+
+
+def feedback_wire(event_id_json: str, tenant_json: str, ts_repr: str, core: str) -> bytes:
+    """`feedback_json` from its parts: the event id and tenant as JSON strings, `repr(float(ts))`,
+    and `feedback_core_json(...)` (one tenant's batch writes its tenant once)."""
+    return f'{{"event_id":{event_id_json},"tenant":{tenant_json},"ts":{ts_repr},{_FEEDBACK_HEAD}{core}}}'.encode()
+
+
+_FEEDBACK_HEAD = f'"version":{SCHEMA_VERSION},"type":"feedback",'
 
 
 def check_value(kind: str, v: float | None) -> float | None:

@@ -9,12 +9,11 @@ A batch is all-or-nothing: nothing is published unless every event is valid.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import time
 from collections.abc import Callable
-from typing import NamedTuple
+from hashlib import sha256
 
 from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -23,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from api.deps import GatewayDep, TenantDep
 from api.errors import APIError
 from feedback.completion_index import CompletionIndex
-from feedback.events import TOPICS, FeedbackKind, check_value, feedback_json, hash_user, json_str, new_event_id
+from feedback.events import (TOPICS, VALUED_KINDS, FeedbackKind, check_value, feedback_core_json, feedback_wire,
+                             hash_user, json_str, new_event_id)
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1")
@@ -46,15 +46,6 @@ class FeedbackIn(BaseModel):
     idempotency_key: str | None = Field(None, min_length=1, max_length=256)
 
 
-class _Event(NamedTuple):
-    """One accepted event on its way to the bus: its id, its key, its wire form (`FeedbackEvent`'s
-    JSON, from `feedback.events.feedback_json`)."""
-
-    event_id: str
-    completion_id: str
-    wire: bytes
-
-
 class FeedbackBatch(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     events: list[FeedbackIn] = Field(min_length=1, max_length=MAX_BATCH)
@@ -64,8 +55,15 @@ def event_id_for(tenant: str, idempotency_key: str) -> str:
     """Deterministic: the same key from the same tenant always names the same event. The hashed text
     is `json.dumps(["flywheel.feedback", tenant, idempotency_key])`, spelled out (3x faster; ids
     must never change, or a retry across an upgrade would count twice)."""
-    what = f'["flywheel.feedback", {json_str(tenant)}, {json_str(idempotency_key)}]'.encode()
-    return hashlib.sha256(what).hexdigest()[:32]
+    return _event_id(_id_head(tenant), idempotency_key)
+
+
+def _id_head(tenant: str) -> str:
+    return f'["flywheel.feedback", {json_str(tenant)}, '
+
+
+def _event_id(head: str, idempotency_key: str) -> str:
+    return sha256(f"{head}{json_str(idempotency_key)}]".encode()).hexdigest()[:32]
 
 
 @router.post("/feedback")
@@ -96,28 +94,35 @@ async def post_feedback(request: Request, gw: GatewayDep, tenant: TenantDep):
     t0 = time.perf_counter()
     items, prefix = _parse(await request.body(), request.headers.get("idempotency-key"))
     now = time.time()
-    events, fingerprints, first = [], {}, {}
+    # Per event, each field is formatted once (~10 us an event less than building FeedbackEvent):
+    # `core` (what the event says) makes both its wire form and its key's fingerprint.
+    too_late, tenant_json, now_repr, id_head = now + MAX_CLOCK_SKEW_S, json_str(tenant), repr(now), _id_head(tenant)
+    events: list[tuple[str, str, bytes]] = []  # (event id, completion id = the record's key, wire form)
+    fingerprints: dict[str, str] = {}  # keyed events: event id -> fingerprint
+    first: dict[str, int] = {}  # keyed events: event id -> index of its first event in the request
     for i, (item, key) in enumerate(items):
-        if item.ts is not None and item.ts > now + MAX_CLOCK_SKEW_S:
-            raise APIError(400, f"ts {item.ts} is in the future", _param(prefix, i, "ts"), "invalid_value")
-        try:
-            value = check_value(item.kind, item.value)
-        except ValueError as e:  # the same error FeedbackEvent's own validation gives
-            raise RequestValidationError([{"type": "value_error", "loc": (*prefix, i, "value") if prefix else ("value",),
-                                           "msg": f"Value error, {e}", "input": item.value}]) from None
-        # Every field is checked by now (FeedbackIn, the tenant dependency, check_value): write the
-        # event's wire form without building (and validating again) the model: 7 -> 1.5 us per event.
-        event_id = event_id_for(tenant, key) if key else new_event_id()
-        ev = _Event(event_id, item.completion_id, feedback_json(
-            event_id, tenant, float(item.ts) if item.ts is not None else now, item.completion_id,
-            hash_user(tenant, item.user), item.kind, value, item.edit_distance))
+        ts, kind, value = item.ts, item.kind, item.value
+        if ts is not None and ts > too_late:
+            raise APIError(400, f"ts {ts} is in the future", _param(prefix, i, "ts"), "invalid_value")
+        if value is not None or kind in VALUED_KINDS:
+            try:
+                value = check_value(kind, value)
+            except ValueError as e:  # the same error FeedbackEvent's own validation gives
+                raise RequestValidationError([{"type": "value_error", "loc": (*prefix, i, "value") if prefix else ("value",),
+                                               "msg": f"Value error, {e}", "input": item.value}]) from None
+        # Every field is checked by now (FeedbackIn, the tenant dependency, check_value).
+        core = feedback_core_json(item.completion_id, hash_user(tenant, item.user), kind, value, item.edit_distance)
+        ts_repr = now_repr if ts is None else repr(float(ts))
         if key:
-            fp = fingerprint(item)
-            if fingerprints.setdefault(ev.event_id, fp) != fp:
+            event_id = _event_id(id_head, key)
+            fp = _fingerprint(core, None if ts is None else ts_repr)
+            if fingerprints.setdefault(event_id, fp) != fp:
                 raise APIError(409, f"idempotency key {key!r} is used twice for different events",
                                _param(prefix, i, "idempotency_key"), "idempotency_key_reused")
-        first.setdefault(ev.event_id, i)
-        events.append(ev)
+            first.setdefault(event_id, i)
+        else:
+            event_id = new_event_id()
+        events.append((event_id, item.completion_id, feedback_wire(f'"{event_id}"', tenant_json, ts_repr, core)))
 
     # Are the completions this tenant's? If so, claim the keys. On the loop, not a worker thread:
     # recent completions are in the index's memory, the claim is one indexed SELECT of the new ids
@@ -125,20 +130,23 @@ async def post_feedback(request: Request, gw: GatewayDep, tenant: TenantDep):
     # back waited ~10 ms at p50 for the interpreter lock.
     unknown, first_claim = _lookup_and_claim(gw.index, events, tenant, fingerprints)
     if unknown is not None:  # another tenant's id is as unknown as a made-up one
-        raise APIError(404, f"No completion with id '{events[unknown].completion_id}'.",
+        raise APIError(404, f"No completion with id '{events[unknown][1]}'.",
                        _param(prefix, unknown, "completion_id"), "completion_not_found")
     claimed, done = await _claim(gw.index, fingerprints, lambda eid: items[first[eid]][0],
                                  lambda eid: _param(prefix, first[eid], "idempotency_key"), first_claim)
-    new, seen = [], set(done)  # keyed ids are now either claimed by this request or done
-    for ev in events:
-        if ev.event_id not in seen:
-            new.append(ev)
-            seen.add(ev.event_id)
+    if not done and len(first) == sum(1 for _, key in items if key):
+        new = events  # no retry, no key twice in the request: every event is new
+    else:
+        new, seen = [], set(done)  # keyed ids are now either claimed by this request or done
+        for ev in events:
+            if ev[0] not in seen:
+                new.append(ev)
+                seen.add(ev[0])
     t_publish = time.perf_counter()
     try:
         # Awaited on the loop, no thread parked: the bus's writer thread resolves it once on disk.
         await asyncio.wrap_future(gw.bus.publish_many_async(
-            TOPICS["feedback"], [(ev.completion_id, ev.wire) for ev in new]))
+            TOPICS["feedback"], [(cid, wire) for _, cid, wire in new]))
     except Exception as e:  # nothing acknowledged: a retry may publish again (consumers drop event ids seen)
         gw.index.release(claimed)  # in memory: a retry may claim them again
         log.exception("publishing %d feedback event(s) failed", len(new))
@@ -154,7 +162,7 @@ async def post_feedback(request: Request, gw: GatewayDep, tenant: TenantDep):
     stage.labels("validate").observe(validate_s)
     stage.labels("commit").observe(commit_s)
     # Written directly: FastAPI's encoder walked the answer (100 ids) for ~4 us an event.
-    ids = ",".join([json_str(ev.event_id) for ev in events])
+    ids = ",".join([f'"{ev[0]}"' for ev in events])  # hex: nothing to escape
     return Response(f'{{"accepted":{len(new)},"duplicates":{len(events) - len(new)},"event_ids":[{ids}]}}',
                     media_type="application/json",
                     headers={"server-timing": f"validate;dur={validate_s * 1e3:.2f}, commit;dur={commit_s * 1e3:.2f}"})
@@ -213,34 +221,58 @@ def _param(prefix: tuple, i: int, name: str) -> str:
     return ".".join([*prefix, str(i), name]) if prefix else name
 
 
-def fingerprint(item: FeedbackIn) -> str:
-    """What an idempotency key stands for (everything but the key): "f2" and 16 hex digits of the
-    SHA-256 of the fields' `repr` (numbers as floats, so 4 and 4.0 are one event). ~1 us, where
-    `legacy_fingerprint` (pydantic's JSON of the fields) took ~5 us an event."""
+def fingerprint(item: FeedbackIn, tenant: str) -> str:
+    """What an idempotency key stands for (everything but the key): "f3" and 16 hex digits of the
+    SHA-256 of `feedback_core_json(...)` (completion, hashed user, kind, value, edit distance, as the
+    wire form writes them: numbers as floats, so 4 and 4.0 are one event), a comma and the event's
+    own `ts` (`repr(float)`, or `null` when it has none). The gateway makes it from the parts it
+    formats for the wire anyway (~2 us an event, where "f2" took ~5 us on the 2-core dev VM). Its
+    form may never change: ids accepted within the index's TTL are compared with it."""
+    core = feedback_core_json(item.completion_id, hash_user(tenant, item.user), item.kind,
+                              None if item.value is None else float(item.value), item.edit_distance)
+    return _fingerprint(core, None if item.ts is None else repr(float(item.ts)))
+
+
+def _fingerprint(core: str, ts_repr: str | None) -> str:
+    return "f3" + sha256(f"{core},{ts_repr or 'null'}".encode()).hexdigest()[:16]
+
+
+def fingerprint_f2(item: FeedbackIn) -> str:
+    """The fingerprint of ids accepted by versions before "f3": "f2" and 16 hex digits of the SHA-256
+    of the fields' `repr` (numbers as floats)."""
     v, ts = item.value, item.ts
     what = repr((item.completion_id, item.kind, None if v is None else float(v), item.edit_distance, item.user,
                  None if ts is None else float(ts)))
-    return "f2" + hashlib.sha256(what.encode()).hexdigest()[:16]
+    return "f2" + sha256(what.encode()).hexdigest()[:16]
 
 
 def legacy_fingerprint(item: FeedbackIn) -> str:
-    """The fingerprint of ids accepted by versions before `fingerprint` (16 hex digits): a retry of
-    one of those, within the index's TTL, is compared with this."""
-    return hashlib.sha256(item.model_dump_json(exclude=_NOT_FINGERPRINTED).encode()).hexdigest()[:16]
+    """The fingerprint of ids accepted by versions before "f2" (16 hex digits)."""
+    return sha256(item.model_dump_json(exclude=_NOT_FINGERPRINTED).encode()).hexdigest()[:16]
 
 
 def _same_event(stored: str, item: FeedbackIn, fp: str) -> bool:
-    return stored == fp or (not stored.startswith("f2") and stored == legacy_fingerprint(item))
+    """Is `item` (fingerprint `fp`) the event whose stored fingerprint is `stored`, whichever
+    version of the fingerprint stored it (a retry of an id accepted before an upgrade)?"""
+    if stored == fp:
+        return True
+    if stored.startswith("f3"):
+        return False
+    if stored.startswith("f2"):
+        return stored == fingerprint_f2(item)
+    return stored == legacy_fingerprint(item)
 
 
-def _lookup_and_claim(index: CompletionIndex, events: list[_Event], tenant: str,
+def _lookup_and_claim(index: CompletionIndex, events: list[tuple[str, str, bytes]], tenant: str,
                       fingerprints: dict[str, str]):
     """(index of the first event whose completion is not this tenant's, or None; the first claim)."""
-    known = index.get_many([ev.completion_id for ev in events])
-    for i, ev in enumerate(events):
-        entry = known.get(ev.completion_id)
-        if entry is None or entry.tenant != tenant:
-            return i, None
+    cids = list(dict.fromkeys([ev[1] for ev in events]))  # a batch names each completion ~twice
+    known = index.get_many(cids)
+    if len(known) < len(cids) or any(entry.tenant != tenant for entry in known.values()):
+        for i, ev in enumerate(events):
+            entry = known.get(ev[1])
+            if entry is None or entry.tenant != tenant:
+                return i, None
     return None, index.claim(fingerprints) if fingerprints else None
 
 

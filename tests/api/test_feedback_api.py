@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from api.main import create_app
-from api.routes.feedback import FeedbackIn, event_id_for, fingerprint, legacy_fingerprint
+from api.routes.feedback import FeedbackIn, event_id_for, fingerprint, fingerprint_f2, legacy_fingerprint
 from core.settings import Settings
 from feedback.bus_embedded import EmbeddedBus
 from feedback.completion_index import CompletionIndex
@@ -510,22 +510,38 @@ def test_fingerprints_are_stable_and_numbers_compare_as_numbers():
     """An idempotency key's fingerprint is stored with the accepted id: its form may never change
     silently (a retry across an upgrade would be refused as a reused key)."""
     item = FeedbackIn(completion_id="cmpl-1", kind="rating", value=4, user="u-1", idempotency_key="k")
-    assert fingerprint(item) == "f2bd87049764b256b1"
+    assert fingerprint(item, "default") == "f3277a19cdb99fda35"
+    assert fingerprint(item.model_copy(update={"ts": 1.7e9}), "default") == "f34ea005b6bbb52d12"
+    assert fingerprint_f2(item) == "f2bd87049764b256b1"  # what versions before "f3" stored
     assert legacy_fingerprint(item) == "6c9eae12b59a097a"  # what versions before "f2" stored
     same = FeedbackIn(completion_id="cmpl-1", kind="rating", value=4.0, user="u-1", idempotency_key="other")
-    assert fingerprint(same) == fingerprint(item)  # 4 and 4.0: one event; the key is not part of it
-    for other in ({"value": 5}, {"user": "u-2"}, {"user": None}, {"ts": 1.0e9}, {"completion_id": "cmpl-2"}):
+    assert fingerprint(same, "default") == fingerprint(item, "default")  # 4 and 4.0: one event; not the key
+    for other in ({"value": 5}, {"user": "u-2"}, {"user": None}, {"ts": 1.0e9}, {"completion_id": "cmpl-2"},
+                  {"kind": "dwell", "value": 4.0}):
         changed = item.model_copy(update=other)
-        assert fingerprint(changed) != fingerprint(item), other
+        assert fingerprint(changed, "default") != fingerprint(item, "default"), other
+        assert fingerprint_f2(changed) != fingerprint_f2(item), other
 
 
-def test_a_retry_of_an_event_accepted_under_the_legacy_fingerprint(live, cid):
-    """Ids accepted before the "f2" fingerprints hold the legacy one: the same event again is a
-    duplicate, a different event with the key is still refused."""
+def test_the_gateway_stores_the_fingerprint_of_the_event(live, cid):
+    """What the route stores for a key (made from the parts it formats for the wire) is
+    `fingerprint(event, tenant)`, for an event with and without its own ts."""
+    for extra in ({}, {"ts": 1.7e9, "user": "u-\u00e9", "value": 0.5, "edit_distance": 3}):
+        key = f"fp-{uuid.uuid4()}"
+        body = {"completion_id": cid, "kind": "edited" if extra else "thumb_up", "idempotency_key": key, **extra}
+        assert post(live, body).status_code == 200
+        claim = live.index.claim({event_id_for("default", key): "f3-anything"})
+        assert claim.done == {event_id_for("default", key): fingerprint(FeedbackIn.model_validate(body), "default")}
+
+
+@pytest.mark.parametrize("stored_by", [legacy_fingerprint, fingerprint_f2])
+def test_a_retry_of_an_event_accepted_under_an_earlier_fingerprint(live, cid, stored_by):
+    """Ids accepted before the "f3" fingerprints hold an earlier one ("f2", or the legacy one before
+    it): the same event again is a duplicate, a different event with the key is still refused."""
     key = f"legacy-{uuid.uuid4()}"
     body = {"completion_id": cid, "kind": "rating", "value": 4, "idempotency_key": key}
     eid = event_id_for("default", key)
-    claim = live.index.claim({eid: legacy_fingerprint(FeedbackIn.model_validate(body))})
+    claim = live.index.claim({eid: stored_by(FeedbackIn.model_validate(body))})
     live.index.confirm(claim.claimed)
     r = post(live, body)
     assert r.status_code == 200 and r.json() == {"accepted": 0, "duplicates": 1, "event_ids": [eid]}
