@@ -5,7 +5,8 @@ retried request is not published twice. It used to keep them in a table keyed by
 (`accepted_events`: `event_id TEXT PRIMARY KEY`, an index on `ts`), then appended them one row each
 to `accepted_log` (`seq INTEGER PRIMARY KEY`, `json_each` inserts of 1000 rows); it now writes each
 write-behind batch as one row of `accepted_batches` (`first_seq INTEGER PRIMARY KEY`, the batch's
-ids, fingerprints and ms as one JSON text); lookups go through an in-memory hash -> seq map. This
+ids, fingerprints and ms as one value: first a JSON text, now packed bytes -- both are measured);
+lookups go through an in-memory hash -> seq map. This
 writes, into one SQLite file per layout (WAL, synchronous=NORMAL, as the index), `--prefill` ids in
 batches, then times `--batches` more batches of `--batch` random ids each (one transaction, then a
 checkpoint, as the index's writer thread does) and reports CPU per batch and WAL bytes per id. Same
@@ -45,7 +46,11 @@ LAYOUTS = {
         "CREATE TABLE a (seq INTEGER PRIMARY KEY, event_id TEXT NOT NULL, fingerprint TEXT NOT NULL, ts REAL NOT NULL);",
         ("INSERT INTO a SELECT ? + key, json_extract(value, '$[0]'), json_extract(value, '$[1][0]'), "
          "json_extract(value, '$[1][1]') / 1000.0 FROM json_each(?)")),
-    "one row per batch (now)": (
+    "one row per batch, JSON (before)": (
+        ("CREATE TABLE a (first_seq INTEGER PRIMARY KEY, n INTEGER NOT NULL, first_ts REAL NOT NULL, "
+         "last_ts REAL NOT NULL, ids TEXT NOT NULL);"),
+        "INSERT INTO a VALUES (?, ?, ?, ?, ?)"),
+    "one row per batch, packed (now)": (
         ("CREATE TABLE a (first_seq INTEGER PRIMARY KEY, n INTEGER NOT NULL, first_ts REAL NOT NULL, "
          "last_ts REAL NOT NULL, ids TEXT NOT NULL);"),
         "INSERT INTO a VALUES (?, ?, ?, ?, ?)"),
@@ -78,7 +83,7 @@ def run(name: str, folder: Path, prefill: int, batch: int, batches: int) -> dict
         n = len(items)
         db.execute("BEGIN IMMEDIATE")
         if batch_rows:  # as CompletionIndex._insert: `feedback.completion_index._encode`
-            db.execute(insert, (seq, *_encode(dict(items))))
+            db.execute(insert, (seq, *_encode(dict(items), pack="packed" in name)))
         for i in range(0, n if not batch_rows else 0, 1000):
             chunk = json.dumps(items[i:i + 1000])
             db.execute(insert, (seq + i, chunk) if appending else (chunk,))
@@ -128,7 +133,7 @@ def main() -> None:
     lines += [f"| {r['layout']} | {r['cpu_ms_per_batch']:.0f} | {r['wall_ms_per_batch']:.0f} | "
               f"{r['cpu_us_per_id']:.1f} | {r['wal_bytes_per_id']:.0f} |" for r in rows]
     lines += ["", (f"Machine: {meta['machine']}; SQLite {meta['sqlite']}; {meta['date']}. Batches include the "
-                   "Python side (JSON) and a checkpoint each, as the index's writer thread; the ids are made before.")]
+                   "Python side (encoding) and a checkpoint each, as the index's writer thread; the ids are made before.")]
     (out / "accepted_ids.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

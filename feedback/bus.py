@@ -128,6 +128,13 @@ class EventBus(ABC):
         fut.set_result(None)
         return fut
 
+    def publish_many_now(self, topic: str, records: list[tuple[str, bytes]]) -> bool:
+        """Publish on the caller's thread if that costs no wait behind other writes: True once every
+        record is durable; False, with nothing written, where the caller should use
+        `publish_many_async` (a write of the bus's writer thread is under way, or the bus has no local
+        log). Bad records raise ValueError. This default: False."""
+        return False
+
     @abstractmethod
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until everything published so far is on the broker."""

@@ -150,6 +150,21 @@ class EmbeddedBus(EventBus):
         self.publish_many_async(topic, records).result(timeout=30)
 
     def publish_many_async(self, topic: str, records: list[tuple[str, bytes]]) -> Future:
+        tl, frames, parts = self._frame(topic, records)
+        if not frames:
+            return all_of([])
+        return all_of([tl.log.append_async(frames, then=tl.indexer(parts))], then=self._wake_consumers)
+
+    def publish_many_now(self, topic: str, records: list[tuple[str, bytes]]) -> bool:
+        """Publish on this thread when the topic's writer is idle (True once on disk); False, with
+        nothing written, when a write is under way: use `publish_many_async`, which joins it."""
+        tl, frames, parts = self._frame(topic, records)
+        if frames and tl.log.append_now(frames, then=tl.indexer(parts)) is None:
+            return False
+        self._wake_consumers()
+        return True
+
+    def _frame(self, topic: str, records: list[tuple[str, bytes]]) -> tuple[_TopicLog, list[bytes], list[int]]:
         if self._closed:
             raise RuntimeError("bus is closed")
         _check_name("topic", topic)
@@ -168,10 +183,7 @@ class EmbeddedBus(EventBus):
                 head = heads[key] = (p, _HEAD.pack(p, len(kb)) + kb)
             frames.append(head[1] + value)
             parts.append(head[0])
-        tl = self._topic(topic)
-        if not frames:
-            return all_of([])
-        return all_of([tl.log.append_async(frames, then=tl.indexer(parts))], then=self._wake_consumers)
+        return self._topic(topic), frames, parts
 
     def _wake_consumers(self) -> None:
         with self._new_data:

@@ -182,6 +182,12 @@ class KafkaBus(EventBus):
             self._check_record(key, value)
         return all_of([spool.publish_many_async([(topic, k, bytes(v)) for k, v in records])] if records else [])
 
+    def publish_many_now(self, topic: str, records: list[tuple[str, bytes]]) -> bool:
+        spool = self._spool_for(topic)
+        for key, value in records:
+            self._check_record(key, value)
+        return not records or spool.publish_many_now([(topic, k, bytes(v)) for k, v in records])
+
     def flush(self, timeout_s: float = 30.0) -> None:
         if self.spool is not None:
             self.spool.flush(timeout_s)

@@ -9,7 +9,10 @@ gives all its partition logs one writer, so a request that touches several parti
 thread, not one per partition. The caller frames its records (`append_async`, a few microseconds a
 record); the writer thread runs almost no Python, so it hardly competes with the caller's thread
 for the interpreter lock (with one writer thread per partition log, that competition stalled the
-gateway's event loop: bench/feedback.py). On open, a torn or corrupt tail (a crash mid-write) is
+gateway's event loop: bench/feedback.py). `append_now` writes on the caller's own thread when the
+writer is idle (nothing queued, nothing being written), and returns None otherwise: the caller then
+queues with `append_async` and joins the next group commit. It saves the two hand-offs between
+threads (each may wait for the interpreter lock) when there is nothing to group. On open, a torn or corrupt tail (a crash mid-write) is
 cut off at the last whole record; corruption in the middle of a segment is an error, never skipped
 silently.
 
@@ -97,6 +100,7 @@ class LogWriter:
         self._cond = threading.Condition()
         self._queue: list[tuple[DurableLog, bytes, int, Future, Callable[[int], None] | None]] = []
         self._closed = False
+        self._busy = False  # a write is in progress (this thread's, or `_write_now`'s on its caller's)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -110,41 +114,76 @@ class LogWriter:
                 self._cond.notify()
         return fut
 
+    def _write_now(self, target: DurableLog, data: bytes, count: int, then: Callable[[int], None] | None) -> int | None:
+        """Write and sync on the caller's thread when nothing is being written or waits (the first
+        offset), else None: the caller queues instead (a group commit is under way)."""
+        with self._cond:
+            if self._queue or self._busy or self._closed:
+                return None
+            self._busy = True
+        try:
+            batch = [(data, count, Future(), then)]
+            try:
+                first = target._write(batch)[0]
+                target._sync()
+            except BaseException as e:
+                target._fail(e, batch)
+                raise
+            if then is not None:
+                then(first)
+            return first
+        finally:
+            with self._cond:
+                self._busy = False
+                if self._queue:
+                    self._cond.notify()
+
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
+                while (not self._queue or self._busy) and not self._closed:
                     self._cond.wait()
+                while self._busy:  # closing while a `_write_now` is under way
+                    self._cond.wait(0.01)
                 if not self._queue:
                     return
                 queue, self._queue = self._queue, []
-            per_log: dict[DurableLog, list[tuple[bytes, int, Future, Callable[[int], None] | None]]] = {}
-            for target, data, count, fut, then in queue:
-                per_log.setdefault(target, []).append((data, count, fut, then))
-            written = []
-            for target, batch in per_log.items():
-                try:
-                    written.append((target, batch, target._write(batch)))
-                except BaseException as e:  # nothing of this batch acknowledged; every waiter hears it
-                    target._fail(e, batch)
-            synced = []
-            for target, batch, firsts in written:
-                try:
-                    target._sync()
-                except BaseException as e:
-                    target._fail(e, batch)
-                else:
-                    synced.append((batch, firsts))
-            for batch, firsts in synced:
-                for (_, _, fut, then), first in zip(batch, firsts):
-                    if then is not None:  # also for a cancelled waiter: the records are written
-                        try:
-                            then(first)
-                        except BaseException as e:  # the caller's bookkeeping failed: its waiter hears it
-                            log.exception("log writer: callback of an append at offset %d failed", first)
-                            settle(fut, error=e)
-                            continue
-                    settle(fut, first)
+                self._busy = True
+            try:
+                self._commit(queue)
+            finally:
+                with self._cond:
+                    self._busy = False
+
+    def _commit(self, queue: list) -> None:
+        """Write every queued append, log by log, sync each log written, then resolve their futures."""
+        per_log: dict[DurableLog, list[tuple[bytes, int, Future, Callable[[int], None] | None]]] = {}
+        for target, data, count, fut, then in queue:
+            per_log.setdefault(target, []).append((data, count, fut, then))
+        written = []
+        for target, batch in per_log.items():
+            try:
+                written.append((target, batch, target._write(batch)))
+            except BaseException as e:  # nothing of this batch acknowledged; every waiter hears it
+                target._fail(e, batch)
+        synced = []
+        for target, batch, firsts in written:
+            try:
+                target._sync()
+            except BaseException as e:
+                target._fail(e, batch)
+            else:
+                synced.append((batch, firsts))
+        for batch, firsts in synced:
+            for (_, _, fut, then), first in zip(batch, firsts):
+                if then is not None:  # also for a cancelled waiter: the records are written
+                    try:
+                        then(first)
+                    except BaseException as e:  # the caller's bookkeeping failed: its waiter hears it
+                        log.exception("log writer: callback of an append at offset %d failed", first)
+                        settle(fut, error=e)
+                        continue
+                settle(fut, first)
 
     def close(self) -> None:
         """Write what waits, then stop the thread."""
@@ -227,6 +266,15 @@ class DurableLog:
         if self._error is not None:
             raise RuntimeError(f"log {self.folder} writer failed: {self._error!r}")
         return self._writer._submit(self, frames(payloads), len(payloads), then)
+
+    def append_now(self, payloads: list[bytes], then: Callable[[int], None] | None = None) -> int | None:
+        """`append_async` done on the caller's thread, when the writer is idle: their first offset once
+        they are on disk; None (nothing written) when a write is under way or queued -- append_async them."""
+        if self._closed:
+            raise RuntimeError(f"log {self.folder} is closed")
+        if self._error is not None:
+            raise RuntimeError(f"log {self.folder} writer failed: {self._error!r}")
+        return self._writer._write_now(self, frames(payloads), len(payloads), then)
 
     def append(self, payloads: list[bytes], timeout: float | None = 30.0) -> int:
         return self.append_async(payloads).result(timeout=timeout)

@@ -232,6 +232,19 @@ class Spool:
         self._log.append_async([encode(t, k, v) for t, k, v in records]).add_done_callback(written)
         return out
 
+    def publish_many_now(self, records: list[tuple[str, str, bytes]]) -> bool:
+        """Spool the records on this thread when the spool's writer is idle (`DurableLog.append_now`):
+        True once they are fsynced (and announced to the forwarder); False, nothing written, when a
+        write is under way -- `publish_many_async` them -- or when the forwarder is not started yet
+        (its first start, a process, belongs on the writer thread, not the caller's)."""
+        if self._monitor is None:
+            return False
+        offset = self._log.append_now([encode(t, k, v) for t, k, v in records])
+        if offset is None:
+            return False
+        self._durable_to(offset + len(records))
+        return True
+
     def _durable_to(self, end: int) -> None:
         with self._cond:
             self._spooled = max(self._spooled, end)

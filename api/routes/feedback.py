@@ -144,9 +144,11 @@ async def post_feedback(request: Request, gw: GatewayDep, tenant: TenantDep):
                 seen.add(ev[0])
     t_publish = time.perf_counter()
     try:
-        # Awaited on the loop, no thread parked: the bus's writer thread resolves it once on disk.
-        await asyncio.wrap_future(gw.bus.publish_many_async(
-            TOPICS["feedback"], [(cid, wire) for _, cid, wire in new]))
+        records = [(cid, wire) for _, cid, wire in new]
+        # On this thread when the log's writer is idle (settings.feedback_write_on_loop), else
+        # awaited on the loop, no thread parked: the writer thread resolves it once on disk.
+        if not (gw.settings.feedback_write_on_loop and gw.bus.publish_many_now(TOPICS["feedback"], records)):
+            await asyncio.wrap_future(gw.bus.publish_many_async(TOPICS["feedback"], records))
     except Exception as e:  # nothing acknowledged: a retry may publish again (consumers drop event ids seen)
         gw.index.release(claimed)  # in memory: a retry may claim them again
         log.exception("publishing %d feedback event(s) failed", len(new))

@@ -9,6 +9,7 @@ concurrent) publish once. Also the `CompletionIndex` itself (bounded idempotency
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 import uuid
 
@@ -19,7 +20,7 @@ from api.main import create_app
 from api.routes.feedback import FeedbackIn, event_id_for, fingerprint, fingerprint_f2, legacy_fingerprint
 from core.settings import Settings
 from feedback.bus_embedded import EmbeddedBus
-from feedback.completion_index import CompletionIndex
+from feedback.completion_index import CompletionIndex, _decode, _encode
 from feedback.events import TOPICS, FeedbackEvent, hash_user
 from feedback.sink import LogSink
 from serving.engine import EmbeddedEngine
@@ -392,29 +393,48 @@ def test_requests_are_counted_by_route_and_status(live, cid):
     assert "/no/such/route" not in httpx.get(live.url + "/metrics").text
 
 
-def test_index_writes_accepted_ids_as_one_row_per_batch(tmp_path):
-    """The write-behind stores a batch as one row (ids in confirmation order, their fingerprints and
-    ms); a new index reads them back; a retry of a written id finds its fingerprint there."""
-    import json
+_HEX_IDS = [hashlib.sha256(str(i).encode()).hexdigest()[:32] for i in range(2502)]
 
+
+@pytest.mark.parametrize("style", ["hex", "text"])
+def test_index_writes_accepted_ids_as_one_row_per_batch(tmp_path, style):
+    """The write-behind stores a batch as one row (ids in confirmation order, their fingerprints and
+    ms): packed bytes for the gateway's ids (32 hex digits, fingerprints of one width), JSON for
+    any other; a new index reads them back; a retry of a written id finds its fingerprint there."""
+    name = (lambda i: _HEX_IDS[i]) if style == "hex" else (lambda i: f"e{i}")
     idx = CompletionIndex(tmp_path / "i.db")
-    ids = {f"e{i}": f"fp{i % 7}" for i in range(2500)}
+    ids = {name(i): f"fp{i % 7}" for i in range(2500)}
     now = time.time()  # within the TTL: the write-behind's pruning keeps them
     idx.confirm(idx.claim(ids, now=now).claimed, now=now + 0.25)
     idx.flush()
-    idx.confirm(idx.claim({"late": "fl"}, now=now).claimed, now=now + 1)
+    idx.confirm(idx.claim({"late": "fl"}, now=now).claimed, now=now + 1)  # not hex: a JSON row
     idx.flush()
     rows = idx._db.execute("SELECT first_seq, n, last_ts, ids FROM accepted_batches ORDER BY first_seq").fetchall()
     ms = round((now + 0.25) * 1000)  # kept to the millisecond
     assert [r[:3] for r in rows] == [(0, 2500, ms / 1000), (2500, 1, round((now + 1) * 1000) / 1000)]
-    assert json.loads(rows[0][3]) == [list(ids), list(ids.values()), [ms] * 2500]
+    assert type(rows[0][3]) is (bytes if style == "hex" else str) and type(rows[1][3]) is str
+    assert len(rows[0][3]) == (2 + 2500 * (16 + 8 + 3) if style == "hex" else len(rows[0][3]))
+    assert _decode(rows[0][3]) == [list(ids), list(ids.values()), [ms] * 2500]
     assert idx.accepted_count() == 2501
     idx.close()
     again = CompletionIndex(tmp_path / "i.db")
-    assert again.claim({"e5": "x", "e2499": "y", "late": "z", "new": "n"}) == (
-        ["new"], {"e5": "fp5", "e2499": "fp0", "late": "fl"}, [])  # 2499 % 7 == 0
+    assert again.claim({name(5): "x", name(2499): "y", "late": "z", "new": "n"}) == (
+        ["new"], {name(5): "fp5", name(2499): "fp0", "late": "fl"}, [])  # 2499 % 7 == 0
     assert again.accepted_count() == 2501
     again.close()
+
+
+def test_index_packs_only_what_it_can_give_back_exactly():
+    """A batch is packed only when every id is 32 lowercase hex digits and the fingerprints share
+    one width; anything else (upper case, other lengths, mixed widths, non-ASCII) stays JSON."""
+    h = _HEX_IDS
+    assert type(_encode({h[0]: ("f3" + "a" * 16, 1), h[1]: ("f3" + "b" * 16, 2)})[3]) is bytes
+    for batch in ({h[0].upper(): ("f3", 1)}, {h[0][:30]: ("f3", 1)}, {h[0] + "00": ("f3", 1)},
+                  {h[0]: ("f3ab", 1), h[1]: ("legacy", 2)}, {h[0]: ("é", 1)}, {h[0]: ("", 1)}):
+        n, first_ts, last_ts, ids = _encode(batch)
+        assert type(ids) is str and _decode(ids) == [list(batch), *map(list, zip(*batch.values()))], batch
+    n, first_ts, last_ts, ids = _encode({h[0]: ("f3x", 5000), h[1]: ("f3y", 1000)})  # the clock went back
+    assert (n, first_ts, last_ts) == (2, 1.0, 5.0) and _decode(ids) == [[h[0], h[1]], ["f3x", "f3y"], [5000, 1000]]
 
 
 @pytest.mark.parametrize("old", ["accepted_events", "accepted_log"])
@@ -477,20 +497,24 @@ def test_index_opens_a_batch_table_without_first_ts(tmp_path):
     idx.close()
 
 
-def test_index_prunes_inside_a_batch_row(tmp_path):
-    """The TTL and the cap cut the ids where they fall, also inside one batch row: the row keeps
-    its newer ids, which stay duplicates (after a restart too); the older ones are forgotten."""
+@pytest.mark.parametrize("style", ["hex", "text"])
+def test_index_prunes_inside_a_batch_row(tmp_path, style):
+    """The TTL and the cap cut the ids where they fall, also inside one batch row (packed or JSON):
+    the row keeps its newer ids, which stay duplicates (after a restart too); the older ones are
+    forgotten."""
+    e = (lambda i: _HEX_IDS[i]) if style == "hex" else (lambda i: f"e{i}")
     idx = CompletionIndex(tmp_path / "i.db", accepted_ttl_s=100, accepted_max=1000, prune_every=10**9)
     for i in range(6):  # one batch of ids confirmed at 1000..1005
-        idx.confirm(idx.claim({f"e{i}": f"f{i}"}, now=1000 + i).claimed, now=1000 + i)
+        idx.confirm(idx.claim({e(i): f"f{i}"}, now=1000 + i).claimed, now=1000 + i)
     idx.flush()
     idx.prune(now=1102.5)  # ids confirmed before 1002.5 are past the TTL
     assert idx.accepted_count() == 3
-    assert idx._db.execute("SELECT first_seq, n FROM accepted_batches").fetchall() == [(3, 3)]
-    assert idx.claim({"e2": "f2", "e3": "x", "e5": "y"}, now=1103) == (["e2"], {"e3": "f3", "e5": "f5"}, [])
+    assert idx._db.execute("SELECT first_seq, n, typeof(ids) FROM accepted_batches").fetchall() == [
+        (3, 3, "blob" if style == "hex" else "text")]
+    assert idx.claim({e(2): "f2", e(3): "x", e(5): "y"}, now=1103) == ([e(2)], {e(3): "f3", e(5): "f5"}, [])
     idx.close()
     again = CompletionIndex(tmp_path / "i.db", accepted_ttl_s=100, prune_every=10**9)
-    assert again.claim({"e3": "x", "e0": "z"}, now=1103) == (["e0"], {"e3": "f3"}, [])
+    assert again.claim({e(3): "x", e(0): "z"}, now=1103) == ([e(0)], {e(3): "f3"}, [])
     again.close()
 
 
@@ -504,6 +528,23 @@ def test_index_checks_a_hash_match_against_the_stored_id(tmp_path):
     idx._accepted[hash("stranger")] = seq  # as if "stranger" hashed like "known"
     assert idx.claim({"stranger": "f2", "known": "f1"}) == (["stranger"], {"known": "f1"}, [])
     idx.close()
+
+
+@pytest.mark.parametrize("on_loop", [True, False])
+def test_feedback_is_written_on_the_loop_when_the_bus_is_idle(live, cid, monkeypatch, on_loop):
+    """settings.feedback_write_on_loop: the events are written by `publish_many_now` on the event
+    loop (the bus's writer is idle between these requests); off, they go to the writer thread.
+    Either way they are on the bus once the answer comes."""
+    calls = []
+    now, later = live.bus.publish_many_now, live.bus.publish_many_async
+    monkeypatch.setattr(live.bus, "publish_many_now", lambda *a: calls.append(("now", ok := now(*a))) or ok)
+    monkeypatch.setattr(live.bus, "publish_many_async", lambda *a: calls.append(("async", None)) or later(*a))
+    monkeypatch.setattr(live.settings, "feedback_write_on_loop", on_loop)
+    events = [{"completion_id": cid, "kind": k, "idempotency_key": f"loop-{uuid.uuid4()}"} for k in ("copied", "accepted")]
+    r = post(live, {"events": events})
+    assert r.status_code == 200 and r.json()["accepted"] == 2
+    assert calls == ([("now", True)] if on_loop else [("async", None)])
+    assert {ev.event_id for _, ev in on_bus(live, [cid])} >= set(r.json()["event_ids"])
 
 
 def test_fingerprints_are_stable_and_numbers_compare_as_numbers():

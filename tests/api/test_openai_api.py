@@ -201,3 +201,13 @@ def test_serve_sets_the_gil_switch_interval(monkeypatch, tmp_path):
     for bad in (0, -1, 101):
         with pytest.raises(ValueError, match="gil_switch_interval_ms"):
             Settings(home=tmp_path, gil_switch_interval_ms=bad)
+
+
+def test_feedback_write_on_loop_is_a_setting(monkeypatch, tmp_path):
+    """On by default; FLYWHEEL_FEEDBACK_WRITE_ON_LOOP=0 turns it off; a non-boolean is refused."""
+    assert Settings(home=tmp_path).feedback_write_on_loop is True
+    monkeypatch.setenv("FLYWHEEL_FEEDBACK_WRITE_ON_LOOP", "0")
+    assert Settings(home=tmp_path).feedback_write_on_loop is False
+    monkeypatch.setenv("FLYWHEEL_FEEDBACK_WRITE_ON_LOOP", "sometimes")
+    with pytest.raises(ValueError, match="feedback_write_on_loop"):
+        Settings(home=tmp_path)

@@ -1,6 +1,7 @@
 """The durable local log: offsets, group commit from many threads, recovery from a torn tail."""
 
 import threading
+import time
 
 import pytest
 
@@ -103,3 +104,49 @@ def test_segments_are_written_synchronously_when_fsync_is_on(tmp_path):
     off = DurableLog(tmp_path / "b", fsync=False)
     assert not fcntl.fcntl(off._fd, fcntl.F_GETFL) & os.O_DSYNC
     off.close()
+
+
+def test_append_now_writes_on_the_callers_thread_only_when_the_writer_is_idle(tmp_path):
+    """`append_now` writes (and syncs) on the calling thread when nothing is queued or being
+    written; while the writer thread is busy it writes nothing and returns None. Offsets stay
+    dense and in order across both ways, `then` runs in offset order, and a mix of threads using
+    both keeps every record once."""
+    log = DurableLog(tmp_path, segment_bytes=4096)
+    seen: list[tuple[str, int]] = []
+    assert log.append_now([b"a", b"b"], then=lambda first: seen.append(("now", first))) == 0
+    release = threading.Event()
+
+    def hold(first: int) -> None:  # runs on the writer thread: it stays busy until released
+        seen.append(("async", first))
+        release.wait(10)
+
+    fut = log.append_async([b"c"], then=hold)
+    deadline = time.monotonic() + 10
+    while not seen[1:] and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert log.append_now([b"never"]) is None  # the writer is mid-commit: nothing written
+    release.set()
+    assert fut.result(timeout=10) == 2
+    assert log.append_now([b"d"], then=lambda first: seen.append(("now", first))) == 3
+    assert seen == [("now", 0), ("async", 2), ("now", 3)]
+
+    def worker(t: int) -> None:
+        for i in range(100):
+            payload = [f"{t}:{i}".encode()]
+            if (t + i) % 2 or log.append_now(payload) is None:
+                log.append(payload)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(6)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    records = list(log.read())
+    assert [o for o, _ in records] == list(range(604))
+    assert [p for _, p in records[:4]] == [b"a", b"b", b"c", b"d"] and b"never" not in {p for _, p in records}
+    for t in range(6):
+        assert [int(p.split(b":")[1]) for _, p in records if p.startswith(f"{t}:".encode())] == list(range(100))
+    log.close()
+    reopened = DurableLog(tmp_path)
+    assert [p for _, p in reopened.read()] == [p for _, p in records]
+    reopened.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        log.append_now([b"x"])
