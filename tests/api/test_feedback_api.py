@@ -547,6 +547,34 @@ def test_feedback_is_written_on_the_loop_when_the_bus_is_idle(live, cid, monkeyp
     assert {ev.event_id for _, ev in on_bus(live, [cid])} >= set(r.json()["event_ids"])
 
 
+def test_requests_ready_together_leave_the_write_to_the_writer_thread(tmp_path):
+    """A request writes on the loop only if it is alone: requests that reach their publish in the
+    same pass of the loop all go to the writer thread (one group commit), a later lone one does
+    not; with the setting off, none does."""
+    import types
+
+    from api.routes.feedback import _alone_to_publish
+
+    gw = types.SimpleNamespace(settings=Settings(home=tmp_path), feedback_publishing=0)
+
+    async def publish() -> bool:  # as the route: counted from its publish until its events are durable
+        gw.feedback_publishing += 1
+        try:
+            alone = await _alone_to_publish(gw)
+            await asyncio.sleep(0 if alone else 0.01)  # on the loop: done; else: waits for the group commit
+            return alone
+        finally:
+            gw.feedback_publishing -= 1
+
+    async def scenario() -> tuple:
+        together = await asyncio.gather(*(publish() for _ in range(3)))
+        return together, await publish()
+
+    assert asyncio.run(scenario()) == ([False, False, False], True)
+    gw.settings = Settings(home=tmp_path, feedback_write_on_loop=False)
+    assert asyncio.run(scenario()) == ([False, False, False], False)
+
+
 def test_fingerprints_are_stable_and_numbers_compare_as_numbers():
     """An idempotency key's fingerprint is stored with the accepted id: its form may never change
     silently (a retry across an upgrade would be refused as a reused key)."""
