@@ -36,10 +36,11 @@ class Settings(BaseSettings):
         "17.9-35.2 ms in 7 runs against 16.9-76.9 ms at 5 ms (medians 32.3 and 46.6).")
     feedback_write_on_loop: bool = Field(
         True, description="POST /v1/feedback writes its events to the bus's local log (the embedded log, or the Kafka "
-        "spool) on the event loop when no other write is under way, instead of handing them to the log's writer "
-        "thread and waiting to be woken: the loop waits for the disk (~1 ms) but two hand-offs between threads "
-        "(each waiting for the interpreter lock) are saved. Under load the writes still go to the writer thread "
-        "and are grouped. Measured with bench/feedback.py's half-rate batch load: see the README.")
+        "spool) on the event loop when it is the only feedback request publishing and the log's writer thread is "
+        "idle, instead of handing them to that thread and waiting to be woken: the loop waits for the disk (~1 ms) "
+        "but two hand-offs between threads (each waiting for the interpreter lock) are saved. Requests that publish "
+        "together still go to the writer thread and share a group commit. Measured with bench/feedback.py: see the "
+        "README.")
     engine: Literal["embedded", "process", "vllm"] = Field(
         "process", description="Inference backend: the embedded engine on a thread of the gateway, the embedded "
                                 "engine in a process of its own, or vLLM.")

@@ -132,7 +132,7 @@ class EventBus(ABC):
         """Publish on the caller's thread if that costs no wait behind other writes: True once every
         record is durable; False, with nothing written, where the caller should use
         `publish_many_async` (a write of the bus's writer thread is under way, or the bus has no local
-        log). Bad records raise ValueError. This default: False."""
+        log). Where it writes, bad records raise ValueError first (nothing written). This default: False."""
         return False
 
     @abstractmethod

@@ -28,9 +28,9 @@ and stored as one value: packed bytes for the gateway's ids (see `_encode`), els
 claim looks each id up in memory, and only on a hit (a retry) reads that id's batch row to compare
 the stored id (so two ids of one hash are never confused) and take its fingerprint. Pruning (TTL,
 then the cap) deletes a prefix: whole rows, and the row the cut falls into keeps its newer part.
-Why one row per batch: writing a batch is one INSERT of one value (~1 ms of CPU for 3000 packed ids). Before, each id was a row of its own — first in a table keyed by the id (random
-ids all over a B-tree: 237 ms of CPU per 5000-id batch with 400k ids stored), then appended by
-`seq` with SQLite's `json_each` (54 ms); at the half rate of bench/feedback.py (~8500 ids/s) that
+Why one row per batch: writing a batch is one INSERT of one value (~1.4 ms of CPU for 3000 packed
+ids). Before, each id was a row of its own — first in a table keyed by the id (random ids all
+over a B-tree: 237 ms of CPU per 5000-id batch with 400k ids stored), then appended by `seq` with SQLite's `json_each` (54 ms); at the half rate of bench/feedback.py (~8500 ids/s) that
 was 12-14 ms of CPU every 0.25 s, and the gateway's slowest requests lined up with those writes
 (timeline traced; with the write switched off in an experiment, p99 went from ~20 ms to ~11 ms in
 most runs). `bench/accepted_ids.py` compares the three layouts. Every `write_every_s` (0.25 s) the
@@ -76,11 +76,11 @@ def _encode(batch: dict[str, tuple[str, int]], pack: bool = True) -> tuple[int, 
     """A batch row's (n, first_ts, last_ts, ids); first_ts/last_ts are the oldest/newest ms in
     seconds. `ids` is packed bytes when every id is 32 lowercase hex digits (the gateway's) and
     every fingerprint is as long as the others: `_PACKED`, the fingerprint width, the ids (16 bytes
-    each), their ms (int64 little-endian), the fingerprints (ASCII), in confirmation order -- 43
-    bytes an id and ~0.3 ms of CPU for 3000 ids, where the JSON of `[[event_id, ...], [fingerprint,
-    ...], [ms, ...]]` (the form of any other batch, and of rows written before) was ~70 bytes an id
-    and 2.2 ms, most of it one `json.dumps` holding the interpreter lock (2-core dev VM). `pack=False`:
-    JSON always (bench/accepted_ids.py compares the two)."""
+    each), their ms (int64 little-endian), the fingerprints (ASCII), in confirmation order -- 42
+    bytes an id with the gateway's fingerprints and 1.4 ms of CPU for 3100 ids, where the JSON of
+    `[[event_id, ...], [fingerprint, ...], [ms, ...]]` (the form of any other batch, and of rows
+    written before) takes ~73 bytes and 2.2 ms, most of it one `json.dumps` call holding the
+    interpreter lock (2-core dev VM). `pack=False`: JSON always (bench/accepted_ids.py compares)."""
     fps, ms = zip(*batch.values())
     n, joined = len(batch), "".join(batch)
     first_ts, last_ts = min(ms) / 1000, max(ms) / 1000
