@@ -66,7 +66,17 @@ def _event_id(head: str, idempotency_key: str) -> str:
     return sha256(f"{head}{json_str(idempotency_key)}]".encode()).hexdigest()[:32]
 
 
-@router.post("/feedback")
+def _openapi_body() -> dict:
+    """The request body as /openapi.json documents it (the route reads the raw body itself, so
+    FastAPI cannot infer it): one event, or `{"events": [...]}`."""
+    one = FeedbackIn.model_json_schema()
+    batch = FeedbackBatch.model_json_schema()
+    batch.pop("$defs", None)
+    batch["properties"]["events"]["items"] = one
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {"oneOf": [one, batch]}}}}}
+
+
+@router.post("/feedback", openapi_extra=_openapi_body())
 async def post_feedback(request: Request, gw: GatewayDep, tenant: TenantDep):
     """Accept one feedback event, or a batch of 1..1000.
 

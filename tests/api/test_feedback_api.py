@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import time
 import uuid
 
@@ -477,7 +478,6 @@ def test_index_takes_over_the_accepted_ids_of_earlier_tables(tmp_path, old):
 def test_index_opens_a_batch_table_without_first_ts(tmp_path):
     """`accepted_batches` as it was first written had no `first_ts`: the column is added (0 for the
     old rows), the ids are still duplicates, and the TTL still cuts inside such a row."""
-    import json
     import sqlite3
 
     path = tmp_path / "i.db"
@@ -666,7 +666,6 @@ def test_batch_fast_path_parses_as_the_full_path(text, header):
 def test_batch_fast_path_is_taken_for_a_valid_batch(monkeypatch):
     """The SDK's batch spelling never reaches json.loads (it is validated from the bytes); another
     spelling of the same body does."""
-    import json
     import types
 
     import api.routes.feedback as route
@@ -697,3 +696,16 @@ def test_accepted_feedback_reports_its_stages(live, cid):
     assert (count("validate"), count("commit")) == (before[0] + 1, before[1] + 1)
     assert post(live, {"completion_id": "cmpl-nope", "kind": "thumb_up"}).status_code == 404  # refused: not counted
     assert (count("validate"), count("commit")) == (before[0] + 1, before[1] + 1)
+
+
+def test_openapi_documents_the_feedback_body(live):
+    """/openapi.json shows what POST /v1/feedback takes: one event or a batch of them."""
+    doc = httpx.get(live.url + "/openapi.json", timeout=10).json()
+    body = doc["paths"]["/v1/feedback"]["post"]["requestBody"]
+    one, batch = body["content"]["application/json"]["schema"]["oneOf"]
+    assert body["required"] is True and one["required"] == ["completion_id", "kind"]
+    assert one["additionalProperties"] is False and "thumb_up" in one["properties"]["kind"]["enum"]
+    events = batch["properties"]["events"]
+    assert batch["required"] == ["events"] and events["items"] == one
+    assert (events["minItems"], events["maxItems"]) == (1, 1000)
+    assert "$ref" not in json.dumps(body)  # nothing points at a definition the document lacks
