@@ -36,8 +36,8 @@ class Settings(BaseSettings):
         "17.9-35.2 ms in 7 runs against 16.9-76.9 ms at 5 ms (medians 32.3 and 46.6).")
     feedback_write_on_loop: bool = Field(
         True, description="POST /v1/feedback writes its events to the bus's local log (the embedded log, or the Kafka "
-        "spool) on the event loop when it is the only feedback request publishing and the log's writer thread is "
-        "idle, instead of handing them to that thread and waiting to be woken: the loop waits for the disk (~1 ms) "
+        "spool) on the event loop when it is the only feedback request publishing, its events are at most 64 KiB "
+        "and the log's writer thread is idle, instead of handing them to that thread and waiting to be woken: the loop waits for the disk (~1 ms) "
         "but two hand-offs between threads (each waiting for the interpreter lock) are saved. Requests that publish "
         "together still go to the writer thread and share a group commit. Measured with bench/feedback.py: see the "
         "README.")

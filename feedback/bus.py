@@ -131,8 +131,9 @@ class EventBus(ABC):
     def publish_many_now(self, topic: str, records: list[tuple[str, bytes]]) -> bool:
         """Publish on the caller's thread if that costs no wait behind other writes: True once every
         record is durable; False, with nothing written, where the caller should use
-        `publish_many_async` (a write of the bus's writer thread is under way, or the bus has no local
-        log). Where it writes, bad records raise ValueError first (nothing written). This default: False."""
+        `publish_many_async` (a write of the bus's writer thread is under way, or the bus writes no
+        local log of its own). Bad records raise ValueError first (nothing written), as
+        `publish_many_async` would. This default: False."""
         return False
 
     @abstractmethod

@@ -173,9 +173,9 @@ class EmbeddedBus(EventBus):
         for key, value in records:
             if not isinstance(value, (bytes, bytearray)):
                 raise ValueError(f"value must be bytes, got {type(value).__name__}")
+            if not isinstance(key, str):
+                raise ValueError(f"key must be a str, got {type(key).__name__}")
             if (head := heads.get(key)) is None:
-                if not isinstance(key, str):
-                    raise ValueError(f"key must be a str, got {type(key).__name__}")
                 kb = key.encode()
                 if len(kb) >= 1 << 16:
                     raise ValueError(f"key must be under 64 KiB, got {len(kb)} bytes")

@@ -85,23 +85,25 @@ def _encode(batch: dict[str, tuple[str, int]], pack: bool = True) -> tuple[int, 
     n, joined = len(batch), "".join(batch)
     first_ts, last_ts = min(ms) / 1000, max(ms) / 1000
     try:
-        raw = bytes.fromhex(joined) if pack else b""
-    except ValueError:
-        raw = b""
-    widths = set(map(len, fps))
-    if len(raw) == 16 * n and raw.hex() == joined and len(widths) == 1 and 0 < (width := widths.pop()) < 256:
-        fp_text = "".join(fps)
-        if fp_text.isascii():
-            stamps = array("q", ms)
-            if sys.byteorder != "little":
-                stamps.byteswap()
-            return n, first_ts, last_ts, bytes((_PACKED, width)) + raw + stamps.tobytes() + fp_text.encode("ascii")
+        raw = bytes.fromhex(joined) if pack and set(map(len, batch)) == {32} else b""
+        widths = set(map(len, fps))
+        if len(raw) == 16 * n and raw.hex() == joined and len(widths) == 1 and 0 < (width := widths.pop()) < 256:
+            fp_text = "".join(fps)
+            if fp_text.isascii():
+                stamps = array("q", ms)
+                if sys.byteorder != "little":
+                    stamps.byteswap()
+                return n, first_ts, last_ts, bytes((_PACKED, width)) + raw + stamps.tobytes() + fp_text.encode("ascii")
+    except (ValueError, TypeError, OverflowError):  # not hex; ms not int64 integers: as JSON
+        pass
     return n, first_ts, last_ts, json.dumps([list(batch), fps, ms])
 
 
 def _decode(ids: str | bytes) -> list:
-    """A batch row's `[[event_id, ...], [fingerprint, ...], [ms, ...]]`, whichever form it is stored in."""
-    if isinstance(ids, str):
+    """A batch row's `[[event_id, ...], [fingerprint, ...], [ms, ...]]`, whichever form it is stored in.
+    (Versions before packed rows read only JSON: an index that holds packed rows cannot be opened by
+    them -- a downgrade starts that index afresh, or waits for the rows to age out.)"""
+    if isinstance(ids, str) or not ids or ids[0] != _PACKED:
         return json.loads(ids)
     width = ids[1]
     n = (len(ids) - 2) // (16 + 8 + width)

@@ -135,7 +135,7 @@ class LogWriter:
         finally:
             with self._cond:
                 self._busy = False
-                if self._queue:
+                if self._queue or self._closed:  # appends queued meanwhile, or a close waiting for this write
                     self._cond.notify()
 
     def _loop(self) -> None:
@@ -144,7 +144,7 @@ class LogWriter:
                 while (not self._queue or self._busy) and not self._closed:
                     self._cond.wait()
                 while self._busy:  # closing while a `_write_now` is under way
-                    self._cond.wait(0.01)
+                    self._cond.wait()
                 if not self._queue:
                     return
                 queue, self._queue = self._queue, []
@@ -259,8 +259,8 @@ class DurableLog:
     def append_async(self, payloads: list[bytes], then: Callable[[int], None] | None = None) -> Future:
         """Queue records; the future resolves to their first offset once they are on disk. Framed
         here, on the caller's thread. `then(first offset)`, if given, runs on the writer thread once
-        they are on disk, before the future resolves; the writer calls it in offset order (whoever
-        indexes the records sees them in order)."""
+        they are on disk, before the future resolves, in offset order with every other append's
+        (`append_now`'s run on its caller's thread; whoever indexes the records sees them in order)."""
         if self._closed:
             raise RuntimeError(f"log {self.folder} is closed")
         if self._error is not None:
@@ -280,8 +280,8 @@ class DurableLog:
         return self.append_async(payloads).result(timeout=timeout)
 
     def _write(self, batch: list[tuple[bytes, int, Future, Callable[[int], None] | None]]) -> list[int]:
-        """On the writer thread: write framed appends (a new segment once this one is full, between
-        appends); their first offsets. Not yet fsynced."""
+        """On the writer thread, or `append_now`'s caller's: write framed appends (a new segment once
+        this one is full, between appends); their first offsets. Not yet fsynced."""
         if self._error is not None:
             raise RuntimeError(f"log {self.folder} writer failed: {self._error!r}")
         firsts, run = [], []

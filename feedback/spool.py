@@ -234,15 +234,23 @@ class Spool:
 
     def publish_many_now(self, records: list[tuple[str, str, bytes]]) -> bool:
         """Spool the records on this thread when the spool's writer is idle (`DurableLog.append_now`):
-        True once they are fsynced (and announced to the forwarder); False, nothing written, when a
-        write is under way -- `publish_many_async` them -- or when the forwarder is not started yet
-        (its first start, a process, belongs on the writer thread, not the caller's)."""
+        True once they are fsynced (announced to the forwarder without waiting for the spool's lock);
+        False, nothing written, when a write is under way -- `publish_many_async` them -- or when the
+        forwarder is not started yet (its first start, a process, belongs on the writer thread)."""
         if self._monitor is None:
             return False
         offset = self._log.append_now([encode(t, k, v) for t, k, v in records])
         if offset is None:
             return False
-        self._durable_to(offset + len(records))
+        if self._cond.acquire(blocking=False):
+            try:
+                self._spooled = max(self._spooled, offset + len(records))
+                self._announce()
+            finally:
+                self._cond.release()
+        else:  # held (a command waiting for room in the forwarder's socket): not the caller's wait
+            threading.Thread(target=self._durable_to, args=(offset + len(records),), daemon=True,
+                             name=f"spool-{self.folder.name}-announce").start()
         return True
 
     def _durable_to(self, end: int) -> None:

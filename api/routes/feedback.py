@@ -30,6 +30,7 @@ router = APIRouter(prefix="/v1")
 MAX_BATCH = 1000
 MAX_BODY_BYTES = 4 << 20
 MAX_CLOCK_SKEW_S = 300.0  # an event may not claim to come from further in the future than this
+LOOP_WRITE_MAX_BYTES = 64 << 10  # larger requests hand their events to the log's writer thread
 CLAIM_WAIT_S = 10.0  # how long a retry waits for the same key still being published by another request
 
 
@@ -156,7 +157,7 @@ async def post_feedback(request: Request, gw: GatewayDep, tenant: TenantDep):
     records = [(cid, wire) for _, cid, wire in new]
     gw.feedback_publishing += 1
     try:
-        if await _alone_to_publish(gw) and gw.bus.publish_many_now(TOPICS["feedback"], records):
+        if await _alone_to_publish(gw, records) and gw.bus.publish_many_now(TOPICS["feedback"], records):
             pass  # written on this thread: the log's writer was idle
         else:  # awaited on the loop, no thread parked: the writer thread resolves it once on disk
             await asyncio.wrap_future(gw.bus.publish_many_async(TOPICS["feedback"], records))
@@ -183,14 +184,15 @@ async def post_feedback(request: Request, gw: GatewayDep, tenant: TenantDep):
                     headers={"server-timing": f"validate;dur={validate_s * 1e3:.2f}, commit;dur={commit_s * 1e3:.2f}"})
 
 
-async def _alone_to_publish(gw) -> bool:
+async def _alone_to_publish(gw, records: list[tuple[str, bytes]]) -> bool:
     """Should this request write its events on the event loop (`publish_many_now`)? Only when
-    `settings.feedback_write_on_loop` and no other feedback request is publishing: one pass of the
-    loop first lets the requests already received reach their publish too. A request alone saves
+    `settings.feedback_write_on_loop`, its events are at most `LOOP_WRITE_MAX_BYTES` (the loop waits
+    for the disk as long as the write takes), and no other feedback request is publishing: one pass
+    of the loop first lets the requests already received reach their publish too. A request alone saves
     the hand-offs to the log's writer thread and back (half-rate p99 of bench/feedback.py ~20 ->
     ~16 ms); several go to the writer thread together and share one group commit (written one by
     one on the loop, single-event requests at full load fell from ~1300 to ~920 a second)."""
-    if not gw.settings.feedback_write_on_loop:
+    if not gw.settings.feedback_write_on_loop or sum(len(v) for _, v in records) > LOOP_WRITE_MAX_BYTES:
         return False
     await asyncio.sleep(0)
     return gw.feedback_publishing == 1
@@ -284,11 +286,9 @@ def _same_event(stored: str, item: FeedbackIn, fp: str) -> bool:
     version of the fingerprint stored it (a retry of an id accepted before an upgrade)?"""
     if stored == fp:
         return True
-    if stored.startswith("f3"):
-        return False
-    if stored.startswith("f2"):
-        return stored == fingerprint_f2(item)
-    return stored == legacy_fingerprint(item)
+    if len(stored) == 16:  # legacy: 16 hex digits, which may themselves start with "f2" or "f3"
+        return stored == legacy_fingerprint(item)
+    return stored.startswith("f2") and stored == fingerprint_f2(item)
 
 
 def _lookup_and_claim(index: CompletionIndex, events: list[tuple[str, str, bytes]], tenant: str,

@@ -431,6 +431,8 @@ def test_index_packs_only_what_it_can_give_back_exactly():
     h = _HEX_IDS
     assert type(_encode({h[0]: ("f3" + "a" * 16, 1), h[1]: ("f3" + "b" * 16, 2)})[3]) is bytes
     for batch in ({h[0].upper(): ("f3", 1)}, {h[0][:30]: ("f3", 1)}, {h[0] + "00": ("f3", 1)},
+                  {"ab" * 8: ("f3", 1), "cd" * 24: ("f3", 2)},  # 16 + 48 hex digits: 32 each on average
+                  {h[0]: ("f3", 1.5)}, {h[0]: ("f3", 1 << 70)},  # ms that are no int64
                   {h[0]: ("f3ab", 1), h[1]: ("legacy", 2)}, {h[0]: ("é", 1)}, {h[0]: ("", 1)}):
         n, first_ts, last_ts, ids = _encode(batch)
         assert type(ids) is str and _decode(ids) == [list(batch), *map(list, zip(*batch.values()))], batch
@@ -518,6 +520,21 @@ def test_index_prunes_inside_a_batch_row(tmp_path, style):
     again.close()
 
 
+def test_index_tells_apart_two_asked_ids_of_one_hash(tmp_path, monkeypatch):
+    """Two ids of one claim with the same hash (forced here): the written one is found as done,
+    the other is claimed."""
+    import builtins
+
+    import feedback.completion_index as ci
+
+    monkeypatch.setattr(ci, "hash", lambda s: 7 if s in ("x1", "x2") else builtins.hash(s), raising=False)
+    idx = CompletionIndex(tmp_path / "i.db")
+    idx.confirm(idx.claim({"x1": "f1"}).claimed)
+    idx.flush()
+    assert idx.claim({"x1": "f1", "x2": "f2"}) == (["x2"], {"x1": "f1"}, [])
+    idx.close()
+
+
 def test_index_checks_a_hash_match_against_the_stored_id(tmp_path):
     """Written ids are found in memory by hash; a different id whose hash matches a stored row's
     (forced here) is not taken for that row's duplicate."""
@@ -547,6 +564,39 @@ def test_feedback_is_written_on_the_loop_when_the_bus_is_idle(live, cid, monkeyp
     assert {ev.event_id for _, ev in on_bus(live, [cid])} >= set(r.json()["event_ids"])
 
 
+def test_a_failed_write_on_the_loop_answers_503_and_leaves_nothing_claimed(live, cid, monkeypatch):
+    """The loop's own write failing is a publish failure like any other: 503, the keys released
+    (the retry is accepted), nothing counted as publishing."""
+    def broken(topic, records):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(live.bus, "publish_many_now", broken)
+    body = {"completion_id": cid, "kind": "copied", "idempotency_key": f"broken-{uuid.uuid4()}"}
+    r = post(live, body)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "publish_failed"
+    assert r.headers["retry-after"] == "1"
+    monkeypatch.undo()
+    assert live.server.config.app.state.gateway.feedback_publishing == 0
+    r = post(live, body)
+    assert r.status_code == 200 and r.json()["accepted"] == 1
+
+
+def test_a_large_batch_goes_to_the_writer_thread(live, cid, monkeypatch):
+    """Over LOOP_WRITE_MAX_BYTES of events the loop does not wait for the disk itself."""
+    from api.routes.feedback import LOOP_WRITE_MAX_BYTES
+
+    calls = []
+    now = live.bus.publish_many_now
+    monkeypatch.setattr(live.bus, "publish_many_now", lambda *a: calls.append("now") or now(*a))
+    events = [{"completion_id": cid, "kind": "dwell", "value": 1.0, "user": f"u{i}"} for i in range(400)]
+    r = post(live, {"events": events})
+    assert r.status_code == 200 and r.json()["accepted"] == 400 and calls == []
+    ids = set(r.json()["event_ids"])  # their wire form (= the model's JSON, tested) is over the bound
+    assert sum(len(ev.model_dump_json()) for _, ev in on_bus(live, [cid]) if ev.event_id in ids) > LOOP_WRITE_MAX_BYTES
+    r = post(live, {"events": events[:2]})
+    assert r.status_code == 200 and calls == ["now"]
+
+
 def test_requests_ready_together_leave_the_write_to_the_writer_thread(tmp_path):
     """A request writes on the loop only if it is alone: requests that reach their publish in the
     same pass of the loop all go to the writer thread (one group commit), a later lone one does
@@ -560,7 +610,7 @@ def test_requests_ready_together_leave_the_write_to_the_writer_thread(tmp_path):
     async def publish() -> bool:  # as the route: counted from its publish until its events are durable
         gw.feedback_publishing += 1
         try:
-            alone = await _alone_to_publish(gw)
+            alone = await _alone_to_publish(gw, [("cmpl-1", b"x" * 100)])
             await asyncio.sleep(0 if alone else 0.01)  # on the loop: done; else: waits for the group commit
             return alone
         finally:
@@ -571,6 +621,10 @@ def test_requests_ready_together_leave_the_write_to_the_writer_thread(tmp_path):
         return together, await publish()
 
     assert asyncio.run(scenario()) == ([False, False, False], True)
+    gw.feedback_publishing = 1  # this request alone
+    assert asyncio.run(_alone_to_publish(gw, [("cmpl-1", b"x" * (64 << 10))])) is True  # at the bound
+    assert asyncio.run(_alone_to_publish(gw, [("cmpl-1", b"x" * (64 << 10)), ("cmpl-2", b"x")])) is False
+    gw.feedback_publishing = 0
     gw.settings = Settings(home=tmp_path, feedback_write_on_loop=False)
     assert asyncio.run(scenario()) == ([False, False, False], False)
 
@@ -601,6 +655,20 @@ def test_the_gateway_stores_the_fingerprint_of_the_event(live, cid):
         assert post(live, body).status_code == 200
         claim = live.index.claim({event_id_for("default", key): "f3-anything"})
         assert claim.done == {event_id_for("default", key): fingerprint(FeedbackIn.model_validate(body), "default")}
+
+
+@pytest.mark.parametrize("prefix", ["f2", "f3"])
+def test_a_legacy_fingerprint_that_starts_like_a_newer_one_is_still_legacy(live, cid, prefix):
+    """A legacy fingerprint is 16 hex digits, and 2 in 256 of them start with "f2" or "f3": the
+    version is told by the length, so a retry of such an id is still its duplicate."""
+    body = next(b for i in range(100_000) if legacy_fingerprint(FeedbackIn.model_validate(
+        b := {"completion_id": cid, "kind": "dwell", "value": float(i), "user": "u-legacy"})).startswith(prefix))
+    body["idempotency_key"] = key = f"legacy-{prefix}-{uuid.uuid4()}"
+    eid = event_id_for("default", key)
+    live.index.confirm(live.index.claim({eid: legacy_fingerprint(FeedbackIn.model_validate(body))}).claimed)
+    r = post(live, body)
+    assert r.status_code == 200 and r.json() == {"accepted": 0, "duplicates": 1, "event_ids": [eid]}
+    assert post(live, {**body, "value": body["value"] + 0.5}).status_code == 409
 
 
 @pytest.mark.parametrize("stored_by", [legacy_fingerprint, fingerprint_f2])

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
@@ -362,3 +363,41 @@ def test_a_lost_or_stale_position_resumes_at_the_first_segment_kept(tmp_path, po
     finally:
         spool.close()
     assert again == list(range(first, 61))
+
+
+def test_publish_many_now_spools_on_the_callers_thread_and_never_waits_for_the_spools_lock(tmp_path):
+    """Before the forwarder has started, `publish_many_now` declines (False, nothing written: its
+    start belongs on the writer thread); then it spools on this thread. With the spool's lock held
+    elsewhere (a command waiting for the forwarder's socket) it still returns at once, and the
+    records are announced and delivered once the lock is free; order is kept throughout."""
+    delivered: list[bytes] = []
+    spool = Spool(tmp_path / "spool", lambda batch: delivered.extend(r.value for r in batch), batch_size=10)
+    assert spool.publish_many_now([("t", "k", b"never")]) is False
+    spool.publish("t", "k", b"0")
+
+    def now(value: bytes) -> None:
+        for _ in range(200):  # False only while the writer thread finishes the publish before
+            if spool.publish_many_now([("t", "k", value)]):
+                return
+            time.sleep(0.01)
+        pytest.fail("publish_many_now never found the spool's writer idle")
+
+    now(b"1")
+    held, release = threading.Event(), threading.Event()
+
+    def hold_lock() -> None:
+        with spool._cond:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold_lock)
+    holder.start()
+    assert held.wait(10)
+    t0 = time.monotonic()
+    now(b"2")
+    assert time.monotonic() - t0 < 1.0
+    release.set()
+    holder.join(10)
+    spool.flush(10)
+    spool.close()
+    assert delivered == [b"0", b"1", b"2"]
