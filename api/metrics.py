@@ -36,6 +36,9 @@ class Metrics:
             "Accepted feedback requests, by stage: 'validate' = in the gateway before the publish "
             "(parse, checks, ids, claims), 'commit' = waiting for the bus to make the events durable",
             ["stage"], buckets=_STAGE_BUCKETS, registry=r)
+        # its two series, looked up once (`labels()` takes a lock and a dict lookup per call)
+        self.feedback_validate = self.feedback_stage.labels("validate")
+        self.feedback_commit = self.feedback_stage.labels("commit")
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

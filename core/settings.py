@@ -37,10 +37,10 @@ class Settings(BaseSettings):
     feedback_write_on_loop: bool = Field(
         True, description="POST /v1/feedback writes its events to the bus's local log (the embedded log, or the Kafka "
         "spool) on the event loop when it is the only feedback request publishing, its events are at most 64 KiB "
-        "and the log's writer thread is idle, instead of handing them to that thread and waiting to be woken: the loop waits for the disk (~1 ms) "
-        "but two hand-offs between threads (each waiting for the interpreter lock) are saved. Requests that publish "
-        "together still go to the writer thread and share a group commit. Measured with bench/feedback.py: see the "
-        "README.")
+        "and the log's writer thread is idle, instead of handing them to that thread and waiting to be woken: the "
+        "loop waits for the disk (~1 ms) but two hand-offs between threads (each waiting for the interpreter lock) "
+        "are saved. Requests that publish together still go to the writer thread and share a group commit. "
+        "Measured with bench/feedback.py: see the README.")
     engine: Literal["embedded", "process", "vllm"] = Field(
         "process", description="Inference backend: the embedded engine on a thread of the gateway, the embedded "
                                 "engine in a process of its own, or vLLM.")

@@ -177,16 +177,19 @@ class KafkaBus(EventBus):
         self.publish_many_async(topic, records).result(timeout=30)
 
     def publish_many_async(self, topic: str, records: list[tuple[str, bytes]]) -> Future:
-        spool = self._spool_for(topic)
-        for key, value in records:
-            self._check_record(key, value)
-        return all_of([spool.publish_many_async([(topic, k, bytes(v)) for k, v in records])] if records else [])
+        spool, spooled = self._spooled(topic, records)
+        return all_of([spool.publish_many_async(spooled)] if spooled else [])
 
     def publish_many_now(self, topic: str, records: list[tuple[str, bytes]]) -> bool:
+        spool, spooled = self._spooled(topic, records)
+        return not spooled or spool.publish_many_now(spooled)
+
+    def _spooled(self, topic: str, records: list[tuple[str, bytes]]) -> tuple[Spool, list[tuple[str, str, bytes]]]:
+        """The topic's spool and the records as it takes them; a bad record raises ValueError first."""
         spool = self._spool_for(topic)
         for key, value in records:
             self._check_record(key, value)
-        return not records or spool.publish_many_now([(topic, k, bytes(v)) for k, v in records])
+        return spool, [(topic, k, bytes(v)) for k, v in records]
 
     def flush(self, timeout_s: float = 30.0) -> None:
         if self.spool is not None:

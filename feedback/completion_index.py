@@ -30,10 +30,11 @@ the stored id (so two ids of one hash are never confused) and take its fingerpri
 then the cap) deletes a prefix: whole rows, and the row the cut falls into keeps its newer part.
 Why one row per batch: writing a batch is one INSERT of one value (~1.4 ms of CPU for 3000 packed
 ids). Before, each id was a row of its own — first in a table keyed by the id (random ids all
-over a B-tree: 237 ms of CPU per 5000-id batch with 400k ids stored), then appended by `seq` with SQLite's `json_each` (54 ms); at the half rate of bench/feedback.py (~8500 ids/s) that
-was 12-14 ms of CPU every 0.25 s, and the gateway's slowest requests lined up with those writes
-(timeline traced; with the write switched off in an experiment, p99 went from ~20 ms to ~11 ms in
-most runs). `bench/accepted_ids.py` compares the three layouts. Every `write_every_s` (0.25 s) the
+over a B-tree: 237 ms of CPU per 5000-id batch with 400k ids stored), then appended by `seq` with
+SQLite's `json_each` (54 ms); at the half rate of bench/feedback.py (~8500 ids/s) that was 12-14 ms
+of CPU every 0.25 s, and the gateway's slowest requests lined up with those writes (timeline
+traced; with the write switched off in an experiment, p99 went from ~20 ms to ~11 ms in most
+runs). `bench/accepted_ids.py` compares the layouts (and JSON against packed batch rows). Every `write_every_s` (0.25 s) the
 batch is written: what the writer thread does holding the interpreter lock is a pause of the
 gateway's event loop, so batches are kept small. The same thread runs the pruning
 and the WAL checkpoints (copying the log back into the database, with its fsync) every
@@ -87,7 +88,7 @@ def _encode(batch: dict[str, tuple[str, int]], pack: bool = True) -> tuple[int, 
     try:
         raw = bytes.fromhex(joined) if pack and set(map(len, batch)) == {32} else b""
         widths = set(map(len, fps))
-        if len(raw) == 16 * n and raw.hex() == joined and len(widths) == 1 and 0 < (width := widths.pop()) < 256:
+        if raw.hex() == joined and len(widths) == 1 and 0 < (width := widths.pop()) < 256:  # lowercase, no spaces
             fp_text = "".join(fps)
             if fp_text.isascii():
                 stamps = array("q", ms)
@@ -99,16 +100,19 @@ def _encode(batch: dict[str, tuple[str, int]], pack: bool = True) -> tuple[int, 
     return n, first_ts, last_ts, json.dumps([list(batch), fps, ms])
 
 
-def _decode(ids: str | bytes) -> list:
-    """A batch row's `[[event_id, ...], [fingerprint, ...], [ms, ...]]`, whichever form it is stored in.
-    (Versions before packed rows read only JSON: an index that holds packed rows cannot be opened by
-    them -- a downgrade starts that index afresh, or waits for the rows to age out.)"""
+def _decode(ids: str | bytes, ids_only: bool = False) -> list:
+    """A batch row's `[[event_id, ...], [fingerprint, ...], [ms, ...]]`, whichever form it is stored in
+    (`ids_only`: a packed row gives `[[event_id, ...]]`, as start-up needs). (Versions before packed
+    rows read only JSON: an index that holds packed rows cannot be opened by them -- a downgrade
+    starts that index afresh, or waits for the rows to age out.)"""
     if isinstance(ids, str) or not ids or ids[0] != _PACKED:
         return json.loads(ids)
     width = ids[1]
     n = (len(ids) - 2) // (16 + 8 + width)
     ms_at, fp_at = 2 + 16 * n, 2 + 24 * n
     hexed = ids[2:ms_at].hex()
+    if ids_only:
+        return [[hexed[i:i + 32] for i in range(0, 32 * n, 32)]]
     stamps = array("q", ids[ms_at:fp_at])
     if sys.byteorder != "little":
         stamps.byteswap()
@@ -184,7 +188,7 @@ class CompletionIndex:
         self._first_seq = self._next_seq = 0  # the ids written: seqs [_first_seq, _next_seq)
         for i, (first, ids) in enumerate(self._db.execute("SELECT first_seq, ids FROM accepted_batches "
                                                           "ORDER BY first_seq")):
-            eids = _decode(ids)[0]
+            eids = _decode(ids, ids_only=True)[0]
             self._accepted.update(zip(map(hash, eids), range(first, first + len(eids))))
             self._first_seq = first if i == 0 else self._first_seq
             self._next_seq = first + len(eids)

@@ -12,9 +12,9 @@ for the interpreter lock (with one writer thread per partition log, that competi
 gateway's event loop: bench/feedback.py). `append_now` writes on the caller's own thread when the
 writer is idle (nothing queued, nothing being written), and returns None otherwise: the caller then
 queues with `append_async` and joins the next group commit. It saves the two hand-offs between
-threads (each may wait for the interpreter lock) when there is nothing to group. On open, a torn or corrupt tail (a crash mid-write) is
-cut off at the last whole record; corruption in the middle of a segment is an error, never skipped
-silently.
+threads (each may wait for the interpreter lock) when there is nothing to group. On open, a torn or
+corrupt tail (a crash mid-write) is cut off at the last whole record; corruption in the middle of a
+segment is an error, never skipped silently.
 
 Called by `feedback.sink.LogSink` (completion records), the spool and the embedded event bus.
 """
@@ -115,28 +115,22 @@ class LogWriter:
         return fut
 
     def _write_now(self, target: DurableLog, data: bytes, count: int, then: Callable[[int], None] | None) -> int | None:
-        """Write and sync on the caller's thread when nothing is being written or waits (the first
-        offset), else None: the caller queues instead (a group commit is under way)."""
+        """`_commit` of this one append on the caller's thread when nothing is being written or waits
+        (its first offset, or the write's error raised), else None: the caller queues instead (a
+        group commit is under way)."""
         with self._cond:
             if self._queue or self._busy or self._closed:
                 return None
             self._busy = True
+        fut: Future = Future()
         try:
-            batch = [(data, count, Future(), then)]
-            try:
-                first = target._write(batch)[0]
-                target._sync()
-            except BaseException as e:
-                target._fail(e, batch)
-                raise
-            if then is not None:
-                then(first)
-            return first
+            self._commit([(target, data, count, fut, then)])
         finally:
             with self._cond:
                 self._busy = False
                 if self._queue or self._closed:  # appends queued meanwhile, or a close waiting for this write
                     self._cond.notify()
+        return fut.result()
 
     def _loop(self) -> None:
         while True:

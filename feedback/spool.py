@@ -242,23 +242,25 @@ class Spool:
         offset = self._log.append_now([encode(t, k, v) for t, k, v in records])
         if offset is None:
             return False
-        if self._cond.acquire(blocking=False):
-            try:
-                self._spooled = max(self._spooled, offset + len(records))
-                self._announce()
-            finally:
-                self._cond.release()
-        else:  # held (a command waiting for room in the forwarder's socket): not the caller's wait
+        if not self._durable_to(offset + len(records), blocking=False):
+            # the lock is held (a command waiting for room in the forwarder's socket): not the caller's wait
             threading.Thread(target=self._durable_to, args=(offset + len(records),), daemon=True,
                              name=f"spool-{self.folder.name}-announce").start()
         return True
 
-    def _durable_to(self, end: int) -> None:
-        with self._cond:
+    def _durable_to(self, end: int, blocking: bool = True) -> bool:
+        """Records up to `end` are durable: tell the forwarder (starting it if need be). False, with
+        nothing done, when not `blocking` and the spool's lock is held elsewhere."""
+        if not self._cond.acquire(blocking):
+            return False
+        try:
             self._spooled = max(self._spooled, end)
             if self._monitor is None:
                 self._start()
             self._announce()
+        finally:
+            self._cond.release()
+        return True
 
     @property
     def forwarded(self) -> int:
