@@ -22,7 +22,7 @@ from api.deps import Gateway, GatewayDep
 from api.metrics import RequestCounter
 from api.routes import feedback, openai
 from core.settings import Settings, get_settings
-from feedback.bus import EventBus
+from feedback.bus import EventBus, open_bus
 from feedback.completion_index import CompletionIndex
 from feedback.sink import BusSink, CompletionSink
 
@@ -47,15 +47,6 @@ def build_engine(settings: Settings):
     return engine
 
 
-def build_bus(settings: Settings) -> EventBus:
-    """The configured event bus: the embedded durable log, or Kafka (imported only when asked for)."""
-    if settings.bus == "kafka":
-        from feedback.bus_kafka import KafkaBus
-        return KafkaBus(settings.kafka_bootstrap, spool_dir=settings.home / "spool")
-    from feedback.bus_embedded import EmbeddedBus
-    return EmbeddedBus(settings.home / "bus")
-
-
 def create_app(settings: Settings | None = None, engine=None, sink: CompletionSink | None = None,
                bus: EventBus | None = None, index: CompletionIndex | None = None, freeze_gc: bool = False) -> FastAPI:
     """`freeze_gc` (the `serve` process): once start-up is done, move every object alive then (modules,
@@ -69,7 +60,7 @@ def create_app(settings: Settings | None = None, engine=None, sink: CompletionSi
     async def lifespan(app: FastAPI):
         eng = engine if engine is not None else build_engine(settings)
         try:
-            bs = bus if bus is not None else build_bus(settings)
+            bs = bus if bus is not None else open_bus(settings)
         except BaseException:
             if owns_engine:  # nothing else will shut the engine (and its process) down
                 eng.shutdown()

@@ -48,12 +48,12 @@ def _serve(args) -> None:
 def _joiner(args) -> None:
     import threading
 
-    from api.main import build_bus
+    from feedback.bus import open_bus
     from feedback.joiner import JoinerService
     from feedback.rewards import RewardSpec
 
     settings = get_settings()
-    bus = build_bus(settings)
+    bus = open_bus(settings)
     service = JoinerService(bus, RewardSpec(), window_s=args.window_s)
     stop = threading.Event()
     try:
@@ -68,7 +68,7 @@ def _joiner(args) -> None:
 def _learner(args) -> None:
     import time
 
-    from api.main import build_bus
+    from feedback.bus import open_bus
     from gating.registry import Registry
     from learner.service import LearnerConfig, LearnerService
 
@@ -79,7 +79,7 @@ def _learner(args) -> None:
         from learner.distributed import init_process_group
 
         init_process_group()
-    bus = build_bus(settings)
+    bus = open_bus(settings)
     cfg = LearnerConfig(update_every_samples=args.every_samples, update_every_s=args.every_s)
     service = LearnerService(bus, Registry(settings.db_url), settings.home / "models" / "learner",
                              settings.served_model_dir, cfg)
