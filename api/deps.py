@@ -29,7 +29,6 @@ class Gateway:
         self.bus, self.index = bus, index
         self.metrics = Metrics()
         self.background: set[asyncio.Task] = set()
-        self.feedback_publishing = 0  # feedback requests publishing: validated, events not yet durable
         self._keys = _parse_keys(settings.api_keys)
 
     def resolve_model(self, name: str, param: str = "model") -> str:

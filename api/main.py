@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import sys
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -24,7 +23,7 @@ from api.routes import feedback, openai
 from core.settings import Settings, get_settings
 from feedback.bus import EventBus, open_bus
 from feedback.completion_index import CompletionIndex
-from feedback.sink import BusSink, CompletionSink
+from feedback.sink import CompletionSink
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +48,8 @@ def build_engine(settings: Settings):
 
 def create_app(settings: Settings | None = None, engine=None, sink: CompletionSink | None = None,
                bus: EventBus | None = None, index: CompletionIndex | None = None, freeze_gc: bool = False) -> FastAPI:
-    """`freeze_gc` (the `serve` process): once start-up is done, move every object alive then (modules,
-    model, schemas: ~200k objects) out of the garbage collector's sight. Otherwise the first full
-    collection under load scans them all and stalls every request in flight (measured: ~100 ms)."""
+    """`freeze_gc` (the `serve` process): once start-up is done, hide every object alive then from the
+    garbage collector, so a full collection under load does not scan the model and modules."""
     settings = settings or get_settings()
     settings.check_production()
     owns_engine, owns_sink, owns_bus, owns_index = engine is None, sink is None, bus is None, index is None
@@ -67,8 +65,8 @@ def create_app(settings: Settings | None = None, engine=None, sink: CompletionSi
             raise
         # Completion records go to the event bus (the joiner reads them there): fsynced to the embedded
         # log, or to the Kafka spool while the broker is away, before the caller is answered.
-        snk = sink if sink is not None else BusSink(bs)
-        idx = index if index is not None else CompletionIndex(settings.home / "completion_index.db")
+        snk = sink if sink is not None else CompletionSink(bs)
+        idx = index if index is not None else CompletionIndex(settings.completion_index_url)
         app.state.gateway = Gateway(settings, eng, snk, bs, idx)
         log.info("gateway ready: versions %s, default %s", eng.versions, eng.default_version)
         if freeze_gc:
@@ -111,6 +109,5 @@ def serve(settings: Settings | None = None) -> None:
     import uvicorn
 
     settings = settings or get_settings()
-    sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)  # this process is the gateway
     uvicorn.run(create_app(settings, freeze_gc=True), host=settings.host, port=settings.port, log_level="info",
                 access_log=settings.access_log)

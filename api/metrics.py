@@ -12,7 +12,6 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-_STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
 class Metrics:
@@ -31,14 +30,8 @@ class Metrics:
                               ["model_version"], buckets=_LATENCY_BUCKETS, registry=r)
         self.records = Counter("flywheel_completion_records", "Completion records made durable",
                                ["model_version"], registry=r)
-        self.feedback_stage = Histogram(
-            "flywheel_feedback_stage_seconds",
-            "Accepted feedback requests, by stage: 'validate' = in the gateway before the publish "
-            "(parse, checks, ids, claims), 'commit' = waiting for the bus to make the events durable",
-            ["stage"], buckets=_STAGE_BUCKETS, registry=r)
-        # its two series, looked up once (`labels()` takes a lock and a dict lookup per call)
-        self.feedback_validate = self.feedback_stage.labels("validate")
-        self.feedback_commit = self.feedback_stage.labels("commit")
+        self.feedback_events = Counter("flywheel_feedback_events", "Feedback events by outcome (accepted, duplicate)",
+                                       ["outcome"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

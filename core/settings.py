@@ -27,20 +27,7 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="Address the gateway binds to.")
     port: int = Field(8000, ge=0, le=65535, description="Port the gateway binds to (0: any free port).")
     access_log: bool = Field(
-        False, description="uvicorn's access log line per request (off: requests are counted by route and status "
-                           "at /metrics; the log line cost ~3% of the gateway's CPU under feedback load).")
-    gil_switch_interval_ms: float = Field(
-        1.0, gt=0, le=100, description="How long a thread of the gateway may hold Python's interpreter lock while "
-        "another waits for it (Python's default: 5 ms). The bus's writer thread needs it back after each disk "
-        "write to wake the waiting requests; at 1 ms the half-rate p99 of bench/feedback.py's batch load was "
-        "17.9-35.2 ms in 7 runs against 16.9-76.9 ms at 5 ms (medians 32.3 and 46.6).")
-    feedback_write_on_loop: bool = Field(
-        True, description="POST /v1/feedback writes its events to the bus's local log (the embedded log, or the Kafka "
-        "spool) on the event loop when it is the only feedback request publishing, its events are at most 64 KiB "
-        "and the log's writer thread is idle, instead of handing them to that thread and waiting to be woken: the "
-        "loop waits for the disk (~1 ms) but two hand-offs between threads (each waiting for the interpreter lock) "
-        "are saved. Requests that publish together still go to the writer thread and share a group commit. "
-        "Measured with bench/feedback.py: see the README.")
+        False, description="uvicorn's access log line per request (requests are counted at /metrics either way).")
     engine: Literal["embedded", "process", "vllm"] = Field(
         "process", description="Inference backend: the embedded engine on a thread of the gateway, the embedded "
                                 "engine in a process of its own, or vLLM.")
@@ -58,6 +45,10 @@ class Settings(BaseSettings):
                            "WORLD_SIZE, MASTER_ADDR, MASTER_PORT); the ranks split the sample partitions.")
     database_url: str | None = Field(
         None, description="SQLAlchemy URL of the registry; None means a SQLite file under <home>.")
+    index_url: str | None = Field(
+        None, description="SQLAlchemy URL of the completion index (completions and feedback idempotency keys); "
+                          "None means a SQLite file under <home>. Point every gateway at one PostgreSQL database "
+                          "to share it.")
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list,
                                 description="Accepted bearer tokens; empty means no auth (local only).")
 
@@ -75,6 +66,10 @@ class Settings(BaseSettings):
     @property
     def records_dir(self) -> Path:
         return self.home / "records"
+
+    @property
+    def completion_index_url(self) -> str:
+        return self.index_url or f"sqlite:///{self.home / 'completion_index.db'}"
 
     @property
     def db_url(self) -> str:

@@ -2,23 +2,21 @@
 
 Two implementations pass one contract suite (tests/feedback/test_bus_contract.py):
 `feedback.bus_embedded.EmbeddedBus` (durable local logs, the default, no server) and
-`feedback.bus_kafka.KafkaBus` (kafka-python: acks=all idempotent producer, consumer groups,
-topics partitioned by key = completion id). Producers never block the caller on a broker outage:
-`feedback.spool` keeps what could not be delivered on local disk and delivers it, in order per key,
-when the broker is back. Consumers drop event ids they have already processed.
+`feedback.bus_kafka.KafkaBus` (kafka-python's idempotent `KafkaProducer`, fed from a local spool,
+and consumer groups). A record's key is its completion id, so a completion and its feedback stay in
+order in one partition. `publish_many` returns once the records are durable on this machine: in
+the embedded log, or in the Kafka bus's spool (never waiting for the broker).
 
 Called by the gateway (completion and feedback producers), the joiner and the learner.
 """
 
 from __future__ import annotations
 
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 
-from feedback.log import settle
+MAX_KEY_BYTES = 1 << 12
 
 
 @dataclass(frozen=True)
@@ -30,50 +28,39 @@ class Record:
     value: bytes
 
 
-def all_of(futures: list[Future], then=None) -> Future:
-    """A future that resolves once every one of `futures` did: to None, after calling `then()` (in
-    the thread that finished the last one), or to the first error among them (`then` not called)."""
-    out: Future = Future()
-    left = [len(futures) + 1]  # + 1: this call's own turn, so an empty list resolves too
-    lock = threading.Lock()
+def check_name(kind: str, name: str) -> str:
+    """A topic or group name: 1-200 characters of [A-Za-z0-9._-] (a ValueError naming it otherwise)."""
+    if not isinstance(name, str) or not name or len(name) > 200 or not all(c.isalnum() or c in "._-" for c in name):
+        raise ValueError(f"{kind} name must be 1-200 characters of [A-Za-z0-9._-], got {name!r}")
+    return name
 
-    def one_done(_: Future | None) -> None:
-        with lock:
-            left[0] -= 1
-            if left[0]:
-                return
-        errors = [e for f in futures if (e := f.exception()) is not None]
-        if errors:
-            settle(out, error=errors[0])
-            return
-        try:
-            if then is not None:
-                then()
-        except BaseException as e:
-            settle(out, error=e)
-        else:
-            settle(out)
 
-    for f in futures:
-        f.add_done_callback(one_done)
-    one_done(None)
-    return out
+def check_record(key: str, value: bytes) -> None:
+    """What both buses accept as a record: a non-empty str key (under 4 KiB) and a bytes value."""
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"key must be a non-empty str (the completion id), got {key!r}")
+    if len(key.encode()) > MAX_KEY_BYTES:
+        raise ValueError(f"key must be at most {MAX_KEY_BYTES} bytes, got {len(key.encode())}")
+    if not isinstance(value, (bytes, bytearray)):
+        raise ValueError(f"value must be bytes, got {type(value).__name__}")
 
 
 def topic_list(topics: str | Sequence[str]) -> tuple[str, ...]:
     """`consumer()`'s topics argument as a tuple: one name or several distinct names."""
     out = (topics,) if isinstance(topics, str) else tuple(topics)
-    if not out or len(set(out)) != len(out) or not all(isinstance(t, str) for t in out):
+    if not out or len(set(out)) != len(out):
         raise ValueError(f"topics must be one topic name or several distinct names, got {topics!r}")
+    for t in out:
+        check_name("topic", t)
     return out
 
 
 class Consumer(ABC):
     """One member of a consumer group on one or more topics.
 
-    A member subscribed to several topics gets the same partition numbers of each (the topics must
-    have equal partition counts): records keyed alike on different topics meet in one member. The
-    joiner relies on this for a completion and its feedback.
+    A member subscribed to several topics gets the same partition numbers of each (the topics have
+    equal partition counts): records keyed alike on different topics meet in one member. The joiner
+    relies on this for a completion and its feedback.
     """
 
     topics: tuple[str, ...]
@@ -108,37 +95,18 @@ class Consumer(ABC):
 
 
 class EventBus(ABC):
-    @abstractmethod
     def publish(self, topic: str, key: str, value: bytes) -> None:
-        """Durably accept one record (to the broker, or to the local spool while it is down)."""
+        """Durably accept one record."""
+        self.publish_many(topic, [(key, value)])
 
+    @abstractmethod
     def publish_many(self, topic: str, records: list[tuple[str, bytes]]) -> None:
-        """Durably accept several (key, value) records with one write where the bus allows it
-        (one fsync per batch instead of one per record). Per-key order is the list's order."""
-        for key, value in records:
-            self.publish(topic, key, value)
-
-    def publish_many_async(self, topic: str, records: list[tuple[str, bytes]]) -> Future:
-        """`publish_many` without waiting: bad records raise ValueError at once (nothing is written);
-        the future resolves (to None) once every record is durable, or to the write's error. For
-        callers that must not park a thread while the disk syncs (the gateway's event loop awaits it
-        with `asyncio.wrap_future`). This default writes before it returns."""
-        fut: Future = Future()
-        self.publish_many(topic, records)
-        fut.set_result(None)
-        return fut
-
-    def publish_many_now(self, topic: str, records: list[tuple[str, bytes]]) -> bool:
-        """Publish on the caller's thread if that costs no wait behind other writes: True once every
-        record is durable; False, with nothing written, where the caller should use
-        `publish_many_async` (a write of the bus's writer thread is under way, or the bus writes no
-        local log of its own). Bad records raise ValueError first (nothing written), as
-        `publish_many_async` would. This default: False."""
-        return False
+        """Durably accept several (key, value) records; per-key order is the list's order. Every
+        record is checked first: one bad record raises ValueError and none is written."""
 
     @abstractmethod
     def flush(self, timeout_s: float = 30.0) -> None:
-        """Wait until everything published so far is on the broker."""
+        """Wait until everything published so far is on the broker (a no-op where there is none)."""
 
     @abstractmethod
     def consumer(self, topics: str | Sequence[str], group: str) -> Consumer:

@@ -1,23 +1,16 @@
 """The embedded event bus: durable local logs with Kafka's semantics, for one machine and no server.
 
-Owns `<folder>/<topic>/log/` (one `DurableLog` per topic, every partition's records in it, all
-topics written by one group-commit thread) and `<folder>/_groups/` (committed positions, one small
-JSON file per group and topic, replaced atomically). A record's partition is
-`crc32(key) % partitions`, so all records of one key (one completion) stay in order in one
-partition. Partition offsets are dense, as Kafka's: in memory, each partition lists the topic-log
-offsets of its records (8 bytes a record, rebuilt by reading the topic log when the bus opens it,
-appended by the writer thread after each fsync, so consumers see only acknowledged records). One
-log per topic rather than one per partition: a publish of many keys is one write and one fsync
-(measured on the 2-core dev VM, 100 records over 4 partition logs: ~1.4 ms of fsyncs at p50 and
-15 ms at p99 under load, against ~0.4 ms for one file). Folders of the earlier layout, one log per
-partition (`<topic>/p<N>/`), are copied into the topic log when it is first opened (partition
-offsets, hence committed positions, unchanged), then removed.
+Owns `<folder>/bus.json` (format version and partition count, fixed when the folder is made),
+`<folder>/<topic>/p<N>/` (one `feedback.log.DurableLog` per partition: partition offsets are log
+offsets) and `<folder>/_groups/<group>--<topic>.json` (committed positions, replaced atomically).
+A record's partition is `crc32(key) % partitions`, so all records of one key stay in order in one
+partition; a record is stored as `[u16 key length][key][value]`.
 
 Consumers of one group in this process split the partitions between them (round-robin over the
 members, rebalanced when one joins or leaves; a member of several topics gets the same partition
-numbers of each); `commit()` records the position after the last processed record, and a consumer
-that closes without committing leaves its records to be delivered again. `publish()` returns once
-the record is fsynced: there is no broker to be down.
+numbers of each). `commit()` records the position after the last processed record; a consumer that
+closes without committing leaves its records to be delivered again. `publish_many()` returns once
+its records are fsynced: there is no broker to be down.
 
 Called by the gateway, the joiner and the learner when `FLYWHEEL_BUS=embedded` (the default).
 """
@@ -25,97 +18,26 @@ Called by the gateway, the joiner and the learner when `FLYWHEEL_BUS=embedded` (
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import struct
-import tempfile
 import threading
 import time
 import zlib
-from array import array
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
 from pathlib import Path
 
-from feedback.bus import Consumer, EventBus, Record, all_of, topic_list
-from feedback.log import DurableLog, LogWriter, fsync_dir
+from core.files import atomic_write
+from feedback.bus import Consumer, EventBus, Record, check_name, check_record, topic_list
+from feedback.log import DurableLog
 
+FORMAT_VERSION = 1
 DEFAULT_PARTITIONS = 4
-MAX_PARTITIONS = 1 << 16
-_HEAD = struct.Struct("<HH")  # a record in the topic log: partition, key length, key (UTF-8), value
+MAX_PARTITIONS = 1024
+_KEY_LEN = struct.Struct("<H")
 
 
 def partition_for(key: str, partitions: int) -> int:
-    """The partition of `key`'s records (the same rule as the bus's publish)."""
+    """The partition of `key`'s records."""
     return zlib.crc32(key.encode()) % partitions
-
-
-class _TopicLog:
-    """One topic: its log, and each partition's records as offsets in that log."""
-
-    def __init__(self, folder: Path, partitions: int, writer: LogWriter, fsync: bool):
-        _migrate_partition_logs(folder, partitions, fsync)
-        self.log = DurableLog(folder / "log", fsync=fsync, writer=writer)
-        self.index = [array("q") for _ in range(partitions)]
-        self.lock = threading.Lock()
-        for off, payload in self.log.read(0):
-            p = _HEAD.unpack_from(payload)[0]
-            if p >= partitions:
-                raise ValueError(f"{folder}: record {off} is in partition {p}, but the bus has {partitions} "
-                                 "partitions (open it with the partition count it was written with)")
-            self.index[p].append(off)
-
-    def indexer(self, parts: list[int]) -> Callable[[int], None]:
-        """What the writer thread calls, in offset order, once records of `parts` are on disk."""
-        def index(first: int) -> None:
-            with self.lock:
-                for i, p in enumerate(parts):
-                    self.index[p].append(first + i)
-        return index
-
-
-def _migrate_partition_logs(folder: Path, partitions: int, fsync: bool) -> None:
-    """Copy the earlier layout's partition logs (`p<N>/`, records `{"k": key}\n` + value) into the
-    topic log, partition by partition in order (so partition offsets stay as they were), then
-    remove them. The copy is made under `log.migrating/` and renamed: a crash mid-way starts over."""
-    legacy = sorted((int(d.name[1:]), d) for d in folder.glob("p*") if d.is_dir() and d.name[1:].isdigit())
-    if not legacy:
-        return
-    if not (folder / "log").exists():
-        tmp = folder / "log.migrating"
-        shutil.rmtree(tmp, ignore_errors=True)
-        dst = DurableLog(tmp, fsync=fsync)
-        try:
-            for p, d in legacy:
-                if p >= partitions:
-                    raise ValueError(f"{d}: partition {p}, but the bus has {partitions} partitions")
-                src = DurableLog(d, fsync=fsync)
-                try:
-                    batch = []
-                    for _, frame in src.read(0):
-                        head, _, value = frame.partition(b"\n")
-                        key = json.loads(head)["k"].encode()
-                        batch.append(_HEAD.pack(p, len(key)) + key + value)
-                        if len(batch) >= 10_000:
-                            dst.append(batch)
-                            batch = []
-                    if batch:
-                        dst.append(batch)
-                finally:
-                    src.close()
-        finally:
-            dst.close()
-        os.replace(tmp, folder / "log")
-        if fsync:
-            fsync_dir(folder)
-    for _, d in legacy:
-        shutil.rmtree(d)
-
-
-def _check_name(kind: str, name: str) -> str:
-    if not name or len(name) > 200 or not all(c.isalnum() or c in "._-" for c in name):
-        raise ValueError(f"{kind} name must be 1-200 characters of [A-Za-z0-9._-], got {name!r}")
-    return name
 
 
 class EmbeddedBus(EventBus):
@@ -124,68 +46,49 @@ class EmbeddedBus(EventBus):
             raise ValueError(f"partitions must be 1..{MAX_PARTITIONS}, got {partitions}")
         self.folder = Path(folder)
         self.partitions, self.fsync = partitions, fsync
-        self._topics: dict[str, _TopicLog] = {}
+        self._logs: dict[tuple[str, int], DurableLog] = {}
         self._lock = threading.Lock()
         self._new_data = threading.Condition(self._lock)
         self._members: dict[tuple[str, str], list[EmbeddedConsumer]] = {}
         self._closed = False
-        self._writer = LogWriter(f"bus-{self.folder.name}")
         (self.folder / "_groups").mkdir(parents=True, exist_ok=True)
+        self._check_layout()
 
-    def _topic(self, topic: str) -> _TopicLog:
+    def _check_layout(self) -> None:
+        meta = self.folder / "bus.json"
+        if not meta.is_file():
+            atomic_write(meta, json.dumps({"version": FORMAT_VERSION, "partitions": self.partitions}), self.fsync)
+            return
+        stored = json.loads(meta.read_text())
+        if stored.get("version") != FORMAT_VERSION:
+            raise ValueError(f"{meta}: bus format version {stored.get('version')!r}, this build reads "
+                             f"{FORMAT_VERSION}")
+        if stored["partitions"] != self.partitions:
+            raise ValueError(f"{self.folder} was made with {stored['partitions']} partitions, not "
+                             f"{self.partitions} (open it with the partition count it was written with)")
+
+    def _log(self, topic: str, p: int) -> DurableLog:
         with self._lock:
             if self._closed:
                 raise RuntimeError("bus is closed")
-            tl = self._topics.get(topic)
-            if tl is None:
-                tl = _TopicLog(self.folder / topic, self.partitions, self._writer, self.fsync)
-                self._topics[topic] = tl
-            return tl
-
-    def publish(self, topic: str, key: str, value: bytes) -> None:
-        self.publish_many(topic, [(key, value)])
+            log = self._logs.get((topic, p))
+            if log is None:
+                log = self._logs[(topic, p)] = DurableLog(self.folder / topic / f"p{p}", fsync=self.fsync)
+            return log
 
     def publish_many(self, topic: str, records: list[tuple[str, bytes]]) -> None:
-        """One group-committed append (one write, one fsync) for all the records."""
-        self.publish_many_async(topic, records).result(timeout=30)
-
-    def publish_many_async(self, topic: str, records: list[tuple[str, bytes]]) -> Future:
-        tl, frames, parts = self._frame(topic, records)
-        if not frames:
-            return all_of([])
-        return all_of([tl.log.append_async(frames, then=tl.indexer(parts))], then=self._wake_consumers)
-
-    def publish_many_now(self, topic: str, records: list[tuple[str, bytes]]) -> bool:
-        """Publish on this thread when the topic's writer is idle (True once on disk); False, with
-        nothing written, when a write is under way: use `publish_many_async`, which joins it."""
-        tl, frames, parts = self._frame(topic, records)
-        if frames and tl.log.append_now(frames, then=tl.indexer(parts)) is None:
-            return False
-        self._wake_consumers()
-        return True
-
-    def _frame(self, topic: str, records: list[tuple[str, bytes]]) -> tuple[_TopicLog, list[bytes], list[int]]:
+        """One append (one write, one fsync) per partition the records fall in."""
         if self._closed:
             raise RuntimeError("bus is closed")
-        _check_name("topic", topic)
-        frames, parts = [], []
-        heads: dict[str, tuple[int, bytes]] = {}  # key -> (partition, record head): a batch repeats keys
+        check_name("topic", topic)
+        per_partition: dict[int, list[bytes]] = {}
         for key, value in records:
-            if not isinstance(value, (bytes, bytearray)):
-                raise ValueError(f"value must be bytes, got {type(value).__name__}")
-            if not isinstance(key, str):
-                raise ValueError(f"key must be a str, got {type(key).__name__}")
-            if (head := heads.get(key)) is None:
-                kb = key.encode()
-                if len(kb) >= 1 << 16:
-                    raise ValueError(f"key must be under 64 KiB, got {len(kb)} bytes")
-                p = zlib.crc32(kb) % self.partitions
-                head = heads[key] = (p, _HEAD.pack(p, len(kb)) + kb)
-            frames.append(head[1] + value)
-            parts.append(head[0])
-        return self._topic(topic), frames, parts
-
-    def _wake_consumers(self) -> None:
+            check_record(key, value)
+            kb = key.encode()
+            per_partition.setdefault(partition_for(key, self.partitions), []).append(
+                _KEY_LEN.pack(len(kb)) + kb + bytes(value))
+        for p, payloads in sorted(per_partition.items()):
+            self._log(topic, p).append(payloads)
         with self._new_data:
             self._new_data.notify_all()
 
@@ -194,9 +97,7 @@ class EmbeddedBus(EventBus):
 
     def consumer(self, topics: str | Sequence[str], group: str) -> EmbeddedConsumer:
         names = topic_list(topics)
-        for t in names:
-            _check_name("topic", t)
-        _check_name("group", group)
+        check_name("group", group)
         c = EmbeddedConsumer(self, names, group)
         with self._lock:
             for t in names:
@@ -230,37 +131,31 @@ class EmbeddedBus(EventBus):
         path = self._positions_path(topic, group)
         if not path.is_file():
             return {}
-        return {int(p): o for p, o in json.loads(path.read_text()).items()}
+        return {int(p): o for p, o in json.loads(path.read_text())["positions"].items()}
 
     def _commit(self, topic: str, group: str, positions: dict[int, int]) -> None:
         with self._lock:
             current = self.committed(topic, group)
             for p, o in positions.items():
                 current[p] = max(current.get(p, 0), o)
-            path = self._positions_path(topic, group)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-            with os.fdopen(fd, "w") as f:
-                json.dump({str(p): o for p, o in current.items()}, f)
-                f.flush()
-                if self.fsync:
-                    os.fsync(f.fileno())
-            os.replace(tmp, path)
+            body = {"version": FORMAT_VERSION, "positions": {str(p): o for p, o in sorted(current.items())}}
+            atomic_write(self._positions_path(topic, group), json.dumps(body), self.fsync)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            topics = list(self._topics.values())
-            self._topics.clear()
+            logs = list(self._logs.values())
+            self._logs.clear()
             self._new_data.notify_all()
-        for tl in topics:
-            tl.log.close()
-        self._writer.close()
+        for log in logs:
+            log.close()
 
 
 class EmbeddedConsumer(Consumer):
     def __init__(self, bus: EmbeddedBus, topics: tuple[str, ...], group: str):
         self.bus, self.topics, self.group = bus, topics, group
         self._next: dict[tuple[str, int], int] = {}  # delivered-up-to position (not yet committed)
+        self._turn = 0  # which assigned partition a poll reads first: none starves behind a busy one
         self._closed = False
 
     def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Record]:
@@ -285,37 +180,22 @@ class EmbeddedConsumer(Consumer):
             if tp not in assigned:  # rebalanced away: its new owner starts from the committed position
                 del self._next[tp]
         out: list[Record] = []
-        for topic in self.topics:
-            mine = [p for t, p in assigned if t == topic]
-            if not mine or len(out) >= max_records:
-                continue
-            budget = max_records - len(out)
-            committed = None  # read only for partitions not yet positioned
-            tl = self.bus._topic(topic)
-            wanted: list[tuple[int, int, int]] = []  # (topic-log offset, partition, partition offset)
-            with tl.lock:
-                for p in mine:
-                    start = self._next.get((topic, p))
-                    if start is None:
-                        if committed is None:
-                            committed = self.bus.committed(topic, self.group)
-                        start = committed.get(p, 0)
-                    wanted += [(o, p, start + i) for i, o in enumerate(tl.index[p][start:start + budget])]
-            if not wanted:
-                continue
-            # The earliest `budget` records of the topic log: a prefix of each partition's, so
-            # delivery stays in order per partition; one sequential read covers them all.
-            wanted.sort()
-            del wanted[budget:]
-            where = {o: (p, po) for o, p, po in wanted}
-            first, last = wanted[0][0], wanted[-1][0]
-            for off, payload in tl.log.read(first, limit=last - first + 1):
-                if (hit := where.get(off)) is not None:
-                    p, po = hit
-                    klen = _HEAD.unpack_from(payload)[1]
-                    key = payload[_HEAD.size:_HEAD.size + klen].decode()
-                    out.append(Record(topic, p, po, key, payload[_HEAD.size + klen:]))
-                    self._next[(topic, p)] = po + 1
+        committed: dict[str, dict[int, int]] = {}
+        self._turn = (self._turn + 1) % max(1, len(assigned))
+        for topic, p in assigned[self._turn:] + assigned[:self._turn]:
+            if len(out) >= max_records:
+                break
+            start = self._next.get((topic, p))
+            if start is None:
+                if topic not in committed:
+                    committed[topic] = self.bus.committed(topic, self.group)
+                start = committed[topic].get(p, 0)
+            for off, payload in self.bus._log(topic, p).read(start, limit=max_records - len(out)):
+                klen = _KEY_LEN.unpack_from(payload)[0]
+                key = payload[_KEY_LEN.size:_KEY_LEN.size + klen].decode()
+                out.append(Record(topic, p, off, key, payload[_KEY_LEN.size + klen:]))
+                start = off + 1
+            self._next[(topic, p)] = start
         return out
 
     def commit(self, records: list[Record]) -> None:

@@ -1,21 +1,14 @@
 """The Kafka event bus (kafka-python): a spooled idempotent producer and consumer groups.
 
-Owns the Kafka clients of one process: one admin client that creates topics on first use
-(`partitions`, `replication`), and one `KafkaConsumer` per `consumer()` call. `publish()` validates
-the record and appends it to a `feedback.spool.Spool` under `spool_dir` — it returns once the record
-is fsynced locally and never waits for the broker; the spool's forwarder, a process of its own
-(`feedback.forwarder`, so that delivering does not share the gateway's interpreter),
-delivers spooled records in order (key = completion id, so a completion and its feedback share a
-partition) and retries through outages. In that process `forward_target()` builds a `KafkaBus`
-without a spool whose `_deliver` owns one `feedback.kafka_batches.BatchSender`: an idempotent
-producer (acks=all) that encodes each partition's records as one Kafka record batch itself and
-sends it through kafka-python's network client — a seventh of `KafkaProducer`'s CPU per record.
-
-Per-key order through failures: each spool batch (at most `SPOOL_BATCH` records, `MAX_BATCH_BYTES`)
-goes out as one record batch per partition, acknowledged all or nothing, and the next is sent only
-after it. After any failure the sender is replaced (a restarted broker does not know its producer
-id) and the whole batch is sent again: repeats are possible, reordering is not, and consumers drop
-repeats by event id (`feedback.spool.Deduper`).
+Owns the Kafka clients of one process. `publish_many()` checks the records and appends them to a
+`feedback.spool.Spool` under `spool_dir`: it returns once they are fsynced locally and never waits
+for the broker. The spool's one forwarder thread hands batches to `_deliver`, which sends them with
+kafka-python's own `KafkaProducer` (acks=all, idempotent, its default partitioner: murmur2 of the
+key, so a completion and its feedback share a partition) and returns once the broker acknowledged
+every record. A failed batch is sent again whole with a fresh producer (a restarted broker knows
+neither our producer id nor our topics): repeats are possible, reordering is not, and consumers drop
+repeats by event id (`feedback.spool.Deduper`). Topics are created on first use by an admin client
+with `partitions` and `replication`.
 
 Consumers commit explicit offsets (last processed offset + 1 per partition) only when the caller
 says it processed the records; a consumer closed without commit leaves them to the next member.
@@ -30,75 +23,22 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from kafka import KafkaConsumer, OffsetAndMetadata, TopicPartition
+from kafka import KafkaConsumer, KafkaProducer, OffsetAndMetadata, TopicPartition
 from kafka.admin import KafkaAdminClient
 from kafka.coordinator.assignors.range import RangePartitionAssignor
 from kafka.errors import CommitFailedError, KafkaConnectionError, KafkaError, for_code
-from kafka.partitioner import DefaultPartitioner, Partitioner, murmur2
 
-from feedback.bus import Consumer, EventBus, Record, all_of, topic_list
-from feedback.bus_embedded import _check_name
-from feedback.kafka_batches import BatchSender
-from feedback.spool import ProcessTarget, Spool, SpooledRecord
+from feedback.bus import Consumer, EventBus, Record, check_name, check_record, topic_list
+from feedback.spool import Spool, SpooledRecord
 
 log = logging.getLogger(__name__)
 
 MAX_RECORD_BYTES = 900_000  # key + value; under Kafka's default message.max.bytes (1 MiB)
-MAX_BATCH_BYTES = 1_000_000  # keys + values of one spool batch: with record overheads under a broker's 1 MiB batch limit
-SPOOL_BATCH = 500  # records per spool batch (one produce round trip each)
-# The forwarder process runs at a lower CPU priority than the gateway: under contention the request
-# path (whose callers wait) goes first and the forwarder catches up from the spool when the CPU is
-# free (so under sustained overload the backlog grows). Measured on 2 cores, 100-event batches at
-# 4000 events/s: p99 32 -> 28 ms (mean of 3 runs); the closed-loop maximum rose by ~10-20%.
-# On Linux it runs under SCHED_IDLE (only on CPU nothing else wants; nice 10 where that is refused):
-# half-rate p99 (~11k events/s) 19.6-34.4 ms in the runs after, 108.9 ms in the run before
-# (bench/feedback.py). With `BatchSender` (a seventh of KafkaProducer's CPU per record) it keeps up
-# at the maximum rate too (README).
-FORWARDER_NICE = 10
-FORWARDER_IDLE = True
-# A spool batch short of SPOOL_BATCH records waits this long for more: at ~80 requests/s each
-# request's records went out as a delivery of their own (a produce round trip, a "forwarded" message
-# the gateway's spool thread takes, all on a CPU the gateway shares); the learner reads hours later.
-FORWARDER_LINGER_S = 0.05
+SPOOL_BATCH = 500  # records the forwarder sends before it waits for their acknowledgements
 _TOPIC_ALREADY_EXISTS = 36
-
-
-class KeyPartitioner(Partitioner):
-    """kafka-python's `DefaultPartitioner` for keyed records — partition `murmur2(key) & 0x7fffffff`
-    modulo the partition count, the Java client's rule, so every key keeps its partition — with each
-    key's hash remembered (up to `cache_size` keys, then forgotten at once). A completion's events
-    share its id as their key; the default recomputes the pure-Python murmur2 for every record.
-    The forwarder's `BatchSender` calls `partition_of`; `partition` is kafka-python's `Partitioner`
-    interface (a `KafkaProducer` given this one places records where the forwarder does; unkeyed
-    records: the default's choice)."""
-
-    def __init__(self, cache_size: int = 1 << 16):
-        if cache_size < 1:
-            raise ValueError(f"cache_size must be >= 1, got {cache_size}")
-        self.cache_size = cache_size
-        self._default = DefaultPartitioner()
-        self._hashes: dict[bytes, int] = {}
-
-    def partition(self, topic, key, serialized_key, value, serialized_value, cluster):
-        if serialized_key is None:
-            return self._default.partition(topic, key, serialized_key, value, serialized_value, cluster)
-        parts = cluster.partitions_for_topic(topic)
-        if not parts:
-            raise ValueError(f"Topic {topic} not found in ClusterMetadata")
-        return sorted(parts)[self.partition_of(serialized_key, len(parts))]
-
-    def partition_of(self, key: bytes, count: int) -> int:
-        """The index, among a topic's `count` partitions in order, of the one `key` goes to."""
-        h = self._hashes.get(key)
-        if h is None:
-            if len(self._hashes) >= self.cache_size:
-                self._hashes.clear()
-            h = self._hashes[key] = murmur2(key) & 0x7FFFFFFF
-        return h % count
 
 
 def _accepts(addr: str, timeout_s: float = 1.0) -> bool:
@@ -115,9 +55,8 @@ class KafkaBus(EventBus):
                  client_id: str = "flywheel", *, replication: int = 1, send_timeout_s: float = 10.0,
                  consumer_config: dict[str, Any] | None = None, spool_backoff_s: tuple[float, float] = (0.05, 2.0)):
         """`send_timeout_s` bounds one delivery attempt (and connecting); `consumer_config` overrides
-        kafka-python consumer settings (e.g. a short `session_timeout_ms` in tests: a group settles
-        in about half the session timeout on tansu). `spool_dir=None`: no spool, so no publishing —
-        a bus that only consumes, or the forwarder process's, which only delivers (`forward_target`)."""
+        kafka-python consumer settings (e.g. a short `session_timeout_ms` in tests). `spool_dir=None`:
+        no spool, so no publishing (a bus that only consumes)."""
         if partitions < 1:
             raise ValueError(f"partitions must be >= 1, got {partitions}")
         if replication < 1:
@@ -129,67 +68,34 @@ class KafkaBus(EventBus):
         self.bootstrap, self.partitions, self.replication = bootstrap, partitions, replication
         self.client_id, self.send_timeout_s = client_id, send_timeout_s
         timeout_ms = int(send_timeout_s * 1000)
-        self._partitioner = KeyPartitioner()
         self._consumer_config = {
             "bootstrap_servers": bootstrap, "client_id": f"{client_id}-consumer", "enable_auto_commit": False,
             "auto_offset_reset": "earliest", "allow_auto_create_topics": False, "session_timeout_ms": 10_000,
             "heartbeat_interval_ms": 1_000, "bootstrap_timeout_ms": timeout_ms}
         self._consumer_config.update(consumer_config or {})
-        self._sender: BatchSender | None = None
+        self._producer: KafkaProducer | None = None
         self._admin: KafkaAdminClient | None = None
         self._admin_lock = threading.Lock()
         self._ready_topics: set[str] = set()  # created (or found) since the last delivery failure
         self._closed = False
-        target = ProcessTarget("feedback.bus_kafka:forward_target", {
-            "bootstrap": bootstrap, "partitions": partitions, "client_id": client_id, "replication": replication,
-            "send_timeout_s": send_timeout_s})
         self.spool = None if spool_dir is None else Spool(
-            spool_dir, target, backoff_s=spool_backoff_s, batch_size=SPOOL_BATCH, max_batch_bytes=MAX_BATCH_BYTES,
-            forwarder_nice=FORWARDER_NICE, forwarder_idle=FORWARDER_IDLE, linger_s=FORWARDER_LINGER_S)
+            spool_dir, self._deliver, retriable=(KafkaError, OSError), batch_size=SPOOL_BATCH,
+            backoff_s=spool_backoff_s)
 
     # ---- producing ------------------------------------------------------------------------------
-    def _spool_for(self, topic: str) -> Spool:
-        """The spool to publish `topic` to (after checking the name)."""
-        if self._closed:
-            raise RuntimeError("bus is closed")
-        spool = self.spool
-        if spool is None:
-            raise RuntimeError("this bus has no spool: it cannot publish")
-        _check_name("topic", topic)
-        return spool
-
-    @staticmethod
-    def _check_record(key: str, value: bytes) -> None:
-        if not isinstance(key, str) or not key:
-            raise ValueError(f"key must be a non-empty str (the completion id), got {key!r}")
-        if not isinstance(value, (bytes, bytearray)):  # a ValueError on both buses (the contract suite)
-            raise ValueError(f"value must be bytes, got {type(value).__name__}")  # noqa: TRY004
-        size = len(key.encode()) + len(value)
-        if size > MAX_RECORD_BYTES:
-            raise ValueError(f"record of key {key!r} is {size} bytes, more than the {MAX_RECORD_BYTES} a "
-                             f"Kafka record may hold")
-
-    def publish(self, topic: str, key: str, value: bytes) -> None:
-        self.publish_many(topic, [(key, value)])
-
     def publish_many(self, topic: str, records: list[tuple[str, bytes]]) -> None:
         """All of them into the spool with one fsync (all checked first: none is spooled if one is bad)."""
-        self.publish_many_async(topic, records).result(timeout=30)
-
-    def publish_many_async(self, topic: str, records: list[tuple[str, bytes]]) -> Future:
-        spool, spooled = self._spooled(topic, records)
-        return all_of([spool.publish_many_async(spooled)] if spooled else [])
-
-    def publish_many_now(self, topic: str, records: list[tuple[str, bytes]]) -> bool:
-        spool, spooled = self._spooled(topic, records)
-        return not spooled or spool.publish_many_now(spooled)
-
-    def _spooled(self, topic: str, records: list[tuple[str, bytes]]) -> tuple[Spool, list[tuple[str, str, bytes]]]:
-        """The topic's spool and the records as it takes them; a bad record raises ValueError first."""
-        spool = self._spool_for(topic)
+        if self._closed:
+            raise RuntimeError("bus is closed")
+        if self.spool is None:
+            raise RuntimeError("this bus has no spool: it cannot publish")
+        check_name("topic", topic)
         for key, value in records:
-            self._check_record(key, value)
-        return spool, [(topic, k, bytes(v)) for k, v in records]
+            check_record(key, value)
+            if len(key.encode()) + len(value) > MAX_RECORD_BYTES:
+                raise ValueError(f"record of key {key!r} is more than the {MAX_RECORD_BYTES} bytes a Kafka "
+                                 "record may hold")
+        self.spool.publish_many([(topic, k, bytes(v)) for k, v in records])
 
     def flush(self, timeout_s: float = 30.0) -> None:
         if self.spool is not None:
@@ -197,7 +103,7 @@ class KafkaBus(EventBus):
 
     @property
     def healthy(self) -> bool:
-        """False when the spool's forwarder died (or is being restarted); not for a broker outage."""
+        """False when the spool's forwarder died; not for a broker outage (that is retried)."""
         return self.spool is None or self.spool.healthy
 
     @property
@@ -205,30 +111,34 @@ class KafkaBus(EventBus):
         return 0 if self.spool is None else self.spool.backlog
 
     def _deliver(self, batch: list[SpooledRecord]) -> None:
-        """Send `batch` in order and return once the broker acknowledged all of it (acks=all)."""
+        """On the spool's thread: send `batch` and return once the broker acknowledged all of it."""
         try:
-            if self._sender is None:
-                self._sender = BatchSender(self.bootstrap, client_id=f"{self.client_id}-producer",
-                                           timeout_s=self.send_timeout_s, partition_of=self._partitioner.partition_of)
             for topic in sorted({r.topic for r in batch} - self._ready_topics):
                 self.ensure_topic(topic)
                 self._ready_topics.add(topic)
-            self._sender.send([(r.topic, r.key.encode(), r.value) for r in batch])
+            if self._producer is None:
+                timeout_ms = int(self.send_timeout_s * 1000)
+                self._producer = KafkaProducer(
+                    bootstrap_servers=self.bootstrap, client_id=f"{self.client_id}-producer", acks="all",
+                    enable_idempotence=True, linger_ms=5, max_block_ms=timeout_ms, request_timeout_ms=timeout_ms,
+                    delivery_timeout_ms=timeout_ms + 1000, bootstrap_timeout_ms=timeout_ms)
+            futures = [self._producer.send(r.topic, key=r.key.encode(), value=r.value) for r in batch]
+            self._producer.flush(timeout=self.send_timeout_s + 2)
+            for f in futures:
+                f.get(timeout=0)  # raises the record's error, if any
         except BaseException:
-            # Start afresh: a new producer id and sequence numbers, and topics checked again
-            # (a broker restarted with empty storage has neither our producer id nor our topics).
-            self._drop_sender()
+            self._drop_producer()
             self._ready_topics.clear()
             raise
 
-    def _drop_sender(self) -> None:
-        sender, self._sender = self._sender, None
-        if sender is not None:
-            sender.close()
+    def _drop_producer(self) -> None:
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            producer.close(timeout=0)
 
     def ensure_topic(self, topic: str) -> None:
         """Create `topic` with the bus's partitions and replication unless it exists."""
-        _check_name("topic", topic)
+        check_name("topic", topic)
         deadline = time.monotonic() + self.send_timeout_s
         with self._admin_lock:
             admin = self._admin_client()
@@ -254,11 +164,9 @@ class KafkaBus(EventBus):
                 raise for_code(code)(f"creating topic {topic!r}: {result['topics'][0]['error_message']}")
 
     def _admin_client(self) -> KafkaAdminClient:
-        """One admin client for the bus's life (it reconnects by itself after an outage).
-
-        kafka-python leaves the I/O thread of an admin client whose bootstrap failed running, so
-        a refused connection is detected first with a plain socket and raised as a KafkaError.
-        """
+        """One admin client for the bus's life (it reconnects by itself after an outage). A refused
+        connection is detected first with a plain socket: kafka-python leaves the I/O thread of an
+        admin client whose bootstrap failed running."""
         if self._admin is None:
             timeout_ms = int(self.send_timeout_s * 1000)
             if not any(_accepts(addr) for addr in self.bootstrap.split(",")):
@@ -269,15 +177,12 @@ class KafkaBus(EventBus):
 
     # ---- consuming ------------------------------------------------------------------------------
     def consumer(self, topics: str | Sequence[str], group: str) -> KafkaBusConsumer:
-        """Join `group` on `topics`. Members are assigned partitions by the range assignor only:
-        with topics of equal partition counts (checked) it gives a member the same partition numbers
-        of every topic, which co-partitioned consumers (the joiner) rely on."""
+        """Join `group` on `topics`. The range assignor, with topics of equal partition counts
+        (checked), gives a member the same partition numbers of every topic."""
         if self._closed:
             raise RuntimeError("bus is closed")
         names = topic_list(topics)
-        for t in names:
-            _check_name("topic", t)
-        _check_name("group", group)
+        check_name("group", group)
         for t in names:
             self.ensure_topic(t)
         c = KafkaConsumer(*names, group_id=group, partition_assignment_strategy=(RangePartitionAssignor,),
@@ -296,32 +201,11 @@ class KafkaBus(EventBus):
         self._closed = True
         if self.spool is not None:
             self.spool.close(flush_timeout_s=flush_timeout_s)
-        self._drop_sender()
+        self._drop_producer()
         with self._admin_lock:
             if self._admin is not None:
                 self._admin.close()
                 self._admin = None
-
-
-class _ForwardTarget:
-    """What the spool's forwarder process delivers to (`feedback.forwarder.Target`)."""
-
-    retriable = (KafkaError, OSError)
-
-    def __init__(self, bus: KafkaBus):
-        self.bus = bus
-
-    def deliver(self, batch: list[SpooledRecord]) -> None:
-        self.bus._deliver(batch)
-
-    def close(self) -> None:
-        self.bus.close()
-
-
-def forward_target(**kwargs: Any) -> _ForwardTarget:
-    """Called in the spool's forwarder process (`feedback.spool.ProcessTarget`): a bus without a
-    spool, whose producer delivers the spooled batches."""
-    return _ForwardTarget(KafkaBus(spool_dir=None, **kwargs))
 
 
 class KafkaBusConsumer(Consumer):

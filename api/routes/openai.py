@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from api.deps import ALIAS, GatewayDep, TenantDep
 from api.errors import APIError, error_body
 from api.schemas import ChatRequest, CompletionRequest, chat_prompt
-from feedback.events import CompletionEvent, RoutedExperts, hash_user
+from feedback.events import CompletionEvent
 from serving.engine import Completion, EngineError
 from serving.sampling import SamplingParams
 
@@ -129,18 +129,11 @@ class _Ctx:
     async def record(self, c: Completion) -> None:
         if not c.output_ids:
             return  # cancelled before anything was generated: nothing was served
-        ev = CompletionEvent(
-            tenant=self.tenant, completion_id=c.request_id, user_id=hash_user(self.tenant, self.user),
-            model_version=c.version, endpoint=self.endpoint, prompt_ids=c.prompt_ids, output_ids=c.output_ids,
-            logprobs=c.logprobs, routed_experts=RoutedExperts.from_bytes(c.routed_experts.shape,
-                                                                         c.routed_experts.tobytes()),
-            text=c.text, finish_reason=c.finish_reason,
-            params={k: v for k, v in asdict(c.params).items()},
-            latency_ms={"queued": c.queued_s * 1e3, "first_token": c.first_token_s * 1e3, "total": c.total_s * 1e3})
+        ev = CompletionEvent.from_completion(c, self.tenant, self.user, self.endpoint)
         try:
             await self.gw.sink.record(ev)
             # Indexed before the response is sent, so feedback on this id can never be refused as unknown.
-            await asyncio.to_thread(self.gw.index.add, c.request_id, self.tenant, c.version, ev.ts)
+            await asyncio.to_thread(self.gw.index.add, c.request_id, self.tenant, c.version, ev.ts, ev.user_id)
         except Exception as e:  # not durable: the caller must not be served
             raise APIError(503, f"The completion could not be recorded ({type(e).__name__}); not served.",
                            None, "record_failed") from e

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 
 import httpx
 import numpy as np
@@ -12,7 +13,8 @@ import torch
 
 from api.main import create_app
 from core.settings import Settings
-from feedback.sink import LogSink
+from feedback.bus_embedded import EmbeddedBus
+from feedback.events import TOPICS, CompletionEvent
 from serving.checkpoint import load_checkpoint
 from serving.engine import EmbeddedEngine, score
 from serving.sampling import SamplingParams
@@ -27,12 +29,12 @@ def live(tiny_checkpoint, tmp_path_factory):
     settings = Settings(home=home, model_dir=tiny_checkpoint, max_batch=8, max_model_len=128)
     engine = EmbeddedEngine(max_batch=8, max_model_len=128)
     engine.add_version(tiny_checkpoint.name, tiny_checkpoint, default=True)
-    sink = LogSink(home / "records")
-    with LiveServer(create_app(settings, engine=engine, sink=sink)) as server:
-        server.engine, server.sink, server.version = engine, sink, tiny_checkpoint.name
+    bus = EmbeddedBus(home / "bus")
+    with LiveServer(create_app(settings, engine=engine, bus=bus)) as server:
+        server.engine, server.bus, server.version = engine, bus, tiny_checkpoint.name
         yield server
     engine.shutdown()
-    sink.close()
+    bus.close()
 
 
 @pytest.fixture
@@ -40,8 +42,20 @@ def client(live):
     return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
 
 
+def recorded(live) -> list[CompletionEvent]:
+    """Every completion record on the bus, read by a fresh consumer group."""
+    c = live.bus.consumer(TOPICS["completion"], "test-" + uuid.uuid4().hex[:8])
+    out = []
+    try:
+        while recs := c.poll(max_records=1000, timeout_s=0.05):
+            out += [CompletionEvent.model_validate_json(r.value) for r in recs]
+    finally:
+        c.close()
+    return out
+
+
 def records_by_id(live) -> dict:
-    return {r.completion_id: r for r in live.sink.read_all()}
+    return {r.completion_id: r for r in recorded(live)}
 
 
 def test_completion_with_openai_client_is_recorded_with_exact_logprobs_and_routing(live, client, tiny_checkpoint):
@@ -134,13 +148,13 @@ def test_models_health_metrics(live, client):
     ({"model": "flywheel", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
 ])
 def test_bad_completion_requests_get_openai_errors(live, body, status, param, code):
-    before = len(live.sink.read_all())
+    before = len(recorded(live))
     r = httpx.post(live.url + "/v1/completions", json=body)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param and err["code"] == code
-    assert len(live.sink.read_all()) == before  # nothing recorded for a refused request
+    assert len(recorded(live)) == before  # nothing recorded for a refused request
 
 
 def test_malformed_json_and_chat_errors(live):
@@ -179,35 +193,3 @@ def test_a_stream_the_client_drops_is_still_recorded(live):
     rec = records_by_id(live)[cid]
     assert rec.finish_reason in ("abort", "length") and len(rec.output_ids) >= 1
     print("dropped stream recorded:", rec.finish_reason, len(rec.output_ids))
-
-
-def test_serve_sets_the_gil_switch_interval(monkeypatch, tmp_path):
-    """`serve` (the gateway process) sets Python's switch interval from the settings before uvicorn
-    starts; the setting refuses values that are not a positive number of milliseconds up to 100."""
-    import sys
-
-    import uvicorn
-
-    import api.main
-
-    seen = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(interval=sys.getswitchinterval(), **kw))
-    before = sys.getswitchinterval()
-    try:
-        api.main.serve(Settings(home=tmp_path, gil_switch_interval_ms=2.5, port=0))
-    finally:
-        sys.setswitchinterval(before)
-    assert seen["interval"] == pytest.approx(0.0025) and seen["port"] == 0
-    for bad in (0, -1, 101):
-        with pytest.raises(ValueError, match="gil_switch_interval_ms"):
-            Settings(home=tmp_path, gil_switch_interval_ms=bad)
-
-
-def test_feedback_write_on_loop_is_a_setting(monkeypatch, tmp_path):
-    """On by default; FLYWHEEL_FEEDBACK_WRITE_ON_LOOP=0 turns it off; a non-boolean is refused."""
-    assert Settings(home=tmp_path).feedback_write_on_loop is True
-    monkeypatch.setenv("FLYWHEEL_FEEDBACK_WRITE_ON_LOOP", "0")
-    assert Settings(home=tmp_path).feedback_write_on_loop is False
-    monkeypatch.setenv("FLYWHEEL_FEEDBACK_WRITE_ON_LOOP", "sometimes")
-    with pytest.raises(ValueError, match="feedback_write_on_loop"):
-        Settings(home=tmp_path)

@@ -20,7 +20,7 @@ from feedback.bus import Consumer, EventBus, Record
 from feedback.bus_embedded import EmbeddedBus, partition_for
 from feedback.bus_kafka import KafkaBus
 from feedback.events import TOPICS, CompletionEvent, RoutedExperts
-from feedback.sink import BusSink
+from feedback.sink import CompletionSink
 from tests.feedback.conftest import FAST_CONSUMER
 
 PARTITIONS = 4
@@ -332,10 +332,10 @@ def test_two_members_on_two_topics_own_the_same_partitions_of_both(h):
     _two_members(h, 2)
 
 
-def test_bus_sink_publishes_completions_keyed_by_completion_id(h):
+def test_completion_sink_publishes_completions_keyed_by_completion_id(h):
     import asyncio
 
-    sink = BusSink(h.bus)
+    sink = CompletionSink(h.bus)
     events = [CompletionEvent(tenant="acme", completion_id=f"cmpl-{i}", model_version="v1", endpoint="completions",
                               prompt_ids=[1, 2, 3], output_ids=[4, 5], logprobs=[-0.5, -1.0],
                               routed_experts=RoutedExperts.from_bytes((4, 1, 2), bytes(range(8))),
