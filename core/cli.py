@@ -1,11 +1,13 @@
 """`flywheel`: one entry point per process.
 
-  flywheel bootstrap [--force]   pre-train the demo base model (cached under FLYWHEEL_HOME)
-  flywheel serve                 the gateway on the served checkpoint (bootstraps it first if absent)
-  flywheel up                    the main job on embedded defaults (today: bootstrap if absent, then serve)
-  flywheel joiner                feedback + completions -> rewarded samples (consumes and publishes on the bus)
-  flywheel learner               samples -> policy-gradient updates -> candidate versions in the registry
-  flywheel demo                  the online-RL loop in one process on the demo product (simulated users)
+  flywheel bootstrap [--force]    pre-train the demo base model (cached under FLYWHEEL_HOME)
+  flywheel serve [--host --port]  the gateway on the served checkpoint (bootstraps it first if absent)
+  flywheel up [--host --port]     the main job on embedded defaults (today: bootstrap if absent, then serve)
+  flywheel joiner                 feedback + completions -> rewarded samples (consumes and publishes on the bus)
+  flywheel learner                samples -> policy-gradient updates -> candidate versions in the registry
+  flywheel demo                   the online-RL loop in one process on the demo product (simulated users)
+
+Each command imports what it runs only when it runs, so e.g. the joiner never loads FastAPI or torch.
 """
 
 from __future__ import annotations
@@ -14,14 +16,16 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-from core.settings import get_settings
+from core.settings import Settings, get_settings
 
 
-def _bootstrap(args) -> dict:
+def _bootstrap(args, settings: Settings | None = None) -> dict:
     from demo.bootstrap import BootstrapConfig, bootstrap
 
-    settings = get_settings()
+    settings = settings or get_settings()
     overrides = {"seed": settings.seed}
     if args.steps:
         overrides["steps"] = args.steps
@@ -33,36 +37,51 @@ def _bootstrap(args) -> dict:
     return report
 
 
+def serve_settings(args) -> Settings:
+    """The deployment's settings with the command line's --host / --port in place of theirs."""
+    overrides = {name: getattr(args, name) for name in ("host", "port") if getattr(args, name) is not None}
+    return get_settings().model_copy(update=overrides)
+
+
 def _serve(args) -> None:
     from api.main import serve
 
-    settings = get_settings()
+    settings = serve_settings(args)
     if not (settings.served_model_dir / "config.json").is_file():
         if settings.model_dir is not None:
             sys.exit(f"flywheel: no checkpoint at FLYWHEEL_MODEL_DIR={settings.model_dir}")
         args.force, args.steps = False, None
-        _bootstrap(args)
+        _bootstrap(args, settings)
     serve(settings)
+
+
+@contextmanager
+def joiner_service(settings: Settings, window_s: float) -> Iterator:
+    """The joiner on the configured bus (a `feedback.joiner.JoinerService`); both closed on exit."""
+    from feedback.bus import open_bus
+    from feedback.joiner import JoinerService
+    from feedback.rewards import RewardSpec
+
+    bus = open_bus(settings)
+    try:
+        service = JoinerService(bus, RewardSpec(), window_s=window_s)
+        try:
+            yield service
+        finally:
+            service.close()
+    finally:
+        bus.close()
 
 
 def _joiner(args) -> None:
     import threading
 
-    from feedback.bus import open_bus
-    from feedback.joiner import JoinerService
-    from feedback.rewards import RewardSpec
-
-    settings = get_settings()
-    bus = open_bus(settings)
-    service = JoinerService(bus, RewardSpec(), window_s=args.window_s)
     stop = threading.Event()
-    try:
-        service.run(stop)
-    except KeyboardInterrupt:
-        stop.set()
-    finally:
-        service.close()
-        bus.close()
+    with joiner_service(get_settings(), args.window_s) as service:
+        try:
+            service.run(stop)
+        except KeyboardInterrupt:
+            stop.set()
 
 
 def _learner(args) -> None:
@@ -97,7 +116,7 @@ def _learner(args) -> None:
 
 
 def _demo(args) -> None:
-    from learner.demo_loop import DemoLoopConfig, run_demo_loop
+    from demo.loop import DemoLoopConfig, run_demo_loop
 
     settings = get_settings()
     if not (settings.served_model_dir / "config.json").is_file():
@@ -105,21 +124,31 @@ def _demo(args) -> None:
         _bootstrap(args)
     report = run_demo_loop(settings.served_model_dir, DemoLoopConfig(rounds=args.rounds, seed=settings.seed),
                            settings.home / "demo-loop.json")
-    print(json.dumps({"base": report["base"], "final": report["final"],
+    base = {k: report["base"][k] for k in ("pass_rate", "satisfaction")}
+    print(json.dumps({"base": base, "final": report["final"],
                       "satisfaction_gain_points": round(report["satisfaction_gain_points"], 1),
                       "seconds": round(report["seconds"], 1), "report": str(settings.home / "demo-loop.json")},
                      indent=2))
 
 
-def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
+    return port
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flywheel", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("bootstrap", help="pre-train the demo base model")
     b.add_argument("--force", action="store_true", help="retrain even if a cached model exists")
     b.add_argument("--steps", type=int, default=None, help="override the number of optimizer steps")
-    sub.add_parser("serve", help="run the gateway")
-    sub.add_parser("up", help="the main job on embedded defaults")
+    for name, what in (("serve", "run the gateway"), ("up", "the main job on embedded defaults")):
+        s = sub.add_parser(name, help=what)
+        s.add_argument("--host", default=None, help="address to bind to (default: FLYWHEEL_HOST)")
+        s.add_argument("--port", type=_port, default=None, help="port to bind to, 0: any free one "
+                                                                "(default: FLYWHEEL_PORT)")
     j = sub.add_parser("joiner", help="join feedback to completions into rewarded samples")
     j.add_argument("--window-s", type=float, default=600.0, help="attribution window in seconds")
     le = sub.add_parser("learner", help="train on samples, publish candidate versions")
@@ -127,7 +156,12 @@ def main(argv: list[str] | None = None) -> None:
     le.add_argument("--every-s", type=float, default=4 * 3600.0, help="...or after this many seconds")
     d = sub.add_parser("demo", help="the online-RL loop in one process with simulated users")
     d.add_argument("--rounds", type=int, default=20, help="learner updates")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.cmd == "bootstrap":
         _bootstrap(args)
     elif args.cmd in ("serve", "up"):

@@ -1,4 +1,4 @@
-"""Small file helpers shared by every package: the one `atomic_write`.
+"""Small file helpers shared by every package: the one `atomic_write` (and `atomic_path` under it).
 
 Readers never see a half-written file: the bytes go to a temporary file in the same folder, are
 synced, and the file is renamed over the target.
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -20,16 +22,17 @@ def fsync_dir(folder: str | Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str | Path, data: bytes | str, fsync: bool = True) -> None:
-    """Replace `path` with `data` (str is written as UTF-8) in one rename; `fsync`: durable on return."""
+@contextmanager
+def atomic_path(path: str | Path, fsync: bool = True) -> Iterator[Path]:
+    """A temporary file next to `path`, renamed over it when the block exits cleanly (removed if it
+    raises): for writers that need a file name, such as a library's save function."""
     path = Path(path)
-    raw = data.encode() if isinstance(data, str) else data
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.name + ".", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(raw)
-            if fsync:
-                f.flush()
+        yield Path(tmp)
+        if fsync:
+            with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -37,3 +40,9 @@ def atomic_write(path: str | Path, data: bytes | str, fsync: bool = True) -> Non
         raise
     if fsync:
         fsync_dir(path.parent)
+
+
+def atomic_write(path: str | Path, data: bytes | str, fsync: bool = True) -> None:
+    """Replace `path` with `data` (str is written as UTF-8) in one rename; `fsync`: durable on return."""
+    with atomic_path(path, fsync) as tmp:
+        tmp.write_bytes(data.encode() if isinstance(data, str) else data)

@@ -7,11 +7,13 @@ product signals (accepted, copied, edited, thumbs, ratings, dwell time). Those s
 feedback the flywheel learns from; the users' expected satisfaction is the metric it improves.
 
 Modules: `tasks` (task families, known completions, house-style detector), `sandbox` (runs
-untrusted code), `checker` (pass/fail per task), `users` (simulated users), `corpus` (the
-pre-training corpus mixing good and bad completions). Standard library only.
+untrusted code), `checker` (pass/fail per task; the learner's verifier), `users` (simulated
+users), `corpus` (the pre-training corpus mixing good and bad completions): standard library
+only. Built on them, with torch: `evaluation` (held-out pass rate and satisfaction), `bootstrap`
+(`flywheel bootstrap`) and `loop` (`flywheel demo`).
 """
 
-from demo.checker import CheckResult, check, check_batch
+from demo.checker import CheckResult, DemoVerifier, check, check_batch
 from demo.corpus import CorpusMix, format_example, make_corpus
 from demo.sandbox import ExecResult, run_functions
 from demo.tasks import (
@@ -33,6 +35,7 @@ __all__ = [
     "SIGNAL_KINDS",
     "CheckResult",
     "CorpusMix",
+    "DemoVerifier",
     "ExecResult",
     "FeedbackSignal",
     "SimulatedUser",

@@ -26,14 +26,11 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from demo.checker import check_batch
 from demo.corpus import CorpusMix, format_example, make_corpus
-from demo.tasks import completions_for, sample_tasks
-from demo.users import satisfaction
+from demo.evaluation import evaluate
 from serving.checkpoint import save_checkpoint
 from serving.engine import EmbeddedEngine
 from serving.model import ModelArgs, Transformer
-from serving.sampling import SamplingParams
 from serving.tokenizer import Tokenizer, train_tokenizer
 
 log = logging.getLogger(__name__)
@@ -117,34 +114,6 @@ def train(model: Transformer, seqs: list[list[int]], cfg: BootstrapConfig, pad_i
             "train_seconds": time.perf_counter() - t0}
 
 
-def evaluate(
-    engine: EmbeddedEngine, version: str, tok: Tokenizer, n_tasks: int, seed: int, temperature: float = 1.0
-) -> dict:
-    """Sample one completion per held-out task as the product would; check it; ask the simulated users."""
-    tasks = sample_tasks(n_tasks, seed=seed)
-    # One seed per task: the evaluation does not depend on how the engine happens to batch.
-    params = [SamplingParams(temperature=temperature, max_tokens=48, seed=seed + i) for i in range(len(tasks))]
-    outs = engine.generate([tok.encode_prompt(t.prompt) for t in tasks], params, version=version)
-    texts = [o.text for o in outs]
-    checks = check_batch(tasks, texts)
-    sats = [satisfaction(t, c, r) for t, c, r in zip(tasks, texts, checks)]
-    per_family: dict[str, list[int]] = {}
-    for t, r in zip(tasks, checks):
-        per_family.setdefault(t.family, []).append(int(r.passed))
-    # The ceiling feedback could reach: the same users scoring a correct, house-style completion.
-    best = [completions_for(t)["correct_preferred"][0] for t in tasks]
-    best_checks = check_batch(tasks, best)
-    ceiling = sum(satisfaction(t, c, r) for t, c, r in zip(tasks, best, best_checks)) / len(tasks)
-    return {
-        "n": len(tasks),
-        "satisfaction_ceiling": ceiling,
-        "pass_rate": sum(r.passed for r in checks) / len(checks),
-        "satisfaction": sum(sats) / len(sats),
-        "pass_rate_by_family": {f: sum(v) / len(v) for f, v in sorted(per_family.items())},
-        "mean_output_tokens": sum(len(o.output_ids) for o in outs) / len(outs),
-    }
-
-
 def bootstrap(out_dir: str | Path, cfg: BootstrapConfig = BootstrapConfig(), force: bool = False) -> dict:
     out_dir = Path(out_dir)
     report_path = out_dir / REPORT
@@ -170,9 +139,7 @@ def bootstrap(out_dir: str | Path, cfg: BootstrapConfig = BootstrapConfig(), for
     try:
         engine.add_version("base", model, tok)
         torch.manual_seed(cfg.seed)
-        ev = evaluate(
-            engine, "base", tok, cfg.eval_tasks, seed=cfg.seed + 10_000, temperature=cfg.eval_temperature
-        )
+        ev = evaluate(engine, "base", cfg.eval_tasks, seed=cfg.seed + 10_000, temperature=cfg.eval_temperature)
     finally:
         engine.shutdown()
     report = {

@@ -1,7 +1,8 @@
 """Verifiable checker: does a completion solve its task?
 
 Called by the demo product loop (to score completions and feed the simulated users), by the corpus
-tests and by evaluation. The executed source is exactly `task.prompt + completion`; it runs in the
+tests and by evaluation; `DemoVerifier` is the learner's verifier (`learner.verifier.Verifier`)
+for offline rollouts on demo prompts. The executed source is exactly `task.prompt + completion`; it runs in the
 sandbox (`demo.sandbox`), one child process per batch. Results are compared with the expected
 values after both sides are JSON-normalised, and compared as JSON text so that e.g. `1` does not
 pass for `True`.
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from demo.sandbox import ExecResult, run_functions
-from demo.tasks import Task
+from demo.tasks import Task, task_from_prompt
 
 
 @dataclass(frozen=True)
@@ -61,3 +62,17 @@ def _score(task: Task, result: ExecResult) -> CheckResult:
     return CheckResult(
         passed=result.ok and n_passed == n_tests, n_passed=n_passed, n_tests=n_tests, error=result.error
     )
+
+
+@dataclass(frozen=True)
+class DemoVerifier:
+    """Scores a completion of a demo prompt 1.0 if every test of its task passes, else 0.0."""
+
+    timeout_s: float = 1.0
+
+    def verify(self, prompts: Sequence[str], completions: Sequence[str]) -> list[float]:
+        tasks = [task_from_prompt(p) for p in prompts]
+        unknown = next((p for p, t in zip(prompts, tasks) if t is None), None)
+        if unknown is not None:
+            raise ValueError(f"not a demo prompt: {unknown!r}")
+        return [float(c.passed) for c in check_batch(tasks, completions, self.timeout_s)]

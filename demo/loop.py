@@ -6,7 +6,8 @@ a simulated user reacts with the signals the product would report (`feedback` ev
 (`feedback.joiner.JoinerCore`, the reward spec, per-user caps) turns them into `sample` events once
 the attribution window closes; the learner keeps samples at most `max_staleness` versions old,
 runs one policy-gradient update with router replay (`learner.trainer`), and the next version is
-served. Held-out tasks measure pass rate and the simulated users' satisfaction along the way.
+served. Held-out tasks measure pass rate and the simulated users' satisfaction along the way
+(`demo.evaluation`).
 
 What it leaves out on purpose (each has its own component elsewhere): HTTP and the event bus
 (events are handed over in memory, in the same types), gating, and weight shipping (the engine
@@ -24,8 +25,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from demo.checker import check_batch
+from demo.evaluation import evaluate
 from demo.tasks import sample_tasks
-from demo.users import SimulatedUser, satisfaction
+from demo.users import SimulatedUser
 from feedback.events import CompletionEvent, FeedbackEvent
 from feedback.joiner import JoinerCore
 from feedback.rewards import RewardSpec
@@ -37,6 +39,7 @@ from serving.sampling import SamplingParams
 from serving.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+EVAL_SEED = 99_999  # offset of the held-out tasks' seed: no round draws its tasks from it
 
 
 class DemoLoopConfig(BaseModel):
@@ -56,15 +59,6 @@ class DemoLoopConfig(BaseModel):
     reward: RewardSpec = Field(default_factory=RewardSpec, description="How signals become rewards.")
 
 
-def evaluate(engine: EmbeddedEngine, version: str, tok: Tokenizer, n: int, seed: int, max_tokens: int) -> dict:
-    tasks = sample_tasks(n, seed=seed)
-    outs = engine.generate([tok.encode_prompt(t.prompt) for t in tasks],
-                           [SamplingParams(max_tokens=max_tokens, seed=seed + i) for i in range(n)], version)
-    checks = check_batch(tasks, [o.text for o in outs])
-    return {"pass_rate": sum(c.passed for c in checks) / n,
-            "satisfaction": sum(satisfaction(t, o.text, c) for t, o, c in zip(tasks, outs, checks)) / n}
-
-
 def run_demo_loop(model_dir: str | Path, cfg: DemoLoopConfig = DemoLoopConfig(),
                   report_path: str | Path | None = None) -> dict:
     torch.manual_seed(cfg.seed)
@@ -81,7 +75,7 @@ def run_demo_loop(model_dir: str | Path, cfg: DemoLoopConfig = DemoLoopConfig(),
     t0 = time.perf_counter()
     try:
         engine.add_version("v0", model, tok)
-        base = evaluate(engine, "v0", tok, cfg.eval_tasks, cfg.seed + 99_999, cfg.max_tokens)
+        base = evaluate(engine, "v0", cfg.eval_tasks, cfg.seed + EVAL_SEED, max_tokens=cfg.max_tokens)
         history.append({"round": 0, **base})
         log.info("demo loop: base %s", base)
         for r in range(cfg.rounds):
@@ -119,7 +113,7 @@ def run_demo_loop(model_dir: str | Path, cfg: DemoLoopConfig = DemoLoopConfig(),
                                              "abs_dlogp_mean", "abs_dlogp_max", "routing_disagreement",
                                              "samples_per_s", "tokens_per_s") if k in stats}}
             if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:
-                row.update(evaluate(engine, nxt, tok, cfg.eval_tasks, cfg.seed + 99_999, cfg.max_tokens))
+                row.update(evaluate(engine, nxt, cfg.eval_tasks, cfg.seed + EVAL_SEED, max_tokens=cfg.max_tokens))
             history.append(row)
             log.info("demo loop round %d: %s", r + 1, {k: (round(v, 4) if isinstance(v, float) else v)
                                                         for k, v in row.items()})

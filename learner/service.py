@@ -31,8 +31,8 @@ Owns the learner's durable state and its exactly-once accounting:
   only after that does each rank commit the offsets it consumed. A rank that dies makes the others'
   collectives time out: the job is restarted as a whole and resumes from `learner.json` as above.
 
-Called by the `flywheel learner` process; the demo loop (`learner.demo_loop`) drives the same
-trainer in memory.
+Called by the `flywheel learner` process; the demo loop (`demo.loop`) drives the same trainer in
+memory.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from collections import Counter, deque
 from pathlib import Path
@@ -51,14 +50,15 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
+from core.files import atomic_write
 from feedback.bus import EventBus, Record
 from feedback.events import TOPICS, SampleEvent
 from gating.registry import Registry, UnknownVersion
 from learner.samples import select
 from learner.trainer import Trainer, TrainerConfig
 from serving.checkpoint import WEIGHTS, load_checkpoint, save_checkpoint
-from serving.weight_store import DELTA_SUFFIX, WeightStore, shipping_state
 from serving.tokenizer import Tokenizer
+from serving.weight_store import DELTA_SUFFIX, WeightStore, shipping_state
 
 log = logging.getLogger(__name__)
 STATE = "learner.json"
@@ -77,15 +77,6 @@ class LearnerConfig(BaseModel):
     topic: str = Field(TOPICS["sample"], description="The topic of `sample` events (the joiner's output).")
     snapshot_every: int = Field(8, ge=1, description="Weight store: a full snapshot every N versions, deltas between.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The update itself.")
-
-
-def _atomic_json(path: Path, obj: dict) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _sha256(path: Path) -> str:
@@ -158,7 +149,7 @@ class LearnerService:
                                               reason="learner started from the base model")
             self.state = {"current": base.id, "versions": [base.id], "dirs": {base.id: str(self.models_dir / vid)},
                           "positions": {}, "trained_ids": []}
-            _atomic_json(self.state_path, self.state)
+            atomic_write(self.state_path, json.dumps(self.state))
 
     def _free_id(self, n: int) -> str:
         """`vNNNN` not yet in the registry (a crash between registering and `learner.json` leaves one used)."""
@@ -286,7 +277,7 @@ class LearnerService:
             self.trained_ids.append(ev.event_id)
         if self.rank == 0:
             self.state.update(positions={str(p): o for p, o in positions.items()}, trained_ids=list(self.trained_ids))
-            _atomic_json(self.state_path, self.state)  # the point of no return: these samples are used
+            atomic_write(self.state_path, json.dumps(self.state))  # the point of no return: these samples are used
         if self.world_size > 1:  # after rank 0 made the update durable: every rank takes its state
             box = [self.state if self.rank == 0 else None]
             dist.broadcast_object_list(box, src=0)

@@ -12,14 +12,13 @@ Called by bootstrap, the engines, the learner and the weight store.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from core.files import atomic_path, atomic_write
 from serving.model import ModelArgs, Transformer
 
 CONFIG = "config.json"
@@ -116,13 +115,6 @@ def config_to_args(cfg: dict, path: Path) -> tuple[ModelArgs, torch.dtype]:
     return args, _DTYPES[dtype_name]
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def save_checkpoint(model: Transformer, folder: str | Path, tokenizer=None, dtype: torch.dtype | None = None,
                     extra_files: dict[str, str] | None = None) -> Path:
     """Write `model` (and `tokenizer`, a `serving.tokenizer.Tokenizer`) as an HF Mixtral folder.
@@ -140,16 +132,14 @@ def save_checkpoint(model: Transformer, folder: str | Path, tokenizer=None, dtyp
         state[hf_name(name)] = tensor.detach().to(dtype).contiguous().clone()
     if tokenizer is not None:
         tokenizer.save(folder)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=WEIGHTS + ".")
-    os.close(fd)
-    save_file(state, tmp, metadata={"format": "pt"})
-    os.replace(tmp, folder / WEIGHTS)
+    with atomic_path(folder / WEIGHTS) as tmp:
+        save_file(state, tmp, metadata={"format": "pt"})
     args = model.args
     gen = {"bos_token_id": args.bos_id, "eos_token_id": args.eos_id, "pad_token_id": args.pad_id}
-    _atomic_write_text(folder / "generation_config.json", json.dumps(gen, indent=2))
+    atomic_write(folder / "generation_config.json", json.dumps(gen, indent=2))
     for name, text in (extra_files or {}).items():
-        _atomic_write_text(folder / name, text)
-    _atomic_write_text(folder / CONFIG, json.dumps(args_to_config(args, dtype), indent=2))
+        atomic_write(folder / name, text)
+    atomic_write(folder / CONFIG, json.dumps(args_to_config(args, dtype), indent=2))
     return folder
 
 

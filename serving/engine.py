@@ -15,17 +15,16 @@ Routed experts are recorded for every token fed through the model: the prompt's 
 the first N-1 generated ones (the last generated token is never fed), so `routed_experts` has
 shape [P + N - 1, L, K], dtype uint8.
 
-Threads: the loop runs torch on its own thread with `threads` intra-op threads (default 1). Measured
-on the 2-core dev machine: once any other thread of the process has run an OpenMP-parallel torch op,
-a second thread's 2-thread parallel regions cost ~40 us each (torch's libgomp), and a batch-64 decode
-step of the demo model takes ~15 ms instead of ~4 ms; with 1 thread it takes ~5 ms whatever the rest
-of the process does. Pass `threads=None` to keep torch's default.
+Threads: the loop runs torch on its own thread with `threads` intra-op threads (default 1): once
+another thread of the process has run an OpenMP-parallel torch op, a second thread's parallel
+regions become slow (torch's libgomp), while a 1-thread loop is as fast whatever the rest of the
+process does. Pass `threads=None` to keep torch's default.
 
 Numerics: `batch_invariant=True` (the default, from `FLYWHEEL_BATCH_INVARIANT`; float32 versions
 only) runs the model's batch-invariant kernels (`serving/model.py`), so a token's recorded
 log-probability is bit-identical to what the trainer recomputes in one full forward at the same
-weights, whatever the decode batch held. Off: torch's default kernels (a decode step of the demo
-model ~1.15x faster at batch 64, ~1.6x at batch 1; up to a few 1e-6 of a log-prob from the trainer).
+weights, whatever the decode batch held. Off: torch's default kernels, a faster decode step, and
+recorded log-probs a few 1e-6 from the trainer's.
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ import numpy as np
 import torch
 
 from serving.checkpoint import load_checkpoint
-from serving.model import KVCache, Transformer
+from serving.model import KVCache, ModelArgs, Transformer
 from serving.sampling import SamplingParams, sample_rows, sampling_logprobs
 from serving.tokenizer import Tokenizer
 
@@ -277,10 +276,11 @@ class EmbeddedEngine(GenerateMixin):
             raise done.error
         return done.result
 
-    def update_weights(self, name: str, state_dict: dict[str, torch.Tensor]) -> None:
-        """Replace a version's weights between two decode steps; returns once applied."""
+    def update_weights(self, name: str, weights: dict[str, torch.Tensor]) -> None:
+        """Replace a version's weights (a state dict of our model's names) between two decode steps;
+        returns once applied."""
         done = threading.Event()
-        self._commands.put(("update", (name, state_dict), done))
+        self._commands.put(("update", (name, weights), done))
         self._wake.set()
         done.wait()
         if isinstance(getattr(done, "error", None), BaseException):
@@ -298,7 +298,7 @@ class EmbeddedEngine(GenerateMixin):
         """Longest prompt + completion (tokens) the version accepts."""
         return self._get(version).cache.max_len
 
-    def model_args(self, version: str | None = None):
+    def model_args(self, version: str | None = None) -> ModelArgs:
         return self._get(version).model.args
 
     def _get(self, version: str | None) -> _Version:

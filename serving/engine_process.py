@@ -26,8 +26,8 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from serving.checkpoint import read_config
-from serving.engine import (EngineError, GenerateMixin,
-                            RequestHandle, StreamEvent, caller_loop, check_request)
+from serving.engine import EngineError, GenerateMixin, RequestHandle, StreamEvent, caller_loop, check_request
+from serving.model import ModelArgs
 from serving.sampling import SamplingParams
 from serving.tokenizer import Tokenizer
 
@@ -186,8 +186,8 @@ class ProcessEngine(GenerateMixin):
         if self.default_version == name:
             self.default_version = next(iter(self._toks), None)
 
-    def update_weights(self, name: str, state_dict) -> None:
-        self._call("update_weights", name, state_dict)
+    def update_weights(self, name: str, weights) -> None:
+        self._call("update_weights", name, weights)
 
     @property
     def versions(self) -> list[str]:
@@ -206,7 +206,7 @@ class ProcessEngine(GenerateMixin):
     def tokenizer(self, version: str | None = None) -> Tokenizer:
         return self._toks[self._name(version)]
 
-    def model_args(self, version: str | None = None):
+    def model_args(self, version: str | None = None) -> ModelArgs:
         return self._args[self._name(version)]
 
     def context_length(self, version: str | None = None) -> int:

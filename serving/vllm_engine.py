@@ -11,7 +11,7 @@ thread, and translates its outputs into our `Completion` / `StreamEvent` records
 - weight updates: `collective_rpc("reload_weights", ...)`, vLLM's documented in-place reload,
   from a checkpoint folder or from (name, tensor) pairs in checkpoint format, on GPUs. On vLLM's
   CPU build (0.32.0) the in-place reload leaves the fused-MoE experts in checkpoint layout while
-  the CPU MoE kernel expects its own (measured: logprobs off by ~0.3 after reloading even the same
+  the CPU MoE kernel expects its own (its log-probs are then wrong, even after reloading the same
   folder; attention and embeddings reload fine), so there `update_weights` swaps in a freshly
   loaded engine instead: new requests go to it at once, requests in flight finish on the old one,
   which is then shut down. No request is lost either way.
@@ -34,8 +34,16 @@ import numpy as np
 import torch
 
 from serving.checkpoint import read_config
-from serving.engine import (Completion, EngineError, GenerateMixin,
-                            RequestHandle, StreamEvent, caller_loop, check_request)
+from serving.engine import (
+    Completion,
+    EngineError,
+    GenerateMixin,
+    RequestHandle,
+    StreamEvent,
+    caller_loop,
+    check_request,
+)
+from serving.model import ModelArgs
 from serving.sampling import SamplingParams
 from serving.tokenizer import Tokenizer
 
@@ -112,25 +120,25 @@ class VLLMEngine(GenerateMixin):
         if llm is not None:
             llm.shutdown()
 
-    def update_weights(self, name: str, source: str | Path | dict[str, torch.Tensor]) -> None:
+    def update_weights(self, name: str, weights: str | Path | dict[str, torch.Tensor]) -> None:
         """Serve new weights under `name`: a checkpoint folder, or (in-place mode) a state dict in HF
         checkpoint names."""
         llm = self._get(name)
         if not self.inplace_updates:
-            if isinstance(source, dict):
+            if isinstance(weights, dict):
                 raise ValueError("without in-place updates the vLLM backend takes a checkpoint folder")
-            args, _ = read_config(source)
-            fresh = self._make(Path(source), args)
+            args, _ = read_config(weights)
+            fresh = self._make(Path(weights), args)
             with self._lock:
-                self._llms[name], self._args[name], self._folders[name] = fresh, args, Path(source)
+                self._llms[name], self._args[name], self._folders[name] = fresh, args, Path(weights)
             self._call(self._retire(llm))
             return
-        if isinstance(source, dict):
-            kwargs = {"weights_iterator": [(k, v.detach().cpu()) for k, v in source.items()],
+        if isinstance(weights, dict):
+            kwargs = {"weights_iterator": [(k, v.detach().cpu()) for k, v in weights.items()],
                       "is_checkpoint_format": True}
         else:
-            read_config(source)
-            kwargs = {"weights_path": str(source)}
+            read_config(weights)
+            kwargs = {"weights_path": str(weights)}
         self._call(llm.collective_rpc("reload_weights", kwargs=kwargs))
         self._call(llm.reset_prefix_cache())  # cached KV of the old weights must not be reused
 
@@ -155,7 +163,7 @@ class VLLMEngine(GenerateMixin):
         self._get(version)
         return self._toks[version or self.default_version]
 
-    def model_args(self, version: str | None = None):
+    def model_args(self, version: str | None = None) -> ModelArgs:
         self._get(version)
         return self._args[version or self.default_version]
 

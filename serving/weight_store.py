@@ -19,8 +19,8 @@ Choices (measured in `bench/deltas.py` on real updates of the demo model):
   encoder picks up to `max_classes` ranges minimising sum n_c H(p_c); each class costs the decoder
   a pass over the stream, so the default (2) balances size and decode speed as measured. Dense
   otherwise: zig-zag differences as byte planes, no positions.
-- zstd 19 for sparse streams (a few per cent of the model), 3 for dense streams and snapshots
-  (19 is ~20x slower there for ~5% less). Decode speed hardly depends on the level.
+- zstd 19 for sparse streams (a small part of the model), 3 for dense streams and snapshots
+  (where 19 costs far more time than it saves bytes). Decode speed hardly depends on the level.
 - Container: magic, manifest length and SHA-256, the manifest (zstd JSON: format version, kind,
   version, parent id and per-tensor SHA-256; per tensor dtype, shape, size, SHA-256 of its raw
   bytes; codec parameters per stream; per blob offset, size, decoded size, SHA-256), the blobs.
@@ -42,7 +42,6 @@ import os
 import re
 import struct
 import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -52,6 +51,7 @@ import numpy as np
 import torch
 import zstandard
 
+from core.files import atomic_write
 from serving.checkpoint import hf_name
 
 FORMAT = "flywheel-weights"
@@ -495,19 +495,6 @@ def apply_delta(base: dict[str, torch.Tensor], data: bytes, base_hashes: dict[st
 PutResult = NamedTuple("PutResult", [("version", str), ("kind", str), ("path", Path), ("nbytes", int)])
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 class WeightStore:
     """Versions in one folder. `put(v, state, parent=p)`: a delta on p unless p's chain already holds
     `snapshot_every - 1` deltas after its snapshot (or p is None, or the layouts differ); `get(v)`:
@@ -593,7 +580,7 @@ class WeightStore:
         kind = "delta" if data is not None else "snapshot"
         data = data if data is not None else encode_snapshot(version_id, state, self.codec)
         path = self.folder / (version_id + (DELTA_SUFFIX if kind == "delta" else SNAPSHOT_SUFFIX))
-        _atomic_write(path, data)
+        atomic_write(path, data)
         hashes = {n: e["sha256"] for n, e in read_manifest(data, str(path))["tensors"].items()}
         self._last = (version_id, {n: t.detach().cpu().clone() for n, t in state.items()}, hashes)
         return PutResult(version_id, kind, path, len(data))

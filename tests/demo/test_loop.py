@@ -3,7 +3,7 @@ joiner's rewards, policy-gradient updates with router replay — held-out satisf
 
 import pytest
 
-from learner.demo_loop import DemoLoopConfig, run_demo_loop
+from demo.loop import DemoLoopConfig, run_demo_loop
 from learner.trainer import TrainerConfig
 
 pytestmark = pytest.mark.slow

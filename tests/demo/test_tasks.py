@@ -86,3 +86,17 @@ def test_bad_inputs():
         sample_tasks(3, seed=0, families=["add", "nope"])
     with pytest.raises(ValueError, match="-1"):
         sample_tasks(-1, seed=0)
+
+
+def test_demo_verifier_scores_by_the_tests():
+    from demo.checker import DemoVerifier
+
+    tasks = sample_tasks(4, seed=2)
+    good = [completions_for(t)["correct_other"][0] for t in tasks]
+    bad = [completions_for(t)["incorrect_preferred"][0] for t in tasks]
+    prompts = [t.prompt for t in tasks]
+    assert DemoVerifier().verify(prompts + prompts, good + bad) == [1.0] * 4 + [0.0] * 4
+    with pytest.raises(ValueError, match="not a demo prompt"):
+        DemoVerifier().verify(["print('hi')\n"], ["    return 1\n"])
+    with pytest.raises(ValueError, match="completions"):
+        DemoVerifier().verify(prompts, good[:1])

@@ -3,10 +3,12 @@
 import pytest
 import torch
 
+from demo.checker import DemoVerifier
 from demo.tasks import sample_tasks
 from learner.offline import rollout_groups
 from learner.replay import Sequence
 from learner.trainer import Trainer, TrainerConfig
+from learner.verifier import Verifier
 from serving.checkpoint import load_checkpoint
 from serving.engine import EmbeddedEngine
 from serving.sampling import SamplingParams
@@ -20,14 +22,20 @@ def engine(tiny_checkpoint):
     eng.shutdown()
 
 
-def parity(task, text, check):
-    """A stand-in verifiable reward the untrained test model can earn (its code never passes a test)."""
-    return float(len(text) % 2)
+class Parity:
+    """A stand-in verifier the untrained test model can pass (its code never passes a test)."""
+
+    def verify(self, prompts, completions):
+        return [float(len(text) % 2) for text in completions]
+
+
+def prompts(n, seed):
+    return [t.prompt for t in sample_tasks(n, seed=seed)]
 
 
 def test_groups_have_relative_advantages(engine):
-    batch = rollout_groups(engine, "v0", sample_tasks(6, seed=1), group_size=4, weight=0.5, temperature=1.5,
-                           reward_fn=parity)
+    assert isinstance(Parity(), Verifier) and isinstance(DemoVerifier(), Verifier)
+    batch = rollout_groups(engine, "v0", prompts(6, seed=1), Parity(), group_size=4, weight=0.5, temperature=1.5)
     assert batch.groups + batch.dropped_flat_groups == 6 and batch.groups >= 2
     assert len(batch.sequences) == 4 * batch.groups == len(batch.advantages)
     for g in range(batch.groups):
@@ -35,7 +43,7 @@ def test_groups_have_relative_advantages(engine):
         assert abs(sum(adv)) < 1e-6  # centred per group
     assert all(s.weight == 0.5 for s in batch.sequences)
     with pytest.raises(ValueError, match="group_size"):
-        rollout_groups(engine, "v0", sample_tasks(1, seed=1), group_size=1)
+        rollout_groups(engine, "v0", prompts(1, seed=1), Parity(), group_size=1)
 
 
 def _online(engine, n=8):
@@ -76,7 +84,9 @@ def test_verified_groups_on_a_trained_model(small_trained_checkpoint):
     eng = EmbeddedEngine(max_batch=64, max_model_len=256)
     try:
         eng.add_version("v0", small_trained_checkpoint)
-        batch = rollout_groups(eng, "v0", sample_tasks(16, seed=5), group_size=8)
+        tasks = sample_tasks(16, seed=5)
+        batch = rollout_groups(eng, "v0", [t.prompt for t in tasks], DemoVerifier(), group_size=8,
+                               keys=[t.family for t in tasks])
     finally:
         eng.shutdown()
     assert 0.0 < batch.pass_rate < 1.0 and batch.groups > 0  # real pass/fail signal inside groups

@@ -3,9 +3,8 @@
 import json
 import random
 
-import torch
-
 import pytest
+import torch
 
 from feedback.bus_embedded import EmbeddedBus
 from feedback.events import TOPICS
@@ -61,9 +60,8 @@ def test_updates_on_cadence_and_registers_candidates(tmp_path, tiny_checkpoint, 
     kinds = {p: (f["kind"] if isinstance(f, dict) else f.kind) for p, f in paths.items()}
     assert kinds.get("store/v0004.delta") == "delta" or any(k == "delta" for k in kinds.values()), kinds
     assert v4.delta_base_id == "v0003"
-    from serving.weight_store import shipping_state
     from serving.checkpoint import load_checkpoint
-    from serving.weight_store import WeightStore
+    from serving.weight_store import WeightStore, shipping_state
     rebuilt = WeightStore(tmp_path / "models" / "store").get("v0004")  # a fresh reader: from the files
     expected = shipping_state(load_checkpoint(tmp_path / "models" / "v0004"))
     assert rebuilt.keys() == expected.keys() and all(torch.equal(rebuilt[k], expected[k]) for k in expected)
@@ -132,14 +130,18 @@ def test_offline_groups_are_mixed_into_the_next_update(tmp_path, tiny_checkpoint
     from demo.tasks import sample_tasks
     from learner.offline import rollout_groups
 
+    class Parity:  # a verifier the untrained test model can pass
+        def verify(self, prompts, completions):
+            return [float(len(text) % 2) for text in completions]
+
     bus = EmbeddedBus(tmp_path / "bus")
     publish(bus, samples[:10])
     svc = make(tmp_path, tiny_checkpoint, bus)
     eng = EmbeddedEngine(max_batch=32, max_model_len=128)
     try:
         eng.add_version(tiny_checkpoint.name, tiny_checkpoint)
-        batch = rollout_groups(eng, tiny_checkpoint.name, sample_tasks(8, seed=3), group_size=4, weight=0.5, temperature=1.5,
-                               reward_fn=lambda task, text, check: float(len(text) % 2))
+        batch = rollout_groups(eng, tiny_checkpoint.name, [t.prompt for t in sample_tasks(8, seed=3)], Parity(),
+                               group_size=4, weight=0.5, temperature=1.5)
     finally:
         eng.shutdown()
     assert batch.sequences
