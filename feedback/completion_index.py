@@ -85,14 +85,13 @@ class CompletionIndex:
         url = _url(url)
         if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
             Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-        self.engine = sa.create_engine(url, connect_args={"timeout": 30} if url.startswith("sqlite") else {})
-        if self.engine.dialect.name == "sqlite":
+        backend = sa.engine.make_url(url).get_backend_name()
+        if backend not in ("sqlite", "postgresql"):
+            raise ValueError(f"the completion index runs on SQLite or PostgreSQL, not {backend!r} ({url})")
+        self.engine = sa.create_engine(url, connect_args={"timeout": 30} if backend == "sqlite" else {})
+        if backend == "sqlite":
             sa.event.listen(self.engine, "connect", _sqlite_pragmas)
-            self._insert = sqlite.insert
-        elif self.engine.dialect.name == "postgresql":
-            self._insert = postgresql.insert
-        else:
-            raise ValueError(f"the completion index runs on SQLite or PostgreSQL, not {self.engine.dialect.name!r}")
+        self._insert = sqlite.insert if backend == "sqlite" else postgresql.insert
         self._closed = False
         self._last_prune = 0.0
         with self.engine.begin() as db:

@@ -41,7 +41,7 @@ partitions away, the joiner forgets what it held from them (`JoinerCore.release`
 committing them; their new owner reads them again from the committed position. Deliberate simplifications: the seen-set, the set of closed completions and the user budgets live
 in memory, so after a restart late feedback for a completion closed before the crash counts as
 an orphan, and budgets start empty. Feedback without a user id is attributed to the completion's
-user. Called by `flywheel joiner` and the demo.
+user; budgets are kept per tenant and user (the anonymous user of each tenant has its own). Called by `flywheel joiner` and the demo.
 """
 
 from __future__ import annotations
@@ -249,7 +249,8 @@ class JoinerCore:
         counted = counted_signals(p.signals)
         admitted: set[str] = set()
         for user in dict.fromkeys(user_key(s) for s in counted):  # users in first-signal order
-            if self.budget.admit(user, c.completion_id, c.ts):
+            # Per tenant: the anonymous user of one tenant is not another's.
+            if self.budget.admit(f"{c.tenant}/{user}", c.completion_id, c.ts):
                 admitted.add(user)
             else:
                 self.stats["dropped_by_budget"] += sum(1 for s in counted if user_key(s) == user)

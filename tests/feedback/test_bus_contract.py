@@ -268,16 +268,18 @@ def test_bad_topic_or_value_is_a_value_error(h):
         h.bus.consumer(["fine", "fine"], "g")
 
 
-def test_publish_many_async_resolves_once_durable_and_refuses_bad_records_whole(h):
-    topic = new_name("async")
+def test_concurrent_publish_many_is_durable_on_return_and_refuses_bad_records_whole(h):
+    topic = new_name("many")
     batches = [[(f"cmp-{i % 5}", json.dumps({"event_id": f"ev-{b}-{i:03d}"}).encode()) for i in range(40)]
                for b in range(3)]
-    futures = [h.bus.publish_many_async(topic, batch) for batch in batches]  # in flight together
-    for f in futures:
-        assert f.result(timeout=30) is None
+    threads = [threading.Thread(target=h.bus.publish_many, args=(topic, batch)) for batch in batches]
+    [t.start() for t in threads]  # in flight together
+    [t.join() for t in threads]
     with pytest.raises(ValueError, match="bytes"):  # one bad record: none of the batch is written
-        h.bus.publish_many_async(topic, [("cmp-0", b'{"event_id": "never"}'), ("cmp-1", "not bytes")])
-    assert h.bus.publish_many_async(topic, []).result(timeout=5) is None
+        h.bus.publish_many(topic, [("cmp-0", b'{"event_id": "never"}'), ("cmp-1", "not bytes")])
+    with pytest.raises(ValueError, match="key"):
+        h.bus.publish_many(topic, [("cmp-0", b'{"event_id": "never"}'), ("", b"{}")])
+    h.bus.publish_many(topic, [])
     h.bus.flush(30)
     got = drain(h.consumer(topic, new_name("g")), 120, h.quiet_s)
     assert sorted(ids(got)) == sorted(json.loads(v)["event_id"] for batch in batches for _, v in batch)
@@ -285,28 +287,6 @@ def test_publish_many_async_resolves_once_durable_and_refuses_bad_records_whole(
         for key in {k for k, _ in batch}:
             assert [e for e in by_key(got)[key] if e.startswith(f"ev-{b}-")] == \
                 [json.loads(v)["event_id"] for k, v in batch if k == key]
-
-
-def test_publish_many_now_is_durable_when_it_says_so_and_writes_nothing_otherwise(h):
-    """`publish_many_now`: True once the records are durable (written on this thread: the bus's log
-    writer was idle), False with nothing written; bad records raise ValueError and write nothing."""
-    topic = new_name("now")
-    assert h.bus.publish_many_async(topic, [("cmp-0", b'{"event_id": "first"}')]).result(timeout=30) is None
-    batch = [(f"cmp-{i % 5}", json.dumps({"event_id": f"ev-{i:03d}"}).encode()) for i in range(40)]
-    for _ in range(200):  # False only while the writer thread finishes the write above
-        if h.bus.publish_many_now(topic, batch):
-            break
-        time.sleep(0.01)
-    else:
-        pytest.fail("publish_many_now never found the bus's writer idle")
-    with pytest.raises(ValueError, match="bytes"):
-        h.bus.publish_many_now(topic, [("cmp-0", b'{"event_id": "never"}'), ("cmp-1", "not bytes")])
-    assert h.bus.publish_many_now(topic, []) is True
-    h.bus.flush(30)
-    got = drain(h.consumer(topic, new_name("g")), 41, h.quiet_s)
-    assert sorted(ids(got)) == sorted(["first"] + [f"ev-{i:03d}" for i in range(40)])
-    for key in {k for k, _ in batch}:
-        assert by_key(got)[key] == ["first"] * (key == "cmp-0") + [json.loads(v)["event_id"] for k, v in batch if k == key]
 
 
 def test_one_member_on_two_topics_consumes_and_commits_both(h):

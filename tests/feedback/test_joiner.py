@@ -156,6 +156,19 @@ def test_user_budget_drops_and_counts_signals_beyond_it():
     assert [s.reward for s in j.tick(300.0)] == [0.75]
 
 
+def test_the_anonymous_budget_is_per_tenant():
+    """300 anonymous completions over two tenants, a budget of 150: every one is rewarded."""
+    j = core(max_rewarded_per_user=150, budget_window_s=1e6)
+    for i in range(300):
+        tenant = "t0" if i % 2 else "t1"
+        j.on_completion(completion(f"c{i}", float(i), tenant=tenant, user=None))
+        j.on_feedback(feedback(f"c{i}", "accepted", i + 0.5, tenant=tenant, user=None))
+    assert len(j.tick(5000.0)) == 300 and j.stats["dropped_by_budget"] == 0
+    j.on_completion(completion("one-more", 400.0, tenant="t0", user=None))  # over t0's budget
+    j.on_feedback(feedback("one-more", "accepted", 400.5, tenant="t0", user=None))
+    assert j.tick(5000.0) == [] and j.stats["dropped_by_budget"] == 1
+
+
 def test_sample_ids_are_deterministic_per_completion_and_spec():
     def run(spec):
         j = JoinerCore(spec, WINDOW)

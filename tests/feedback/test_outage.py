@@ -3,7 +3,7 @@
 A producer thread publishes N feedback/completion-like events (unique event ids, 30 completion
 ids as keys) at a steady pace. Partway through, the broker is killed; publishing goes on — it never
 raises and never blocks for more than a few ms — and the spool's backlog grows; then an empty
-broker comes back on the same port and the spool's forwarder (a process of its own) delivers the
+broker comes back on the same port and the spool's forwarder thread delivers the
 rest. Consumers read with buses of their own, as the joiner does.
 
 tansu keeps its data in memory, so the kill also destroys what the first broker held. To still

@@ -28,7 +28,6 @@ from feedback.completion_index import CompletionIndex
 from feedback.events import TOPICS, FeedbackEvent, hash_user
 from feedback.sdk import (AsyncFeedbackClient, ClientClosedError, FeedbackAPIError, FeedbackClient,
                           QueueFullError, RetriesExhaustedError, make_event)
-from feedback.sink import LogSink
 from serving.engine import EmbeddedEngine
 from tests.conftest import LiveServer
 
@@ -41,19 +40,18 @@ def live(tiny_checkpoint, tmp_path_factory):
     settings = Settings(home=home, model_dir=tiny_checkpoint, max_batch=8, max_model_len=128)
     engine = EmbeddedEngine(max_batch=8, max_model_len=128)
     engine.add_version(tiny_checkpoint.name, tiny_checkpoint, default=True)
-    sink, bus = LogSink(home / "records"), EmbeddedBus(home / "bus")
+    bus = EmbeddedBus(home / "bus")
     index = CompletionIndex(home / "index.db")
-    with LiveServer(create_app(settings, engine=engine, sink=sink, bus=bus, index=index)) as server:
-        server.bus = bus
+    with LiveServer(create_app(settings, engine=engine, bus=bus, index=index)) as server:
+        server.bus, server.index = bus, index
         yield server
     engine.shutdown()
-    sink.close()
     bus.close()
     index.close()
 
 
-def new_completion(live, tenant: str = "default") -> str:
-    body = {"model": "flywheel", "prompt": "def f(x):\n", "max_tokens": 2}
+def new_completion(live, tenant: str = "default", user: str | None = None) -> str:
+    body = {"model": "flywheel", "prompt": "def f(x):\n", "max_tokens": 2, **({"user": user} if user else {})}
     r = httpx.post(live.url + "/v1/completions", json=body, headers={"X-Flywheel-Tenant": tenant}, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()["id"]
@@ -147,7 +145,7 @@ class Errors(list):
 
 # ---- calls and validation -----------------------------------------------------------------------
 def test_every_call_is_delivered_once_with_its_value(live):
-    c = new_completion(live)
+    c = new_completion(live, user="u1")
     errors = Errors()
     with FeedbackClient(live.url, batch_size=100, flush_interval_s=60, on_error=errors) as fb:
         keys = [fb.thumbs_up(c, user="u1"), fb.thumbs_down(c), fb.rating(c, 4), fb.accepted(c),
@@ -160,9 +158,10 @@ def test_every_call_is_delivered_once_with_its_value(live):
     assert sorted((e.kind, e.value) for e in got) == sorted(
         [("thumb_up", None), ("thumb_down", None), ("rating", 4), ("accepted", None), ("rejected", None),
          ("edited", 0.7), ("copied", None), ("regenerated", None), ("dwell", 12.5), ("rating", 2)])
-    assert {e.user_id for e in got if e.kind == "thumb_up"} == {hash_user("default", "u1")}
+    assert {e.user_id for e in got} == {hash_user("default", "u1")}  # the completion's user
     assert [e.edit_distance for e in got if e.kind == "edited"] == [3]
-    assert 1_700_000_000.0 in {e.ts for e in got}
+    served = live.index.get(c).ts
+    assert [e.ts for e in got if e.kind == "rating" and e.value == 2] == [served]  # ts before serving: clamped
 
 
 @pytest.mark.parametrize("call,match", [

@@ -1,63 +1,22 @@
 """The producer spool against a real broker (tansu) and while it is down: the backlog grows and
 drains, a restarted spool resumes from its saved position (repeats possible, loss never), the
-Deduper removes repeats, and a forwarder that dies says so. The forwarder process: killed, it is
-started again and resumes; it exits with the process that owns the spool; one that cannot start
-makes the spool unhealthy."""
+Deduper removes repeats, and a forwarder that dies says so."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
 from feedback.bus import Consumer
 from feedback.bus_kafka import KafkaBus
-from feedback.spool import Deduper, ProcessTarget, Spool, SpooledRecord, decode, encode
+from feedback.spool import Deduper, Spool, decode, encode
 from tests.feedback.conftest import FAST_CONSUMER
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-class FileTarget:
-    """A destination for a forwarder process (built there by `ProcessTarget`): one line per record
-    delivered, `offset value`, appended to `path`."""
-
-    retriable = (OSError,)
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def deliver(self, batch: list[SpooledRecord]) -> None:
-        with open(self.path, "a") as f:
-            f.write("".join(f"{r.offset} {r.value.decode()}\n" for r in batch))
-
-    def close(self) -> None:
-        pass
-
-
-def file_target(path: Path) -> ProcessTarget:
-    return ProcessTarget(f"{__name__}:FileTarget", {"path": str(path)})
-
-
-def delivered_lines(path: Path) -> list[str]:
-    return path.read_text().splitlines() if path.exists() else []
-
-
-def gone(pid: int) -> bool:
-    """The process has exited (a zombie nobody reaped counts as exited)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def make_bus(broker, spool_dir) -> KafkaBus:
@@ -235,73 +194,6 @@ def test_forwarded_segments_are_deleted_and_offsets_survive_reopening(tmp_path):
     assert delivered[-1] == (50, "t", "k", b"next") and len(delivered) == 51
 
 
-def test_a_killed_forwarder_process_is_started_again_and_resumes(tmp_path):
-    out = tmp_path / "delivered.txt"
-    spool = Spool(tmp_path / "spool", file_target(out), restart_backoff_s=(0.2, 1.0))
-    try:
-        for i in range(20):
-            spool.publish("t", "k", b"%d" % i)
-        spool.flush(30)
-        first = spool.forwarder_pid
-        assert first is not None and spool.healthy
-        os.kill(first, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while spool.healthy:  # noticed at once, unhealthy until the next one is started
-            assert time.monotonic() < deadline, "the spool did not notice its forwarder was killed"
-            time.sleep(0.01)
-        for i in range(20, 40):  # publishing goes on meanwhile
-            spool.publish("t", "k", b"%d" % i)
-        spool.flush(30)
-        assert spool.restarts == 1 and spool.healthy and spool.forwarder_pid not in (None, first)
-        assert gone(first)
-    finally:
-        spool.close()
-    seen: list[str] = []
-    for line in delivered_lines(out):  # at-least-once: keep the first of any repeat, in order
-        if line not in seen:
-            seen.append(line)
-    assert seen == [f"{i} {i}" for i in range(40)]
-
-
-def test_the_forwarder_process_exits_with_the_process_that_owns_the_spool(tmp_path):
-    out = tmp_path / "delivered.txt"
-    owner = subprocess.Popen(
-        [sys.executable, "-c", (
-            "import sys, time\n"
-            "from feedback.spool import Spool\n"
-            "from tests.feedback.test_spool import file_target\n"
-            "spool = Spool(sys.argv[1], file_target(sys.argv[2]))\n"
-            "spool.publish('t', 'k', b'0')\n"
-            "spool.flush(30)\n"
-            "print(spool.forwarder_pid, flush=True)\n"
-            "time.sleep(120)\n"), str(tmp_path / "spool"), str(out)],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    try:
-        forwarder = int(owner.stdout.readline())
-        assert not gone(forwarder)
-        owner.kill()  # no chance to close the spool
-        owner.wait(10)
-        deadline = time.monotonic() + 10
-        while not gone(forwarder):
-            assert time.monotonic() < deadline, "the forwarder outlived the spool's process"
-            time.sleep(0.05)
-    finally:
-        owner.kill()
-        owner.stdout.close()
-    assert delivered_lines(out) == ["0 0"]
-
-
-def test_a_forwarder_that_cannot_start_makes_the_spool_unhealthy(tmp_path):
-    spool = Spool(tmp_path / "spool", ProcessTarget("feedback.no_such_module:target"))
-    try:
-        assert spool.publish("t", "k", b"kept") == 0  # spooling does not need the forwarder
-        with pytest.raises(RuntimeError, match="before it started"):
-            spool.flush(30)
-        assert not spool.healthy and spool.backlog == 1 and spool.restarts == 0
-    finally:
-        spool.close()
-
-
 @pytest.mark.parametrize(("topic", "key"), [("feedback", "cmpl-00ab"), ("t", 'a", "b'), ("t", "back\\slash"),
                                             ("t", "ünïcode-ключ"), ("t", '"'), ("t.x-y_z", "k\n2")])
 def test_spooled_record_header_round_trip(topic, key):
@@ -310,36 +202,9 @@ def test_spooled_record_header_round_trip(topic, key):
     assert (rec.offset, rec.topic, rec.key, rec.value) == (7, topic, key, value)
 
 
-def test_linger_gathers_short_batches_and_a_full_batch_goes_at_once(tmp_path):
-    """With `linger_s`, records published one by one go out together once the first has waited
-    that long; `batch_size` records waiting go out without lingering."""
-    batches: list[tuple[float, list[int]]] = []
-
-    def deliver(batch: list[SpooledRecord]) -> None:
-        batches.append((time.monotonic(), [r.offset for r in batch]))
-
-    spool = Spool(tmp_path / "s", deliver, batch_size=50, linger_s=0.4, fsync=False)
-    try:
-        t0 = time.monotonic()
-        for i in range(10):  # ten appends, each its own fsync group
-            spool.publish("t", f"k{i}", b"v")
-        spool.flush(timeout_s=10)
-        assert [offsets for _, offsets in batches] == [list(range(10))]  # one delivery
-        assert batches[0][0] - t0 >= 0.35  # after lingering
-        t1 = time.monotonic()
-        spool.publish_many([("t", f"k{i}", b"v") for i in range(50)])  # a full batch: at once
-        spool.flush(timeout_s=10)
-        assert [offsets for _, offsets in batches[1:]] == [list(range(10, 60))]
-        assert batches[1][0] - t1 < 0.3
-    finally:
-        spool.close()
-    with pytest.raises(ValueError, match="linger_s"):
-        Spool(tmp_path / "x", deliver, linger_s=-1)
-
-
 @pytest.mark.parametrize("position", [b"", b'{"forwar', b'{"forwarded": 3}'])
 def test_a_lost_or_stale_position_resumes_at_the_first_segment_kept(tmp_path, position):
-    """forwarded.json is fsynced only before segments are deleted (and when held or stopping): after
+    """forwarded.json is fsynced only when segments were deleted: after
     a power cut it may be empty, torn or older than the segments kept. The forwarder resumes at the
     first segment (all below it were forwarded before it was deleted): repeats, never a gap or a
     dead forwarder."""
@@ -365,39 +230,3 @@ def test_a_lost_or_stale_position_resumes_at_the_first_segment_kept(tmp_path, po
     assert again == list(range(first, 61))
 
 
-def test_publish_many_now_spools_on_the_callers_thread_and_never_waits_for_the_spools_lock(tmp_path):
-    """Before the forwarder has started, `publish_many_now` declines (False, nothing written: its
-    start belongs on the writer thread); then it spools on this thread. With the spool's lock held
-    elsewhere (a command waiting for the forwarder's socket) it still returns at once, and the
-    records are announced and delivered once the lock is free; order is kept throughout."""
-    delivered: list[bytes] = []
-    spool = Spool(tmp_path / "spool", lambda batch: delivered.extend(r.value for r in batch), batch_size=10)
-    assert spool.publish_many_now([("t", "k", b"never")]) is False
-    spool.publish("t", "k", b"0")
-
-    def now(value: bytes) -> None:
-        for _ in range(200):  # False only while the writer thread finishes the publish before
-            if spool.publish_many_now([("t", "k", value)]):
-                return
-            time.sleep(0.01)
-        pytest.fail("publish_many_now never found the spool's writer idle")
-
-    now(b"1")
-    held, release = threading.Event(), threading.Event()
-
-    def hold_lock() -> None:
-        with spool._cond:
-            held.set()
-            release.wait(10)
-
-    holder = threading.Thread(target=hold_lock)
-    holder.start()
-    assert held.wait(10)
-    t0 = time.monotonic()
-    now(b"2")
-    assert time.monotonic() - t0 < 1.0
-    release.set()
-    holder.join(10)
-    spool.flush(10)
-    spool.close()
-    assert delivered == [b"0", b"1", b"2"]
