@@ -21,7 +21,8 @@ from api.deps import Gateway, GatewayDep
 from api.metrics import RequestCounter
 from api.routes import feedback, openai
 from core.settings import Settings, get_settings
-from feedback.bus import EventBus, open_bus
+from feedback.bus import EventBus
+from feedback.connect import open_bus
 from feedback.completion_index import CompletionIndex
 from feedback.sink import CompletionSink
 

@@ -58,7 +58,7 @@ def _serve(args) -> None:
 @contextmanager
 def joiner_service(settings: Settings, window_s: float) -> Iterator:
     """The joiner on the configured bus (a `feedback.joiner.JoinerService`); both closed on exit."""
-    from feedback.bus import open_bus
+    from feedback.connect import open_bus
     from feedback.joiner import JoinerService
     from feedback.rewards import RewardSpec
 
@@ -87,7 +87,7 @@ def _joiner(args) -> None:
 def _learner(args) -> None:
     import time
 
-    from feedback.bus import open_bus
+    from feedback.connect import open_bus
     from gating.registry import Registry
     from learner.service import LearnerConfig, LearnerService
 

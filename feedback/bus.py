@@ -116,12 +116,3 @@ class EventBus(ABC):
     def close(self) -> None:
         """Flush what can be flushed and release resources."""
 
-
-def open_bus(settings) -> EventBus:
-    """The configured event bus (`core.settings.Settings`): the embedded durable log, or Kafka
-    (kafka-python imported only when asked for). Used by every process's entry point."""
-    if settings.bus == "kafka":
-        from feedback.bus_kafka import KafkaBus
-        return KafkaBus(settings.kafka_bootstrap, spool_dir=settings.home / "spool")
-    from feedback.bus_embedded import EmbeddedBus
-    return EmbeddedBus(settings.home / "bus")
