@@ -13,37 +13,18 @@ Two things a plain LM does not need, and this one does:
 
 Batch-invariant mode (`batch_invariant=True`, float32 only; the engine and the trainer turn it on):
 a token gets bit-identical logits whatever else is in the batch, whether it is computed in a
-prefill, a decode step against the KV cache or one full forward, with 1 or 2 threads, whatever the
-micro-batch size. torch's default kernels on this machine's CPU build (torch 2.13, MKL, AVX-512)
-do not give that, measured on the demo model (256 completions, serving vs trainer, |Δlogprob|):
-- SDPA attention: a decode step (one query against the cache, masked) and a causal full forward
-  accumulate differently; alone worth mean 5.9e-8, max 3.0e-6 (1% of tokens over 1e-6);
-- matmuls with few rows (our M: a decode batch under 16 sequences, the few tokens an expert gets in
-  a decode step) or few columns (the queries of a decode step) take MKL's small-matrix path (M up to ~K/25, 15 at most), which rounds differently
-  from the blocked path a full forward takes; alone worth mean 1.0e-8, max 2.4e-6;
-- torch's fused SiLU rounds its vectorised body and its scalar tail differently, so a value depends
-  on where its row falls in the tensor (not for the demo's expert width, 256; for widths like 48);
-- MKL splits a reduction over more than ~400 terms into pieces whose size depends on its length.
-(The top-p renormalisation of every row of a batch as soon as one row has top_p < 1 was a fifth
-source, fixed where sampling log-probs are taken: `serving.sampling.sampling_logprobs`.)
-The mode therefore:
-- computes every linear layer and expert matmul with at least `MIN_GEMM_ROWS` (16) rows, padding
-  small inputs with zero rows: from there on a row's result is independent of M and of the row's
-  place in the matrix (`tests/serving/test_model.py` checks this for the shapes used here);
-- computes attention (`InvariantAttention`) so that the dimension that varies between a decode step
-  and a full forward is never a matmul's row count or reduction length: scores = keys @ queries^T
-  ([S, Dh] @ [Dh, queries], S padded to a multiple of `KEY_BLOCK`, at least `MIN_GEMM_ROWS` query
-  columns: a decode step repeats its query), masked, minus the max over the
-  visible keys, exp (MKL's vector exp rounds an element the same wherever it falls); then
-  [v | 1 | 0...]^T @ p per block of `KEY_BLOCK` keys, which gives the weighted values and the softmax
-  denominator from one fixed-size reduction, and the blocks are summed pairwise - a tree that
-  trailing fully masked blocks (weights exactly 0) do not change. The KV cache keeps the 1 column;
+prefill, a decode step against the KV cache or one full forward, so the log-probs recorded at
+serving equal the trainer's recomputation. torch's default CPU kernels do not give that (SDPA,
+MKL's small-matrix path, fused SiLU and long reductions all round by shape; docs/numerics.md says
+which and by how much). The mode therefore:
+- computes every linear layer and expert matmul with at least `MIN_GEMM_ROWS` rows, padding small
+  inputs with zero rows, so a row's result is independent of the batch and of its place in it;
+- computes attention (`InvariantAttention`) so that what varies between a decode step and a full
+  forward is never a matmul's row count or reduction length: scores = keys @ queries^T over key
+  blocks of `KEY_BLOCK`, then [v | 1 | 0...]^T @ p per block (the weighted values and the softmax
+  denominator in one fixed-size reduction), blocks summed pairwise; the KV cache keeps the 1 column;
 - computes SiLU as x / (1 + exp(-x)).
-Gradients come from torch's own kernels (SDPA, silu_backward): only the forward values need to be
-invariant. Everything else the forward does (RMSNorm, RoPE, router softmax, top-k, the per-token
-sum over experts, log-softmax) was measured row-invariant as it is. Cost on this machine: decode
-~1.2x the default at batch 64 and up to ~1.6x at batch 1-16 (dispatch overhead of a small model);
-a trainer update ~1.1x. README "Learner internals, measured" has the numbers.
+Gradients come from torch's own kernels: only the forward values need to be invariant.
 
 Numerics follow `transformers.MixtralForCausalLM` on purpose (router softmax in float32, the
 renormalised top-k weights kept in float32 when multiplying the expert output, RoPE in the
