@@ -43,6 +43,12 @@ import zstandard
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+
+def _shown(path: Path) -> str:
+    """A path as committed results name it: relative to the repository (or just its name)."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
+
 from demo.bootstrap import encode_example  # noqa: E402
 from demo.corpus import make_corpus  # noqa: E402
 from serving.checkpoint import load_checkpoint  # noqa: E402
@@ -174,7 +180,7 @@ def main() -> None:
               "objective": (f"LM cross-entropy on fresh demo-corpus batches (seed {CORPUS_SEED}, "
                             f"{args.batch} seqs/step)"),
               "optimizer": "AdamW betas (0.9, 0.95), wd 0.01 on matrices, clip 1.0, fresh state per update",
-              "model": args.model, "parameters": n_words, "snapshot_MB": snapshot_bytes / 1e6,
+              "model": _shown(Path(args.model)), "parameters": n_words, "snapshot_MB": snapshot_bytes / 1e6,
               "zstd_snapshot_ratio": snapshot_bytes / zstd_snapshot,
               "our_snapshot_ratio": snapshot_bytes / ours_snapshot,
               "codec": codec.__dict__, "reps": args.reps, "rows": rows, "ablation": ablation}

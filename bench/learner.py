@@ -51,6 +51,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+
+def _shown(path: Path) -> str:
+    """A path as committed results name it: relative to the repository (or just its name)."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
+
 from demo.checker import check_batch  # noqa: E402
 from demo.tasks import sample_tasks  # noqa: E402
 from learner.replay import Sequence, make_batch, mismatch_stats, trainer_logprobs  # noqa: E402
@@ -295,7 +301,7 @@ def main():
     res = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                        "trainer_threads": a.threads, "load_before": list(load_before),
                        "load_after": list(os.getloadavg())},
-           "model": str(model_dir), "completions": a.n, "max_tokens": MAX_TOKENS, "temperature": 1.0,
+           "model": _shown(model_dir), "completions": a.n, "max_tokens": MAX_TOKENS, "temperature": 1.0,
            "mean_output_tokens": {k: sum(len(s.output_ids) for s in v) / len(v) for k, v in served.items()},
            "target": target, "mismatch": rows, "trainer_batch_noise_fp32": noise,
            "trainer_batch_noise_fp32_default_kernels": noise_default, "throughput": tput,

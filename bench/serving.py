@@ -30,6 +30,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+
+def _shown(path: Path) -> str:
+    """A path as committed results name it: relative to the repository (or just its name)."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
+
 from demo.tasks import sample_tasks  # noqa: E402
 from serving.sampling import SamplingParams  # noqa: E402
 from serving.tokenizer import Tokenizer  # noqa: E402
@@ -279,7 +285,7 @@ def main():
             }
     result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                           "threads": torch.get_num_threads()},
-              "model": str(model_dir), "new_tokens": a.new_tokens, "rows": rows, "ratios": notes,
+              "model": _shown(model_dir), "new_tokens": a.new_tokens, "rows": rows, "ratios": notes,
               "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
