@@ -38,7 +38,7 @@ def test_completions_and_feedback_become_a_trained_candidate(tiny_checkpoint, tm
         import httpx
         for _ in range(3):
             r = httpx.post(server.url + "/v1/feedback", json={"completion_id": ids[10], "kind": "thumb_up",
-                                                               "user": "user-x", "idempotency_key": "retry-1"})
+                                                               "user": "user-2", "idempotency_key": "retry-1"})
             assert r.status_code == 200, r.text
 
     now = [1e12]  # long after every event: every attribution window is closed
