@@ -12,6 +12,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -26,12 +27,16 @@ from feedback.connect import open_bus
 from feedback.completion_index import CompletionIndex
 from feedback.sink import CompletionSink
 
+if TYPE_CHECKING:
+    from serving.interface import Engine
+
 log = logging.getLogger(__name__)
 
 
 def build_engine(settings: Settings):
     """The configured inference backend, holding the served checkpoint as its default version."""
     folder = Path(settings.served_model_dir)
+    engine: Engine
     if settings.engine == "vllm":
         from serving.vllm_engine import VLLMEngine  # heavy and optional: imported only when asked for
         engine = VLLMEngine(max_model_len=settings.max_model_len)

@@ -73,7 +73,7 @@ def init_process_group(rank: int | None = None, world_size: int | None = None, m
     if all(a is None for a in explicit):
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
         return
-    if any(a is None for a in explicit):
+    if rank is None or world_size is None or master_addr is None or master_port is None:
         raise ValueError("give rank, world_size, master_addr and master_port together, "
                          "or none of them (env://)")
     if not 0 <= rank < world_size:

@@ -101,7 +101,7 @@ def make_batch(seqs: list[Sequence], pad_id: int, n_layers: int, top_k: int, rep
                  torch.tensor([s.temperature for s in seqs]), torch.tensor([s.top_p for s in seqs]))
 
 
-def trainer_logprobs(model: Transformer, batch: Batch, n_vocab: int | None = None,
+def trainer_logprobs(model: torch.nn.Module, batch: Batch, n_vocab: int | None = None,
                      replay: bool = True, batch_invariant: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probabilities of the output tokens [B, T] under the sampling transform, routed experts [B, S, L, K]).
 

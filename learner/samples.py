@@ -26,9 +26,9 @@ def sequence_from_sample(ev: SampleEvent, key: str | None = None) -> Sequence:
 
 
 def select(events: list[SampleEvent], version_index: dict[str, int], current: int, max_staleness: int,
-           key_of=None) -> tuple[list[Sequence], Counter]:
+           key_of=None) -> tuple[list[Sequence], Counter[str]]:
     """Trainable sequences and the count of what was dropped, by reason."""
-    dropped: Counter = Counter()
+    dropped: Counter[str] = Counter()
     out = []
     for ev in events:
         c = ev.completion

@@ -45,6 +45,7 @@ import shutil
 import time
 from collections import Counter, deque
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -108,6 +109,8 @@ class LearnerService:
         cur_dir = Path(self.state["dirs"][self.state["current"]])
         self.tokenizer = Tokenizer.from_file(cur_dir)
         self.model = load_checkpoint(cur_dir)
+        if self.tokenizer.pad_id is None:
+            raise ValueError(f"{cur_dir}: the tokenizer has no padding token; the trainer needs one")
         self.trainer = Trainer(self.model, cfg.trainer, self.tokenizer.vocab_size, self.tokenizer.pad_id)
         if (cur_dir / OPT_STATE).is_file():
             saved = torch.load(cur_dir / OPT_STATE, weights_only=False)
@@ -122,7 +125,7 @@ class LearnerService:
         self.trained_ids = deque(self.state["trained_ids"], maxlen=MAX_REMEMBERED_IDS)
         self._trained_set = set(self.trained_ids)
         self.consumer = bus.consumer(cfg.topic, cfg.group)
-        self.buffer: list[tuple[Record, SampleEvent]] = []
+        self.buffer: list[tuple[Record, SampleEvent | None]] = []
         self.offline: list = []  # (Sequence, advantage) from off-peak group rollouts, mixed into the next update
         self._buffered_ids: set[str] = set()
         self._group_buffered = 0  # samples buffered by all ranks at the last cadence check
@@ -164,6 +167,8 @@ class LearnerService:
 
     def _store_entry(self, version_id: str) -> dict:
         path = self.store.path(version_id)
+        if path is None:
+            raise ValueError(f"version {version_id!r} is not in the weight store")
         kind = "delta" if path.name.endswith(DELTA_SUFFIX) else "snapshot"
         return {"path": str(path.relative_to(self.models_dir)), "sha256": _sha256(path),
                 "bytes": path.stat().st_size, "kind": kind}
@@ -262,8 +267,9 @@ class LearnerService:
             behaviour_now = all(s.version == self.current for s in seqs) and bool(seqs)
             advs = [None] * len(seqs) + [a for _, a in offline]
             train = self.dp.update if self.dp is not None else self.trainer.update
-            stats = train(seqs + [s for s, _ in offline], group_advantages=advs if offline else None,
-                          behaviour_is_current=behaviour_now).stats
+            stats: dict[str, Any] = train(seqs + [s for s, _ in offline],
+                                          group_advantages=advs if offline else None,
+                                          behaviour_is_current=behaviour_now).stats
             stats["offline_samples"] = len(offline)
             stats["dropped"] = dict(dropped)
             before = {int(p): o for p, o in self.state["positions"].items()}

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import asdict
+from typing import TypeGuard
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -30,6 +31,10 @@ router = APIRouter(prefix="/v1")
 VERSION_HEADER = "X-Flywheel-Model-Version"
 
 
+def _token_ids(prompt: str | list[str] | list[int]) -> TypeGuard[list[int]]:
+    return all(isinstance(p, int) for p in prompt)
+
+
 @router.get("/models")
 async def list_models(gw: GatewayDep, _: TenantDep):
     now = int(time.time())
@@ -44,7 +49,7 @@ async def completions(req: CompletionRequest, gw: GatewayDep, tenant: TenantDep)
     tok = gw.engine.tokenizer(version)
     if isinstance(req.prompt, str):
         prompts = [tok.encode_prompt(req.prompt)]
-    elif all(isinstance(p, int) for p in req.prompt):
+    elif _token_ids(req.prompt):
         vocab = tok.vocab_size
         if any(not 0 <= t < vocab for t in req.prompt):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt", "invalid_value")
