@@ -211,40 +211,30 @@ def test_batches_by_interval(live):
     assert len(on_bus(live, [c])) == 3
 
 
-# ---- queue overflow and enqueue cost ------------------------------------------------------------
+# ---- queue overflow and enqueue ----------------------------------------------------------------
 def test_full_queue_drops_without_blocking_and_reports(live):
     c = new_completion(live)
     errors = Errors()
     fb = FeedbackClient(live.url, batch_size=1000, flush_interval_s=60, max_queue=50, on_error=errors)
-    slowest, results = 0.0, []
-    for _ in range(500):
-        t = time.perf_counter()
-        results.append(fb.copied(c))
-        slowest = max(slowest, time.perf_counter() - t)
+    results = [fb.copied(c) for _ in range(500)]  # nothing is sent for 60 s: the surplus is dropped, not waited on
     assert fb.dropped == 450 and sum(r is None for r in results) == 450 and fb.pending == 50
     assert len(errors) == 450 and all(isinstance(e, QueueFullError) and len(evs) == 1 for e, evs in errors)
-    assert slowest < 0.5  # generous: a blocking enqueue would wait for the 60 s interval
     fb.close()
     assert fb.sent == 50 and len(on_bus(live, [c])) == 50
     assert fb.copied(c) is None and isinstance(errors[-1][0], ClientClosedError) and fb.dropped == 451
 
 
-def test_enqueue_cost(capsys):
-    """Reported, not asserted on time: the target is <= 20 us/event (this runs beside other load)."""
+def test_enqueue_does_no_io():
+    """Nothing listens on port 9: every call still queues at once; the sender fails them in the background."""
     errors = Errors()
     fb = FeedbackClient("http://127.0.0.1:9", batch_size=1000, flush_interval_s=600, max_queue=100_000,
                         max_retries=0, on_error=errors)
     n = 20_000
-    fb.thumbs_up("cmpl-warmup")
-    t = time.perf_counter()
     for i in range(n):
         fb.rating("cmpl-bench", 1 + i % 5, user="u")
-    per_event_us = (time.perf_counter() - t) / n * 1e6
-    assert fb.pending + fb.failed == n + 1 and fb.dropped == 0  # full batches already went (and failed)
+    assert fb.pending + fb.failed == n and fb.dropped == 0  # full batches already went (and failed)
     fb.close(timeout=5)
-    assert fb.failed == n + 1 and sum(len(evs) for _, evs in errors) == n + 1  # nothing listens on port 9
-    with capsys.disabled():
-        print(f"\nSDK enqueue: {per_event_us:.2f} us/event ({n} rating calls)")
+    assert fb.failed == n and sum(len(evs) for _, evs in errors) == n
 
 
 # ---- failures -----------------------------------------------------------------------------------
@@ -258,7 +248,7 @@ def test_retry_storm_delivers_each_event_exactly_once(live):
             for i in range(40):
                 fb.send(kinds[i % 5], cids[i % 4], user=f"u{i}")
             assert fb.flush(timeout=30)
-            assert fb.sent == 40 and fb.failed == 0 and fb.cfg.on_error == []
+            assert fb.sent == 40 and fb.failed == 0 and fb.on_error == []
     got = on_bus(live, cids)
     assert len(got) == 40 and len({e.event_id for e in got}) == 40  # one event per call, none twice
     attempts = proxy.attempts
@@ -370,8 +360,7 @@ def test_async_client_batches_retries_and_flushes(live):
     ("thumb_up", None, None), ("rating", 3, None), ("rating", 5.0, None), ("edited", 0, 7), ("edited", 1, None),
     ("dwell", 0.25, None), ("dwell", 86400, None), ("regenerated", None, None), ("edited", 0.5, True)])
 def test_make_event_checks_as_the_event_model_does(kind, value, edit):
-    """The SDK checks FeedbackEvent's rules directly (the fast path); what it queues is what the model
-    makes of the same call."""
+    """What the SDK queues is what the event model makes of the same call."""
     ev = make_event(kind, "cmpl-x", value, edit_distance=edit, ts=5.0, idempotency_key="k")
     model = FeedbackEvent(event_id="e" * 8, tenant="t", ts=1.0, completion_id="cmpl-x", kind=kind, value=value,
                           edit_distance=edit)
