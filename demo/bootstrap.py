@@ -129,6 +129,7 @@ def bootstrap(out_dir: str | Path, cfg: BootstrapConfig = BootstrapConfig(), for
     )
     texts = [format_example(t, c) for t, c in corpus]
     tok = train_tokenizer(texts, vocab_size=cfg.vocab_size)
+    assert tok.pad_id is not None  # train_tokenizer always adds PAD
     overrides = {"max_seq_len": cfg.max_seq_len} if cfg.max_seq_len else {}
     args = ModelArgs.from_name(cfg.preset, vocab_size=tok.vocab_size, bos_id=tok.bos_id, eos_id=tok.eos_id,
                                pad_id=tok.pad_id, **overrides)

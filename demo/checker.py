@@ -75,4 +75,5 @@ class DemoVerifier:
         unknown = next((p for p, t in zip(prompts, tasks) if t is None), None)
         if unknown is not None:
             raise ValueError(f"not a demo prompt: {unknown!r}")
-        return [float(c.passed) for c in check_batch(tasks, completions, self.timeout_s)]
+        known = [t for t in tasks if t is not None]  # every one of them, as just checked
+        return [float(c.passed) for c in check_batch(known, completions, self.timeout_s)]

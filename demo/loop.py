@@ -20,13 +20,14 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from demo.checker import check_batch
 from demo.evaluation import evaluate
-from demo.tasks import sample_tasks
+from demo.tasks import Task, sample_tasks
 from demo.users import SimulatedUser
 from feedback.events import CompletionEvent, FeedbackEvent
 from feedback.joiner import JoinerCore
@@ -67,9 +68,11 @@ def run_demo_loop(model_dir: str | Path, cfg: DemoLoopConfig = DemoLoopConfig(),
     engine = EmbeddedEngine(max_batch=64, max_model_len=model.args.max_seq_len, seed=cfg.seed)
     clock = [1_000_000.0]  # simulated time: the joiner's window closes without waiting for it
     joiner = JoinerCore(cfg.reward, cfg.window_s, clock=lambda: clock[0])
+    if tok.pad_id is None:
+        raise ValueError(f"{model_dir}: the tokenizer has no padding token; the trainer needs one")
     trainer = Trainer(model, cfg.trainer, tok.vocab_size, tok.pad_id)
     users = [SimulatedUser(f"user-{i}", seed=cfg.seed * 1000 + i) for i in range(cfg.users)]
-    task_of: dict[str, object] = {}
+    task_of: dict[str, Task] = {}
     versions: dict[str, int] = {"v0": 0}
     history = []
     t0 = time.perf_counter()
@@ -108,6 +111,7 @@ def run_demo_loop(model_dir: str | Path, cfg: DemoLoopConfig = DemoLoopConfig(),
             versions[nxt] = r + 1
             engine.add_version(nxt, model, tok, default=True)  # the updated weights, under a new name
             engine.remove_version(version)
+            row: dict[str, Any]
             row = {"round": r + 1, "samples": len(seqs), "dropped": dict(dropped),
                    **{k: stats[k] for k in ("reward_mean", "adv_mean", "ratio_mean", "clip_frac", "grad_norm",
                                              "abs_dlogp_mean", "abs_dlogp_max", "routing_disagreement",

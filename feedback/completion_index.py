@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
@@ -112,6 +112,7 @@ class CompletionIndex:
     # ---- completions --------------------------------------------------------------------------
     def add(self, completion_id: str, tenant: str, model_version: str, ts: float | None = None,
             user_id: str | None = None, arm: str | None = None) -> None:
+        row: dict[str, Any]
         row = {"completion_id": completion_id, "tenant": tenant, "user_id": user_id,
                "served_ts": time.time() if ts is None else ts, "model_version": model_version, "arm": arm}
         stmt = self._insert(_completions).values(**row)

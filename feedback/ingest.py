@@ -112,7 +112,9 @@ def accept(index: CompletionIndex, bus: EventBus, tenant: str, items: list[tuple
     """Accept one request's events, `(event, idempotency key or None)`, all or nothing."""
     now = time.time() if now is None else now
     known = index.get_many([it.completion_id for it, _ in items])
-    events, fingerprints, first = [], {}, {}
+    events: list[FeedbackEvent] = []
+    fingerprints: dict[str, str] = {}
+    first: dict[str, int] = {}
     for i, (item, key) in enumerate(items):
         entry = known.get(item.completion_id)
         if entry is None or entry.tenant != tenant:

@@ -235,7 +235,8 @@ class Spool:
                 return None
             self._in_flight = True
             start = self._forwarded
-        batch, size = [], 0
+        batch: list[SpooledRecord] = []
+        size = 0
         for off, frame in self._log.read(start, limit=self.batch_size):
             if batch and size + len(frame) > self.max_batch_bytes:
                 break

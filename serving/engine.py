@@ -40,6 +40,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -103,7 +104,7 @@ class RequestHandle:
     def _post(self, ev: StreamEvent) -> None:
         if self._sink is not None:
             self._sink(ev)
-        elif self._loop is not None:
+        elif self._loop is not None and self._aq is not None:  # both set, or neither
             try:
                 self._loop.call_soon_threadsafe(self._aq.put_nowait, ev)
             except RuntimeError:  # the caller's loop is gone; nobody is listening any more
@@ -166,6 +167,10 @@ def caller_loop() -> asyncio.AbstractEventLoop | None:
 
 
 class GenerateMixin:
+    if TYPE_CHECKING:  # provided by the class this is mixed into
+        def submit(self, prompt_ids: list[int], params: SamplingParams, version: str | None = None,
+                   request_id: str | None = None, stream: bool = True) -> RequestHandle: ...
+
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams],
                  version: str | None = None) -> list[Completion]:
         """Blocking convenience: submit all, wait for all (they are batched together)."""
@@ -208,6 +213,13 @@ class _Version:
         self.free = list(range(n_slots - 1, -1, -1))
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
+
+
+class _Done(threading.Event):
+    """Set once a command has run on the engine's loop thread, holding what it returned or raised."""
+
+    result: Any = None
+    error: BaseException | None = None
 
 
 class EmbeddedEngine(GenerateMixin):
@@ -261,29 +273,29 @@ class EmbeddedEngine(GenerateMixin):
 
     def remove_version(self, name: str) -> None:
         """Unload a version once its in-flight requests finish (new ones are refused at once)."""
-        done = threading.Event()
+        done = _Done()
         self._commands.put(("remove", name, done))
         self._wake.set()
         done.wait()
 
     def call_in_loop(self, fn):
         """Run `fn()` on the engine's loop thread between two steps; returns its result (or raises)."""
-        done = threading.Event()
+        done = _Done()
         self._commands.put(("call", fn, done))
         self._wake.set()
         done.wait()
-        if isinstance(getattr(done, "error", None), BaseException):
+        if isinstance(done.error, BaseException):
             raise done.error
         return done.result
 
     def update_weights(self, name: str, weights: dict[str, torch.Tensor]) -> None:
         """Replace a version's weights (a state dict of our model's names) between two decode steps;
         returns once applied."""
-        done = threading.Event()
+        done = _Done()
         self._commands.put(("update", (name, weights), done))
         self._wake.set()
         done.wait()
-        if isinstance(getattr(done, "error", None), BaseException):
+        if isinstance(done.error, BaseException):
             raise done.error
 
     @property
@@ -393,8 +405,8 @@ class EmbeddedEngine(GenerateMixin):
                     v.model.load_state_dict(state, strict=True)
                 elif kind == "remove":
                     with self._lock:
-                        v = self._versions.get(arg)
-                    if v is not None and (v.running or v.waiting):
+                        held = self._versions.get(arg)
+                    if held is not None and (held.running or held.waiting):
                         self._commands.put((kind, arg, done))  # try again after the next step
                         return
                     with self._lock:
@@ -483,8 +495,8 @@ class EmbeddedEngine(GenerateMixin):
         tokens, chosen = sample_rows(logp, temps == 0, self._uniforms(seqs))
         want_top = max(s.params.logprobs for s in seqs)
         if want_top:
-            top_vals, top_idx = logp.topk(want_top, dim=-1)
-            top_vals, top_idx = top_vals.tolist(), top_idx.tolist()
+            vals, idx = logp.topk(want_top, dim=-1)
+            top_vals, top_idx = vals.tolist(), idx.tolist()
         now = time.perf_counter()
         eos = v.model.args.eos_id
         token_bytes = v.tokenizer.token_bytes

@@ -121,7 +121,7 @@ class ProcessEngine(GenerateMixin):
         self._calls: dict[int, Future] = {}
         self._ids = itertools.count()
         self._toks: dict[str, Tokenizer] = {}
-        self._args: dict[str, object] = {}
+        self._args: dict[str, ModelArgs] = {}
         self._ctx: dict[str, int] = {}
         self.default_version: str | None = None
         self.failure: str | None = None

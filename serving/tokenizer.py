@@ -28,9 +28,10 @@ class Tokenizer:
         vocab = inner.get_vocab(with_added_tokens=True)
         self.pad_id = vocab.get(PAD)
         self.bos_id = vocab.get(BOS)
-        self.eos_id = vocab.get(EOS)
-        if self.eos_id is None:
+        eos_id = vocab.get(EOS)
+        if eos_id is None:
             raise ValueError(f"tokenizer has no end-of-sequence token {EOS!r}")
+        self.eos_id: int = eos_id
         self._token_bytes: list[bytes] | None = None
 
     @property
@@ -49,7 +50,10 @@ class Tokenizer:
         decoder = _byte_decoder()
         if all(c in decoder for c in piece):
             return bytes(decoder[c] for c in piece)
-        return self.inner.decode([self.inner.token_to_id(piece)], skip_special_tokens=False).encode()
+        token_id = self.inner.token_to_id(piece)
+        if token_id is None:  # `piece` comes from `id_to_token`, so it has an id
+            raise ValueError(f"token {piece!r} is not in the vocabulary")
+        return self.inner.decode([token_id], skip_special_tokens=False).encode()
 
     @property
     def vocab_size(self) -> int:

@@ -29,6 +29,7 @@ import time
 import uuid
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -66,9 +67,9 @@ class VLLMEngine(GenerateMixin):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="flywheel-vllm", daemon=True)
         self._thread.start()
-        self._llms: dict[str, object] = {}
+        self._llms: dict[str, Any] = {}  # vllm's AsyncLLM (imported lazily)
         self._toks: dict[str, Tokenizer] = {}
-        self._args: dict[str, object] = {}
+        self._args: dict[str, ModelArgs] = {}
         self._folders: dict[str, Path] = {}
         self._lock = threading.Lock()
         self.default_version: str | None = None
@@ -159,13 +160,18 @@ class VLLMEngine(GenerateMixin):
                 raise KeyError(f"model version {name!r} is not loaded; loaded: {sorted(self._llms)}")
             return self._llms[name]
 
+    def _name(self, version: str | None) -> str:
+        name = version or self.default_version
+        with self._lock:
+            if name not in self._llms:
+                raise KeyError(f"model version {name!r} is not loaded; loaded: {sorted(self._llms)}")
+        return name
+
     def tokenizer(self, version: str | None = None) -> Tokenizer:
-        self._get(version)
-        return self._toks[version or self.default_version]
+        return self._toks[self._name(version)]
 
     def model_args(self, version: str | None = None) -> ModelArgs:
-        self._get(version)
-        return self._args[version or self.default_version]
+        return self._args[self._name(version)]
 
     def context_length(self, version: str | None = None) -> int:
         return min(self.max_model_len, self.model_args(version).max_seq_len)
@@ -177,7 +183,7 @@ class VLLMEngine(GenerateMixin):
     # ---- requests -------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, version: str | None = None,
                request_id: str | None = None, stream: bool = True) -> RequestHandle:
-        name = version or self.default_version
+        name = self._name(version)
         llm = self._get(name)
         check_request(prompt_ids, params, self._args[name].vocab_size, self.context_length(name))
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
@@ -185,8 +191,12 @@ class VLLMEngine(GenerateMixin):
         fut: Future = asyncio.run_coroutine_threadsafe(self._run(llm, name, rid, list(prompt_ids), params, handle),
                                                        self._loop)
         handle.cancel = lambda: asyncio.run_coroutine_threadsafe(llm.abort(rid), self._loop)  # type: ignore
-        fut.add_done_callback(lambda f: f.exception() and handle._post(
-            StreamEvent("", [], [], error=EngineError(f"vLLM request failed: {f.exception()!r}"))))
+
+        def report_failure(f: Future) -> None:
+            if f.exception():
+                handle._post(StreamEvent("", [], [], error=EngineError(f"vLLM request failed: {f.exception()!r}")))
+
+        fut.add_done_callback(report_failure)
         return handle
 
     async def _run(self, llm, name, rid, prompt_ids, params: SamplingParams, handle: RequestHandle) -> None:

@@ -45,7 +45,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -233,7 +233,8 @@ def _choose_classes(parent: np.ndarray, changed: np.ndarray, max_classes: int) -
     m = len(keys)
     a, b = np.meshgrid(np.arange(m + 1), np.arange(m + 1), indexing="ij")
     cost = np.where(b > a, _entropy_bits(cn[b] - cn[a], ck[b] - ck[a]), np.inf)  # group keys[a:b]
-    levels, backs = [cost[0]], [None]  # levels[j][b]: best cost of keys[:b] in exactly j+1 classes
+    levels = [cost[0]]  # levels[j][b]: best cost of keys[:b] in exactly j+1 classes
+    backs: list[np.ndarray | None] = [None]
     for _ in range(min(max_classes, m) - 1):
         total = levels[-1][:, None] + cost
         backs.append(np.argmin(total, axis=0))
@@ -241,7 +242,9 @@ def _choose_classes(parent: np.ndarray, changed: np.ndarray, max_classes: int) -
     j = int(np.argmin([lv[m] for lv in levels]))  # ties: the fewest classes (each costs a decode pass)
     cuts, end = [], m
     for level in range(j, 0, -1):
-        end = int(backs[level][end])
+        back = backs[level]
+        assert back is not None  # backs[0] alone is None, and level >= 1
+        end = int(back[end])
         cuts.append(end)
     return sorted(int(keys[c]) << shift for c in cuts)
 
@@ -250,12 +253,14 @@ def _class_mask(mag: np.ndarray | None, thresholds: list[int], c: int) -> np.nda
     """Class c's members: thresholds[c-1] <= magnitude < thresholds[c] (None: the whole stream)."""
     if not thresholds:
         return None
-    lo = thresholds[c - 1] if c > 0 else None
-    hi = thresholds[c] if c < len(thresholds) else None
-    if lo is None:
-        return mag < hi
-    if hi is None:
+    if mag is None:
+        raise ValueError("class thresholds without magnitudes")
+    if c == 0:
+        return mag < thresholds[0]
+    lo = thresholds[c - 1]
+    if c == len(thresholds):
         return mag >= lo
+    hi = thresholds[c]
     return (mag - mag.dtype.type(lo)) < mag.dtype.type(hi - lo)  # lo <= mag < hi, by unsigned wrap-around
 
 
@@ -377,7 +382,7 @@ def _encode_stream(w: _Writer, key: str, parent: np.ndarray, child: np.ndarray, 
     z = _zigzag(child - parent)  # wrapping difference: lossless for any bits
     changed = z != 0
     n_changed = int(np.count_nonzero(changed))
-    desc = {"word_bytes": z.itemsize, "words": len(z), "changed": n_changed}
+    desc: dict[str, Any] = {"word_bytes": z.itemsize, "words": len(z), "changed": n_changed}
     if n_changed > codec.dense_above * len(z):
         desc.update(mode="dense", blobs=[w.add(f"{key}.values.{i}", p, codec.dense_level)
                                          for i, p in enumerate(_planes(z))])
@@ -553,7 +558,8 @@ class WeightStore:
         """The state of `version_id`, rebuilt and verified tensor by tensor (raises, never half-applies)."""
         _check_version_id(version_id)
         if self._last is None or self._last[0] != version_id:
-            state, hashes = None, None
+            state: dict[str, torch.Tensor] | None = None
+            hashes: dict[str, str] | None = None
             for v in self.chain(version_id):
                 data = (p := self._file(v, version_id)).read_bytes()
                 state, m = (decode_snapshot(data, str(p)) if state is None else
@@ -561,6 +567,8 @@ class WeightStore:
                 if m["version"] != v:
                     raise DeltaError(f"{p}: holds version {m['version']!r}, not {v!r}")
                 hashes = {n: e["sha256"] for n, e in m["tensors"].items()}
+            if state is None or hashes is None:  # chain() always holds at least the snapshot
+                raise DeltaError(f"version {version_id!r}: empty delta chain")
             self._last = (version_id, state, hashes)
         return {n: t.clone() for n, t in self._last[1].items()}  # the cache stays ours
 
