@@ -113,9 +113,14 @@ class KafkaBus(EventBus):
     def _deliver(self, batch: list[SpooledRecord]) -> None:
         """On the spool's thread: send `batch` and return once the broker acknowledged all of it."""
         try:
-            for topic in sorted({r.topic for r in batch} - self._ready_topics):
+            new_topics = sorted({r.topic for r in batch} - self._ready_topics)
+            for topic in new_topics:
                 self.ensure_topic(topic)
                 self._ready_topics.add(topic)
+            if new_topics:
+                # kafka-python 3.0's sender spins on a topic created after its first metadata
+                # fetch (docs/benchmarks.md): a producer made after the topics exist does not.
+                self._drop_producer()
             if self._producer is None:
                 timeout_ms = int(self.send_timeout_s * 1000)
                 self._producer = KafkaProducer(
