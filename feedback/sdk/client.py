@@ -1,9 +1,9 @@
 """The product's feedback client: one call per user signal, batched and retried in the background.
 
 A call validates its event (a `ValueError` naming the value), fixes its idempotency key and timestamp
-and appends it to a bounded queue: it never blocks and does no I/O. A sender posts batches to
-`POST /v1/feedback` when `batch_size` events wait, when the oldest has waited `flush_interval_s`, on
-`flush()`, and at close or exit. 429, 5xx and connection errors are retried (full-jitter backoff,
+and appends it to a bounded queue: it never blocks and does no I/O. The client's thread posts batches
+to `POST /v1/feedback` when `batch_size` events wait, when the oldest has waited `flush_interval_s`,
+on `flush()`, and at close or exit. 429, 5xx and connection errors are retried (full-jitter backoff,
 honouring `Retry-After`) up to `max_retries`, with the same keys, so nothing counts twice; an error
 naming one event of a batch (`events.3.value`) drops only that one. What is given up goes to
 `on_error(exc, events)` (logged without one), never raised into the product. Fork-safe: a child
@@ -82,8 +82,8 @@ def _is_number(x: Any) -> bool:
 def make_event(kind: str, completion_id: str, value: float | None = None, *, edit_distance: int | None = None,
                user: str | None = None, ts: float | None = None, idempotency_key: str | None = None) -> dict:
     """One event as the gateway expects it; `ValueError` naming the value when it is not valid."""
-    if value is not None and not (_is_number(value) and math.isfinite(value)):
-        raise ValueError(f"feedback value must be a finite number, got value={value!r}")
+    if value is not None and not _is_number(value):  # the model would take "4" or True; its rules do the rest
+        raise ValueError(f"feedback value must be a number, got value={value!r}")
     if user is not None and not (isinstance(user, str) and len(user) <= 256):
         raise ValueError(f"user must be a string of at most 256 characters, got user={user!r}")
     if ts is not None and not (_is_number(ts) and ts > 0):
@@ -106,8 +106,7 @@ def make_event(kind: str, completion_id: str, value: float | None = None, *, edi
 
 def retry_after_s(headers: httpx.Headers) -> float | None:
     """`Retry-After` in seconds (a number or an HTTP date), capped at MAX_RETRY_AFTER_S; None if absent."""
-    raw = headers.get("retry-after")
-    if raw is None:
+    if (raw := headers.get("retry-after")) is None:
         return None
     try:
         s = float(raw)
@@ -120,12 +119,10 @@ def retry_after_s(headers: httpx.Headers) -> float | None:
 
 
 class _Client:
-    """What the sync and async clients share: arguments, calls, queue, batching and retry policy.
-
-    Counters: `dropped` (at enqueue: queue full, closed), `sent` (acknowledged by the gateway, also as
-    duplicates), `failed` (given up after enqueue), `pending` (queued or in flight). A subclass starts
-    its sender (`_start()`) and has `_wake`, an Event set when a batch may be due.
-    """
+    """The calls, the queue and the sender thread; `FeedbackClient` and `AsyncFeedbackClient` add `flush`
+    and `close`, called or awaited. Thread-safe; one client per process is enough. Counters: `dropped`
+    (at enqueue: queue full, closed), `sent` (acknowledged by the gateway, also as duplicates), `failed`
+    (given up after enqueue), `pending` (queued or in flight)."""
 
     def __init__(self, base_url: str, api_key: str | None = None, tenant: str | None = None,
                  batch_size: int = 100, flush_interval_s: float = 1.0, max_queue: int = 10_000,
@@ -145,11 +142,9 @@ class _Client:
         self.batch_size, self.flush_interval_s, self.max_queue = batch_size, flush_interval_s, max_queue
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
         self.timeout_s, self.on_error = timeout_s, on_error
-        self.headers = {"content-type": "application/json", "user-agent": "flywheel-feedback-sdk/0.1"}
-        if api_key:
-            self.headers["authorization"] = f"Bearer {api_key}"
-        if tenant:
-            self.headers["x-flywheel-tenant"] = tenant
+        self.headers = {"content-type": "application/json", "user-agent": "flywheel-feedback-sdk/0.1",
+                        **({"authorization": f"Bearer {api_key}"} if api_key else {}),
+                        **({"x-flywheel-tenant": tenant} if tenant else {})}
         self._closed = False
         self._reset()
         _LIVE.add(self)
@@ -157,8 +152,10 @@ class _Client:
     def _reset(self) -> None:
         """Fresh state: at construction, and in a forked child (where the parent's lock may be held)."""
         self._lock = threading.Lock()
+        self._progress = threading.Condition(self._lock)
+        self._wake, self._stop = threading.Event(), threading.Event()  # _stop: close's timeout ran out
         self._queue: deque[tuple[float, dict]] = deque()
-        self._sender: Any = None  # the thread or task that sends, started by the first event
+        self._sender: threading.Thread | None = None  # started by the first event
         self._dead: BaseException | None = None  # why the sender died (a bug): enqueue refuses, flush raises
         self._enqueued = self._resolved = self._flush_to = 0
         self.dropped = self.sent = self.failed = 0
@@ -203,100 +200,7 @@ class _Client:
     def dwell(self, completion_id: str, seconds: float, user: str | None = None) -> str | None:
         return self.send("dwell", completion_id, seconds, user=user)
 
-    # ---- the queue ------------------------------------------------------------------------------
-    def _enqueue(self, event: dict) -> str | None:
-        with self._lock:
-            if self._closed or self._dead is not None:
-                err: FeedbackError = ClientClosedError("the feedback client is closed")
-            elif len(self._queue) >= self.max_queue:
-                err = QueueFullError(f"the feedback queue holds {self.max_queue} events; event dropped")
-            else:
-                self._queue.append((time.monotonic(), event))
-                self._enqueued += 1
-                if self._sender is None:
-                    self._sender = self._start()
-                if len(self._queue) == self.batch_size:
-                    self._wake.set()
-                return event["idempotency_key"]
-            self.dropped += 1
-        self._report(err, [event])
-        return None
-
-    def _due(self) -> list[dict] | float | None:
-        """The next batch if one is due ([] once closed and drained), else how long to wait (None: until woken)."""
-        q = self._queue
-        if not q:
-            return [] if self._closed else None
-        age = time.monotonic() - q[0][0]
-        if len(q) >= self.batch_size or self._flush_to > self._resolved or self._closed or age >= self.flush_interval_s:
-            return [q.popleft()[1] for _ in range(min(self.batch_size, len(q)))]
-        return self.flush_interval_s - age
-
-    # ---- the retry policy -----------------------------------------------------------------------
-    def _after(self, events: list[dict], attempt: int,
-               outcome: httpx.Response | Exception) -> tuple[list[dict], int, float]:
-        """After one attempt to post `events`: (events still to send, attempt number, delay before that)."""
-        retry_after = None
-        if isinstance(outcome, httpx.Response):
-            if outcome.status_code == 200:
-                self.sent += len(events)
-                return [], attempt, 0.0
-            err: Exception = FeedbackAPIError.from_response(outcome)
-            if outcome.status_code != 429 and outcome.status_code < 500:
-                i = err.event_index  # type: ignore[attr-defined]
-                if i is not None and i < len(events) and len(events) > 1:  # drop that one, resend the rest
-                    self._give_up([events[i]], err)
-                    return events[:i] + events[i + 1:], attempt, 0.0
-                self._give_up(events, err)
-                return [], attempt, 0.0
-            retry_after = retry_after_s(outcome.headers)
-        else:
-            err = outcome
-        if attempt >= self.max_retries:
-            exhausted = RetriesExhaustedError(f"{len(events)} event(s) not delivered in {attempt + 1} attempts")
-            exhausted.__cause__ = err
-            self._give_up(events, exhausted)
-            return [], attempt, 0.0
-        if retry_after is None:  # full jitter
-            retry_after = random.uniform(0.0, min(self.max_backoff_s, self.backoff_s * 2 ** min(attempt, 30)))
-        log.warning("feedback: %d event(s) not delivered (%r); retry %d/%d in %.2f s", len(events), err,
-                    attempt + 1, self.max_retries, retry_after)
-        return events, attempt + 1, retry_after
-
-    def _give_up(self, events: list[dict], exc: BaseException) -> None:
-        self.failed += len(events)
-        self._report(exc, events)
-
-    def _report(self, exc: BaseException, events: list[dict]) -> None:
-        """Hand given-up events to on_error (a failing on_error is logged, never raised into the product)."""
-        if self.on_error is None:
-            log.warning("feedback: %d event(s) given up: %r", len(events), exc)
-            return
-        try:
-            self.on_error(exc, events)
-        except Exception:
-            log.exception("feedback: on_error raised")
-
-
-def _body(events: list[dict]) -> bytes:
-    return json.dumps({"events": events}).encode()
-
-
-class FeedbackClient(_Client):
-    """Thread-safe, sent by one daemon thread; one client per process is enough."""
-
-    def _reset(self) -> None:
-        super()._reset()
-        self._progress = threading.Condition(self._lock)
-        self._wake = threading.Event()
-        self._stop = threading.Event()  # close's timeout ran out: give up what is left
-
-    def _start(self) -> threading.Thread:
-        thread = threading.Thread(target=self._run, name="flywheel-feedback", daemon=True)
-        thread.start()
-        return thread
-
-    def flush(self, timeout: float | None = None) -> bool:
+    def _flush(self, timeout: float | None = None) -> bool:
         """Send everything queued so far now; True once it is all delivered or given up, False on timeout."""
         with self._lock:
             target = self._flush_to = max(self._flush_to, self._enqueued)
@@ -307,7 +211,7 @@ class FeedbackClient(_Client):
                 raise RuntimeError("the feedback sender died") from self._dead
             return self._resolved >= target
 
-    def close(self, timeout: float | None = None) -> None:
+    def _close(self, timeout: float | None = None) -> None:
         """Stop taking events, send what is queued (for up to `timeout` s), then give up the rest."""
         with self._lock:
             self._closed = True
@@ -320,11 +224,25 @@ class FeedbackClient(_Client):
                 self._stop.set()  # what is still queued goes to on_error; a request in flight may finish
                 thread.join(self.timeout_s + 1.0)
 
-    def __enter__(self) -> FeedbackClient:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    # ---- the queue and the sender ---------------------------------------------------------------
+    def _enqueue(self, event: dict) -> str | None:
+        with self._lock:
+            if self._closed or self._dead is not None:
+                err: FeedbackError = ClientClosedError("the feedback client is closed")
+            elif len(self._queue) >= self.max_queue:
+                err = QueueFullError(f"the feedback queue holds {self.max_queue} events; event dropped")
+            else:
+                self._queue.append((time.monotonic(), event))
+                self._enqueued += 1
+                if self._sender is None:
+                    self._sender = threading.Thread(target=self._run, name="flywheel-feedback", daemon=True)
+                    self._sender.start()
+                if len(self._queue) == self.batch_size:
+                    self._wake.set()
+                return event["idempotency_key"]
+            self.dropped += 1
+        self._report(err, [event])
+        return None
 
     def _run(self) -> None:
         try:
@@ -342,36 +260,88 @@ class FeedbackClient(_Client):
             raise
 
     def _next_batch(self) -> list[dict]:
+        """Waits for a full batch, the oldest event `flush_interval_s` old, flush or close; [] once closed, drained."""
         while True:
             self._wake.clear()
             with self._lock:
-                due = self._due()
-            if isinstance(due, list):
-                return due
-            self._wake.wait(due)
+                q, wait = self._queue, None
+                if q:
+                    wait = self.flush_interval_s - (time.monotonic() - q[0][0])
+                    if len(q) >= self.batch_size or self._flush_to > self._resolved or self._closed or wait <= 0:
+                        return [q.popleft()[1] for _ in range(min(self.batch_size, len(q)))]
+                elif self._closed:
+                    return []
+            self._wake.wait(wait)
 
     def _deliver(self, http: httpx.Client, events: list[dict]) -> None:
         attempt = 0
         while events and not self._stop.is_set():
             try:
-                outcome: httpx.Response | Exception = http.post(self.url, content=_body(events))
+                r = http.post(self.url, content=json.dumps({"events": events}).encode())
             except httpx.TransportError as e:  # retried at the I/O boundary
-                outcome = e
-            events, attempt, delay = self._after(events, attempt, outcome)
-            if delay:
-                self._stop.wait(delay)
+                err, delay = e, None
+            else:
+                if r.status_code == 200:
+                    self.sent += len(events)
+                    return
+                err = api_err = FeedbackAPIError.from_response(r)
+                if r.status_code != 429 and r.status_code < 500:
+                    i = api_err.event_index
+                    if i is not None and i < len(events) and len(events) > 1:  # drop that one, resend the rest
+                        self._give_up([events[i]], err)
+                        events = events[:i] + events[i + 1:]
+                        continue
+                    return self._give_up(events, err)
+                delay = retry_after_s(r.headers)
+            if attempt >= self.max_retries:
+                exhausted = RetriesExhaustedError(f"{len(events)} event(s) not delivered in {attempt + 1} attempts")
+                exhausted.__cause__ = err
+                return self._give_up(events, exhausted)
+            if delay is None:  # full jitter
+                delay = random.uniform(0.0, min(self.max_backoff_s, self.backoff_s * 2 ** min(attempt, 30)))
+            attempt += 1
+            log.warning("feedback: %d event(s) not delivered (%r); retry %d/%d in %.2f s", len(events), err,
+                        attempt, self.max_retries, delay)
+            self._stop.wait(delay)
         if events:
             self._give_up(events, ClientClosedError("closed before these events could be sent"))
 
+    def _give_up(self, events: list[dict], exc: BaseException) -> None:
+        self.failed += len(events)
+        self._report(exc, events)
 
-# ---- process lifecycle: flush at exit, fresh state in a forked child ---------------------------
-_LIVE: weakref.WeakSet = weakref.WeakSet()
+    def _report(self, exc: BaseException, events: list[dict]) -> None:
+        """Hand given-up events to on_error (a failing on_error is logged, never raised into the product)."""
+        if self.on_error is None:
+            log.warning("feedback: %d event(s) given up: %r", len(events), exc)
+            return
+        try:
+            self.on_error(exc, events)
+        except Exception:
+            log.exception("feedback: on_error raised")
+
+
+class FeedbackClient(_Client):
+    """The client for threaded code: `flush()` and `close()` block (for up to `timeout` s)."""
+
+    flush, close = _Client._flush, _Client._close
+
+    def __enter__(self) -> FeedbackClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---- process lifecycle: close at exit, fresh state in a forked child -----------------------------
+_LIVE: weakref.WeakSet[_Client] = weakref.WeakSet()
 AT_EXIT_TIMEOUT_S = 10.0
 
 
+@atexit.register
 def _close_all_at_exit() -> None:
     for client in list(_LIVE):
-        (getattr(client, "close_at_exit", None) or client.close)(timeout=AT_EXIT_TIMEOUT_S)
+        client._close(timeout=AT_EXIT_TIMEOUT_S)
 
 
 def _reset_in_child() -> None:
@@ -379,6 +349,5 @@ def _reset_in_child() -> None:
         client._reset()
 
 
-atexit.register(_close_all_at_exit)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_in_child)

@@ -26,8 +26,15 @@ from core.settings import Settings
 from feedback.bus_embedded import EmbeddedBus
 from feedback.completion_index import CompletionIndex
 from feedback.events import TOPICS, FeedbackEvent, hash_user
-from feedback.sdk import (AsyncFeedbackClient, ClientClosedError, FeedbackAPIError, FeedbackClient,
-                          QueueFullError, RetriesExhaustedError, make_event)
+from feedback.sdk import (
+    AsyncFeedbackClient,
+    ClientClosedError,
+    FeedbackAPIError,
+    FeedbackClient,
+    QueueFullError,
+    RetriesExhaustedError,
+    make_event,
+)
 from serving.engine import EmbeddedEngine
 from tests.conftest import LiveServer
 
@@ -321,15 +328,19 @@ def test_fork_child_sends_its_own_events_parent_sends_its_pending_once(live):
 
 def test_pending_events_are_sent_at_interpreter_exit(live):
     c = new_completion(live)
-    script = (f"from feedback.sdk import FeedbackClient\n"
+    script = (f"import asyncio\nfrom feedback.sdk import AsyncFeedbackClient, FeedbackClient\n"
               f"fb = FeedbackClient({live.url!r}, batch_size=100, flush_interval_s=600)\n"
-              f"fb.rating({c!r}, 5)\nfb.dwell({c!r}, 3.0)\n")  # no flush, no close
+              f"fb.rating({c!r}, 5)\nfb.dwell({c!r}, 3.0)\n"  # no flush, no close
+              f"async def main():\n"
+              f"    AsyncFeedbackClient({live.url!r}, batch_size=100, flush_interval_s=600).accepted({c!r})\n"
+              f"asyncio.run(main())\n")  # the loop is gone at exit: the client's thread sends it
     subprocess.run([sys.executable, "-c", script], cwd=REPO, check=True, timeout=60)
-    assert sorted(e.kind for e in on_bus(live, [c])) == ["dwell", "rating"]
+    assert sorted(e.kind for e in on_bus(live, [c])) == ["accepted", "dwell", "rating"]
 
 
 # ---- asyncio ------------------------------------------------------------------------------------
-def test_async_client_batches_retries_and_flushes(live):
+def test_async_client_batches_retries_and_flushes_without_blocking_the_loop(live):
+    """Sent by the sync client's thread; `await flush()` waits in a worker thread while the loop runs on."""
     c = new_completion(live)
     errors = Errors()
 
@@ -340,17 +351,28 @@ def test_async_client_batches_retries_and_flushes(live):
         while fb.sent < 3 and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         first = fb.sent  # the full batch of 3 went without a flush (after its retries)
-        assert await fb.flush(timeout=10)
+        ticks = []
+        ticker = asyncio.create_task(tick(ticks))
+        t0 = time.monotonic()
+        assert await fb.flush(timeout=10)  # the last event: 503 with Retry-After 1, then delivered
+        flush_s = time.monotonic() - t0
+        ticker.cancel()
+        assert flush_s >= 0.9 and len(ticks) >= 10  # the loop ran on while flush waited
         await fb.aclose()
         assert fb.thumbs_down(c) is None and fb.dropped == 1
         with pytest.raises(ValueError, match="value=9"):
             fb.rating(c, 9)
         return keys, first, fb.sent
 
-    with FaultProxy(live.url, ["503", "drop"]) as proxy:
+    async def tick(ticks):
+        while True:
+            await asyncio.sleep(0.01)
+            ticks.append(time.monotonic())
+
+    with FaultProxy(live.url, ["503", "drop", "ok", "503+ra"]) as proxy:
         keys, first, sent = asyncio.run(main(proxy.url))
     assert first == 3 and sent == 4 and len(set(keys)) == 4
-    assert [a["n"] for a in proxy.attempts] == [3, 3, 3, 1]
+    assert [a["n"] for a in proxy.attempts] == [3, 3, 3, 1, 1]
     assert len(errors) == 1 and isinstance(errors[0][0], ClientClosedError)
     got = on_bus(live, [c])
     assert sorted(e.kind for e in got) == ["dwell", "edited", "rating", "thumb_up"]
