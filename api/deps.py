@@ -23,8 +23,7 @@ ALIAS = "flywheel"  # always names the default (promoted) version
 
 
 class Gateway:
-    def __init__(self, settings: Settings, engine, sink: CompletionSink, bus: EventBus,
-                 index: CompletionIndex):
+    def __init__(self, settings: Settings, engine, sink: CompletionSink, bus: EventBus, index: CompletionIndex):
         self.settings, self.engine, self.sink = settings, engine, sink
         self.bus, self.index = bus, index
         self.metrics = Metrics()
@@ -37,8 +36,9 @@ class Gateway:
             return self.engine.default_version
         if name in versions:
             return name
-        raise APIError(404, f"The model '{name}' does not exist. Available: {sorted(versions) + [ALIAS]}",
-                       param, "model_not_found")
+        raise APIError(
+            404, f"The model '{name}' does not exist. Available: {sorted(versions) + [ALIAS]}", param, "model_not_found"
+        )
 
     def tenant_for(self, request: Request) -> str:
         if not self._keys:

@@ -15,14 +15,23 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "invalid_request_error", 405: "invalid_request_error", 409: "invalid_request_error",
-          413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, headers: dict | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
@@ -51,15 +60,15 @@ def install(app: FastAPI) -> None:
         errs = e.errors()
         first = errs[0] if errs else {"loc": (), "msg": "invalid request", "type": ""}
         if first.get("type") == "json_invalid":
-            return error_response(400, f"We could not parse the JSON body of your request: {first.get('msg')}",
-                                  None, "invalid_json")
+            return error_response(
+                400, f"We could not parse the JSON body of your request: {first.get('msg')}", None, "invalid_json"
+            )
         param = _loc_to_param(first.get("loc", ()))
         msg = first.get("msg", "invalid value")
         if first.get("type") == "missing":
             return error_response(400, f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
         if first.get("type") == "extra_forbidden":
-            return error_response(400, f"Unrecognized request argument supplied: {param}", param,
-                                  "unknown_parameter")
+            return error_response(400, f"Unrecognized request argument supplied: {param}", param, "unknown_parameter")
         return error_response(400, f"Invalid value for '{param}': {msg}", param, "invalid_value")
 
     @app.exception_handler(StarletteHTTPException)
@@ -70,5 +79,6 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception):
         log.exception("unhandled error")
-        return error_response(500, f"The server had an error while processing your request ({type(e).__name__}).",
-                              None, "internal_error")
+        return error_response(
+            500, f"The server had an error while processing your request ({type(e).__name__}).", None, "internal_error"
+        )

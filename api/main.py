@@ -23,8 +23,8 @@ from api.metrics import RequestCounter
 from api.routes import feedback, openai
 from core.settings import Settings, get_settings
 from feedback.bus import EventBus
-from feedback.connect import open_bus
 from feedback.completion_index import CompletionIndex
+from feedback.connect import open_bus
 from feedback.sink import CompletionSink
 
 if TYPE_CHECKING:
@@ -39,21 +39,38 @@ def build_engine(settings: Settings):
     engine: Engine
     if settings.engine == "vllm":
         from serving.vllm_engine import VLLMEngine  # heavy and optional: imported only when asked for
+
         engine = VLLMEngine(max_model_len=settings.max_model_len)
     elif settings.engine == "process":
         from serving.engine_process import ProcessEngine
-        engine = ProcessEngine(max_batch=settings.max_batch, max_model_len=settings.max_model_len,
-                               threads=settings.torch_threads or 2, seed=settings.seed)
+
+        engine = ProcessEngine(
+            max_batch=settings.max_batch,
+            max_model_len=settings.max_model_len,
+            threads=settings.torch_threads or 2,
+            seed=settings.seed,
+        )
     else:
         from serving.engine import EmbeddedEngine
-        engine = EmbeddedEngine(max_batch=settings.max_batch, max_model_len=settings.max_model_len,
-                                threads=settings.torch_threads or 1, seed=settings.seed)
+
+        engine = EmbeddedEngine(
+            max_batch=settings.max_batch,
+            max_model_len=settings.max_model_len,
+            threads=settings.torch_threads or 1,
+            seed=settings.seed,
+        )
     engine.add_version(folder.name, folder, default=True)
     return engine
 
 
-def create_app(settings: Settings | None = None, engine=None, sink: CompletionSink | None = None,
-               bus: EventBus | None = None, index: CompletionIndex | None = None, freeze_gc: bool = False) -> FastAPI:
+def create_app(
+    settings: Settings | None = None,
+    engine=None,
+    sink: CompletionSink | None = None,
+    bus: EventBus | None = None,
+    index: CompletionIndex | None = None,
+    freeze_gc: bool = False,
+) -> FastAPI:
     """`freeze_gc` (the `serve` process): once start-up is done, hide every object alive then from the
     garbage collector, so a full collection under load does not scan the model and modules."""
     settings = settings or get_settings()
@@ -100,8 +117,12 @@ def create_app(settings: Settings | None = None, engine=None, sink: CompletionSi
     @app.get("/healthz")
     async def healthz(gw: GatewayDep):
         ok = gw.engine.alive
-        body = {"status": "ok" if ok else "engine_down", "versions": gw.engine.versions,
-                "default_version": gw.engine.default_version, "time": time.time()}
+        body = {
+            "status": "ok" if ok else "engine_down",
+            "versions": gw.engine.versions,
+            "default_version": gw.engine.default_version,
+            "time": time.time(),
+        }
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -115,5 +136,10 @@ def serve(settings: Settings | None = None) -> None:
     import uvicorn
 
     settings = settings or get_settings()
-    uvicorn.run(create_app(settings, freeze_gc=True), host=settings.host, port=settings.port, log_level="info",
-                access_log=settings.access_log)
+    uvicorn.run(
+        create_app(settings, freeze_gc=True),
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        access_log=settings.access_log,
+    )

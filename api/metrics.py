@@ -18,20 +18,36 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("flywheel_requests", "HTTP requests by endpoint, status and model version",
-                                ["endpoint", "status", "model_version"], registry=r)
-        self.prompt_tokens = Counter("flywheel_prompt_tokens", "Prompt tokens processed", ["model_version"],
-                                     registry=r)
-        self.completion_tokens = Counter("flywheel_completion_tokens", "Tokens generated", ["model_version"],
-                                         registry=r)
-        self.latency = Histogram("flywheel_request_latency_seconds", "End-to-end request latency",
-                                 ["endpoint", "model_version"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("flywheel_time_to_first_token_seconds", "Time to first generated token",
-                              ["model_version"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.records = Counter("flywheel_completion_records", "Completion records made durable",
-                               ["model_version"], registry=r)
-        self.feedback_events = Counter("flywheel_feedback_events", "Feedback events by outcome (accepted, duplicate)",
-                                       ["outcome"], registry=r)
+        self.requests = Counter(
+            "flywheel_requests",
+            "HTTP requests by endpoint, status and model version",
+            ["endpoint", "status", "model_version"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter("flywheel_prompt_tokens", "Prompt tokens processed", ["model_version"], registry=r)
+        self.completion_tokens = Counter(
+            "flywheel_completion_tokens", "Tokens generated", ["model_version"], registry=r
+        )
+        self.latency = Histogram(
+            "flywheel_request_latency_seconds",
+            "End-to-end request latency",
+            ["endpoint", "model_version"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "flywheel_time_to_first_token_seconds",
+            "Time to first generated token",
+            ["model_version"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.records = Counter(
+            "flywheel_completion_records", "Completion records made durable", ["model_version"], registry=r
+        )
+        self.feedback_events = Counter(
+            "flywheel_feedback_events", "Feedback events by outcome (accepted, duplicate)", ["outcome"], registry=r
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

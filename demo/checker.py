@@ -34,9 +34,7 @@ def check(task: Task, completion: str, timeout_s: float = 1.0) -> CheckResult:
     return check_batch([task], [completion], timeout_s)[0]
 
 
-def check_batch(
-    tasks: Sequence[Task], completions: Sequence[str], timeout_s: float = 1.0
-) -> list[CheckResult]:
+def check_batch(tasks: Sequence[Task], completions: Sequence[str], timeout_s: float = 1.0) -> list[CheckResult]:
     """Check `completions[i]` against `tasks[i]`, all in one sandbox process."""
     if len(tasks) != len(completions):
         raise ValueError(f"got {len(tasks)} tasks but {len(completions)} completions")
@@ -59,9 +57,7 @@ def _score(task: Task, result: ExecResult) -> CheckResult:
         call_error is None and _canonical(got) == _canonical(expected)
         for (_, expected), got, call_error in zip(task.tests, result.results, result.call_errors, strict=True)
     )
-    return CheckResult(
-        passed=result.ok and n_passed == n_tests, n_passed=n_passed, n_tests=n_tests, error=result.error
-    )
+    return CheckResult(passed=result.ok and n_passed == n_tests, n_passed=n_passed, n_tests=n_tests, error=result.error)
 
 
 @dataclass(frozen=True)

@@ -14,14 +14,14 @@ from serving.interface import Engine
 from serving.sampling import SamplingParams
 
 
-def evaluate(engine: Engine, version: str, n_tasks: int, seed: int, temperature: float = 1.0,
-             max_tokens: int = 48) -> dict:
+def evaluate(
+    engine: Engine, version: str, n_tasks: int, seed: int, temperature: float = 1.0, max_tokens: int = 48
+) -> dict:
     """Sample one completion per held-out task as the product would; check it; ask the simulated users."""
     tok = engine.tokenizer(version)
     tasks = sample_tasks(n_tasks, seed=seed)
     # One seed per task: the evaluation does not depend on how the engine happens to batch.
-    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i)
-              for i in range(len(tasks))]
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i) for i in range(len(tasks))]
     outs = engine.generate([tok.encode_prompt(t.prompt) for t in tasks], params, version=version)
     texts = [o.text for o in outs]
     checks = check_batch(tasks, texts)

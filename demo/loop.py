@@ -55,13 +55,16 @@ class DemoLoopConfig(BaseModel):
     eval_every: int = Field(5, ge=1, description="Evaluate every this many rounds (and at the end).")
     max_tokens: int = Field(48, ge=1, description="Completion length limit.")
     seed: int = Field(0, description="Seeds tasks, users and sampling.")
-    trainer: TrainerConfig = Field(default_factory=lambda: TrainerConfig(lr=3e-4),
-                                   description="Learner settings (lr 3e-4 for the demo).")
+    trainer: TrainerConfig = Field(
+        default_factory=lambda: TrainerConfig(lr=3e-4), description="Learner settings (lr 3e-4 for the demo)."
+    )
     reward: RewardSpec = Field(default_factory=RewardSpec, description="How signals become rewards.")
 
 
-def run_demo_loop(model_dir: str | Path, cfg: DemoLoopConfig = DemoLoopConfig(),
-                  report_path: str | Path | None = None) -> dict:
+def run_demo_loop(
+    model_dir: str | Path, cfg: DemoLoopConfig | None = None, report_path: str | Path | None = None
+) -> dict:
+    cfg = cfg or DemoLoopConfig()
     torch.manual_seed(cfg.seed)
     model = load_checkpoint(model_dir)
     tok = Tokenizer.from_file(model_dir)
@@ -88,9 +91,11 @@ def run_demo_loop(model_dir: str | Path, cfg: DemoLoopConfig = DemoLoopConfig(),
             # One seed per completion, as `evaluate` does: what is served (and so learned) does not
             # depend on how the engine's thread happens to batch the requests.
             first = round_seed * cfg.samples_per_round
-            outs = engine.generate([tok.encode_prompt(t.prompt) for t in tasks],
-                                   [SamplingParams(max_tokens=cfg.max_tokens, seed=first + i)
-                                    for i in range(len(tasks))], version)
+            outs = engine.generate(
+                [tok.encode_prompt(t.prompt) for t in tasks],
+                [SamplingParams(max_tokens=cfg.max_tokens, seed=first + i) for i in range(len(tasks))],
+                version,
+            )
             checks = check_batch(tasks, [o.text for o in outs])
             for i, (t, o, c) in enumerate(zip(tasks, outs, checks)):
                 user = users[(r * cfg.samples_per_round + i) % cfg.users]
@@ -99,35 +104,72 @@ def run_demo_loop(model_dir: str | Path, cfg: DemoLoopConfig = DemoLoopConfig(),
                 joiner.on_completion(ev)
                 task_of[ev.completion_id] = t
                 for sig in user.react(t, o.text, c):
-                    joiner.on_feedback(FeedbackEvent(tenant="demo", completion_id=ev.completion_id,
-                                                     user_id=ev.user_id, kind=sig.kind, value=sig.value,
-                                                     ts=clock[0] + 1.0))
+                    joiner.on_feedback(
+                        FeedbackEvent(
+                            tenant="demo",
+                            completion_id=ev.completion_id,
+                            user_id=ev.user_id,
+                            kind=sig.kind,
+                            value=sig.value,
+                            ts=clock[0] + 1.0,
+                        )
+                    )
             clock[0] += cfg.window_s + 1.0
             samples = joiner.tick(clock[0])
-            seqs, dropped = select(samples, versions, current=r, max_staleness=cfg.max_staleness,
-                                   key_of=lambda s: task_of[s.completion.completion_id].family)
+            seqs, dropped = select(
+                samples,
+                versions,
+                current=r,
+                max_staleness=cfg.max_staleness,
+                key_of=lambda s: task_of[s.completion.completion_id].family,
+            )
             stats = trainer.update(seqs, behaviour_is_current=True).stats if seqs else {}
             nxt = f"v{r + 1}"
             versions[nxt] = r + 1
             engine.add_version(nxt, model, tok, default=True)  # the updated weights, under a new name
             engine.remove_version(version)
             row: dict[str, Any]
-            row = {"round": r + 1, "samples": len(seqs), "dropped": dict(dropped),
-                   **{k: stats[k] for k in ("reward_mean", "adv_mean", "ratio_mean", "clip_frac", "grad_norm",
-                                             "abs_dlogp_mean", "abs_dlogp_max", "routing_disagreement",
-                                             "samples_per_s", "tokens_per_s") if k in stats}}
+            row = {
+                "round": r + 1,
+                "samples": len(seqs),
+                "dropped": dict(dropped),
+                **{
+                    k: stats[k]
+                    for k in (
+                        "reward_mean",
+                        "adv_mean",
+                        "ratio_mean",
+                        "clip_frac",
+                        "grad_norm",
+                        "abs_dlogp_mean",
+                        "abs_dlogp_max",
+                        "routing_disagreement",
+                        "samples_per_s",
+                        "tokens_per_s",
+                    )
+                    if k in stats
+                },
+            }
             if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:
                 row.update(evaluate(engine, nxt, cfg.eval_tasks, cfg.seed + EVAL_SEED, max_tokens=cfg.max_tokens))
             history.append(row)
-            log.info("demo loop round %d: %s", r + 1, {k: (round(v, 4) if isinstance(v, float) else v)
-                                                        for k, v in row.items()})
+            log.info(
+                "demo loop round %d: %s",
+                r + 1,
+                {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()},
+            )
     finally:
         engine.shutdown()
     final = next(h for h in reversed(history) if "satisfaction" in h)
-    report = {"config": json.loads(cfg.model_dump_json()), "base": base,
-              "final": {"pass_rate": final["pass_rate"], "satisfaction": final["satisfaction"]},
-              "satisfaction_gain_points": (final["satisfaction"] - base["satisfaction"]) * 100,
-              "joiner": dict(joiner.stats), "history": history, "seconds": time.perf_counter() - t0}
+    report = {
+        "config": json.loads(cfg.model_dump_json()),
+        "base": base,
+        "final": {"pass_rate": final["pass_rate"], "satisfaction": final["satisfaction"]},
+        "satisfaction_gain_points": (final["satisfaction"] - base["satisfaction"]) * 100,
+        "joiner": dict(joiner.stats),
+        "history": history,
+        "seconds": time.perf_counter() - t0,
+    }
     if report_path:
         Path(report_path).parent.mkdir(parents=True, exist_ok=True)
         Path(report_path).write_text(json.dumps(report, indent=2))

@@ -245,9 +245,7 @@ def _run_child(items: list[tuple[str, list[list]]], timeout_s: float) -> list[Ex
                     stream.close()
 
 
-def _talk(
-    proc: subprocess.Popen, payload: bytes, marker: str, n_items: int, timeout_s: float
-) -> list[ExecResult]:
+def _talk(proc: subprocess.Popen, payload: bytes, marker: str, n_items: int, timeout_s: float) -> list[ExecResult]:
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
     try:
         proc.stdin.write(payload)
@@ -272,9 +270,7 @@ def _talk(
         assert message["i"] == len(results), message
         call_errors = message["errors"]
         error = message["error"] or next((e for e in call_errors if e is not None), None)
-        results.append(
-            ExecResult(ok=error is None, results=message["values"], error=error, call_errors=call_errors)
-        )
+        results.append(ExecResult(ok=error is None, results=message["values"], error=error, call_errors=call_errors))
     return results
 
 

@@ -264,9 +264,7 @@ def _build(family: _Family, value: object) -> Task:
     reference = family.reference(values)
     tests = tuple(((arg,), reference(arg)) for arg in family.test_args(values))
     prompt = f"# {family.comment.format(**values)}\ndef f({family.arg}):\n"
-    return Task(
-        task_id=f"{family.name}-{value}", family=family.name, prompt=prompt, params=params, tests=tests
-    )
+    return Task(task_id=f"{family.name}-{value}", family=family.name, prompt=prompt, params=params, tests=tests)
 
 
 def make_task(family: str, rng: random.Random) -> Task:
@@ -306,10 +304,7 @@ def completions_for(task: Task) -> dict[str, list[str]]:
     """Known completions of `task` by category (keys: CATEGORIES); every list is non-empty."""
     spec = _family(task.family)
     values = _format_values(task.params)
-    return {
-        category: [template.format(**values) for template in getattr(spec, category)]
-        for category in CATEGORIES
-    }
+    return {category: [template.format(**values) for template in getattr(spec, category)] for category in CATEGORIES}
 
 
 def is_preferred_style(completion: str) -> bool:

@@ -115,4 +115,3 @@ class EventBus(ABC):
     @abstractmethod
     def close(self) -> None:
         """Flush what can be flushed and release resources."""
-

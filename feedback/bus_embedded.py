@@ -61,11 +61,12 @@ class EmbeddedBus(EventBus):
             return
         stored = json.loads(meta.read_text())
         if stored.get("version") != FORMAT_VERSION:
-            raise ValueError(f"{meta}: bus format version {stored.get('version')!r}, this build reads "
-                             f"{FORMAT_VERSION}")
+            raise ValueError(f"{meta}: bus format version {stored.get('version')!r}, this build reads {FORMAT_VERSION}")
         if stored["partitions"] != self.partitions:
-            raise ValueError(f"{self.folder} was made with {stored['partitions']} partitions, not "
-                             f"{self.partitions} (open it with the partition count it was written with)")
+            raise ValueError(
+                f"{self.folder} was made with {stored['partitions']} partitions, not "
+                f"{self.partitions} (open it with the partition count it was written with)"
+            )
 
     def _log(self, topic: str, p: int) -> DurableLog:
         with self._lock:
@@ -86,7 +87,8 @@ class EmbeddedBus(EventBus):
             check_record(key, value)
             kb = key.encode()
             per_partition.setdefault(partition_for(key, self.partitions), []).append(
-                _KEY_LEN.pack(len(kb)) + kb + bytes(value))
+                _KEY_LEN.pack(len(kb)) + kb + bytes(value)
+            )
         for p, payloads in sorted(per_partition.items()):
             self._log(topic, p).append(payloads)
         with self._new_data:
@@ -182,7 +184,7 @@ class EmbeddedConsumer(Consumer):
         out: list[Record] = []
         committed: dict[str, dict[int, int]] = {}
         self._turn = (self._turn + 1) % max(1, len(assigned))
-        for topic, p in assigned[self._turn:] + assigned[:self._turn]:
+        for topic, p in assigned[self._turn :] + assigned[: self._turn]:
             if len(out) >= max_records:
                 break
             start = self._next.get((topic, p))
@@ -192,8 +194,8 @@ class EmbeddedConsumer(Consumer):
                 start = committed[topic].get(p, 0)
             for off, payload in self.bus._log(topic, p).read(start, limit=max_records - len(out)):
                 klen = _KEY_LEN.unpack_from(payload)[0]
-                key = payload[_KEY_LEN.size:_KEY_LEN.size + klen].decode()
-                out.append(Record(topic, p, off, key, payload[_KEY_LEN.size + klen:]))
+                key = payload[_KEY_LEN.size : _KEY_LEN.size + klen].decode()
+                out.append(Record(topic, p, off, key, payload[_KEY_LEN.size + klen :]))
                 start = off + 1
             self._next[(topic, p)] = start
         return out

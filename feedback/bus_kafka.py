@@ -51,9 +51,18 @@ def _accepts(addr: str, timeout_s: float = 1.0) -> bool:
 
 
 class KafkaBus(EventBus):
-    def __init__(self, bootstrap: str, spool_dir: str | Path | None, partitions: int = 12,
-                 client_id: str = "flywheel", *, replication: int = 1, send_timeout_s: float = 10.0,
-                 consumer_config: dict[str, Any] | None = None, spool_backoff_s: tuple[float, float] = (0.05, 2.0)):
+    def __init__(
+        self,
+        bootstrap: str,
+        spool_dir: str | Path | None,
+        partitions: int = 12,
+        client_id: str = "flywheel",
+        *,
+        replication: int = 1,
+        send_timeout_s: float = 10.0,
+        consumer_config: dict[str, Any] | None = None,
+        spool_backoff_s: tuple[float, float] = (0.05, 2.0),
+    ):
         """`send_timeout_s` bounds one delivery attempt (and connecting); `consumer_config` overrides
         kafka-python consumer settings (e.g. a short `session_timeout_ms` in tests). `spool_dir=None`:
         no spool, so no publishing (a bus that only consumes)."""
@@ -69,18 +78,32 @@ class KafkaBus(EventBus):
         self.client_id, self.send_timeout_s = client_id, send_timeout_s
         timeout_ms = int(send_timeout_s * 1000)
         self._consumer_config = {
-            "bootstrap_servers": bootstrap, "client_id": f"{client_id}-consumer", "enable_auto_commit": False,
-            "auto_offset_reset": "earliest", "allow_auto_create_topics": False, "session_timeout_ms": 10_000,
-            "heartbeat_interval_ms": 1_000, "bootstrap_timeout_ms": timeout_ms}
+            "bootstrap_servers": bootstrap,
+            "client_id": f"{client_id}-consumer",
+            "enable_auto_commit": False,
+            "auto_offset_reset": "earliest",
+            "allow_auto_create_topics": False,
+            "session_timeout_ms": 10_000,
+            "heartbeat_interval_ms": 1_000,
+            "bootstrap_timeout_ms": timeout_ms,
+        }
         self._consumer_config.update(consumer_config or {})
         self._producer: KafkaProducer | None = None
         self._admin: KafkaAdminClient | None = None
         self._admin_lock = threading.Lock()
         self._ready_topics: set[str] = set()  # created (or found) since the last delivery failure
         self._closed = False
-        self.spool = None if spool_dir is None else Spool(
-            spool_dir, self._deliver, retriable=(KafkaError, OSError), batch_size=SPOOL_BATCH,
-            backoff_s=spool_backoff_s)
+        self.spool = (
+            None
+            if spool_dir is None
+            else Spool(
+                spool_dir,
+                self._deliver,
+                retriable=(KafkaError, OSError),
+                batch_size=SPOOL_BATCH,
+                backoff_s=spool_backoff_s,
+            )
+        )
 
     # ---- producing ------------------------------------------------------------------------------
     def publish_many(self, topic: str, records: list[tuple[str, bytes]]) -> None:
@@ -93,8 +116,9 @@ class KafkaBus(EventBus):
         for key, value in records:
             check_record(key, value)
             if len(key.encode()) + len(value) > MAX_RECORD_BYTES:
-                raise ValueError(f"record of key {key!r} is more than the {MAX_RECORD_BYTES} bytes a Kafka "
-                                 "record may hold")
+                raise ValueError(
+                    f"record of key {key!r} is more than the {MAX_RECORD_BYTES} bytes a Kafka record may hold"
+                )
         self.spool.publish_many([(topic, k, bytes(v)) for k, v in records])
 
     def flush(self, timeout_s: float = 30.0) -> None:
@@ -124,9 +148,16 @@ class KafkaBus(EventBus):
             if self._producer is None:
                 timeout_ms = int(self.send_timeout_s * 1000)
                 self._producer = KafkaProducer(
-                    bootstrap_servers=self.bootstrap, client_id=f"{self.client_id}-producer", acks="all",
-                    enable_idempotence=True, linger_ms=5, max_block_ms=timeout_ms, request_timeout_ms=timeout_ms,
-                    delivery_timeout_ms=timeout_ms + 1000, bootstrap_timeout_ms=timeout_ms)
+                    bootstrap_servers=self.bootstrap,
+                    client_id=f"{self.client_id}-producer",
+                    acks="all",
+                    enable_idempotence=True,
+                    linger_ms=5,
+                    max_block_ms=timeout_ms,
+                    request_timeout_ms=timeout_ms,
+                    delivery_timeout_ms=timeout_ms + 1000,
+                    bootstrap_timeout_ms=timeout_ms,
+                )
             futures = [self._producer.send(r.topic, key=r.key.encode(), value=r.value) for r in batch]
             self._producer.flush(timeout=self.send_timeout_s + 2)
             for f in futures:
@@ -151,7 +182,8 @@ class KafkaBus(EventBus):
                 try:
                     result = admin.create_topics(
                         {topic: {"num_partitions": self.partitions, "replication_factor": self.replication}},
-                        raise_errors=False)
+                        raise_errors=False,
+                    )
                     break
                 except KafkaError as e:
                     # After a broker restart the admin client reconnects with backoff: its node is "not
@@ -163,8 +195,12 @@ class KafkaBus(EventBus):
             code = result["topics"][0]["error_code"]
             if code == 0:
                 admin.wait_for_topics([topic], timeout_ms=int(self.send_timeout_s * 1000))
-                log.info("kafka bus: created topic %s (%d partitions, replication %d)", topic,
-                         self.partitions, self.replication)
+                log.info(
+                    "kafka bus: created topic %s (%d partitions, replication %d)",
+                    topic,
+                    self.partitions,
+                    self.replication,
+                )
             elif code != _TOPIC_ALREADY_EXISTS:
                 raise for_code(code)(f"creating topic {topic!r}: {result['topics'][0]['error_message']}")
 
@@ -176,8 +212,12 @@ class KafkaBus(EventBus):
             timeout_ms = int(self.send_timeout_s * 1000)
             if not any(_accepts(addr) for addr in self.bootstrap.split(",")):
                 raise KafkaConnectionError(f"no broker of {self.bootstrap!r} accepts connections")
-            self._admin = KafkaAdminClient(bootstrap_servers=self.bootstrap, client_id=f"{self.client_id}-admin",
-                                           bootstrap_timeout_ms=timeout_ms, request_timeout_ms=timeout_ms)
+            self._admin = KafkaAdminClient(
+                bootstrap_servers=self.bootstrap,
+                client_id=f"{self.client_id}-admin",
+                bootstrap_timeout_ms=timeout_ms,
+                request_timeout_ms=timeout_ms,
+            )
         return self._admin
 
     # ---- consuming ------------------------------------------------------------------------------
@@ -190,8 +230,9 @@ class KafkaBus(EventBus):
         check_name("group", group)
         for t in names:
             self.ensure_topic(t)
-        c = KafkaConsumer(*names, group_id=group, partition_assignment_strategy=(RangePartitionAssignor,),
-                          **self._consumer_config)
+        c = KafkaConsumer(
+            *names, group_id=group, partition_assignment_strategy=(RangePartitionAssignor,), **self._consumer_config
+        )
         if len(names) > 1:
             counts = {t: len(c.partitions_for_topic(t) or ()) for t in names}
             if len(set(counts.values())) != 1:
@@ -223,16 +264,22 @@ class KafkaBusConsumer(Consumer):
         if self._closed:
             raise RuntimeError("consumer is closed")
         got = self._c.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
-        return [Record(m.topic, m.partition, m.offset, m.key.decode() if m.key is not None else "", m.value)
-                for tp in sorted(got, key=lambda tp: (tp.topic, tp.partition)) for m in got[tp]]
+        return [
+            Record(m.topic, m.partition, m.offset, m.key.decode() if m.key is not None else "", m.value)
+            for tp in sorted(got, key=lambda tp: (tp.topic, tp.partition))
+            for m in got[tp]
+        ]
 
     def assignment(self) -> list[tuple[str, int]]:
         return sorted((tp.topic, tp.partition) for tp in self._c.assignment())
 
     def commit(self, records: list[Record]) -> None:
         positions = self._positions(records)
-        offsets = {TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in positions.items()
-                   if o > self._committed.get((t, p), 0)}
+        offsets = {
+            TopicPartition(t, p): OffsetAndMetadata(o, "", -1)
+            for (t, p), o in positions.items()
+            if o > self._committed.get((t, p), 0)
+        }
         if not offsets:
             return
         try:
@@ -240,8 +287,7 @@ class KafkaBusConsumer(Consumer):
         except CommitFailedError as e:
             # The group rebalanced: these partitions belong to another member now, which starts from
             # the last committed position, so the records are delivered again (and deduplicated).
-            log.warning("kafka bus: commit of %s failed after a rebalance; they will be redelivered: %r",
-                        positions, e)
+            log.warning("kafka bus: commit of %s failed after a rebalance; they will be redelivered: %r", positions, e)
             return
         for tp, o in positions.items():
             self._committed[tp] = max(self._committed.get(tp, 0), o)

@@ -31,10 +31,15 @@ FORMAT_VERSION = 1
 PENDING, DONE = 0, 1
 
 _meta = sa.MetaData()
-_meta_table = sa.Table("flywheel_meta", _meta, sa.Column("name", sa.String(64), primary_key=True),
-                       sa.Column("value", sa.String(256), nullable=False))
+_meta_table = sa.Table(
+    "flywheel_meta",
+    _meta,
+    sa.Column("name", sa.String(64), primary_key=True),
+    sa.Column("value", sa.String(256), nullable=False),
+)
 _completions = sa.Table(
-    "completions", _meta,
+    "completions",
+    _meta,
     sa.Column("completion_id", sa.String(128), primary_key=True),
     sa.Column("tenant", sa.String(64), nullable=False),
     sa.Column("user_id", sa.String(64)),  # hashed (feedback.events.hash_user); NULL: served without a user
@@ -43,7 +48,8 @@ _completions = sa.Table(
     sa.Column("arm", sa.String(64)),  # experiment arm; NULL outside experiments
 )
 _keys = sa.Table(
-    "idempotency_keys", _meta,
+    "idempotency_keys",
+    _meta,
     sa.Column("event_id", sa.String(64), primary_key=True),
     sa.Column("fingerprint", sa.String(64), nullable=False),
     sa.Column("state", sa.SmallInteger, nullable=False),
@@ -72,12 +78,21 @@ def _url(where: str | Path) -> str:
 
 
 class CompletionIndex:
-    def __init__(self, url: str | Path, accepted_ttl_s: float = 7 * 24 * 3600.0,
-                 completion_ttl_s: float = 30 * 24 * 3600.0, stale_claim_s: float = 60.0,
-                 prune_every_s: float = 60.0):
+    def __init__(
+        self,
+        url: str | Path,
+        accepted_ttl_s: float = 7 * 24 * 3600.0,
+        completion_ttl_s: float = 30 * 24 * 3600.0,
+        stale_claim_s: float = 60.0,
+        prune_every_s: float = 60.0,
+    ):
         """`url`: a SQLAlchemy URL, or a path (a SQLite file)."""
-        for name, v in (("accepted_ttl_s", accepted_ttl_s), ("completion_ttl_s", completion_ttl_s),
-                        ("stale_claim_s", stale_claim_s), ("prune_every_s", prune_every_s)):
+        for name, v in (
+            ("accepted_ttl_s", accepted_ttl_s),
+            ("completion_ttl_s", completion_ttl_s),
+            ("stale_claim_s", stale_claim_s),
+            ("prune_every_s", prune_every_s),
+        ):
             if not v > 0:
                 raise ValueError(f"{name} must be > 0, got {v!r}")
         self.accepted_ttl_s, self.completion_ttl_s = accepted_ttl_s, completion_ttl_s
@@ -96,13 +111,19 @@ class CompletionIndex:
         self._last_prune = 0.0
         with self.engine.begin() as db:
             _meta.create_all(db)
-            db.execute(self._insert(_meta_table).values(name="completion_index_version", value=str(FORMAT_VERSION))
-                       .on_conflict_do_nothing())
-            stored = db.execute(sa.select(_meta_table.c.value)
-                                .where(_meta_table.c.name == "completion_index_version")).scalar_one()
+            db.execute(
+                self._insert(_meta_table)
+                .values(name="completion_index_version", value=str(FORMAT_VERSION))
+                .on_conflict_do_nothing()
+            )
+            stored = db.execute(
+                sa.select(_meta_table.c.value).where(_meta_table.c.name == "completion_index_version")
+            ).scalar_one()
         if stored != str(FORMAT_VERSION):
-            raise ValueError(f"completion index at {self.engine.url!r} has format version {stored}, this build "
-                             f"reads {FORMAT_VERSION}")
+            raise ValueError(
+                f"completion index at {self.engine.url!r} has format version {stored}, this build "
+                f"reads {FORMAT_VERSION}"
+            )
 
     def _db(self):
         if self._closed:
@@ -110,15 +131,31 @@ class CompletionIndex:
         return self.engine.begin()
 
     # ---- completions --------------------------------------------------------------------------
-    def add(self, completion_id: str, tenant: str, model_version: str, ts: float | None = None,
-            user_id: str | None = None, arm: str | None = None) -> None:
+    def add(
+        self,
+        completion_id: str,
+        tenant: str,
+        model_version: str,
+        ts: float | None = None,
+        user_id: str | None = None,
+        arm: str | None = None,
+    ) -> None:
         row: dict[str, Any]
-        row = {"completion_id": completion_id, "tenant": tenant, "user_id": user_id,
-               "served_ts": time.time() if ts is None else ts, "model_version": model_version, "arm": arm}
+        row = {
+            "completion_id": completion_id,
+            "tenant": tenant,
+            "user_id": user_id,
+            "served_ts": time.time() if ts is None else ts,
+            "model_version": model_version,
+            "arm": arm,
+        }
         stmt = self._insert(_completions).values(**row)
         with self._db() as db:
-            db.execute(stmt.on_conflict_do_update(index_elements=["completion_id"],
-                                                  set_={k: stmt.excluded[k] for k in row if k != "completion_id"}))
+            db.execute(
+                stmt.on_conflict_do_update(
+                    index_elements=["completion_id"], set_={k: stmt.excluded[k] for k in row if k != "completion_id"}
+                )
+            )
         self._maybe_prune(row["served_ts"])
 
     def get(self, completion_id: str) -> CompletionEntry | None:
@@ -128,8 +165,15 @@ class CompletionIndex:
         c = _completions.c
         ids = list(dict.fromkeys(completion_ids))
         with self._db() as db:
-            rows = db.execute(sa.select(c.completion_id, c.tenant, c.model_version, c.served_ts, c.user_id, c.arm)
-                              .where(c.completion_id.in_(ids))).all() if ids else []
+            rows = (
+                db.execute(
+                    sa.select(c.completion_id, c.tenant, c.model_version, c.served_ts, c.user_id, c.arm).where(
+                        c.completion_id.in_(ids)
+                    )
+                ).all()
+                if ids
+                else []
+            )
         return {r[0]: CompletionEntry(*r[1:]) for r in rows}
 
     # ---- idempotency keys ---------------------------------------------------------------------
@@ -141,22 +185,34 @@ class CompletionIndex:
         k = _keys.c
         rows = [{"event_id": e, "fingerprint": f, "state": PENDING, "updated_ts": now} for e, f in fingerprints.items()]
         with self._db() as db:
-            got = set(db.execute(self._insert(_keys).values(rows).on_conflict_do_nothing()
-                                 .returning(k.event_id)).scalars())
+            got = set(
+                db.execute(self._insert(_keys).values(rows).on_conflict_do_nothing().returning(k.event_id)).scalars()
+            )
             claimed = [e for e in fingerprints if e in got]
             done: dict[str, str] = {}
             pending, mismatched = [], []
             others = [e for e in fingerprints if e not in got]
-            stored = db.execute(sa.select(k.event_id, k.fingerprint, k.state, k.updated_ts)
-                                .where(k.event_id.in_(others))).all() if others else []
+            stored = (
+                db.execute(
+                    sa.select(k.event_id, k.fingerprint, k.state, k.updated_ts).where(k.event_id.in_(others))
+                ).all()
+                if others
+                else []
+            )
             for eid, fp, state, updated in stored:
                 if fp != fingerprints[eid]:
                     mismatched.append(eid)
                 elif state == DONE:
                     done[eid] = fp
-                elif updated < now - self.stale_claim_s and db.execute(
-                        sa.update(_keys).where(k.event_id == eid, k.state == PENDING, k.updated_ts == updated)
-                        .values(updated_ts=now)).rowcount == 1:
+                elif (
+                    updated < now - self.stale_claim_s
+                    and db.execute(
+                        sa.update(_keys)
+                        .where(k.event_id == eid, k.state == PENDING, k.updated_ts == updated)
+                        .values(updated_ts=now)
+                    ).rowcount
+                    == 1
+                ):
                     claimed.append(eid)  # its claimer died
                 else:
                     pending.append(eid)
@@ -168,8 +224,11 @@ class CompletionIndex:
         if event_ids:
             k = _keys.c
             with self._db() as db:
-                db.execute(sa.update(_keys).where(k.event_id.in_(event_ids), k.state == PENDING)
-                           .values(state=DONE, updated_ts=time.time() if now is None else now))
+                db.execute(
+                    sa.update(_keys)
+                    .where(k.event_id.in_(event_ids), k.state == PENDING)
+                    .values(state=DONE, updated_ts=time.time() if now is None else now)
+                )
 
     def release(self, event_ids: list[str]) -> None:
         """The publish failed: a retry may claim these ids again."""

@@ -61,7 +61,7 @@ class RoutedExperts(BaseModel):
     data: str
 
     @classmethod
-    def from_bytes(cls, shape: tuple[int, int, int], raw: bytes) -> "RoutedExperts":
+    def from_bytes(cls, shape: tuple[int, int, int], raw: bytes) -> RoutedExperts:
         return cls(shape=shape, data=base64.b64encode(raw).decode("ascii"))
 
     def to_bytes(self) -> bytes:
@@ -94,26 +94,34 @@ class CompletionEvent(Event):
     latency_ms: dict[str, float]
 
     @classmethod
-    def from_completion(cls, c, tenant: str, user: str | None, endpoint: str) -> "CompletionEvent":
+    def from_completion(cls, c, tenant: str, user: str | None, endpoint: str) -> CompletionEvent:
         """From an engine's `serving.engine.Completion` (duck-typed: feedback/ does not import torch)."""
         from dataclasses import asdict
 
         return cls(
-            tenant=tenant, completion_id=c.request_id, user_id=hash_user(tenant, user), model_version=c.version,
-            endpoint=endpoint, prompt_ids=list(c.prompt_ids), output_ids=list(c.output_ids),
+            tenant=tenant,
+            completion_id=c.request_id,
+            user_id=hash_user(tenant, user),
+            model_version=c.version,
+            endpoint=endpoint,
+            prompt_ids=list(c.prompt_ids),
+            output_ids=list(c.output_ids),
             logprobs=list(c.logprobs),
             routed_experts=RoutedExperts.from_bytes(tuple(c.routed_experts.shape), c.routed_experts.tobytes()),
-            text=c.text, finish_reason=c.finish_reason, params=asdict(c.params),
-            latency_ms={"queued": c.queued_s * 1e3, "first_token": c.first_token_s * 1e3,
-                        "total": c.total_s * 1e3})
+            text=c.text,
+            finish_reason=c.finish_reason,
+            params=asdict(c.params),
+            latency_ms={"queued": c.queued_s * 1e3, "first_token": c.first_token_s * 1e3, "total": c.total_s * 1e3},
+        )
 
 
 # ---- feedback ---------------------------------------------------------------------------------
 EXPLICIT_KINDS = ("thumb_up", "thumb_down", "rating")
 IMPLICIT_KINDS = ("accepted", "rejected", "edited", "copied", "regenerated", "dwell")
 FEEDBACK_KINDS = EXPLICIT_KINDS + IMPLICIT_KINDS
-FeedbackKind = Literal["thumb_up", "thumb_down", "rating", "accepted", "rejected", "edited", "copied",
-                       "regenerated", "dwell"]
+FeedbackKind = Literal[
+    "thumb_up", "thumb_down", "rating", "accepted", "rejected", "edited", "copied", "regenerated", "dwell"
+]
 MAX_DWELL_S = 24 * 3600.0
 VALUED_KINDS = frozenset({"rating", "edited", "dwell"})  # the kinds that carry a value (`check_value`)
 
@@ -140,15 +148,34 @@ class FeedbackEvent(Event):
         return v if kind is None else check_value(kind, v)
 
     @classmethod
-    def received(cls, *, event_id: str, tenant: str, completion_id: str, kind: str, value: float | None,
-                 edit_distance: int | None, client_ts: float | None, now: float, served_ts: float,
-                 served_user: str | None) -> "FeedbackEvent":
+    def received(
+        cls,
+        *,
+        event_id: str,
+        tenant: str,
+        completion_id: str,
+        kind: str,
+        value: float | None,
+        edit_distance: int | None,
+        client_ts: float | None,
+        now: float,
+        served_ts: float,
+        served_user: str | None,
+    ) -> FeedbackEvent:
         """The event the gateway publishes for feedback it received at `now` about a completion served
         at `served_ts` to `served_user` (hashed): the user is the completion's, and the time is `now`,
         or the client's `ts` clamped to [served_ts, now]."""
         ts = now if client_ts is None else min(max(client_ts, served_ts), now)
-        return cls(event_id=event_id, tenant=tenant, ts=ts, completion_id=completion_id, user_id=served_user,
-                   kind=kind, value=value, edit_distance=edit_distance)
+        return cls(
+            event_id=event_id,
+            tenant=tenant,
+            ts=ts,
+            completion_id=completion_id,
+            user_id=served_user,
+            kind=kind,
+            value=value,
+            edit_distance=edit_distance,
+        )
 
 
 def check_value(kind: str, v: float | None) -> float | None:

@@ -101,14 +101,24 @@ class Accepted:
 
 def fingerprint(item: FeedbackIn, tenant: str) -> str:
     """What an idempotency key stands for: everything the client said but the key ("v1:" + 32 hex)."""
-    what = [item.completion_id, hash_user(tenant, item.user), item.kind,
-            None if item.value is None else float(item.value), item.edit_distance,
-            None if item.ts is None else float(item.ts)]
+    what = [
+        item.completion_id,
+        hash_user(tenant, item.user),
+        item.kind,
+        None if item.value is None else float(item.value),
+        item.edit_distance,
+        None if item.ts is None else float(item.ts),
+    ]
     return "v1:" + hashlib.sha256(repr(what).encode()).hexdigest()[:32]
 
 
-def accept(index: CompletionIndex, bus: EventBus, tenant: str, items: list[tuple[FeedbackIn, str | None]],
-           now: float | None = None) -> Accepted:
+def accept(
+    index: CompletionIndex,
+    bus: EventBus,
+    tenant: str,
+    items: list[tuple[FeedbackIn, str | None]],
+    now: float | None = None,
+) -> Accepted:
     """Accept one request's events, `(event, idempotency key or None)`, all or nothing."""
     now = time.time() if now is None else now
     known = index.get_many([it.completion_id for it, _ in items])
@@ -120,18 +130,31 @@ def accept(index: CompletionIndex, bus: EventBus, tenant: str, items: list[tuple
         if entry is None or entry.tenant != tenant:
             raise NotFound(f"No completion with id '{item.completion_id}'.", i)
         if item.user is not None and entry.user_id is not None and hash_user(tenant, item.user) != entry.user_id:
-            raise UserMismatch(f"Completion '{item.completion_id}' was served to another user; feedback must "
-                               "come from the user it was served to.", i)
+            raise UserMismatch(
+                f"Completion '{item.completion_id}' was served to another user; feedback must "
+                "come from the user it was served to.",
+                i,
+            )
         event_id = new_event_id() if key is None else event_id_for(tenant, key)
         if key is not None:
             fp = fingerprint(item, tenant)
             if fingerprints.setdefault(event_id, fp) != fp:
                 raise KeyReused(f"Idempotency key {key!r} is used twice for different events.", i)
             first.setdefault(event_id, i)
-        events.append(FeedbackEvent.received(
-            event_id=event_id, tenant=tenant, completion_id=item.completion_id, kind=item.kind, value=item.value,
-            edit_distance=item.edit_distance, client_ts=item.ts, now=now, served_ts=entry.ts,
-            served_user=entry.user_id))
+        events.append(
+            FeedbackEvent.received(
+                event_id=event_id,
+                tenant=tenant,
+                completion_id=item.completion_id,
+                kind=item.kind,
+                value=item.value,
+                edit_distance=item.edit_distance,
+                client_ts=item.ts,
+                now=now,
+                served_ts=entry.ts,
+                served_user=entry.user_id,
+            )
+        )
     claimed, done = _claim(index, fingerprints, first)
     new, seen = [], set(done)
     for ev in events:  # keyed ids are now either claimed by this request or done

@@ -36,8 +36,19 @@ log = logging.getLogger(__name__)
 
 Source = tuple[str, int, int]  # (topic, partition, offset) of the bus record an event came from
 Orphan = tuple[FeedbackEvent, Source | None]
-STAT_KEYS = ("completions", "feedback", "samples", "late", "duplicates", "no_feedback", "dropped_by_budget",
-             "tenant_mismatch", "orphans_expired", "orphans_overflow", "malformed")
+STAT_KEYS = (
+    "completions",
+    "feedback",
+    "samples",
+    "late",
+    "duplicates",
+    "no_feedback",
+    "dropped_by_budget",
+    "tenant_mismatch",
+    "orphans_expired",
+    "orphans_overflow",
+    "malformed",
+)
 
 
 def sample_event_id(completion_id: str, spec_name: str) -> str:
@@ -85,9 +96,17 @@ class JoinerCore:
     per partition, the oldest source still held: what a caller may not commit yet.
     """
 
-    def __init__(self, spec: RewardSpec, window_s: float, clock: Callable[[], float] = time.time, *,
-                 max_orphans: int = 100_000, max_seen: int = 200_000, max_closed: int = 200_000,
-                 max_late_kept: int = 10_000):
+    def __init__(
+        self,
+        spec: RewardSpec,
+        window_s: float,
+        clock: Callable[[], float] = time.time,
+        *,
+        max_orphans: int = 100_000,
+        max_seen: int = 200_000,
+        max_closed: int = 200_000,
+        max_late_kept: int = 10_000,
+    ):
         if not window_s > 0:
             raise ValueError(f"window_s must be > 0, got {window_s}")
         if max_orphans < 1:
@@ -140,8 +159,13 @@ class JoinerCore:
         c = p.completion
         if ev.tenant != c.tenant:
             self.stats["tenant_mismatch"] += 1
-            log.warning("feedback %s (tenant %r) names completion %s of tenant %r: rejected",
-                        ev.event_id, ev.tenant, c.completion_id, c.tenant)
+            log.warning(
+                "feedback %s (tenant %r) names completion %s of tenant %r: rejected",
+                ev.event_id,
+                ev.tenant,
+                c.completion_id,
+                c.tenant,
+            )
         elif ev.ts > p.deadline:
             self._late_feedback(ev, source, "past_window")
         else:
@@ -163,8 +187,9 @@ class JoinerCore:
             _, _, cid, eid = heapq.heappop(self._orphan_expiry)
             if self._drop_orphan(cid, eid):
                 self.stats["orphans_overflow"] += 1
-                log.warning("orphan buffer full (%d): dropped feedback %s for unknown completion %s",
-                            self.max_orphans, eid, cid)
+                log.warning(
+                    "orphan buffer full (%d): dropped feedback %s for unknown completion %s", self.max_orphans, eid, cid
+                )
                 return
 
     def _drop_orphan(self, cid: str, eid: str) -> int:
@@ -215,8 +240,15 @@ class JoinerCore:
         kept = [s for s in counted if user_key(s) in admitted]
         if (r := reward(self.spec, kept)) is None:
             return None
-        return SampleEvent(event_id=sample_event_id(c.completion_id, self.spec.name), tenant=c.tenant,
-                           ts=p.deadline, completion=c, reward=r, signals=kept, reward_spec=self.spec.name)
+        return SampleEvent(
+            event_id=sample_event_id(c.completion_id, self.spec.name),
+            tenant=c.tenant,
+            ts=p.deadline,
+            completion=c,
+            reward=r,
+            signals=kept,
+            reward_spec=self.spec.name,
+        )
 
     def release(self, partitions: set[int]) -> int:
         """Forget what came from `partitions` (they went to another joiner): pending completions with
@@ -258,9 +290,18 @@ class JoinerCore:
 class JoinerService:
     """Consume completions and feedback, publish samples, commit what is safe. See the module docstring."""
 
-    def __init__(self, bus: EventBus, spec: RewardSpec, window_s: float, group: str = "joiner",
-                 clock: Callable[[], float] = time.time, *, max_records: int = 500,
-                 max_records_per_round: int = 50_000, dead_letter_topic: str | None = None):
+    def __init__(
+        self,
+        bus: EventBus,
+        spec: RewardSpec,
+        window_s: float,
+        group: str = "joiner",
+        clock: Callable[[], float] = time.time,
+        *,
+        max_records: int = 500,
+        max_records_per_round: int = 50_000,
+        dead_letter_topic: str | None = None,
+    ):
         self.bus, self.spec, self.clock = bus, spec, clock
         self.max_records, self.max_records_per_round = max_records, max_records_per_round
         self.dead_letter_topic = dead_letter_topic
@@ -338,16 +379,23 @@ class JoinerService:
             except ValidationError as e:
                 where = _where(src)
                 if self.dead_letter_topic is None:
-                    raise ValueError(f"malformed record at {where} (set dead_letter_topic to divert such records)"
-                                     ) from e
+                    raise ValueError(
+                        f"malformed record at {where} (set dead_letter_topic to divert such records)"
+                    ) from e
                 log.error("malformed record at %s sent to %s: %s", where, self.dead_letter_topic, e)
                 self.stats["malformed"] += 1
                 self.bus.publish(self.dead_letter_topic, r.key, r.value)
             self._consumed[r.topic, r.partition] = max(self._consumed.get((r.topic, r.partition), 0), r.offset + 1)
         for late in self.core.drain_late():  # after every batch: the core keeps at most max_late_kept
             ev = late.event
-            log.info("late feedback %s (%s, %s) for completion %s at %s", ev.event_id, ev.kind, late.reason,
-                     ev.completion_id, "" if late.source is None else _where(late.source))
+            log.info(
+                "late feedback %s (%s, %s) for completion %s at %s",
+                ev.event_id,
+                ev.kind,
+                late.reason,
+                ev.completion_id,
+                "" if late.source is None else _where(late.source),
+            )
             if self.dead_letter_topic is not None:
                 self.bus.publish(self.dead_letter_topic, ev.completion_id, ev.model_dump_json().encode())
 

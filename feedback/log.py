@@ -157,7 +157,7 @@ class DurableLog:
                 self._open_segment(self._next)
             view = memoryview(data)
             while view:
-                view = view[os.write(self._fd, view):]
+                view = view[os.write(self._fd, view) :]
             if self.fsync:
                 os.fdatasync(self._fd)
             first = self._next

@@ -43,8 +43,11 @@ class RewardSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str = Field("default-v1", pattern=r"^[A-Za-z0-9._-]{1,64}$",
-                      description="Name and version, stamped on every SampleEvent; change it with any value.")
+    name: str = Field(
+        "default-v1",
+        pattern=r"^[A-Za-z0-9._-]{1,64}$",
+        description="Name and version, stamped on every SampleEvent; change it with any value.",
+    )
     accepted: float = Field(0.75, ge=0.0, description="Reward of an accepted completion.")
     rejected: float = Field(-0.25, le=0.0, description="Reward of an explicitly rejected completion.")
     thumb_up: float = Field(0.5, ge=0.0, description="Reward of a thumb up.")
@@ -65,16 +68,25 @@ class RewardSpec(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> RewardSpec:
         if not self.reward_min <= 0.0 <= self.reward_max or self.reward_min == self.reward_max:
-            raise ValueError(f"reward_min <= 0 <= reward_max and reward_min < reward_max must hold, "
-                             f"got [{self.reward_min}, {self.reward_max}]")
+            raise ValueError(
+                f"reward_min <= 0 <= reward_max and reward_min < reward_max must hold, "
+                f"got [{self.reward_min}, {self.reward_max}]"
+            )
         if not self.edited_none_kept <= self.edited_all_kept:
-            raise ValueError(f"edited_none_kept ({self.edited_none_kept}) must be <= edited_all_kept "
-                             f"({self.edited_all_kept}): keeping more of a completion cannot be worse")
-        others = [abs(v) for v in (self.accepted, self.rejected, self.thumb_up, self.thumb_down, self.copied,
-                                   self.regenerated) if v != 0.0]
+            raise ValueError(
+                f"edited_none_kept ({self.edited_none_kept}) must be <= edited_all_kept "
+                f"({self.edited_all_kept}): keeping more of a completion cannot be worse"
+            )
+        others = [
+            abs(v)
+            for v in (self.accepted, self.rejected, self.thumb_up, self.thumb_down, self.copied, self.regenerated)
+            if v != 0.0
+        ]
         if others and self.dwell_weight >= min(others):
-            raise ValueError(f"dwell_weight ({self.dwell_weight}) must be below every other nonzero signal "
-                             f"(smallest {min(others)}): dwell is only a tie-breaker")
+            raise ValueError(
+                f"dwell_weight ({self.dwell_weight}) must be below every other nonzero signal "
+                f"(smallest {min(others)}): dwell is only a tie-breaker"
+            )
         return self
 
 

@@ -22,8 +22,9 @@ class CompletionSink:
 
     async def record(self, event: CompletionEvent) -> None:
         # The publish blocks until the disk has the record: on a worker thread, the loop keeps serving.
-        await asyncio.to_thread(self.bus.publish, TOPICS["completion"], event.completion_id,
-                                event.model_dump_json().encode())
+        await asyncio.to_thread(
+            self.bus.publish, TOPICS["completion"], event.completion_id, event.model_dump_json().encode()
+        )
 
     def close(self) -> None:
         """Nothing of its own to release."""

@@ -60,8 +60,9 @@ def encode(topic: str, key: str, value: bytes) -> bytes:
 def decode(offset: int, frame: bytes) -> SpooledRecord:
     tlen, klen = _HEAD.unpack_from(frame)
     at = _HEAD.size
-    return SpooledRecord(offset, frame[at:at + tlen].decode(), frame[at + tlen:at + tlen + klen].decode(),
-                         frame[at + tlen + klen:])
+    return SpooledRecord(
+        offset, frame[at : at + tlen].decode(), frame[at + tlen : at + tlen + klen].decode(), frame[at + tlen + klen :]
+    )
 
 
 class Deduper:
@@ -91,10 +92,18 @@ class Deduper:
 
 
 class Spool:
-    def __init__(self, folder: str | Path, deliver: Deliver, *,
-                 retriable: tuple[type[BaseException], ...] = (OSError,), batch_size: int = 500,
-                 max_batch_bytes: int = 1 << 20, backoff_s: tuple[float, float] = (0.05, 2.0),
-                 segment_bytes: int = SEGMENT_BYTES, fsync: bool = True):
+    def __init__(
+        self,
+        folder: str | Path,
+        deliver: Deliver,
+        *,
+        retriable: tuple[type[BaseException], ...] = (OSError,),
+        batch_size: int = 500,
+        max_batch_bytes: int = 1 << 20,
+        backoff_s: tuple[float, float] = (0.05, 2.0),
+        segment_bytes: int = SEGMENT_BYTES,
+        fsync: bool = True,
+    ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.folder = Path(folder)
@@ -179,8 +188,10 @@ class Spool:
                     raise RuntimeError(f"spool {self.folder} is closed")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"spool {self.folder}: {target - self._forwarded} records not "
-                                       f"forwarded after {timeout_s}s (last failure: {self.last_failure!r})")
+                    raise TimeoutError(
+                        f"spool {self.folder}: {target - self._forwarded} records not "
+                        f"forwarded after {timeout_s}s (last failure: {self.last_failure!r})"
+                    )
                 self._cond.wait(timeout=min(left, 0.5))
         self._raise_if_dead()
 
@@ -215,8 +226,12 @@ class Spool:
             try:
                 self.flush(flush_timeout_s)
             except TimeoutError:
-                log.warning("spool %s: closing with %d records not forwarded; they are forwarded when "
-                            "the spool is opened again", self.folder, self.backlog)
+                log.warning(
+                    "spool %s: closing with %d records not forwarded; they are forwarded when "
+                    "the spool is opened again",
+                    self.folder,
+                    self.backlog,
+                )
         with self._cond:
             self._stop = True
             self._cond.notify_all()
@@ -266,8 +281,9 @@ class Spool:
             except self.retriable as e:
                 self.failures += 1
                 self.last_failure = e
-                log.warning("spool %s: delivering %d records failed (%r); retrying in %.2f s", self.folder,
-                            len(batch), e, delay)
+                log.warning(
+                    "spool %s: delivering %d records failed (%r); retrying in %.2f s", self.folder, len(batch), e, delay
+                )
                 with self._cond:
                     self._in_flight = False  # a hold may begin between attempts
                     self._cond.notify_all()
@@ -284,8 +300,9 @@ class Spool:
         deleted = self._log.first_offset != first_before
         # The position is fsynced only when segments were deleted: otherwise a lost position
         # resumes at the first segment kept, which only repeats records.
-        atomic_write(self._pos_path, json.dumps({"version": FORMAT_VERSION, "forwarded": end}),
-                     fsync=self.fsync and deleted)
+        atomic_write(
+            self._pos_path, json.dumps({"version": FORMAT_VERSION, "forwarded": end}), fsync=self.fsync and deleted
+        )
         with self._cond:
             self._forwarded = end
             self._in_flight = False

@@ -181,14 +181,17 @@ def paired_bootstrap_non_inferiority(
         return _degenerate(d, margin, alpha, "paired_bootstrap")
     rng = np.random.default_rng(seed)
     n, chunk = d.size, max(1, 2_000_000 // d.size)  # bounded memory: chunk x n indices at a time
-    means = np.concatenate([
-        d[rng.integers(0, n, size=(min(chunk, n_resamples - start), n))].mean(axis=1)
-        for start in range(0, n_resamples, chunk)
-    ])
+    means = np.concatenate(
+        [
+            d[rng.integers(0, n, size=(min(chunk, n_resamples - start), n))].mean(axis=1)
+            for start in range(0, n_resamples, chunk)
+        ]
+    )
     lower = float(np.quantile(means, alpha))
     p = float(np.mean(means <= -margin))
-    return NonInferiorityResult(n, float(d.mean()), float(means.std(ddof=1)), lower, margin, alpha,
-                                "paired_bootstrap", lower > -margin, p)
+    return NonInferiorityResult(
+        n, float(d.mean()), float(means.std(ddof=1)), lower, margin, alpha, "paired_bootstrap", lower > -margin, p
+    )
 
 
 # --- 2. several task families: Holm -----------------------------------------------------------------
@@ -380,8 +383,9 @@ def confidence_sequence(
     w = float(cand.var(ddof=1) / cand.size + inc.var(ddof=1) / inc.size)
     t = cand.size + inc.size
     radius = normal_mixture_radius(t, t * w, rho * t * w, alpha) if w > 0 else 0.0
-    return Interval(estimate - radius, estimate + radius, estimate, math.sqrt(w), radius,
-                    cand.size, inc.size, alpha, float(rho))
+    return Interval(
+        estimate - radius, estimate + radius, estimate, math.sqrt(w), radius, cand.size, inc.size, alpha, float(rho)
+    )
 
 
 # --- 5. guardrails --------------------------------------------------------------------------------------

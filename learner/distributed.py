@@ -60,13 +60,27 @@ from serving.model import ModelArgs, Transformer
 
 # learner.objective.policy_loss's statistics: the trainer weights them by each micro-batch's share of
 # the whole batch, so over ranks they add up.
-LOSS_STATS = ("loss", "ratio_mean", "ratio_max", "clip_frac", "abs_log_ratio_mean", "adv_mean", "adv_std",
-              "kl_k3", "tokens")
+LOSS_STATS = (
+    "loss",
+    "ratio_mean",
+    "ratio_max",
+    "clip_frac",
+    "abs_log_ratio_mean",
+    "adv_mean",
+    "adv_std",
+    "kl_k3",
+    "tokens",
+)
 
 
-def init_process_group(rank: int | None = None, world_size: int | None = None, master_addr: str | None = None,
-                       master_port: int | None = None, backend: str = "gloo",
-                       timeout_s: float = 120.0) -> None:
+def init_process_group(
+    rank: int | None = None,
+    world_size: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    backend: str = "gloo",
+    timeout_s: float = 120.0,
+) -> None:
     """Join the process group: from MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE (no arguments), or explicitly."""
     explicit = (rank, world_size, master_addr, master_port)
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -74,12 +88,12 @@ def init_process_group(rank: int | None = None, world_size: int | None = None, m
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
         return
     if rank is None or world_size is None or master_addr is None or master_port is None:
-        raise ValueError("give rank, world_size, master_addr and master_port together, "
-                         "or none of them (env://)")
+        raise ValueError("give rank, world_size, master_addr and master_port together, or none of them (env://)")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside [0, world_size={world_size})")
-    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=world_size, timeout=timeout)
+    dist.init_process_group(
+        backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size, timeout=timeout
+    )
 
 
 def shard_indices(n: int, world_size: int, rank: int) -> list[int]:
@@ -104,21 +118,30 @@ class DataParallelTrainer:
         # Broadcasts rank 0's parameters: every rank starts from the same weights.
         trainer.forward_model = DistributedDataParallel(trainer.model, find_unused_parameters=True)
 
-    def update(self, seqs: list[Sequence], group_advantages: list[float | None] | None = None,
-               behaviour_is_current: bool = False) -> UpdateResult:
+    def update(
+        self,
+        seqs: list[Sequence],
+        group_advantages: list[float | None] | None = None,
+        behaviour_is_current: bool = False,
+    ) -> UpdateResult:
         """One update; every rank passes the *whole* batch (same sequences, same order). A batch with
         fewer sequences than ranks is trained whole by every rank (the all-reduce then averages equal
         gradients: still the single process's update)."""
         adv = self.trainer.advantages(seqs, group_advantages)  # whole batch: identical on every rank
         tokens = float(sum(len(s.output_ids) for s in seqs))
         if len(seqs) < self.world_size:
-            local = self.trainer.update(seqs, behaviour_is_current=behaviour_is_current, advantages=adv,
-                                        shard=Shard(samples=len(seqs), tokens=tokens, world_size=1))
+            local = self.trainer.update(
+                seqs,
+                behaviour_is_current=behaviour_is_current,
+                advantages=adv,
+                shard=Shard(samples=len(seqs), tokens=tokens, world_size=1),
+            )
             return UpdateResult(dict(local.stats, world_size=float(self.world_size)))
         idx = shard_indices(len(seqs), self.world_size, self.rank)
         shard = Shard(samples=len(seqs), tokens=tokens, world_size=self.world_size)
-        local = self.trainer.update([seqs[i] for i in idx], behaviour_is_current=behaviour_is_current,
-                                    advantages=adv[idx], shard=shard)
+        local = self.trainer.update(
+            [seqs[i] for i in idx], behaviour_is_current=behaviour_is_current, advantages=adv[idx], shard=shard
+        )
         per_rank: list[dict[str, float] | None] = [None] * self.world_size
         dist.all_gather_object(per_rank, local.stats)
         return UpdateResult(self._combine([s for s in per_rank if s is not None], seqs))
@@ -179,9 +202,10 @@ def _worker(rank: int, world_size: int, job: _Job) -> None:
         result = DataParallelTrainer(trainer).update(job.seqs, job.group_advantages)
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        torch.save({"state_dict": state, "grads": grads, "stats": result.stats,
-                    "baseline": trainer.baseline.state_dict()},
-                   Path(job.out_dir) / f"rank{rank}.pt")
+        torch.save(
+            {"state_dict": state, "grads": grads, "stats": result.stats, "baseline": trainer.baseline.state_dict()},
+            Path(job.out_dir) / f"rank{rank}.pt",
+        )
     finally:
         dist.destroy_process_group()
 
@@ -192,10 +216,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_update(world_size: int, model: Transformer, seqs: list[Sequence], cfg: TrainerConfig,
-                 n_vocab: int | None, pad_id: int, group_advantages: list[float | None] | None = None,
-                 baseline_state: dict | None = None, port: int | None = None,
-                 timeout_s: float = 120.0) -> SpawnResult:
+def spawn_update(
+    world_size: int,
+    model: Transformer,
+    seqs: list[Sequence],
+    cfg: TrainerConfig,
+    n_vocab: int | None,
+    pad_id: int,
+    group_advantages: list[float | None] | None = None,
+    baseline_state: dict | None = None,
+    port: int | None = None,
+    timeout_s: float = 120.0,
+) -> SpawnResult:
     """One data-parallel update of a copy of `model` by `world_size` local processes (gloo, CPU).
 
     `model` itself is not modified; `baseline_state` (a `RunningBaseline.state_dict()`) seeds every
@@ -206,8 +238,19 @@ def spawn_update(world_size: int, model: Transformer, seqs: list[Sequence], cfg:
     if not seqs:
         raise ValueError("an update needs at least one sequence")
     with tempfile.TemporaryDirectory(prefix="flywheel-ddp-") as out_dir:
-        job = _Job(model.args, {k: v.detach().clone() for k, v in model.state_dict().items()}, seqs, cfg,
-                   n_vocab, pad_id, group_advantages, baseline_state, port or free_port(), timeout_s, out_dir)
+        job = _Job(
+            model.args,
+            {k: v.detach().clone() for k, v in model.state_dict().items()},
+            seqs,
+            cfg,
+            n_vocab,
+            pad_id,
+            group_advantages,
+            baseline_state,
+            port or free_port(),
+            timeout_s,
+            out_dir,
+        )
         mp.spawn(_worker, args=(world_size, job), nprocs=world_size, join=True)
         ranks = [RankResult(**torch.load(Path(out_dir) / f"rank{r}.pt")) for r in range(world_size)]
     return SpawnResult(ranks[0].state_dict, ranks[0].stats, ranks)

@@ -60,19 +60,27 @@ class LossOutput:
 
 def _reduce(per_token_BT: torch.Tensor, mask_BT: torch.Tensor, weight_B: torch.Tensor, how: str) -> torch.Tensor:
     if how == "token":
-        w = (mask_BT * weight_B[:, None])
+        w = mask_BT * weight_B[:, None]
         return (per_token_BT * w).sum() / mask_BT.sum().clamp(min=1)
     per_seq = (per_token_BT * mask_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1)
     return (per_seq * weight_B).sum() / weight_B.numel()
 
 
-def policy_loss(logp_BT: torch.Tensor, behaviour_logp_BT: torch.Tensor, advantages_B: torch.Tensor,
-                mask_BT: torch.Tensor, cfg: LossConfig, ref_logp_BT: torch.Tensor | None = None,
-                weight_B: torch.Tensor | None = None) -> LossOutput:
+def policy_loss(
+    logp_BT: torch.Tensor,
+    behaviour_logp_BT: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_BT: torch.Tensor,
+    cfg: LossConfig,
+    ref_logp_BT: torch.Tensor | None = None,
+    weight_B: torch.Tensor | None = None,
+) -> LossOutput:
     """The loss to minimise and its statistics (`stats` are plain floats, for logging)."""
     if logp_BT.shape != behaviour_logp_BT.shape or logp_BT.shape != mask_BT.shape:
-        raise ValueError(f"logp {tuple(logp_BT.shape)}, behaviour_logp {tuple(behaviour_logp_BT.shape)} and "
-                         f"mask {tuple(mask_BT.shape)} must have the same shape")
+        raise ValueError(
+            f"logp {tuple(logp_BT.shape)}, behaviour_logp {tuple(behaviour_logp_BT.shape)} and "
+            f"mask {tuple(mask_BT.shape)} must have the same shape"
+        )
     if advantages_B.shape != logp_BT.shape[:1]:
         raise ValueError(f"advantages has shape {tuple(advantages_B.shape)}, expected ({logp_BT.shape[0]},)")
     mask = mask_BT.to(logp_BT.dtype)
@@ -158,11 +166,17 @@ class RunningBaseline:
             self.values[key] = v + max(1.0 - d, 1.0 / c) * (reward - v)
 
     def state_dict(self) -> dict:
-        return {"decay": self.decay, "min_count": self.min_count, "global_value": self.global_value,
-                "global_count": self.global_count, "values": dict(self.values), "counts": dict(self.counts)}
+        return {
+            "decay": self.decay,
+            "min_count": self.min_count,
+            "global_value": self.global_value,
+            "global_count": self.global_count,
+            "values": dict(self.values),
+            "counts": dict(self.counts),
+        }
 
     @classmethod
-    def from_state_dict(cls, state: dict) -> "RunningBaseline":
+    def from_state_dict(cls, state: dict) -> RunningBaseline:
         b = cls(state["decay"], state["min_count"])
         b.global_value, b.global_count = state["global_value"], state["global_count"]
         b.values, b.counts = dict(state["values"]), dict(state["counts"])

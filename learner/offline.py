@@ -29,9 +29,18 @@ class GroupBatch:
     """Share of all rolled-out completions that scored 1.0."""
 
 
-def rollout_groups(engine, version: str, prompts: Seq[str], verifier: Verifier, group_size: int,
-                   weight: float = 1.0, temperature: float = 1.0, max_tokens: int = 48, seed: int = 0,
-                   keys: Seq[str] | None = None) -> GroupBatch:
+def rollout_groups(
+    engine,
+    version: str,
+    prompts: Seq[str],
+    verifier: Verifier,
+    group_size: int,
+    weight: float = 1.0,
+    temperature: float = 1.0,
+    max_tokens: int = 48,
+    seed: int = 0,
+    keys: Seq[str] | None = None,
+) -> GroupBatch:
     """`group_size` completions of each prompt by `version`, scored by `verifier`; `keys[i]` names
     prompt i's baseline key (e.g. its task family; sequences get `offline:<key>`)."""
     if group_size < 2:
@@ -42,9 +51,11 @@ def rollout_groups(engine, version: str, prompts: Seq[str], verifier: Verifier, 
         raise ValueError(f"got {len(prompts)} prompts but {len(keys)} keys")
     tok = engine.tokenizer(version)
     owners = [prompt for prompt in prompts for _ in range(group_size)]
-    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens,
-                             seed=seed * 1_000_003 + pi * group_size + g)
-              for pi in range(len(prompts)) for g in range(group_size)]
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed * 1_000_003 + pi * group_size + g)
+        for pi in range(len(prompts))
+        for g in range(group_size)
+    ]
     outs = engine.generate([tok.encode_prompt(p) for p in owners], params, version)
     scores = [float(s) for s in verifier.verify(owners, [o.text for o in outs])]
     if len(scores) != len(outs):
@@ -60,7 +71,19 @@ def rollout_groups(engine, version: str, prompts: Seq[str], verifier: Verifier, 
         key = f"offline:{keys[pi]}" if keys is not None else "offline"
         for i, adv in zip(idx, group_advantages(rewards)):
             o = outs[i]
-            out.sequences.append(Sequence(o.prompt_ids, o.output_ids, o.logprobs, o.routed_experts, temperature,
-                                          1.0, reward=scores[i], version=version, key=key, weight=weight))
+            out.sequences.append(
+                Sequence(
+                    o.prompt_ids,
+                    o.output_ids,
+                    o.logprobs,
+                    o.routed_experts,
+                    temperature,
+                    1.0,
+                    reward=scores[i],
+                    version=version,
+                    key=key,
+                    weight=weight,
+                )
+            )
             out.advantages.append(adv)
     return out

@@ -94,28 +94,43 @@ def make_batch(seqs: list[Sequence], pad_id: int, n_layers: int, top_k: int, rep
         if routing is not None:
             rec = torch.from_numpy(np.ascontiguousarray(s.routed_experts)).long()
             if rec.shape[1:] != (n_layers, top_k):
-                raise ValueError(f"recorded routing has shape {tuple(rec.shape)}, the model needs [*, {n_layers}, "
-                                 f"{top_k}]")
+                raise ValueError(
+                    f"recorded routing has shape {tuple(rec.shape)}, the model needs [*, {n_layers}, {top_k}]"
+                )
             routing[i, : P + N - 1] = rec
-    return Batch(tokens, routing, out_pos, targets, mask, behaviour,
-                 torch.tensor([s.temperature for s in seqs]), torch.tensor([s.top_p for s in seqs]))
+    return Batch(
+        tokens,
+        routing,
+        out_pos,
+        targets,
+        mask,
+        behaviour,
+        torch.tensor([s.temperature for s in seqs]),
+        torch.tensor([s.top_p for s in seqs]),
+    )
 
 
-def trainer_logprobs(model: torch.nn.Module, batch: Batch, n_vocab: int | None = None,
-                     replay: bool = True, batch_invariant: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def trainer_logprobs(
+    model: torch.nn.Module, batch: Batch, n_vocab: int | None = None, replay: bool = True, batch_invariant: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probabilities of the output tokens [B, T] under the sampling transform, routed experts [B, S, L, K]).
 
     `batch_invariant`: the model's batch-invariant kernels (float32), the ones the engine decodes
     with by default, so the recomputation is bit-identical to the recorded values at the behaviour
     version whatever the micro-batch; off, the two differ by float32 rounding (a few 1e-6)."""
-    out = model(batch.tokens_BS, replay_experts=batch.replay_BSLK if replay else None, return_experts=True,
-                batch_invariant=batch_invariant)
+    out = model(
+        batch.tokens_BS,
+        replay_experts=batch.replay_BSLK if replay else None,
+        return_experts=True,
+        batch_invariant=batch_invariant,
+    )
     B, T = batch.targets_BT.shape
     logits = out.logits.gather(1, batch.out_pos_BT[..., None].expand(B, T, out.logits.shape[-1]))
     logits = logits[..., :n_vocab] if n_vocab else logits
     V = logits.shape[-1]
-    logp = sampling_logprobs(logits.reshape(B * T, V), batch.temps_B.repeat_interleave(T),
-                                 batch.top_p_B.repeat_interleave(T)).view(B, T, V)
+    logp = sampling_logprobs(
+        logits.reshape(B * T, V), batch.temps_B.repeat_interleave(T), batch.top_p_B.repeat_interleave(T)
+    ).view(B, T, V)
     chosen = logp.gather(-1, batch.targets_BT[..., None]).squeeze(-1)
     # A token cut by the trainer's own top-p has log-probability -inf: keep it finite and out of the loss.
     chosen = torch.where(torch.isfinite(chosen), chosen, torch.full_like(chosen, -30.0))
@@ -123,14 +138,16 @@ def trainer_logprobs(model: torch.nn.Module, batch: Batch, n_vocab: int | None =
 
 
 @torch.no_grad()
-def mismatch_stats(model: Transformer, batch: Batch, n_vocab: int | None = None,
-                   batch_invariant: bool = True) -> dict[str, float]:
+def mismatch_stats(
+    model: Transformer, batch: Batch, n_vocab: int | None = None, batch_invariant: bool = True
+) -> dict[str, float]:
     """At the behaviour version: recorded vs recomputed log-probs (with replay), and how many
     (token, layer) routing decisions the trainer would make differently without replay."""
     stats: dict[str, float] = {}
     n = batch.mask_BT.sum().clamp(min=1)
-    lp, _ = trainer_logprobs(model, batch, n_vocab, replay=batch.replay_BSLK is not None,
-                             batch_invariant=batch_invariant)
+    lp, _ = trainer_logprobs(
+        model, batch, n_vocab, replay=batch.replay_BSLK is not None, batch_invariant=batch_invariant
+    )
     d = (lp - batch.behaviour_BT).abs() * batch.mask_BT
     stats["abs_dlogp_mean"] = float(d.sum() / n)
     stats["abs_dlogp_max"] = float(d.max())

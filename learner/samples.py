@@ -20,13 +20,22 @@ def sequence_from_sample(ev: SampleEvent, key: str | None = None) -> Sequence:
     c = ev.completion
     shape = tuple(c.routed_experts.shape)
     experts = np.frombuffer(c.routed_experts.to_bytes(), dtype=np.uint8).reshape(shape).copy()
-    return Sequence(prompt_ids=c.prompt_ids, output_ids=c.output_ids, logprobs=c.logprobs, routed_experts=experts,
-                    temperature=float(c.params.get("temperature", 1.0)), top_p=float(c.params.get("top_p", 1.0)),
-                    reward=ev.reward, version=c.model_version, key=key)
+    return Sequence(
+        prompt_ids=c.prompt_ids,
+        output_ids=c.output_ids,
+        logprobs=c.logprobs,
+        routed_experts=experts,
+        temperature=float(c.params.get("temperature", 1.0)),
+        top_p=float(c.params.get("top_p", 1.0)),
+        reward=ev.reward,
+        version=c.model_version,
+        key=key,
+    )
 
 
-def select(events: list[SampleEvent], version_index: dict[str, int], current: int, max_staleness: int,
-           key_of=None) -> tuple[list[Sequence], Counter[str]]:
+def select(
+    events: list[SampleEvent], version_index: dict[str, int], current: int, max_staleness: int, key_of=None
+) -> tuple[list[Sequence], Counter[str]]:
     """Trainable sequences and the count of what was dropped, by reason."""
     dropped: Counter[str] = Counter()
     out = []

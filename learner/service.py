@@ -89,8 +89,16 @@ def _sha256(path: Path) -> str:
 
 
 class LearnerService:
-    def __init__(self, bus: EventBus, registry: Registry, models_dir: str | Path, base_dir: str | Path,
-                 cfg: LearnerConfig = LearnerConfig(), clock=time.time):
+    def __init__(
+        self,
+        bus: EventBus,
+        registry: Registry,
+        models_dir: str | Path,
+        base_dir: str | Path,
+        cfg: LearnerConfig | None = None,
+        clock=time.time,
+    ):
+        cfg = cfg or LearnerConfig()
         self.bus, self.registry, self.cfg, self.clock = bus, registry, cfg, clock
         self.models_dir = Path(models_dir)
         self.models_dir.mkdir(parents=True, exist_ok=True)
@@ -146,12 +154,20 @@ class LearnerService:
             try:
                 base = self.registry.get(vid)
             except UnknownVersion:
-                base = self.registry.register(version_id=vid, parent_id=None, notes=f"copied from {base_dir}",
-                                              files=[self._file_entry(self.models_dir / vid, "snapshot", vid),
-                                                     self._store_entry(vid)],
-                                              reason="learner started from the base model")
-            self.state = {"current": base.id, "versions": [base.id], "dirs": {base.id: str(self.models_dir / vid)},
-                          "positions": {}, "trained_ids": []}
+                base = self.registry.register(
+                    version_id=vid,
+                    parent_id=None,
+                    notes=f"copied from {base_dir}",
+                    files=[self._file_entry(self.models_dir / vid, "snapshot", vid), self._store_entry(vid)],
+                    reason="learner started from the base model",
+                )
+            self.state = {
+                "current": base.id,
+                "versions": [base.id],
+                "dirs": {base.id: str(self.models_dir / vid)},
+                "positions": {},
+                "trained_ids": [],
+            }
             atomic_write(self.state_path, json.dumps(self.state))
 
     def _free_id(self, n: int) -> str:
@@ -170,8 +186,12 @@ class LearnerService:
         if path is None:
             raise ValueError(f"version {version_id!r} is not in the weight store")
         kind = "delta" if path.name.endswith(DELTA_SUFFIX) else "snapshot"
-        return {"path": str(path.relative_to(self.models_dir)), "sha256": _sha256(path),
-                "bytes": path.stat().st_size, "kind": kind}
+        return {
+            "path": str(path.relative_to(self.models_dir)),
+            "sha256": _sha256(path),
+            "bytes": path.stat().st_size,
+            "kind": kind,
+        }
 
     @staticmethod
     def _file_entry(folder: Path, kind: str, version_id: str) -> dict:
@@ -259,17 +279,22 @@ class LearnerService:
         for r in records:
             positions[r.partition] = max(positions.get(r.partition, 0), r.offset + 1)
         new_id = None
-        offline = [(s, a) for s, a in offline_all if s.version in index
-                   and current_idx - index[s.version] <= self.cfg.max_staleness]
+        offline = [
+            (s, a)
+            for s, a in offline_all
+            if s.version in index and current_idx - index[s.version] <= self.cfg.max_staleness
+        ]
         self.counters["dropped_offline_stale"] += len(offline_all) - len(offline)
         self.offline = []
         if seqs or offline:
             behaviour_now = all(s.version == self.current for s in seqs) and bool(seqs)
             advs = [None] * len(seqs) + [a for _, a in offline]
             train = self.dp.update if self.dp is not None else self.trainer.update
-            stats: dict[str, Any] = train(seqs + [s for s, _ in offline],
-                                          group_advantages=advs if offline else None,
-                                          behaviour_is_current=behaviour_now).stats
+            stats: dict[str, Any] = train(
+                seqs + [s for s, _ in offline],
+                group_advantages=advs if offline else None,
+                behaviour_is_current=behaviour_now,
+            ).stats
             stats["offline_samples"] = len(offline)
             stats["dropped"] = dict(dropped)
             before = {int(p): o for p, o in self.state["positions"].items()}
@@ -305,18 +330,28 @@ class LearnerService:
         tmp = self.models_dir / f".next-{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         save_checkpoint(self.model, tmp, tokenizer=self.tokenizer)
-        torch.save({"optimizer": self.trainer.opt.state_dict(), "baseline": self.trainer.baseline,
-                    "updates": self.trainer.updates}, tmp / OPT_STATE)
+        torch.save(
+            {
+                "optimizer": self.trainer.opt.state_dict(),
+                "baseline": self.trainer.baseline,
+                "updates": self.trainer.updates,
+            },
+            tmp / OPT_STATE,
+        )
         # Registered before it is renamed into place: a crash in between leaves a registered candidate
         # whose folder is missing (the registry's file hash tells it apart), never a folder without a row.
         vid = self._free_id(len(self.state["versions"]))
         shipped = self.store.put(vid, shipping_state(self.model), parent=self.current)
         stats["shipping"] = {"kind": shipped.kind, "bytes": shipped.nbytes}
-        version = self.registry.register(version_id=vid, parent_id=self.current, metrics=stats,
-                                         files=[self._file_entry(tmp, "snapshot", vid), self._store_entry(vid)],
-                                         delta_base_id=self.current if shipped.kind == "delta" else None,
-                                         data_range={self.cfg.topic: covered},
-                                         reason=f"learner update {self.trainer.updates}")
+        version = self.registry.register(
+            version_id=vid,
+            parent_id=self.current,
+            metrics=stats,
+            files=[self._file_entry(tmp, "snapshot", vid), self._store_entry(vid)],
+            delta_base_id=self.current if shipped.kind == "delta" else None,
+            data_range={self.cfg.topic: covered},
+            reason=f"learner update {self.trainer.updates}",
+        )
         folder = self.models_dir / version.id
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(tmp, folder)

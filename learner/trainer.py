@@ -36,8 +36,10 @@ class TrainerConfig(BaseModel):
     steps_per_update: int = Field(1, ge=1, description="Optimizer steps per update (passes over the batch).")
     replay: bool = Field(True, description="Route every token to its recorded experts.")
     batch_invariant: bool = Field(
-        True, description="Recompute log-probs with the model's batch-invariant float32 kernels (as the engine "
-                          "decodes by default): bit-identical to the served values at the behaviour version.")
+        True,
+        description="Recompute log-probs with the model's batch-invariant float32 kernels (as the engine "
+        "decodes by default): bit-identical to the served values at the behaviour version.",
+    )
     baseline_decay: float = Field(0.95, gt=0, lt=1, description="EMA decay of the running reward baseline.")
     baseline_min_count: int = Field(20, ge=0, description="Rewards a key needs before its own baseline is used.")
     loss: LossConfig = Field(default_factory=LossConfig, description="The objective's settings.")
@@ -59,8 +61,14 @@ class Shard:
 
 
 class Trainer:
-    def __init__(self, model: Transformer, cfg: TrainerConfig, n_vocab: int | None, pad_id: int,
-                 reference: Transformer | None = None):
+    def __init__(
+        self,
+        model: Transformer,
+        cfg: TrainerConfig,
+        n_vocab: int | None,
+        pad_id: int,
+        reference: Transformer | None = None,
+    ):
         self.model, self.cfg, self.n_vocab, self.pad_id = model, cfg, n_vocab, pad_id
         self.reference = reference.eval() if reference is not None else None
         # The loss's forward goes through this: the model itself, or a DistributedDataParallel wrapper
@@ -81,9 +89,15 @@ class Trainer:
                 self.baseline.update(s.reward, s.key)
         return torch.tensor(adv, dtype=torch.float32)
 
-    def update(self, seqs: list[Sequence], group_advantages: list[float | None] | None = None,
-               behaviour_is_current: bool = False, *, advantages: torch.Tensor | None = None,
-               shard: Shard | None = None) -> UpdateResult:
+    def update(
+        self,
+        seqs: list[Sequence],
+        group_advantages: list[float | None] | None = None,
+        behaviour_is_current: bool = False,
+        *,
+        advantages: torch.Tensor | None = None,
+        shard: Shard | None = None,
+    ) -> UpdateResult:
         """`advantages` (one per sequence) replaces `self.advantages(...)`, and then the baseline is not
         touched; `shard` says `seqs` are this rank's part of a bigger batch (both: learner.distributed)."""
         if not seqs:
@@ -97,12 +111,13 @@ class Trainer:
         else:
             raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected ({len(seqs)},)")
         weights = torch.tensor([s.weight for s in seqs], dtype=torch.float32)
-        stats: dict[str, float] = {"samples": float(len(seqs)),
-                                   "reward_mean": sum(s.reward for s in seqs) / len(seqs)}
-        chunks = [list(range(i, min(i + self.cfg.micro_batch, len(seqs))))
-                  for i in range(0, len(seqs), self.cfg.micro_batch)]
-        batches = [make_batch([seqs[j] for j in c], self.pad_id, args.n_layers, args.top_k, self.cfg.replay)
-                   for c in chunks]
+        stats: dict[str, float] = {"samples": float(len(seqs)), "reward_mean": sum(s.reward for s in seqs) / len(seqs)}
+        chunks = [
+            list(range(i, min(i + self.cfg.micro_batch, len(seqs)))) for i in range(0, len(seqs), self.cfg.micro_batch)
+        ]
+        batches = [
+            make_batch([seqs[j] for j in c], self.pad_id, args.n_layers, args.top_k, self.cfg.replay) for c in chunks
+        ]
         if behaviour_is_current:  # the model still is the behaviour version: measure serving vs trainer
             self.model.eval()
             stats.update(mismatch_stats(self.model, batches[0], self.n_vocab, self.cfg.batch_invariant))
@@ -117,20 +132,31 @@ class Trainer:
             for k_mb, (c, batch) in enumerate(zip(chunks, batches)):
                 sync = nullcontext() if no_sync is None or k_mb == len(batches) - 1 else no_sync()
                 with sync:
-                    logp, _ = trainer_logprobs(self.forward_model, batch, self.n_vocab,
-                                               replay=self.cfg.replay, batch_invariant=self.cfg.batch_invariant)
+                    logp, _ = trainer_logprobs(
+                        self.forward_model,
+                        batch,
+                        self.n_vocab,
+                        replay=self.cfg.replay,
+                        batch_invariant=self.cfg.batch_invariant,
+                    )
                     ref = None
                     if self.reference is not None and self.cfg.loss.kl_coef > 0:
                         with torch.no_grad():
-                            ref, _ = trainer_logprobs(self.reference, batch, self.n_vocab,
-                                                      replay=self.cfg.replay,
-                                                      batch_invariant=self.cfg.batch_invariant)
-                    out = policy_loss(logp, batch.behaviour_BT, adv[c], batch.mask_BT, self.cfg.loss, ref,
-                                      weights[c])
+                            ref, _ = trainer_logprobs(
+                                self.reference,
+                                batch,
+                                self.n_vocab,
+                                replay=self.cfg.replay,
+                                batch_invariant=self.cfg.batch_invariant,
+                            )
+                    out = policy_loss(logp, batch.behaviour_BT, adv[c], batch.mask_BT, self.cfg.loss, ref, weights[c])
                     # Micro-batches weigh by their share of the (whole) batch: tokens or sequences,
                     # as normalised.
-                    share = (float(batch.mask_BT.sum()) / norm_tokens if self.cfg.loss.normalize == "token"
-                             else len(c) / norm_samples)
+                    share = (
+                        float(batch.mask_BT.sum()) / norm_tokens
+                        if self.cfg.loss.normalize == "token"
+                        else len(c) / norm_samples
+                    )
                     (out.loss * (share * grad_scale)).backward()
                 for k, v in out.stats.items():
                     agg[k] = agg.get(k, 0.0) + v * share

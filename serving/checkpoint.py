@@ -59,22 +59,24 @@ def hf_name(name: str) -> str:
 def args_to_config(args: ModelArgs, dtype: torch.dtype) -> dict:
     cfg = {key: getattr(args, field) for field, key in _CONFIG_KEYS.items()}
     dtype_name = next(k for k, v in _DTYPES.items() if v == dtype)
-    cfg.update({
-        "architectures": ["MixtralForCausalLM"],
-        "model_type": "mixtral",
-        "head_dim": args.head_dim,
-        "hidden_act": "silu",
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
-        "sliding_window": None,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "router_aux_loss_coef": 0.0,
-        "router_jitter_noise": 0.0,
-        "output_router_logits": False,
-        "use_cache": True,
-        "torch_dtype": dtype_name,
-        "dtype": dtype_name,
-    })
+    cfg.update(
+        {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "head_dim": args.head_dim,
+            "hidden_act": "silu",
+            "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+            "sliding_window": None,
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "router_aux_loss_coef": 0.0,
+            "router_jitter_noise": 0.0,
+            "output_router_logits": False,
+            "use_cache": True,
+            "torch_dtype": dtype_name,
+            "dtype": dtype_name,
+        }
+    )
     return cfg
 
 
@@ -107,16 +109,22 @@ def config_to_args(cfg: dict, path: Path) -> tuple[ModelArgs, torch.dtype]:
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: {e}") from None
     if head_dim is not None and head_dim != args.head_dim:
-        raise CheckpointError(f"{where}: field 'head_dim'={head_dim!r} must equal hidden_size/num_attention_heads"
-                              f"={args.head_dim}")
+        raise CheckpointError(
+            f"{where}: field 'head_dim'={head_dim!r} must equal hidden_size/num_attention_heads={args.head_dim}"
+        )
     dtype_name = cfg.get("torch_dtype", cfg.get("dtype", "float32"))
     if dtype_name not in _DTYPES:
         raise CheckpointError(f"{where}: field 'torch_dtype' must be one of {sorted(_DTYPES)}, got {dtype_name!r}")
     return args, _DTYPES[dtype_name]
 
 
-def save_checkpoint(model: Transformer, folder: str | Path, tokenizer=None, dtype: torch.dtype | None = None,
-                    extra_files: dict[str, str] | None = None) -> Path:
+def save_checkpoint(
+    model: Transformer,
+    folder: str | Path,
+    tokenizer=None,
+    dtype: torch.dtype | None = None,
+    extra_files: dict[str, str] | None = None,
+) -> Path:
     """Write `model` (and `tokenizer`, a `serving.tokenizer.Tokenizer`) as an HF Mixtral folder.
 
     Files are written to temporary names and renamed into place, weights last-but-config, so a
@@ -175,25 +183,27 @@ def load_checkpoint(folder: str | Path, dtype: torch.dtype | None = None) -> Tra
     args, file_dtype = read_config(folder)
     state = load_state(folder)
     model = Transformer(args)
-    expected = {hf_name(n): p for n, p in model.state_dict().items()
-                if not (args.tie_embeddings and n == "lm_head.weight")}
+    expected = {
+        hf_name(n): p for n, p in model.state_dict().items() if not (args.tie_embeddings and n == "lm_head.weight")
+    }
     where = folder / WEIGHTS
     missing = sorted(set(expected) - set(state))
     if missing:
-        raise CheckpointError(f"{where}: missing tensor {missing[0]!r}" +
-                              (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        raise CheckpointError(
+            f"{where}: missing tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
     unexpected = sorted(set(state) - set(expected))
     if unexpected:
         raise CheckpointError(f"{where}: unexpected tensor {unexpected[0]!r} (config says {args})")
     for name, ref in expected.items():
         got = state[name]
         if tuple(got.shape) != tuple(ref.shape):
-            raise CheckpointError(f"{where}: tensor {name!r} has shape {tuple(got.shape)}, "
-                                  f"config.json implies {tuple(ref.shape)}")
+            raise CheckpointError(
+                f"{where}: tensor {name!r} has shape {tuple(got.shape)}, config.json implies {tuple(ref.shape)}"
+            )
         if got.dtype != file_dtype:
             raise CheckpointError(f"{where}: tensor {name!r} has dtype {got.dtype}, config.json says {file_dtype}")
-    ours = {n: state[hf_name(n)] for n in model.state_dict()
-            if not (args.tie_embeddings and n == "lm_head.weight")}
+    ours = {n: state[hf_name(n)] for n in model.state_dict() if not (args.tie_embeddings and n == "lm_head.weight")}
     model.load_state_dict(ours, strict=not args.tie_embeddings, assign=True)
     if args.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

@@ -74,8 +74,17 @@ class ModelArgs:
     pad_id: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "n_experts",
-                     "top_k", "max_seq_len"):
+        for name in (
+            "vocab_size",
+            "dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "hidden_dim",
+            "n_experts",
+            "top_k",
+            "max_seq_len",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"ModelArgs.{name} must be a positive integer, got {value!r}")
@@ -104,14 +113,34 @@ class ModelArgs:
 
 PRESETS: dict[str, ModelArgs] = {
     # For unit tests: every code path, a few kB of weights.
-    "tiny": ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=48,
-                      n_experts=4, top_k=2, max_seq_len=64),
+    "tiny": ModelArgs(
+        vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=48, n_experts=4, top_k=2, max_seq_len=64
+    ),
     # The demo product's model: pre-trained from scratch on this machine in minutes.
-    "demo": ModelArgs(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=256,
-                      n_experts=4, top_k=2, max_seq_len=256),
+    "demo": ModelArgs(
+        vocab_size=512,
+        dim=128,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        hidden_dim=256,
+        n_experts=4,
+        top_k=2,
+        max_seq_len=256,
+    ),
     # The real thing, for reference (never instantiated here).
-    "mixtral-8x7b": ModelArgs(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-                              hidden_dim=14336, n_experts=8, top_k=2, max_seq_len=32768, rope_theta=1e6),
+    "mixtral-8x7b": ModelArgs(
+        vocab_size=32000,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        hidden_dim=14336,
+        n_experts=8,
+        top_k=2,
+        max_seq_len=32768,
+        rope_theta=1e6,
+    ),
 }
 
 
@@ -138,8 +167,14 @@ class KVCache:
     extra: dict = field(default_factory=dict)
 
     @classmethod
-    def empty(cls, args: ModelArgs, n_slots: int, max_len: int | None = None,
-              dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> KVCache:
+    def empty(
+        cls,
+        args: ModelArgs,
+        n_slots: int,
+        max_len: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> KVCache:
         length = max_len or args.max_seq_len
         shape = (args.n_layers, n_slots, args.n_kv_heads, length, args.head_dim)
         v = torch.zeros(shape[:-1] + (value_width(args.head_dim),), dtype=dtype, device=device)
@@ -154,8 +189,16 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[3]
 
-    def write_read(self, layer: int, slots_B: torch.Tensor, positions_BT: torch.Tensor, k_BTGd: torch.Tensor,
-                   v_BTGd: torch.Tensor, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def write_read(
+        self,
+        layer: int,
+        slots_B: torch.Tensor,
+        positions_BT: torch.Tensor,
+        k_BTGd: torch.Tensor,
+        v_BTGd: torch.Tensor,
+        length: int,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this call's keys/values at their positions, then read positions [0, length) of the slots:
         (keys [B, G, length, Dh], values [B, G, length, value_width(Dh)]), both contiguous."""
         Dh = self.k.shape[-1]
@@ -214,7 +257,9 @@ class InvariantSiLU(torch.autograd.Function):
         return torch.ops.aten.silu_backward(grad, x)
 
 
-def _attend(q_BHTd: torch.Tensor, k_BGSd: torch.Tensor, v_BGSW: torch.Tensor, query_pos_BT: torch.Tensor) -> torch.Tensor:
+def _attend(
+    q_BHTd: torch.Tensor, k_BGSd: torch.Tensor, v_BGSW: torch.Tensor, query_pos_BT: torch.Tensor
+) -> torch.Tensor:
     """The batch-invariant attention's forward (no autograd). Key s is visible to query t of sequence b
     iff s <= query_pos_BT[b, t]. `v_BGSW` holds [v | 1 | 0...] rows (`value_width`). Returns [B, T, H * Dh]."""
     B, H, T, Dh = q_BHTd.shape
@@ -261,13 +306,15 @@ def _attend(q_BHTd: torch.Tensor, k_BGSd: torch.Tensor, v_BGSW: torch.Tensor, qu
         o_BGbWN = o_BGbWN[:, :, 0::2] + o_BGbWN[:, :, 1::2]
     o_BGWRT = o_BGbWN.view(B, G, W, R, T)
     out_BTGRd = torch.empty((B, T, G, R, Dh), dtype=q_BHTd.dtype, device=q_BHTd.device)
-    torch.div(o_BGWRT[:, :, :Dh].permute(0, 4, 1, 3, 2), o_BGWRT[:, :, Dh:Dh + 1].permute(0, 4, 1, 3, 2),
-              out=out_BTGRd)
+    torch.div(
+        o_BGWRT[:, :, :Dh].permute(0, 4, 1, 3, 2), o_BGWRT[:, :, Dh : Dh + 1].permute(0, 4, 1, 3, 2), out=out_BTGRd
+    )
     return out_BTGRd.view(B, T, H * Dh)
 
 
-def invariant_attention(q_BHTd: torch.Tensor, k_BGSd: torch.Tensor, v_BGSW: torch.Tensor,
-                        query_pos_BT: torch.Tensor, causal: bool) -> torch.Tensor:
+def invariant_attention(
+    q_BHTd: torch.Tensor, k_BGSd: torch.Tensor, v_BGSW: torch.Tensor, query_pos_BT: torch.Tensor, causal: bool
+) -> torch.Tensor:
     """`InvariantAttention`; without autograd when no gradient is wanted (decode steps)."""
     if torch.is_grad_enabled() and (q_BHTd.requires_grad or k_BGSd.requires_grad or v_BGSW.requires_grad):
         return InvariantAttention.apply(q_BHTd, k_BGSd, v_BGSW, query_pos_BT, causal)
@@ -300,7 +347,9 @@ class InvariantAttention(torch.autograd.Function):
             if ctx.causal:
                 out = F.scaled_dot_product_attention(q, k, v[..., :Dh], is_causal=True, enable_gqa=True)
             else:
-                mask_B1TS = (torch.arange(k.shape[2], device=q.device)[None, None, :] <= query_pos_BT[..., None])[:, None]
+                mask_B1TS = (torch.arange(k.shape[2], device=q.device)[None, None, :] <= query_pos_BT[..., None])[
+                    :, None
+                ]
                 out = F.scaled_dot_product_attention(q, k, v[..., :Dh], attn_mask=mask_B1TS, enable_gqa=True)
             out = out.transpose(1, 2).reshape(B, T, H * Dh)
             inputs = [t for t, w in zip((q, k, v), wanted) if w]
@@ -322,8 +371,9 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(positions_BT: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
-                                             device=positions_BT.device).float() / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions_BT.device).float() / head_dim)
+    )
     freqs_BTd = positions_BT.float()[..., None] * inv_freq  # [B, T, Dh/2]
     emb = torch.cat((freqs_BTd, freqs_BTd), dim=-1)  # rotate-half layout, as HF
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -348,8 +398,18 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x_BTD, cos, sin, cache: KVCache | None, layer: int, slots_B, positions_BT, mask_B1TS,
-                invariant: bool = False):
+    def forward(
+        self,
+        x_BTD,
+        cos,
+        sin,
+        cache: KVCache | None,
+        layer: int,
+        slots_B,
+        positions_BT,
+        mask_B1TS,
+        invariant: bool = False,
+    ):
         B, T, _ = x_BTD.shape
         lin = (lambda m, x: invariant_linear(x, m.weight)) if invariant else (lambda m, x: m(x))
         q_BHTd = lin(self.q_proj, x_BTD).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
@@ -365,20 +425,24 @@ class Attention(nn.Module):
                 out_BTE = invariant_attention(q_BHTd, k_BGTd, v_BGTW, query_pos_BT, True)
             else:  # whole key blocks from the cache: the keys past each position get weight 0
                 length = -(-mask_B1TS.shape[-1] // KEY_BLOCK) * KEY_BLOCK
-                k_BGSd, v_BGSW = cache.write_read(layer, slots_B, positions_BT, k_BGTd.transpose(1, 2), v_BTGd,
-                                                  length, q_BHTd.dtype)
+                k_BGSd, v_BGSW = cache.write_read(
+                    layer, slots_B, positions_BT, k_BGTd.transpose(1, 2), v_BTGd, length, q_BHTd.dtype
+                )
                 out_BTE = invariant_attention(q_BHTd, k_BGSd, v_BGSW, positions_BT, False)
             return invariant_linear(out_BTE, self.o_proj.weight)
         if cache is None:
             # Training / full forward: plain causal attention over this call's tokens.
-            out = F.scaled_dot_product_attention(q_BHTd, k_BGTd, v_BTGd.transpose(1, 2), is_causal=True,
-                                                 enable_gqa=True)
+            out = F.scaled_dot_product_attention(
+                q_BHTd, k_BGTd, v_BTGd.transpose(1, 2), is_causal=True, enable_gqa=True
+            )
         else:
             # Decode / prefill into slots: write this call's K/V first, then read [0, S).
-            k_BGSd, v_BGSW = cache.write_read(layer, slots_B, positions_BT, k_BGTd.transpose(1, 2), v_BTGd,
-                                              mask_B1TS.shape[-1], q_BHTd.dtype)
-            out = F.scaled_dot_product_attention(q_BHTd, k_BGSd, v_BGSW[..., :self.head_dim], attn_mask=mask_B1TS,
-                                                 enable_gqa=True)
+            k_BGSd, v_BGSW = cache.write_read(
+                layer, slots_B, positions_BT, k_BGTd.transpose(1, 2), v_BTGd, mask_B1TS.shape[-1], q_BHTd.dtype
+            )
+            out = F.scaled_dot_product_attention(
+                q_BHTd, k_BGSd, v_BGSW[..., : self.head_dim], attn_mask=mask_B1TS, enable_gqa=True
+            )
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
@@ -433,10 +497,12 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.block_sparse_moe = SparseMoE(args)
 
-    def forward(self, x_BTD, cos, sin, cache, layer, slots_B, positions_BT, mask_B1TS, replay_BTK,
-                invariant: bool = False):
-        x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), cos, sin, cache, layer, slots_B,
-                                       positions_BT, mask_B1TS, invariant)
+    def forward(
+        self, x_BTD, cos, sin, cache, layer, slots_B, positions_BT, mask_B1TS, replay_BTK, invariant: bool = False
+    ):
+        x_BTD = x_BTD + self.self_attn(
+            self.input_layernorm(x_BTD), cos, sin, cache, layer, slots_B, positions_BT, mask_B1TS, invariant
+        )
         B, T, D = x_BTD.shape
         h_ND = self.post_attention_layernorm(x_BTD).reshape(B * T, D)
         replay_NK = None if replay_BTK is None else replay_BTK.reshape(B * T, -1)
@@ -471,10 +537,17 @@ class Transformer(nn.Module):
                     p.mul_(1.0 / math.sqrt(2 * self.args.n_layers))
         return self
 
-    def forward(self, tokens_BT: torch.Tensor, *, positions_BT: torch.Tensor | None = None,
-                cache: KVCache | None = None, slots_B: torch.Tensor | None = None,
-                replay_experts: torch.Tensor | None = None, return_experts: bool = False,
-                batch_invariant: bool | None = None) -> ModelOutput:
+    def forward(
+        self,
+        tokens_BT: torch.Tensor,
+        *,
+        positions_BT: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        slots_B: torch.Tensor | None = None,
+        replay_experts: torch.Tensor | None = None,
+        return_experts: bool = False,
+        batch_invariant: bool | None = None,
+    ) -> ModelOutput:
         """Logits for every position of `tokens_BT`.
 
         Without `cache`: a causal forward over the tokens given (training, scoring, parity).
@@ -492,7 +565,9 @@ class Transformer(nn.Module):
             want = (B, T, args.n_layers, args.top_k)
             if tuple(replay_experts.shape) != want:
                 raise ValueError(f"replay_experts has shape {tuple(replay_experts.shape)}, expected {want}")
-            if replay_experts.numel() and (int(replay_experts.min()) < 0 or int(replay_experts.max()) >= args.n_experts):
+            if replay_experts.numel() and (
+                int(replay_experts.min()) < 0 or int(replay_experts.max()) >= args.n_experts
+            ):
                 raise ValueError(f"replay_experts holds an expert id outside [0, {args.n_experts})")
         mask_B1TS = None
         if cache is not None:
@@ -511,8 +586,7 @@ class Transformer(nn.Module):
         routed = []
         for i, layer in enumerate(self.layers):
             replay_BTK = None if replay_experts is None else replay_experts[:, :, i]
-            x_BTD, idx_BTK = layer(x_BTD, cos, sin, cache, i, slots_B, positions_BT, mask_B1TS, replay_BTK,
-                                   invariant)
+            x_BTD, idx_BTK = layer(x_BTD, cos, sin, cache, i, slots_B, positions_BT, mask_B1TS, replay_BTK, invariant)
             routed.append(idx_BTK)
         h_BTD = self.norm(x_BTD)
         logits = invariant_linear(h_BTD, self.lm_head.weight) if invariant else self.lm_head(h_BTD)

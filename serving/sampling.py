@@ -29,8 +29,11 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past end-of-sequence (benchmarks: fixed output length)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 2.0 \
-                or math.isnan(self.temperature):
+        if (
+            not isinstance(self.temperature, (int, float))
+            or not 0.0 <= self.temperature <= 2.0
+            or math.isnan(self.temperature)
+        ):
             raise ValueError(f"temperature must be in [0, 2], got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")

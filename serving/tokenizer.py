@@ -90,17 +90,21 @@ class Tokenizer:
         # What transformers' AutoTokenizer (and so vLLM) needs besides tokenizer.json.
         cfg = {
             "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
-            "add_bos_token": False, "add_eos_token": False,
+            "bos_token": BOS,
+            "eos_token": EOS,
+            "pad_token": PAD,
+            "add_bos_token": False,
+            "add_eos_token": False,
             "clean_up_tokenization_spaces": False,
             "model_max_length": 1 << 20,
         }
         (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
-        (folder / "special_tokens_map.json").write_text(json.dumps({"bos_token": BOS, "eos_token": EOS,
-                                                                    "pad_token": PAD}, indent=2))
+        (folder / "special_tokens_map.json").write_text(
+            json.dumps({"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}, indent=2)
+        )
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "Tokenizer":
+    def from_file(cls, path: str | Path) -> Tokenizer:
         path = Path(path)
         if path.is_dir():
             path = path / "tokenizer.json"
@@ -120,11 +124,19 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> Tokenizer:
     inner = HFTokenizer(models.BPE())
     # Digits stand alone, so a number reads the same wherever it appears (copying a constant from the
     # prompt into code is then the same token); then GPT-2's byte-level split.
-    inner.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                   pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    inner.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     inner.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     inner.train_from_iterator(texts, trainer=trainer)
     return Tokenizer(inner)
 
@@ -136,8 +148,11 @@ def _byte_decoder() -> dict[str, int]:
     """The inverse of GPT-2's byte -> printable-unicode table used by the ByteLevel pre-tokenizer."""
     global _BYTE_DECODER
     if _BYTE_DECODER is None:
-        bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-            list(range(ord("®"), ord("ÿ") + 1))
+        bs = (
+            list(range(ord("!"), ord("~") + 1))
+            + list(range(ord("¡"), ord("¬") + 1))
+            + list(range(ord("®"), ord("ÿ") + 1))
+        )
         cs = bs[:]
         n = 0
         for b in range(256):

@@ -62,9 +62,18 @@ SNAPSHOT_SUFFIX = ".snapshot.fws"
 DELTA_SUFFIX = ".delta.fws"
 _VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-          "float64": torch.float64, "int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16,
-          "int32": torch.int32, "int64": torch.int64, "bool": torch.bool}
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
 _NAMES = {v: k for k, v in DTYPES.items()}
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _SINT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
@@ -141,8 +150,14 @@ def _layout(state: dict[str, torch.Tensor]):
         offset = ends.get(key, 0)
         ends[key] = offset + len(words)
         parts.setdefault(key, []).append(words)
-        entries[name] = {"dtype": _NAMES[state[name].dtype], "shape": list(state[name].shape),
-                         "nbytes": words.nbytes, "stream": key, "offset": offset, "words": len(words)}
+        entries[name] = {
+            "dtype": _NAMES[state[name].dtype],
+            "shape": list(state[name].shape),
+            "nbytes": words.nbytes,
+            "stream": key,
+            "offset": offset,
+            "words": len(words),
+        }
     streams = {k: np.concatenate(v) if len(v) > 1 else v[0].copy() for k, v in parts.items()}
     return entries, streams
 
@@ -161,7 +176,7 @@ def _map(fn, items: list) -> list:
 
 
 def _slice(streams: dict, e: dict) -> np.ndarray:
-    return streams[e["stream"]][e["offset"]:e["offset"] + e["words"]]
+    return streams[e["stream"]][e["offset"] : e["offset"] + e["words"]]
 
 
 def _hashes(entries: dict, streams: dict) -> dict[str, str]:
@@ -169,14 +184,23 @@ def _hashes(entries: dict, streams: dict) -> dict[str, str]:
 
 
 def _tensors(entries: dict, streams: dict) -> dict[str, torch.Tensor]:
-    return {n: torch.from_numpy((w := _slice(streams, e)).view(_SINT[w.itemsize])).view(DTYPES[e["dtype"]])
-            .reshape(e["shape"]) for n, e in entries.items()}
+    return {
+        n: torch.from_numpy((w := _slice(streams, e)).view(_SINT[w.itemsize]))
+        .view(DTYPES[e["dtype"]])
+        .reshape(e["shape"])
+        for n, e in entries.items()
+    }
 
 
 def _layout_diff(a: dict, b: dict) -> str | None:
     """The first tensor that differs in presence, dtype or shape between two layouts (None: same)."""
-    return next(iter(sorted(set(a) ^ set(b)) or [n for n in a if (a[n]["dtype"], a[n]["shape"])
-                                                 != (b[n]["dtype"], b[n]["shape"])]), None)
+    return next(
+        iter(
+            sorted(set(a) ^ set(b))
+            or [n for n in a if (a[n]["dtype"], a[n]["shape"]) != (b[n]["dtype"], b[n]["shape"])]
+        ),
+        None,
+    )
 
 
 def _zigzag(d: np.ndarray) -> np.ndarray:
@@ -289,7 +313,7 @@ def read_manifest(data: bytes, where: str = "data") -> dict:
     magic, length, digest = _HEADER.unpack_from(data)
     if magic != MAGIC:
         raise DeltaError(f"{where}: not a weight store file (magic {magic!r})")
-    text = bytes(data[_HEADER.size:_HEADER.size + length])
+    text = bytes(data[_HEADER.size : _HEADER.size + length])
     if len(text) != length:
         raise DeltaError(f"{where}: truncated manifest ({len(text)} of {length} bytes)")
     if hashlib.sha256(text).digest() != digest:
@@ -303,8 +327,7 @@ def read_manifest(data: bytes, where: str = "data") -> dict:
     if manifest.get("format_version") != FORMAT_VERSION:
         raise DeltaError(f"{where}: format_version {manifest.get('format_version')!r}, not {FORMAT_VERSION}")
     entries = manifest.get("tensors")
-    if not isinstance(entries, dict) or not entries or any(e.get("dtype") not in DTYPES
-                                                            for e in entries.values()):
+    if not isinstance(entries, dict) or not entries or any(e.get("dtype") not in DTYPES for e in entries.values()):
         raise DeltaError(f"{where}: manifest lists no tensors, or a tensor of an unsupported dtype")
     manifest["_data_start"] = _HEADER.size + length
     return manifest
@@ -317,7 +340,7 @@ def _blob(data: bytes, manifest: dict, name: str) -> bytes:
     if meta is None:
         raise DeltaError(f"version {version!r}: blob {name!r} is not listed in the manifest")
     start = manifest["_data_start"] + meta["offset"]
-    comp = data[start:start + meta["size"]]
+    comp = data[start : start + meta["size"]]
     if len(comp) != meta["size"]:
         raise DeltaError(f"version {version!r}: blob {name!r} is truncated ({len(comp)} of {meta['size']} B)")
     if _sha(comp) != meta["sha256"]:
@@ -327,8 +350,9 @@ def _blob(data: bytes, manifest: dict, name: str) -> bytes:
     except zstandard.ZstdError as e:
         raise DeltaError(f"version {version!r}: blob {name!r} does not decompress ({e})") from None
     if len(raw) != meta["raw_size"]:
-        raise DeltaError(f"version {version!r}: blob {name!r} decodes to {len(raw)} bytes, "
-                         f"manifest says {meta['raw_size']}")
+        raise DeltaError(
+            f"version {version!r}: blob {name!r} decodes to {len(raw)} bytes, manifest says {meta['raw_size']}"
+        )
     return raw
 
 
@@ -336,8 +360,10 @@ def _check_rebuilt(manifest: dict, entries: dict, streams: dict) -> None:
     got = _hashes(entries, streams)
     for name, e in entries.items():
         if got[name] != e["sha256"]:
-            raise DeltaError(f"version {manifest['version']!r}: tensor {name!r} rebuilt with SHA-256 "
-                             f"{got[name][:16]}..., manifest says {e['sha256'][:16]}...")
+            raise DeltaError(
+                f"version {manifest['version']!r}: tensor {name!r} rebuilt with SHA-256 "
+                f"{got[name][:16]}..., manifest says {e['sha256'][:16]}..."
+            )
 
 
 def _check_version_id(version_id) -> str:
@@ -353,20 +379,34 @@ def encode_snapshot(version_id: str, state: dict[str, torch.Tensor], codec: Code
     for name, digest in _hashes(entries, streams).items():
         entries[name]["sha256"] = digest
     w = _Writer()
-    desc = {k: {"word_bytes": ws.itemsize, "words": len(ws), "mode": "planes",
-                "blobs": [w.add(f"{k}.plane{i}", p, codec.dense_level) for i, p in enumerate(_planes(ws))]}
-            for k, ws in streams.items()}
-    return w.finish({"format": FORMAT, "format_version": FORMAT_VERSION, "kind": "snapshot",
-                     "version": version_id, "parent": None, "tensors": entries, "streams": desc,
-                     "codec": asdict(codec)})
+    desc = {
+        k: {
+            "word_bytes": ws.itemsize,
+            "words": len(ws),
+            "mode": "planes",
+            "blobs": [w.add(f"{k}.plane{i}", p, codec.dense_level) for i, p in enumerate(_planes(ws))],
+        }
+        for k, ws in streams.items()
+    }
+    return w.finish(
+        {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "kind": "snapshot",
+            "version": version_id,
+            "parent": None,
+            "tensors": entries,
+            "streams": desc,
+            "codec": asdict(codec),
+        }
+    )
 
 
 def decode_snapshot(data: bytes, where: str = "snapshot") -> tuple[dict[str, torch.Tensor], dict]:
     """(state, manifest) of a snapshot, every blob and tensor hash verified."""
     manifest = read_manifest(data, where)
     if manifest.get("kind") != "snapshot":
-        raise DeltaError(f"{where}: version {manifest.get('version')!r} is a {manifest.get('kind')!r}, "
-                         "not a snapshot")
+        raise DeltaError(f"{where}: version {manifest.get('version')!r} is a {manifest.get('kind')!r}, not a snapshot")
     entries = manifest["tensors"]
     streams = {}
     for key, desc in manifest["streams"].items():
@@ -384,11 +424,12 @@ def _encode_stream(w: _Writer, key: str, parent: np.ndarray, child: np.ndarray, 
     n_changed = int(np.count_nonzero(changed))
     desc: dict[str, Any] = {"word_bytes": z.itemsize, "words": len(z), "changed": n_changed}
     if n_changed > codec.dense_above * len(z):
-        desc.update(mode="dense", blobs=[w.add(f"{key}.values.{i}", p, codec.dense_level)
-                                         for i, p in enumerate(_planes(z))])
+        desc.update(
+            mode="dense", blobs=[w.add(f"{key}.values.{i}", p, codec.dense_level) for i, p in enumerate(_planes(z))]
+        )
         return desc
     thresholds = _choose_classes(parent, changed, codec.max_classes) if n_changed else []
-    gap_dtype = np.uint32 if len(z) < 2 ** 32 else np.uint64
+    gap_dtype = np.uint32 if len(z) < 2**32 else np.uint64
     gaps, values, counts = [], [], []
     mag = _class_key(parent)[0] if thresholds else None
     for c in range(len(thresholds) + 1):
@@ -399,29 +440,50 @@ def _encode_stream(w: _Writer, key: str, parent: np.ndarray, child: np.ndarray, 
         values.append(zc[ranks])
         counts.append(len(ranks))
     gaps_all, values_all = np.concatenate(gaps), np.concatenate(values)
-    desc.update(mode="sparse", classes=thresholds, counts=counts, gap_bytes=np.dtype(gap_dtype).itemsize,
-                blobs=[w.add(f"{key}.gaps.{i}", p, codec.level) for i, p in enumerate(_planes(gaps_all))]
-                + [w.add(f"{key}.values.{i}", p, codec.level) for i, p in enumerate(_planes(values_all))])
+    desc.update(
+        mode="sparse",
+        classes=thresholds,
+        counts=counts,
+        gap_bytes=np.dtype(gap_dtype).itemsize,
+        blobs=[w.add(f"{key}.gaps.{i}", p, codec.level) for i, p in enumerate(_planes(gaps_all))]
+        + [w.add(f"{key}.values.{i}", p, codec.level) for i, p in enumerate(_planes(values_all))],
+    )
     return desc
 
 
-def encode_delta(version_id: str, parent_id: str, parent: dict[str, torch.Tensor],
-                 state: dict[str, torch.Tensor], codec: Codec = Codec()) -> bytes:
+def encode_delta(
+    version_id: str,
+    parent_id: str,
+    parent: dict[str, torch.Tensor],
+    state: dict[str, torch.Tensor],
+    codec: Codec = Codec(),
+) -> bytes:
     """A lossless delta that rebuilds `state` from `parent` (same names, shapes and dtypes)."""
     _check_version_id(version_id)
     _check_version_id(parent_id)
     p_entries, p_streams = _layout(parent)
     entries, streams = _layout(state)
     if (diff := _layout_diff(p_entries, entries)) is not None:
-        raise ValueError(f"version {version_id!r}: cannot delta against {parent_id!r}: tensor {diff!r} "
-                         "differs in presence, dtype or shape (write a snapshot)")
+        raise ValueError(
+            f"version {version_id!r}: cannot delta against {parent_id!r}: tensor {diff!r} "
+            "differs in presence, dtype or shape (write a snapshot)"
+        )
     for name, digest in _hashes(entries, streams).items():
         entries[name]["sha256"] = digest
     w = _Writer()
     desc = {key: _encode_stream(w, key, p_streams[key], streams[key], codec) for key in streams}
-    return w.finish({"format": FORMAT, "format_version": FORMAT_VERSION, "kind": "delta",
-                     "parent": {"version": parent_id, "tensors": _hashes(p_entries, p_streams)},
-                     "version": version_id, "tensors": entries, "streams": desc, "codec": asdict(codec)})
+    return w.finish(
+        {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "kind": "delta",
+            "parent": {"version": parent_id, "tensors": _hashes(p_entries, p_streams)},
+            "version": version_id,
+            "tensors": entries,
+            "streams": desc,
+            "codec": asdict(codec),
+        }
+    )
 
 
 def _decode_stream(data: bytes, manifest: dict, key: str, desc: dict, base: np.ndarray) -> np.ndarray:
@@ -447,13 +509,15 @@ def _decode_stream(data: bytes, manifest: dict, key: str, desc: dict, base: np.n
     values = _unzigzag(_unplanes(raw[gb:], udt))
     classes = desc["classes"]
     if len(desc["counts"]) != len(classes) + 1:
-        raise DeltaError(f"version {version!r}: stream {key!r} lists {len(desc['counts'])} class counts "
-                         f"for {len(classes) + 1} classes")
+        raise DeltaError(
+            f"version {version!r}: stream {key!r} lists {len(desc['counts'])} class counts "
+            f"for {len(classes) + 1} classes"
+        )
     mag = _class_key(base)[0] if classes else None  # classes come from the parent's words, before any change
     ends = np.cumsum(desc["counts"])
 
     def positions(c: int) -> np.ndarray:  # stream positions of class c's changed words
-        ranks = np.cumsum(gaps[ends[c] - desc["counts"][c]:ends[c]] + 1) - 1
+        ranks = np.cumsum(gaps[ends[c] - desc["counts"][c] : ends[c]] + 1) - 1
         mask = _class_mask(mag, classes, c)
         members = np.flatnonzero(mask) if mask is not None else None
         if ranks[-1] >= (len(members) if members is not None else len(base)):
@@ -462,12 +526,13 @@ def _decode_stream(data: bytes, manifest: dict, key: str, desc: dict, base: np.n
 
     active = [c for c, n in enumerate(desc["counts"]) if n]
     for c, pos in zip(active, _map(positions, active)):  # one pass over the stream per class, in parallel
-        out[pos] += values[ends[c] - desc["counts"][c]:ends[c]]
+        out[pos] += values[ends[c] - desc["counts"][c] : ends[c]]
     return out
 
 
-def apply_delta(base: dict[str, torch.Tensor], data: bytes, base_hashes: dict[str, str] | None = None,
-                where: str = "delta") -> tuple[dict[str, torch.Tensor], dict]:
+def apply_delta(
+    base: dict[str, torch.Tensor], data: bytes, base_hashes: dict[str, str] | None = None, where: str = "delta"
+) -> tuple[dict[str, torch.Tensor], dict]:
     """(state, manifest): `base` + the delta in `data`, verified; `base` itself is never modified.
 
     `base_hashes` are the base's per-tensor SHA-256 when the caller has already verified them (a
@@ -481,13 +546,17 @@ def apply_delta(base: dict[str, torch.Tensor], data: bytes, base_hashes: dict[st
     parent = manifest["parent"]
     b_entries, b_streams = _layout(base)
     if (diff := _layout_diff(b_entries, entries)) is not None:
-        raise DeltaError(f"version {version!r}: base does not match parent {parent['version']!r}: tensor "
-                         f"{diff!r} differs in presence, dtype or shape")
+        raise DeltaError(
+            f"version {version!r}: base does not match parent {parent['version']!r}: tensor "
+            f"{diff!r} differs in presence, dtype or shape"
+        )
     got = base_hashes if base_hashes is not None else _hashes(b_entries, b_streams)
     for name, want in parent["tensors"].items():
         if got.get(name) != want:
-            raise DeltaError(f"version {version!r}: tensor {name!r} of the base does not match parent "
-                             f"{parent['version']!r} (SHA-256 {str(got.get(name))[:12]}, not {want[:12]})")
+            raise DeltaError(
+                f"version {version!r}: tensor {name!r} of the base does not match parent "
+                f"{parent['version']!r} (SHA-256 {str(got.get(name))[:12]}, not {want[:12]})"
+            )
     streams = {}
     for key, desc in manifest["streams"].items():
         if key not in b_streams:
@@ -497,7 +566,11 @@ def apply_delta(base: dict[str, torch.Tensor], data: bytes, base_hashes: dict[st
     return _tensors(entries, streams), manifest
 
 
-PutResult = NamedTuple("PutResult", [("version", str), ("kind", str), ("path", Path), ("nbytes", int)])
+class PutResult(NamedTuple):
+    version: str
+    kind: str
+    path: Path
+    nbytes: int
 
 
 class WeightStore:
@@ -517,19 +590,27 @@ class WeightStore:
     def path(self, version_id: str) -> Path | None:
         """The file holding `version_id` (its snapshot if both exist), or None."""
         _check_version_id(version_id)
-        return next((p for suffix in (SNAPSHOT_SUFFIX, DELTA_SUFFIX)
-                     if (p := self.folder / (version_id + suffix)).is_file()), None)
+        return next(
+            (p for suffix in (SNAPSHOT_SUFFIX, DELTA_SUFFIX) if (p := self.folder / (version_id + suffix)).is_file()),
+            None,
+        )
 
     def versions(self) -> list[str]:
-        return sorted(p.name[: -len(x)] for p in self.folder.iterdir()
-                      for x in (SNAPSHOT_SUFFIX, DELTA_SUFFIX) if p.name.endswith(x) and p.name[0] != ".")
+        return sorted(
+            p.name[: -len(x)]
+            for p in self.folder.iterdir()
+            for x in (SNAPSHOT_SUFFIX, DELTA_SUFFIX)
+            if p.name.endswith(x) and p.name[0] != "."
+        )
 
     def _file(self, version_id: str, needed_by: str | None = None) -> Path:
         p = self.path(version_id)
         if p is None:
             why = f" (needed to rebuild {needed_by!r})" if needed_by and needed_by != version_id else ""
-            raise MissingVersionError(f"version {version_id!r}: no {version_id}{SNAPSHOT_SUFFIX} or "
-                                      f"{version_id}{DELTA_SUFFIX} in {self.folder}{why}")
+            raise MissingVersionError(
+                f"version {version_id!r}: no {version_id}{SNAPSHOT_SUFFIX} or "
+                f"{version_id}{DELTA_SUFFIX} in {self.folder}{why}"
+            )
         return p
 
     def manifest(self, version_id: str, needed_by: str | None = None) -> dict:
@@ -562,8 +643,11 @@ class WeightStore:
             hashes: dict[str, str] | None = None
             for v in self.chain(version_id):
                 data = (p := self._file(v, version_id)).read_bytes()
-                state, m = (decode_snapshot(data, str(p)) if state is None else
-                            apply_delta(state, data, base_hashes=hashes, where=str(p)))
+                state, m = (
+                    decode_snapshot(data, str(p))
+                    if state is None
+                    else apply_delta(state, data, base_hashes=hashes, where=str(p))
+                )
                 if m["version"] != v:
                     raise DeltaError(f"{p}: holds version {m['version']!r}, not {v!r}")
                 hashes = {n: e["sha256"] for n, e in m["tensors"].items()}

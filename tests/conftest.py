@@ -24,9 +24,18 @@ def tiny_checkpoint(tmp_path_factory):
     tok = train_tokenizer([format_example(t, c) for t, c in make_corpus(2000, seed=1)], vocab_size=320)
     # head_dim 32: the smallest head size vLLM's CPU attention kernels accept.
     # (and an expert width of 64, which its fused-MoE reload keeps unpadded).
-    args = ModelArgs.from_name("tiny", dim=64, n_heads=2, n_kv_heads=1, hidden_dim=64, vocab_size=tok.vocab_size,
-                               bos_id=tok.bos_id, eos_id=tok.eos_id,
-                               pad_id=tok.pad_id, max_seq_len=128)
+    args = ModelArgs.from_name(
+        "tiny",
+        dim=64,
+        n_heads=2,
+        n_kv_heads=1,
+        hidden_dim=64,
+        vocab_size=tok.vocab_size,
+        bos_id=tok.bos_id,
+        eos_id=tok.eos_id,
+        pad_id=tok.pad_id,
+        max_seq_len=128,
+    )
     model = Transformer(args).init_weights(seed=0, std=0.05)
     save_checkpoint(model, folder, tokenizer=tok)
     return folder
@@ -56,12 +65,22 @@ def served_samples(checkpoint, rewards: list[float], max_tokens: int = 10) -> li
     try:
         eng.add_version(checkpoint.name, checkpoint)
         tok = eng.tokenizer()
-        outs = eng.generate([tok.encode_prompt(f"# add {i % 9} to x\ndef f(x):\n") for i in range(n)],
-                            [SamplingParams(max_tokens=max_tokens, seed=i) for i in range(n)])
+        outs = eng.generate(
+            [tok.encode_prompt(f"# add {i % 9} to x\ndef f(x):\n") for i in range(n)],
+            [SamplingParams(max_tokens=max_tokens, seed=i) for i in range(n)],
+        )
     finally:
         eng.shutdown()
-    return [SampleEvent(tenant="t", completion=CompletionEvent.from_completion(c, "t", "u", "completions"),
-                        reward=r, signals=[], reward_spec="default-v1") for c, r in zip(outs, rewards)]
+    return [
+        SampleEvent(
+            tenant="t",
+            completion=CompletionEvent.from_completion(c, "t", "u", "completions"),
+            reward=r,
+            signals=[],
+            reward_spec="default-v1",
+        )
+        for c, r in zip(outs, rewards)
+    ]
 
 
 def free_port() -> int:

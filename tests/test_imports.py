@@ -21,9 +21,13 @@ def imports() -> list[tuple[str, str, int]]:
         for path in sorted((ROOT / pkg).rglob("*.py")):
             module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                         [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
-                         else [])
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module]
+                    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                    else []
+                )
                 out += [(module, n.split(".")[0], node.lineno) for n in names if n.split(".")[0] in LAYER]
     return out
 

@@ -24,8 +24,13 @@ def test_completions_and_feedback_become_a_trained_candidate(tiny_checkpoint, tm
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         ids = []
         for i in range(12):
-            r = client.completions.create(model="flywheel", prompt=f"# add {i % 9} to x\ndef f(x):\n",
-                                          max_tokens=8, temperature=1.0, user=f"user-{i % 4}")
+            r = client.completions.create(
+                model="flywheel",
+                prompt=f"# add {i % 9} to x\ndef f(x):\n",
+                max_tokens=8,
+                temperature=1.0,
+                user=f"user-{i % 4}",
+            )
             ids.append(r.choices[0].completion_id)
         fb = FeedbackClient(server.url, flush_interval_s=0.05)
         for i, cid in enumerate(ids[:10]):  # two completions get no feedback
@@ -36,9 +41,12 @@ def test_completions_and_feedback_become_a_trained_candidate(tiny_checkpoint, tm
         fb.close()
         # A client that retries by hand (same idempotency key, three times) still counts once.
         import httpx
+
         for _ in range(3):
-            r = httpx.post(server.url + "/v1/feedback", json={"completion_id": ids[10], "kind": "thumb_up",
-                                                               "user": "user-2", "idempotency_key": "retry-1"})
+            r = httpx.post(
+                server.url + "/v1/feedback",
+                json={"completion_id": ids[10], "kind": "thumb_up", "user": "user-2", "idempotency_key": "retry-1"},
+            )
             assert r.status_code == 200, r.text
 
     now = [1e12]  # long after every event: every attribution window is closed
@@ -58,8 +66,13 @@ def test_completions_and_feedback_become_a_trained_candidate(tiny_checkpoint, tm
     c.close()
     assert {s.event_id for s in published} == {s.event_id for s in samples}
 
-    learner = LearnerService(bus, Registry(f"sqlite:///{tmp_path}/registry.db"), tmp_path / "models",
-                             tiny_checkpoint, LearnerConfig(update_every_samples=11, min_samples=1))
+    learner = LearnerService(
+        bus,
+        Registry(f"sqlite:///{tmp_path}/registry.db"),
+        tmp_path / "models",
+        tiny_checkpoint,
+        LearnerConfig(update_every_samples=11, min_samples=1),
+    )
     assert learner.run_once(timeout_s=0.5) == "v0001"
     v1 = learner.registry.get("v0001")
     assert v1.status == "candidate" and v1.parent_id == tiny_checkpoint.name and v1.metrics["samples"] == 11

@@ -26,15 +26,28 @@ def kafka_bus(broker, folder) -> KafkaBus:
 
 def completion(cid: str, ts: float) -> CompletionEvent:
     return CompletionEvent(
-        event_id=f"ev-c-{cid}", completion_id=cid, tenant="t1", ts=ts, user_id=f"user-{cid}",
-        model_version="v1", endpoint="completions", prompt_ids=[1, 2], output_ids=[3], logprobs=[-0.5],
-        routed_experts=RoutedExperts.from_bytes((2, 1, 1), b"\x00\x01"), text="x", finish_reason="stop",
-        params={}, latency_ms={})
+        event_id=f"ev-c-{cid}",
+        completion_id=cid,
+        tenant="t1",
+        ts=ts,
+        user_id=f"user-{cid}",
+        model_version="v1",
+        endpoint="completions",
+        prompt_ids=[1, 2],
+        output_ids=[3],
+        logprobs=[-0.5],
+        routed_experts=RoutedExperts.from_bytes((2, 1, 1), b"\x00\x01"),
+        text="x",
+        finish_reason="stop",
+        params={},
+        latency_ms={},
+    )
 
 
 def feedback(cid: str, kind: str, ts: float) -> FeedbackEvent:
-    return FeedbackEvent(event_id=f"ev-f-{cid}-{kind}", completion_id=cid, tenant="t1", ts=ts,
-                         user_id=f"user-{cid}", kind=kind)
+    return FeedbackEvent(
+        event_id=f"ev-f-{cid}-{kind}", completion_id=cid, tenant="t1", ts=ts, user_id=f"user-{cid}", kind=kind
+    )
 
 
 @pytest.mark.slow
@@ -58,15 +71,18 @@ def test_two_joiners_split_the_partitions_and_join_every_completion_with_its_fee
     checker = buses[2].consumer(TOPICS["sample"], f"check-{uuid.uuid4().hex[:8]}")
     try:
         deadline = time.monotonic() + 60
-        while not (joiners[0].partitions and joiners[1].partitions
-                   and sorted(joiners[0].partitions + joiners[1].partitions) == list(range(PARTITIONS))):
+        while not (
+            joiners[0].partitions
+            and joiners[1].partitions
+            and sorted(joiners[0].partitions + joiners[1].partitions) == list(range(PARTITIONS))
+        ):
             assert time.monotonic() < deadline, "the joiners' group did not settle"
             assert not errors, errors
             time.sleep(0.1)
         n, kinds = 60, ("accepted", "thumb_down", "copied")
         for i in range(n):  # a third of the feedback is published before its completion
             c, f = completion(f"cmp-{i}", time.time()), feedback(f"cmp-{i}", kinds[i % 3], time.time())
-            for ev in ((f, c) if i % 3 == 2 else (c, f)):
+            for ev in (f, c) if i % 3 == 2 else (c, f):
                 topic = TOPICS["completion"] if isinstance(ev, CompletionEvent) else TOPICS["feedback"]
                 buses[2].publish(topic, ev.completion_id, ev.model_dump_json().encode())
         buses[2].flush(30)
@@ -118,13 +134,24 @@ def _learner_rank(rank: int, world_size: int, port: int, bootstrap: str, root: s
     torch.set_num_threads(1)
     init_process_group(rank, world_size, "127.0.0.1", port, timeout_s=120)
     root_dir = Path(root)
-    bus = KafkaBus(bootstrap, root_dir / f"spool-rank{rank}", partitions=PARTITIONS, send_timeout_s=5,
-                   consumer_config=FAST_CONSUMER)
+    bus = KafkaBus(
+        bootstrap,
+        root_dir / f"spool-rank{rank}",
+        partitions=PARTITIONS,
+        send_timeout_s=5,
+        consumer_config=FAST_CONSUMER,
+    )
     # Batch sizes depend on when each rank's polls return, so the number of versions varies: staleness
     # is not what this test is about (a fourth version would make the base's samples stale). A lone last
     # sample must be trainable by the time trigger (with min_samples=2 it waited forever: 39 of 40).
-    cfg = LearnerConfig(update_every_samples=10, min_samples=1, update_every_s=2.0, topic=topic, max_staleness=1000,
-                        trainer=TrainerConfig(lr=1e-3))
+    cfg = LearnerConfig(
+        update_every_samples=10,
+        min_samples=1,
+        update_every_s=2.0,
+        topic=topic,
+        max_staleness=1000,
+        trainer=TrainerConfig(lr=1e-3),
+    )
     svc = LearnerService(bus, Registry(f"sqlite:///{root_dir}/registry.db"), root_dir / "models", base, cfg)
     try:
         for _ in range(600):  # the same number of rounds on every rank: `trained` is the same on all
@@ -134,9 +161,16 @@ def _learner_rank(rank: int, world_size: int, port: int, bootstrap: str, root: s
                 (root_dir / f"rank{rank}.ready").touch()
             svc.run_once(timeout_s=0.2)
         weights = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in svc.model.state_dict().values()))
-        (root_dir / f"rank{rank}.json").write_text(json.dumps({
-            "trained": svc.counters["trained"], "partitions": sorted(svc.partitions_read),
-            "current": svc.current, "weights": weights.hexdigest()}))
+        (root_dir / f"rank{rank}.json").write_text(
+            json.dumps(
+                {
+                    "trained": svc.counters["trained"],
+                    "partitions": sorted(svc.partitions_read),
+                    "current": svc.current,
+                    "weights": weights.hexdigest(),
+                }
+            )
+        )
     finally:
         svc.close()
         bus.close()
@@ -150,7 +184,8 @@ def samples(tiny_checkpoint):
 
 @pytest.mark.slow
 def test_two_data_parallel_learner_ranks_split_the_partitions_and_train_each_sample_once(
-        running_broker, tmp_path, tiny_checkpoint, samples):  # noqa: F811
+    running_broker, tmp_path, tiny_checkpoint, samples
+):  # noqa: F811
     import json
 
     import torch.multiprocessing as mp
@@ -160,9 +195,13 @@ def test_two_data_parallel_learner_ranks_split_the_partitions_and_train_each_sam
 
     Registry(f"sqlite:///{tmp_path}/registry.db")  # tables exist before the ranks open it
     topic = f"samples-{uuid.uuid4().hex[:8]}"  # the broker is the module's: other tests publish samples too
-    ctx = mp.start_processes(_learner_rank, args=(2, free_port(), running_broker.bootstrap, str(tmp_path),
-                                                  str(tiny_checkpoint), topic), nprocs=2, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(
+        _learner_rank,
+        args=(2, free_port(), running_broker.bootstrap, str(tmp_path), str(tiny_checkpoint), topic),
+        nprocs=2,
+        join=False,
+        start_method="spawn",
+    )
     producer = kafka_bus(running_broker, tmp_path / "spool-product")
     try:
         deadline = time.monotonic() + 90
@@ -191,6 +230,5 @@ def test_two_data_parallel_learner_ranks_split_the_partitions_and_train_each_sam
     last = reg.get(state["current"])
     assert last.status == "candidate" and last.parent_id == state["versions"][-2]
     assert last.metrics["world_size"] == 2
-    covered = [sum(end - start for start, end in reg.get(v).data_range[topic].values())
-               for v in state["versions"][1:]]
+    covered = [sum(end - start for start, end in reg.get(v).data_range[topic].values()) for v in state["versions"][1:]]
     assert sum(covered) == N_SAMPLES  # the versions' data ranges add up to every sample, once

@@ -62,15 +62,15 @@ def _param(batch: bool, i: int | None, name: str) -> str:
 def _parse(raw: bytes, header_key: str | None) -> tuple[list[tuple[FeedbackIn, str | None]], bool]:
     """The events with their idempotency keys, and whether the body was a batch."""
     if len(raw) > MAX_BODY_BYTES:
-        raise APIError(413, f"The body is larger than {MAX_BODY_BYTES} bytes; send smaller batches.", None,
-                       "request_too_large")
+        raise APIError(
+            413, f"The body is larger than {MAX_BODY_BYTES} bytes; send smaller batches.", None, "request_too_large"
+        )
     try:
         body = json.loads(raw)
     except ValueError as e:
         raise APIError(400, f"We could not parse the JSON body of your request: {e}", None, "invalid_json") from None
     if not isinstance(body, dict):
-        raise APIError(400, 'The body must be a JSON object: one event or {"events": [...]}.', None,
-                       "invalid_request")
+        raise APIError(400, 'The body must be a JSON object: one event or {"events": [...]}.', None, "invalid_request")
     if header_key is not None and not 1 <= len(header_key) <= 256:
         raise APIError(400, "Idempotency-Key must be 1-256 characters", "Idempotency-Key", "invalid_value")
     batch = "events" in body
@@ -79,10 +79,10 @@ def _parse(raw: bytes, header_key: str | None) -> tuple[list[tuple[FeedbackIn, s
     except ValidationError as e:
         raise RequestValidationError(e.errors()) from None
     if batch:
-        return [(it, it.idempotency_key or (f"{header_key}#{i}" if header_key else None))
-                for i, it in enumerate(items)], True
+        return [
+            (it, it.idempotency_key or (f"{header_key}#{i}" if header_key else None)) for i, it in enumerate(items)
+        ], True
     key = items[0].idempotency_key
     if key is not None and header_key is not None and key != header_key:
-        raise APIError(400, "idempotency_key and the Idempotency-Key header differ", "idempotency_key",
-                       "invalid_value")
+        raise APIError(400, "idempotency_key and the Idempotency-Key header differ", "idempotency_key", "invalid_value")
     return [(items[0], key or header_key)], False

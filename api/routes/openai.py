@@ -39,8 +39,10 @@ def _token_ids(prompt: str | list[str] | list[int]) -> TypeGuard[list[int]]:
 async def list_models(gw: GatewayDep, _: TenantDep):
     now = int(time.time())
     names = gw.engine.versions + ([ALIAS] if gw.engine.default_version else [])
-    return {"object": "list", "data": [{"id": n, "object": "model", "created": now, "owned_by": "flywheel"}
-                                       for n in names]}
+    return {
+        "object": "list",
+        "data": [{"id": n, "object": "model", "created": now, "owned_by": "flywheel"} for n in names],
+    }
 
 
 @router.post("/completions")
@@ -56,12 +58,14 @@ async def completions(req: CompletionRequest, gw: GatewayDep, tenant: TenantDep)
         prompts = [list(req.prompt)]
     else:
         if any(not isinstance(p, str) or not p for p in req.prompt):
-            raise APIError(400, "prompt must be a string, a list of strings or a list of token ids",
-                           "prompt", "invalid_value")
+            raise APIError(
+                400, "prompt must be a string, a list of strings or a list of token ids", "prompt", "invalid_value"
+            )
         prompts = [tok.encode_prompt(p) for p in req.prompt]
     params = _params(req, req.max_tokens, req.logprobs or 0)
-    return await _serve(gw, tenant, version, "completions", prompts, params, req, "prompt",
-                        want_logprobs=req.logprobs is not None)
+    return await _serve(
+        gw, tenant, version, "completions", prompts, params, req, "prompt", want_logprobs=req.logprobs is not None
+    )
 
 
 @router.post("/chat/completions")
@@ -73,15 +77,22 @@ async def chat_completions(req: ChatRequest, gw: GatewayDep, tenant: TenantDep):
         raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs", "invalid_value")
     params = _params(req, req.token_limit, top)
     prompts = [tok.encode_prompt(chat_prompt(req.messages))]
-    return await _serve(gw, tenant, version, "chat.completions", prompts, params, req, "messages",
-                        want_logprobs=req.logprobs)
+    return await _serve(
+        gw, tenant, version, "chat.completions", prompts, params, req, "messages", want_logprobs=req.logprobs
+    )
 
 
 def _params(req, max_tokens: int, logprobs: int) -> SamplingParams:
     try:
-        return SamplingParams(temperature=float(req.temperature), top_p=float(req.top_p), max_tokens=max_tokens,
-                              stop=tuple(req.stop or ()), seed=req.seed, logprobs=logprobs,
-                              ignore_eos=req.ignore_eos)
+        return SamplingParams(
+            temperature=float(req.temperature),
+            top_p=float(req.top_p),
+            max_tokens=max_tokens,
+            stop=tuple(req.stop or ()),
+            seed=req.seed,
+            logprobs=logprobs,
+            ignore_eos=req.ignore_eos,
+        )
     except ValueError as e:
         raise APIError(400, str(e), None, "invalid_value") from None
 
@@ -90,9 +101,14 @@ async def _serve(gw, tenant, version, endpoint, prompts, params, req, prompt_par
     limit = gw.engine.context_length(version)
     for p in prompts:
         if len(p) + params.max_tokens > limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                                f"{len(p) + params.max_tokens} tokens ({len(p)} in the prompt, {params.max_tokens} "
-                                f"for the completion).", prompt_param, "context_length_exceeded")
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(p) + params.max_tokens} tokens ({len(p)} in the prompt, {params.max_tokens} "
+                f"for the completion).",
+                prompt_param,
+                "context_length_exceeded",
+            )
     base_id = ("chatcmpl-" if endpoint == "chat.completions" else "cmpl-") + uuid.uuid4().hex
     n = req.n
     ids = [base_id if len(prompts) * n == 1 else f"{base_id}-{i}" for i in range(len(prompts) * n)]
@@ -109,12 +125,16 @@ async def _serve(gw, tenant, version, endpoint, prompts, params, req, prompt_par
         raise APIError(400, str(e), prompt_param, "invalid_value") from None
     except EngineError as e:
         raise APIError(503, str(e), None, "engine_unavailable") from None
-    ctx = _Ctx(gw, tenant, version, endpoint, base_id, req.user, time.perf_counter(), int(time.time()), n,
-               want_logprobs)
+    ctx = _Ctx(
+        gw, tenant, version, endpoint, base_id, req.user, time.perf_counter(), int(time.time()), n, want_logprobs
+    )
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(ctx, handles, include_usage), media_type="text/event-stream",
-                                 headers={VERSION_HEADER: version, "Cache-Control": "no-cache"})
+        return StreamingResponse(
+            _stream(ctx, handles, include_usage),
+            media_type="text/event-stream",
+            headers={VERSION_HEADER: version, "Cache-Control": "no-cache"},
+        )
     try:
         results = await asyncio.gather(*(h.aresult() for h in handles))
     except EngineError as e:
@@ -140,8 +160,9 @@ class _Ctx:
             # Indexed before the response is sent, so feedback on this id can never be refused as unknown.
             await asyncio.to_thread(self.gw.index.add, c.request_id, self.tenant, c.version, ev.ts, ev.user_id)
         except Exception as e:  # not durable: the caller must not be served
-            raise APIError(503, f"The completion could not be recorded ({type(e).__name__}); not served.",
-                           None, "record_failed") from e
+            raise APIError(
+                503, f"The completion could not be recorded ({type(e).__name__}); not served.", None, "record_failed"
+            ) from e
         self.gw.metrics.records.labels(c.version).inc()
 
     def observe(self, results: list[Completion]) -> None:
@@ -178,8 +199,10 @@ def _chat_logprobs(tok, ids, lps, tops) -> dict:
     content = []
     for j, (t, lp) in enumerate(zip(ids, lps)):
         s = _token_strs(tok, [t])[0]
-        top = [{"token": _token_strs(tok, [k])[0], "logprob": v, "bytes": list(tok.decode_bytes([k]))}
-               for k, v in (tops[j] if tops else {}).items()]
+        top = [
+            {"token": _token_strs(tok, [k])[0], "logprob": v, "bytes": list(tok.decode_bytes([k]))}
+            for k, v in (tops[j] if tops else {}).items()
+        ]
         content.append({"token": s, "logprob": lp, "bytes": list(tok.decode_bytes([t])), "top_logprobs": top})
     return {"content": content}
 
@@ -190,11 +213,25 @@ def _finish(reason: str) -> str:
 
 def _completion_body(ctx: _Ctx, results: list[Completion]) -> dict:
     tok = ctx.gw.engine.tokenizer(ctx.version)
-    choices = [{"index": i, "text": c.text, "logprobs": _legacy_logprobs(tok, c) if ctx.want_logprobs else None,
-                "finish_reason": _finish(c.finish_reason), "completion_id": c.request_id}
-               for i, c in enumerate(results)]
-    return {"id": ctx.base_id, "object": "text_completion", "created": ctx.created, "model": ctx.version,
-            "system_fingerprint": ctx.version, "choices": choices, "usage": ctx.usage(results)}
+    choices = [
+        {
+            "index": i,
+            "text": c.text,
+            "logprobs": _legacy_logprobs(tok, c) if ctx.want_logprobs else None,
+            "finish_reason": _finish(c.finish_reason),
+            "completion_id": c.request_id,
+        }
+        for i, c in enumerate(results)
+    ]
+    return {
+        "id": ctx.base_id,
+        "object": "text_completion",
+        "created": ctx.created,
+        "model": ctx.version,
+        "system_fingerprint": ctx.version,
+        "choices": choices,
+        "usage": ctx.usage(results),
+    }
 
 
 def _chat_body(ctx: _Ctx, results: list[Completion]) -> dict:
@@ -202,10 +239,24 @@ def _chat_body(ctx: _Ctx, results: list[Completion]) -> dict:
     choices = []
     for i, c in enumerate(results):
         lp = _chat_logprobs(tok, c.output_ids, c.logprobs, c.top_logprobs) if ctx.want_logprobs else None
-        choices.append({"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
-                        "finish_reason": _finish(c.finish_reason), "completion_id": c.request_id})
-    return {"id": ctx.base_id, "object": "chat.completion", "created": ctx.created, "model": ctx.version,
-            "system_fingerprint": ctx.version, "choices": choices, "usage": ctx.usage(results)}
+        choices.append(
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": lp,
+                "finish_reason": _finish(c.finish_reason),
+                "completion_id": c.request_id,
+            }
+        )
+    return {
+        "id": ctx.base_id,
+        "object": "chat.completion",
+        "created": ctx.created,
+        "model": ctx.version,
+        "system_fingerprint": ctx.version,
+        "choices": choices,
+        "usage": ctx.usage(results),
+    }
 
 
 async def _stream(ctx: _Ctx, handles, include_usage: bool) -> AsyncIterator[bytes]:
@@ -228,22 +279,35 @@ async def _stream(ctx: _Ctx, handles, include_usage: bool) -> AsyncIterator[byte
     pumps = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
 
     def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
-        body = {"id": ctx.base_id, "object": obj, "created": ctx.created, "model": ctx.version,
-                "system_fingerprint": ctx.version, "choices": choices}
+        body = {
+            "id": ctx.base_id,
+            "object": obj,
+            "created": ctx.created,
+            "model": ctx.version,
+            "system_fingerprint": ctx.version,
+            "choices": choices,
+        }
         if include_usage:
             body["usage"] = usage
         return b"data: " + json.dumps(body).encode() + b"\n\n"
 
     try:
         if chat:
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for i in range(len(handles))])
+            yield chunk(
+                [
+                    {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                    for i in range(len(handles))
+                ]
+            )
         done = 0
         while done < len(handles):
             i, ev, err = await q.get()
             if err is not None:
-                yield b"data: " + json.dumps(error_body(503, f"generation failed: {err}", None,
-                                                        "engine_unavailable")).encode() + b"\n\n"
+                yield (
+                    b"data: "
+                    + json.dumps(error_body(503, f"generation failed: {err}", None, "engine_unavailable")).encode()
+                    + b"\n\n"
+                )
                 return
             finish = None
             if ev.completion is not None:
@@ -254,14 +318,22 @@ async def _stream(ctx: _Ctx, handles, include_usage: bool) -> AsyncIterator[byte
             want_lp = ctx.want_logprobs and bool(ev.token_ids)
             if chat:
                 lp = _chat_logprobs(tok, ev.token_ids, ev.logprobs, ev.top_logprobs) if want_lp else None
-                choice = {"index": i, "delta": {"content": ev.text} if ev.text or finish is None else {},
-                          "logprobs": lp, "finish_reason": finish}
+                choice = {
+                    "index": i,
+                    "delta": {"content": ev.text} if ev.text or finish is None else {},
+                    "logprobs": lp,
+                    "finish_reason": finish,
+                }
             else:
                 lp = None
                 if want_lp:
-                    lp = {"tokens": _token_strs(tok, ev.token_ids), "token_logprobs": ev.logprobs,
-                          "top_logprobs": [{_token_strs(tok, [k])[0]: v for k, v in d.items()}
-                                           for d in ev.top_logprobs] if ev.top_logprobs else None}
+                    lp = {
+                        "tokens": _token_strs(tok, ev.token_ids),
+                        "token_logprobs": ev.logprobs,
+                        "top_logprobs": [{_token_strs(tok, [k])[0]: v for k, v in d.items()} for d in ev.top_logprobs]
+                        if ev.top_logprobs
+                        else None,
+                    }
                 choice = {"index": i, "text": ev.text, "logprobs": lp, "finish_reason": finish}
             yield chunk([choice])
         final = [r for r in results if r is not None]
@@ -285,4 +357,5 @@ async def _stream(ctx: _Ctx, handles, include_usage: bool) -> AsyncIterator[byte
                             await ctx.record(r)
                         except APIError:
                             log.exception("completion %s was served but could not be recorded", r.request_id)
+
             ctx.gw.spawn(finish_records())

@@ -18,5 +18,13 @@ from feedback.sdk.client import (
     make_event,
 )
 
-__all__ = ["AsyncFeedbackClient", "ClientClosedError", "FeedbackAPIError", "FeedbackClient", "FeedbackError",
-           "QueueFullError", "RetriesExhaustedError", "make_event"]
+__all__ = [
+    "AsyncFeedbackClient",
+    "ClientClosedError",
+    "FeedbackAPIError",
+    "FeedbackClient",
+    "FeedbackError",
+    "QueueFullError",
+    "RetriesExhaustedError",
+    "make_event",
+]

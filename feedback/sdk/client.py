@@ -79,8 +79,16 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def make_event(kind: str, completion_id: str, value: float | None = None, *, edit_distance: int | None = None,
-               user: str | None = None, ts: float | None = None, idempotency_key: str | None = None) -> dict:
+def make_event(
+    kind: str,
+    completion_id: str,
+    value: float | None = None,
+    *,
+    edit_distance: int | None = None,
+    user: str | None = None,
+    ts: float | None = None,
+    idempotency_key: str | None = None,
+) -> dict:
     """One event as the gateway expects it; `ValueError` naming the value when it is not valid."""
     if value is not None and not _is_number(value):  # the model would take "4" or True; its rules do the rest
         raise ValueError(f"feedback value must be a number, got value={value!r}")
@@ -96,10 +104,15 @@ def make_event(kind: str, completion_id: str, value: float | None = None, *, edi
     except ValidationError as e:
         err = e.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "event"
-        raise ValueError(f"invalid feedback {field}={given.get(field, err.get('input'))!r} "
-                         f"(kind {kind!r}): {err['msg']}") from None
-    out: dict = {"completion_id": completion_id, "kind": kind, "ts": time.time() if ts is None else float(ts),
-                 "idempotency_key": idempotency_key or os.urandom(16).hex()}
+        raise ValueError(
+            f"invalid feedback {field}={given.get(field, err.get('input'))!r} (kind {kind!r}): {err['msg']}"
+        ) from None
+    out: dict = {
+        "completion_id": completion_id,
+        "kind": kind,
+        "ts": time.time() if ts is None else float(ts),
+        "idempotency_key": idempotency_key or os.urandom(16).hex(),
+    }
     optional = {"value": ev.value, "edit_distance": ev.edit_distance, "user": user}
     return out | {k: v for k, v in optional.items() if v is not None}
 
@@ -124,17 +137,29 @@ class _Client:
     (at enqueue: queue full, closed), `sent` (acknowledged by the gateway, also as duplicates), `failed`
     (given up after enqueue), `pending` (queued or in flight)."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, tenant: str | None = None,
-                 batch_size: int = 100, flush_interval_s: float = 1.0, max_queue: int = 10_000,
-                 max_retries: int = 8, backoff_s: float = 0.2, max_backoff_s: float = 10.0,
-                 timeout_s: float = 10.0, on_error: OnError | None = None):
-        rules = {"batch_size": (batch_size, 1 <= batch_size <= MAX_BATCH, f"in [1, {MAX_BATCH}]"),
-                 "flush_interval_s": (flush_interval_s, flush_interval_s > 0, "> 0"),
-                 "max_queue": (max_queue, max_queue >= 1, ">= 1"),
-                 "max_retries": (max_retries, max_retries >= 0, ">= 0"),
-                 "backoff_s": (backoff_s, backoff_s >= 0, ">= 0"),
-                 "max_backoff_s": (max_backoff_s, max_backoff_s >= 0, ">= 0"),
-                 "timeout_s": (timeout_s, timeout_s > 0, "> 0")}
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        tenant: str | None = None,
+        batch_size: int = 100,
+        flush_interval_s: float = 1.0,
+        max_queue: int = 10_000,
+        max_retries: int = 8,
+        backoff_s: float = 0.2,
+        max_backoff_s: float = 10.0,
+        timeout_s: float = 10.0,
+        on_error: OnError | None = None,
+    ):
+        rules = {
+            "batch_size": (batch_size, 1 <= batch_size <= MAX_BATCH, f"in [1, {MAX_BATCH}]"),
+            "flush_interval_s": (flush_interval_s, flush_interval_s > 0, "> 0"),
+            "max_queue": (max_queue, max_queue >= 1, ">= 1"),
+            "max_retries": (max_retries, max_retries >= 0, ">= 0"),
+            "backoff_s": (backoff_s, backoff_s >= 0, ">= 0"),
+            "max_backoff_s": (max_backoff_s, max_backoff_s >= 0, ">= 0"),
+            "timeout_s": (timeout_s, timeout_s > 0, "> 0"),
+        }
         for name, (got, ok, rule) in rules.items():
             if not ok:
                 raise ValueError(f"{name} must be {rule}, got {got}")
@@ -142,9 +167,12 @@ class _Client:
         self.batch_size, self.flush_interval_s, self.max_queue = batch_size, flush_interval_s, max_queue
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
         self.timeout_s, self.on_error = timeout_s, on_error
-        self.headers = {"content-type": "application/json", "user-agent": "flywheel-feedback-sdk/0.1",
-                        **({"authorization": f"Bearer {api_key}"} if api_key else {}),
-                        **({"x-flywheel-tenant": tenant} if tenant else {})}
+        self.headers = {
+            "content-type": "application/json",
+            "user-agent": "flywheel-feedback-sdk/0.1",
+            **({"authorization": f"Bearer {api_key}"} if api_key else {}),
+            **({"x-flywheel-tenant": tenant} if tenant else {}),
+        }
         self._closed = False
         self._reset()
         _LIVE.add(self)
@@ -165,12 +193,29 @@ class _Client:
         return self._enqueued - self._resolved
 
     # ---- the calls ------------------------------------------------------------------------------
-    def send(self, kind: str, completion_id: str, value: float | None = None, *,
-             edit_distance: int | None = None, user: str | None = None, ts: float | None = None,
-             idempotency_key: str | None = None) -> str | None:
+    def send(
+        self,
+        kind: str,
+        completion_id: str,
+        value: float | None = None,
+        *,
+        edit_distance: int | None = None,
+        user: str | None = None,
+        ts: float | None = None,
+        idempotency_key: str | None = None,
+    ) -> str | None:
         """Queue one event; returns its idempotency key, or None when it was dropped (queue full, closed)."""
-        return self._enqueue(make_event(kind, completion_id, value, edit_distance=edit_distance, user=user,
-                                        ts=ts, idempotency_key=idempotency_key))
+        return self._enqueue(
+            make_event(
+                kind,
+                completion_id,
+                value,
+                edit_distance=edit_distance,
+                user=user,
+                ts=ts,
+                idempotency_key=idempotency_key,
+            )
+        )
 
     def thumbs_up(self, completion_id: str, user: str | None = None) -> str | None:
         return self.send("thumb_up", completion_id, user=user)
@@ -187,8 +232,9 @@ class _Client:
     def rejected(self, completion_id: str, user: str | None = None) -> str | None:
         return self.send("rejected", completion_id, user=user)
 
-    def edited(self, completion_id: str, kept_fraction: float, edit_distance: int | None = None,
-               user: str | None = None) -> str | None:
+    def edited(
+        self, completion_id: str, kept_fraction: float, edit_distance: int | None = None, user: str | None = None
+    ) -> str | None:
         return self.send("edited", completion_id, kept_fraction, edit_distance=edit_distance, user=user)
 
     def copied(self, completion_id: str, user: str | None = None) -> str | None:
@@ -289,7 +335,7 @@ class _Client:
                     i = api_err.event_index
                     if i is not None and i < len(events) and len(events) > 1:  # drop that one, resend the rest
                         self._give_up([events[i]], err)
-                        events = events[:i] + events[i + 1:]
+                        events = events[:i] + events[i + 1 :]
                         continue
                     return self._give_up(events, err)
                 delay = retry_after_s(r.headers)
@@ -300,8 +346,14 @@ class _Client:
             if delay is None:  # full jitter
                 delay = random.uniform(0.0, min(self.max_backoff_s, self.backoff_s * 2 ** min(attempt, 30)))
             attempt += 1
-            log.warning("feedback: %d event(s) not delivered (%r); retry %d/%d in %.2f s", len(events), err,
-                        attempt, self.max_retries, delay)
+            log.warning(
+                "feedback: %d event(s) not delivered (%r); retry %d/%d in %.2f s",
+                len(events),
+                err,
+                attempt,
+                self.max_retries,
+                delay,
+            )
             self._stop.wait(delay)
         if events:
             self._give_up(events, ClientClosedError("closed before these events could be sent"))

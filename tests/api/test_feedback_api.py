@@ -79,8 +79,9 @@ def on_bus(live, completion_ids) -> list[tuple[str, FeedbackEvent]]:
 
 
 def post(live, body, tenant: str = "default", headers: dict | None = None, **kw) -> httpx.Response:
-    return httpx.post(live.url + "/v1/feedback", json=body, timeout=30,
-                      headers={"X-Flywheel-Tenant": tenant, **(headers or {})}, **kw)
+    return httpx.post(
+        live.url + "/v1/feedback", json=body, timeout=30, headers={"X-Flywheel-Tenant": tenant, **(headers or {})}, **kw
+    )
 
 
 def assert_error(r: httpx.Response, status: int, param: str | None, code: str | None) -> None:
@@ -114,14 +115,17 @@ def test_single_event_is_published_keyed_by_completion_with_hashed_user(live):
 
 def test_batch_of_every_kind_is_published(live):
     c1, c2 = new_completion(live), new_completion(live, user="bob")
-    events = [{"completion_id": c1, "kind": "thumb_up"}, {"completion_id": c1, "kind": "thumb_down"},
-              {"completion_id": c1, "kind": "rating", "value": 4},
-              {"completion_id": c2, "kind": "accepted", "user": "bob"},
-              {"completion_id": c2, "kind": "rejected"},
-              {"completion_id": c2, "kind": "edited", "value": 0.75, "edit_distance": 9},
-              {"completion_id": c2, "kind": "copied", "ts": 1_700_000_000.5},
-              {"completion_id": c2, "kind": "regenerated"},
-              {"completion_id": c2, "kind": "dwell", "value": 12.5}]
+    events = [
+        {"completion_id": c1, "kind": "thumb_up"},
+        {"completion_id": c1, "kind": "thumb_down"},
+        {"completion_id": c1, "kind": "rating", "value": 4},
+        {"completion_id": c2, "kind": "accepted", "user": "bob"},
+        {"completion_id": c2, "kind": "rejected"},
+        {"completion_id": c2, "kind": "edited", "value": 0.75, "edit_distance": 9},
+        {"completion_id": c2, "kind": "copied", "ts": 1_700_000_000.5},
+        {"completion_id": c2, "kind": "regenerated"},
+        {"completion_id": c2, "kind": "dwell", "value": 12.5},
+    ]
     r = post(live, {"events": events})
     assert r.status_code == 200, r.text
     body = r.json()
@@ -143,8 +147,7 @@ def _ev(**kw):
 
 
 def _batch(n_good: int, bad: dict):
-    return lambda cid: {"events": [{"completion_id": cid, "kind": "copied"}] * n_good
-                        + [{"completion_id": cid, **bad}]}
+    return lambda cid: {"events": [{"completion_id": cid, "kind": "copied"}] * n_good + [{"completion_id": cid, **bad}]}
 
 
 BAD = [
@@ -173,8 +176,12 @@ BAD = [
     (_batch(3, {"kind": "rating", "value": 9}), 400, "events.3.value", "invalid_value"),
     (_batch(1, {"kind": "nope"}), 400, "events.1.kind", "invalid_value"),
     (_ev(kind="copied", completion_id="cmpl-made-up"), 404, "completion_id", "completion_not_found"),
-    (_batch(2, {"kind": "copied", "completion_id": "cmpl-made-up"}), 404, "events.2.completion_id",
-     "completion_not_found"),
+    (
+        _batch(2, {"kind": "copied", "completion_id": "cmpl-made-up"}),
+        404,
+        "events.2.completion_id",
+        "completion_not_found",
+    ),
 ]
 
 
@@ -192,8 +199,7 @@ def test_malformed_bodies(live):
     r = post(live, {"completion_id": "x", "kind": "copied"}, headers={"Idempotency-Key": "a"})
     assert r.status_code == 404  # the header alone is fine; the id is not
     c = new_completion(live)
-    r = post(live, {"completion_id": c, "kind": "copied", "idempotency_key": "a"},
-             headers={"Idempotency-Key": "b"})
+    r = post(live, {"completion_id": c, "kind": "copied", "idempotency_key": "a"}, headers={"Idempotency-Key": "b"})
     assert_error(r, 400, "idempotency_key", "invalid_value")
     assert on_bus(live, [c]) == []
 
@@ -227,9 +233,16 @@ def test_retried_request_is_acknowledged_but_published_once(live):
     assert h1["accepted"] == 1 and h2["duplicates"] == 1 and h1["event_ids"] == h2["event_ids"]
     # A batch retried with one new event publishes only the new one; a key twice in one batch counts once.
     b1 = post(live, {"events": [{"completion_id": c, "kind": "accepted", "idempotency_key": "k3"}]}).json()
-    b2 = post(live, {"events": [{"completion_id": c, "kind": "accepted", "idempotency_key": "k3"},
-                                {"completion_id": c, "kind": "dwell", "value": 3, "idempotency_key": "k4"}]
-                     + [{"completion_id": c, "kind": "dwell", "value": 3, "idempotency_key": "k4"}]}).json()
+    b2 = post(
+        live,
+        {
+            "events": [
+                {"completion_id": c, "kind": "accepted", "idempotency_key": "k3"},
+                {"completion_id": c, "kind": "dwell", "value": 3, "idempotency_key": "k4"},
+            ]
+            + [{"completion_id": c, "kind": "dwell", "value": 3, "idempotency_key": "k4"}]
+        },
+    ).json()
     assert b1["accepted"] == 1 and (b2["accepted"], b2["duplicates"]) == (1, 2)
     assert b2["event_ids"][0] == b1["event_ids"][0] and b2["event_ids"][1] == b2["event_ids"][2]
     got = on_bus(live, [c])
@@ -243,11 +256,25 @@ def test_reused_key_for_a_different_event_is_refused(live):
     assert r.status_code == 200
     r = post(live, {"completion_id": c, "kind": "rating", "value": 1, "idempotency_key": "r1"})
     assert_error(r, 409, "idempotency_key", "idempotency_key_reused")
-    r = post(live, {"events": [{"completion_id": c, "kind": "copied", "idempotency_key": "r2"},
-                               {"completion_id": c, "kind": "accepted", "idempotency_key": "r2"}]})
+    r = post(
+        live,
+        {
+            "events": [
+                {"completion_id": c, "kind": "copied", "idempotency_key": "r2"},
+                {"completion_id": c, "kind": "accepted", "idempotency_key": "r2"},
+            ]
+        },
+    )
     assert_error(r, 409, "events.1.idempotency_key", "idempotency_key_reused")
-    r = post(live, {"events": [{"completion_id": c, "kind": "copied", "idempotency_key": "r3"},
-                               {"completion_id": c, "kind": "rating", "value": 2, "idempotency_key": "r1"}]})
+    r = post(
+        live,
+        {
+            "events": [
+                {"completion_id": c, "kind": "copied", "idempotency_key": "r3"},
+                {"completion_id": c, "kind": "rating", "value": 2, "idempotency_key": "r1"},
+            ]
+        },
+    )
     assert_error(r, 409, "events.1.idempotency_key", "idempotency_key_reused")
     assert [ev.value for _, ev in on_bus(live, [c])] == [5]
     # The refused batch released its claim on r3: it can be sent now.
@@ -285,7 +312,9 @@ def test_publish_failure_is_503_and_releases_the_claim(live, tmp_path):
 def test_requests_are_counted_by_route_and_status(live, cid):
     def count(status: str) -> float:
         for line in httpx.get(live.url + "/metrics").text.splitlines():
-            if line.startswith(f'flywheel_requests_total{{endpoint="/v1/feedback",model_version="",status="{status}"}}'):
+            if line.startswith(
+                f'flywheel_requests_total{{endpoint="/v1/feedback",model_version="",status="{status}"}}'
+            ):
                 return float(line.rsplit(" ", 1)[1])
         return 0.0
 
@@ -305,8 +334,14 @@ def test_fingerprints_are_stable_and_numbers_compare_as_numbers():
     assert fingerprint(item, "default") == FP_RATING_4
     same = FeedbackIn(completion_id="cmpl-1", kind="rating", value=4.0, user="u-1", idempotency_key="other")
     assert fingerprint(same, "default") == fingerprint(item, "default")  # 4 and 4.0: one event; not the key
-    for other in ({"value": 5}, {"user": "u-2"}, {"user": None}, {"ts": 1.0e9}, {"completion_id": "cmpl-2"},
-                  {"kind": "dwell", "value": 4.0}):
+    for other in (
+        {"value": 5},
+        {"user": "u-2"},
+        {"user": None},
+        {"ts": 1.0e9},
+        {"completion_id": "cmpl-2"},
+        {"kind": "dwell", "value": 4.0},
+    ):
         assert fingerprint(item.model_copy(update=other), "default") != fingerprint(item, "default"), other
     assert fingerprint(item, "other-tenant") != fingerprint(item, "default")  # the user hash is per tenant
 
@@ -327,10 +362,12 @@ def test_the_gateway_stamps_the_time_and_clamps_a_client_ts(live):
     c = new_completion(live, user="u1")
     served = live.index.get(c).ts
     t0 = time.time()
-    events = [{"completion_id": c, "kind": "copied"},  # no ts: the receive time
-              {"completion_id": c, "kind": "accepted", "ts": served - 3600},  # back-dated before it was served
-              {"completion_id": c, "kind": "dwell", "value": 5, "ts": 4_000_000_000},  # from the future
-              {"completion_id": c, "kind": "thumb_up", "ts": served + 0.001}]  # inside: kept as sent
+    events = [
+        {"completion_id": c, "kind": "copied"},  # no ts: the receive time
+        {"completion_id": c, "kind": "accepted", "ts": served - 3600},  # back-dated before it was served
+        {"completion_id": c, "kind": "dwell", "value": 5, "ts": 4_000_000_000},  # from the future
+        {"completion_id": c, "kind": "thumb_up", "ts": served + 0.001},
+    ]  # inside: kept as sent
     assert post(live, {"events": events}).status_code == 200
     t1 = time.time()
     by_kind = {ev.kind: ev.ts for _, ev in on_bus(live, [c])}
@@ -340,11 +377,19 @@ def test_the_gateway_stamps_the_time_and_clamps_a_client_ts(live):
 
 def test_feedback_from_another_user_is_refused(live):
     c = new_completion(live, user="alice")
-    r = post(live, {"events": [{"completion_id": c, "kind": "thumb_up", "user": "alice"},
-                               {"completion_id": c, "kind": "thumb_down", "user": "mallory"}]})
+    r = post(
+        live,
+        {
+            "events": [
+                {"completion_id": c, "kind": "thumb_up", "user": "alice"},
+                {"completion_id": c, "kind": "thumb_down", "user": "mallory"},
+            ]
+        },
+    )
     assert_error(r, 403, "events.1.user", "user_mismatch")
-    assert_error(post(live, {"completion_id": c, "kind": "rating", "value": 1, "user": "mallory"}), 403, "user",
-                 "user_mismatch")
+    assert_error(
+        post(live, {"completion_id": c, "kind": "rating", "value": 1, "user": "mallory"}), 403, "user", "user_mismatch"
+    )
     assert r.json()["error"]["type"] == "permission_error" and on_bus(live, [c]) == []
     # No user on the feedback: it is the completion's user's.
     assert post(live, {"completion_id": c, "kind": "copied"}).status_code == 200
@@ -354,8 +399,18 @@ def test_feedback_from_another_user_is_refused(live):
 
 def test_feedback_on_a_completion_served_without_a_user_is_anonymous(live):
     c = new_completion(live)
-    assert post(live, {"events": [{"completion_id": c, "kind": "thumb_up", "user": "someone"},
-                                  {"completion_id": c, "kind": "copied"}]}).status_code == 200
+    assert (
+        post(
+            live,
+            {
+                "events": [
+                    {"completion_id": c, "kind": "thumb_up", "user": "someone"},
+                    {"completion_id": c, "kind": "copied"},
+                ]
+            },
+        ).status_code
+        == 200
+    )
     assert [ev.user_id for _, ev in on_bus(live, [c])] == [None, None]
 
 

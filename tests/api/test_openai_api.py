@@ -59,8 +59,9 @@ def records_by_id(live) -> dict:
 
 
 def test_completion_with_openai_client_is_recorded_with_exact_logprobs_and_routing(live, client, tiny_checkpoint):
-    r = client.completions.create(model="flywheel", prompt=PROMPT, max_tokens=12, temperature=0.8, top_p=0.9,
-                                  logprobs=2, seed=5, user="alice")
+    r = client.completions.create(
+        model="flywheel", prompt=PROMPT, max_tokens=12, temperature=0.8, top_p=0.9, logprobs=2, seed=5, user="alice"
+    )
     assert r.model == live.version and r.system_fingerprint == live.version
     assert r.id.startswith("cmpl-")
     choice = r.choices[0]
@@ -73,25 +74,33 @@ def test_completion_with_openai_client_is_recorded_with_exact_logprobs_and_routi
     # The recorded logprobs and routing equal a full forward pass of the same version.
     model = load_checkpoint(tiny_checkpoint)
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12)
-    ref_lp, ref_experts = score(model, rec.prompt_ids, rec.output_ids, params,
-                                n_vocab=live.engine.tokenizer().vocab_size)
+    ref_lp, ref_experts = score(
+        model, rec.prompt_ids, rec.output_ids, params, n_vocab=live.engine.tokenizer().vocab_size
+    )
     assert torch.allclose(ref_lp, torch.tensor(rec.logprobs), atol=1e-5)
     experts = np.frombuffer(rec.routed_experts.to_bytes(), dtype=np.uint8).reshape(rec.routed_experts.shape)
     assert np.array_equal(experts, ref_experts.numpy().astype(np.uint8))
     # Same seed, same completion.
-    again = client.completions.create(model=live.version, prompt=PROMPT, max_tokens=12, temperature=0.8,
-                                      top_p=0.9, seed=5)
+    again = client.completions.create(
+        model=live.version, prompt=PROMPT, max_tokens=12, temperature=0.8, top_p=0.9, seed=5
+    )
     assert again.choices[0].text == choice.text and again.id != r.id
 
 
 def test_chat_and_streaming(live, client):
-    chat = client.chat.completions.create(model="flywheel", messages=[{"role": "user", "content": PROMPT}],
-                                          max_tokens=10, logprobs=True, top_logprobs=2)
+    chat = client.chat.completions.create(
+        model="flywheel", messages=[{"role": "user", "content": PROMPT}], max_tokens=10, logprobs=True, top_logprobs=2
+    )
     assert chat.choices[0].message.role == "assistant"
     assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
-    stream = client.chat.completions.create(model="flywheel", messages=[{"role": "user", "content": PROMPT}],
-                                            max_tokens=10, stream=True, seed=3,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="flywheel",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=10,
+        stream=True,
+        seed=3,
+        stream_options={"include_usage": True},
+    )
     text, ids, finish, usage = "", set(), None, None
     for ch in stream:
         ids.add(ch.id)
@@ -109,15 +118,19 @@ def test_chat_and_streaming(live, client):
 
 
 def test_raw_sse_ends_with_done_and_n_choices(live):
-    with httpx.stream("POST", live.url + "/v1/completions",
-                      json={"model": "flywheel", "prompt": PROMPT, "max_tokens": 5, "stream": True, "n": 3}) as r:
+    with httpx.stream(
+        "POST",
+        live.url + "/v1/completions",
+        json={"model": "flywheel", "prompt": PROMPT, "max_tokens": 5, "stream": True, "n": 3},
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [ln for ln in r.iter_lines() if ln]
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
     assert {c["choices"][0]["index"] for c in chunks} == {0, 1, 2}
-    body = httpx.post(live.url + "/v1/completions", json={"model": "flywheel", "prompt": [PROMPT, "# x"],
-                                                           "max_tokens": 3, "n": 2}).json()
+    body = httpx.post(
+        live.url + "/v1/completions", json={"model": "flywheel", "prompt": [PROMPT, "# x"], "max_tokens": 3, "n": 2}
+    ).json()
     assert len(body["choices"]) == 4 and len({c["completion_id"] for c in body["choices"]}) == 4
 
 
@@ -129,24 +142,30 @@ def test_models_health_metrics(live, client):
     client.completions.create(model="flywheel", prompt=PROMPT, max_tokens=2)
     m = httpx.get(live.url + "/metrics").text
     assert f'flywheel_requests_total{{endpoint="/v1/completions",model_version="{live.version}",status="200"}}' in m
-    assert f'flywheel_request_latency_seconds_bucket{{endpoint="completions",le="0.005",model_version="{live.version}"}}' in m
+    assert (
+        f'flywheel_request_latency_seconds_bucket{{endpoint="completions",le="0.005",model_version="{live.version}"}}'
+        in m
+    )
     assert "flywheel_completion_tokens_total" in m
 
 
-@pytest.mark.parametrize("body,status,param,code", [
-    ({"model": "nope", "prompt": "x"}, 404, "model", "model_not_found"),
-    ({"model": "flywheel", "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
-    ({"model": "flywheel", "prompt": "x", "max_tokens": 100000}, 400, "max_tokens", "invalid_value"),
-    ({"model": "flywheel", "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens", "invalid_value"),
-    ({"model": "flywheel", "prompt": "x", "temperature": 3}, 400, "temperature", "invalid_value"),
-    ({"model": "flywheel", "prompt": "x", "temperature": "hot"}, 400, "temperature", "invalid_value"),
-    ({"model": "flywheel", "prompt": "x" * 2000, "max_tokens": 10}, 400, "prompt", "context_length_exceeded"),
-    ({"model": "flywheel", "prompt": "x", "max_tokens": 127}, 400, "prompt", "context_length_exceeded"),
-    ({"model": "flywheel"}, 400, "prompt", "missing_required_parameter"),
-    ({"model": "flywheel", "prompt": "x", "bogus": 1}, 400, "bogus", "unknown_parameter"),
-    ({"model": "flywheel", "prompt": [99999]}, 400, "prompt", "invalid_value"),
-    ({"model": "flywheel", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
-])
+@pytest.mark.parametrize(
+    "body,status,param,code",
+    [
+        ({"model": "nope", "prompt": "x"}, 404, "model", "model_not_found"),
+        ({"model": "flywheel", "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+        ({"model": "flywheel", "prompt": "x", "max_tokens": 100000}, 400, "max_tokens", "invalid_value"),
+        ({"model": "flywheel", "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens", "invalid_value"),
+        ({"model": "flywheel", "prompt": "x", "temperature": 3}, 400, "temperature", "invalid_value"),
+        ({"model": "flywheel", "prompt": "x", "temperature": "hot"}, 400, "temperature", "invalid_value"),
+        ({"model": "flywheel", "prompt": "x" * 2000, "max_tokens": 10}, 400, "prompt", "context_length_exceeded"),
+        ({"model": "flywheel", "prompt": "x", "max_tokens": 127}, 400, "prompt", "context_length_exceeded"),
+        ({"model": "flywheel"}, 400, "prompt", "missing_required_parameter"),
+        ({"model": "flywheel", "prompt": "x", "bogus": 1}, 400, "bogus", "unknown_parameter"),
+        ({"model": "flywheel", "prompt": [99999]}, 400, "prompt", "invalid_value"),
+        ({"model": "flywheel", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
+    ],
+)
 def test_bad_completion_requests_get_openai_errors(live, body, status, param, code):
     before = len(recorded(live))
     r = httpx.post(live.url + "/v1/completions", json=body)
@@ -162,8 +181,9 @@ def test_malformed_json_and_chat_errors(live):
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     r = httpx.post(live.url + "/v1/chat/completions", json={"model": "flywheel", "messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    r = httpx.post(live.url + "/v1/chat/completions",
-                   json={"model": "flywheel", "messages": [{"role": "robot", "content": "x"}]})
+    r = httpx.post(
+        live.url + "/v1/chat/completions", json={"model": "flywheel", "messages": [{"role": "robot", "content": "x"}]}
+    )
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages.0.role")
     r = httpx.get(live.url + "/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
@@ -180,9 +200,18 @@ def test_openai_client_raises_typed_errors(client):
 def test_a_stream_the_client_drops_is_still_recorded(live):
     import time
 
-    with httpx.stream("POST", live.url + "/v1/completions",
-                      json={"model": "flywheel", "prompt": PROMPT, "max_tokens": 100, "stream": True,
-                            "ignore_eos": True, "temperature": 1.0}) as r:
+    with httpx.stream(
+        "POST",
+        live.url + "/v1/completions",
+        json={
+            "model": "flywheel",
+            "prompt": PROMPT,
+            "max_tokens": 100,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 1.0,
+        },
+    ) as r:
         lines = r.iter_lines()
         first = next(ln for ln in lines if ln.startswith("data: "))
         cid = json.loads(first[6:])["id"]

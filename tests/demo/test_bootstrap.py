@@ -8,8 +8,17 @@ from transformers import MixtralForCausalLM
 from demo.bootstrap import REPORT, BootstrapConfig, bootstrap
 from serving.checkpoint import load_checkpoint
 
-SMALL = BootstrapConfig(seed=3, preset="tiny", max_seq_len=128, corpus_size=300, vocab_size=300, steps=6, batch_size=8,
-                        eval_tasks=8, warmup=2)
+SMALL = BootstrapConfig(
+    seed=3,
+    preset="tiny",
+    max_seq_len=128,
+    corpus_size=300,
+    vocab_size=300,
+    steps=6,
+    batch_size=8,
+    eval_tasks=8,
+    warmup=2,
+)
 
 
 def test_bootstrap_is_deterministic_and_cached(tmp_path):

@@ -11,8 +11,9 @@ pytestmark = pytest.mark.slow
 
 def test_feedback_raises_held_out_satisfaction(small_trained_checkpoint, tmp_path):
     small_base = small_trained_checkpoint
-    cfg = DemoLoopConfig(rounds=10, samples_per_round=128, eval_tasks=256, eval_every=10,
-                         trainer=TrainerConfig(lr=3e-4))
+    cfg = DemoLoopConfig(
+        rounds=10, samples_per_round=128, eval_tasks=256, eval_every=10, trainer=TrainerConfig(lr=3e-4)
+    )
     report = run_demo_loop(small_base, cfg, tmp_path / "report.json")
     base, final = report["base"], report["final"]
     assert final["satisfaction"] > base["satisfaction"] + 0.05, (base, final)

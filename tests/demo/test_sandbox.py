@@ -49,9 +49,7 @@ def test_hostile_items_fail_and_neighbours_still_run(tmp_path):
     ]
     results = run_functions(items, timeout_s=0.3)
     assert len(results) == len(items)
-    loop, ok1, file_abs, file_rel, sock, system, popen, memory, syntax, prints, fd1, c_loop, caught, ok2 = (
-        results
-    )
+    loop, ok1, file_abs, file_rel, sock, system, popen, memory, syntax, prints, fd1, c_loop, caught, ok2 = results
     assert (loop.ok, loop.error) == (False, "timeout")
     assert ok1.ok and ok1.results == [2]
     assert file_abs.error.startswith("blocked: file write") and not target.exists()

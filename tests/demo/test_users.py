@@ -42,9 +42,7 @@ def test_acceptance_frequency_matches_satisfaction(text, result):
     expected = user.satisfaction(TASK, text, result)
     assert abs(expected - satisfaction(TASK, text, result)) < 0.15  # jitter stays small
     trials = 3000
-    accepted = sum(
-        any(signal.kind == "accepted" for signal in user.react(TASK, text, result)) for _ in range(trials)
-    )
+    accepted = sum(any(signal.kind == "accepted" for signal in user.react(TASK, text, result)) for _ in range(trials))
     assert abs(accepted / trials - expected) < 0.03
 
 

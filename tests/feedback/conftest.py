@@ -53,8 +53,16 @@ class TansuBroker:
     @property
     def command(self) -> list[str]:
         url = f"tcp://{self.bootstrap}"
-        return [self.binary, "broker", "--listener-url", url, "--advertised-listener-url", url,
-                "--storage-engine", "memory://tansu/"]
+        return [
+            self.binary,
+            "broker",
+            "--listener-url",
+            url,
+            "--advertised-listener-url",
+            url,
+            "--storage-engine",
+            "memory://tansu/",
+        ]
 
     @property
     def running(self) -> bool:

@@ -41,8 +41,13 @@ class Harness:
         if self.kind == "embedded":
             bus: EventBus = EmbeddedBus(self.tmp_path / "bus", partitions=PARTITIONS)
         else:
-            bus = KafkaBus(self.bootstrap, self.tmp_path / "spool", partitions=PARTITIONS,
-                           send_timeout_s=5, consumer_config=FAST_CONSUMER)
+            bus = KafkaBus(
+                self.bootstrap,
+                self.tmp_path / "spool",
+                partitions=PARTITIONS,
+                send_timeout_s=5,
+                consumer_config=FAST_CONSUMER,
+            )
         self.buses.append(bus)
         return bus
 
@@ -129,8 +134,11 @@ def test_per_key_order(h):
         offsets = [r.offset for r in got if r.partition == p]
         assert offsets == sorted(offsets) and len(set(offsets)) == len(offsets)
     # Each key in its bus's partition: crc32 (embedded), the Java client's murmur2 rule (Kafka).
-    rule = (lambda k: partition_for(k, PARTITIONS)) if h.kind == "embedded" else \
-        (lambda k: (murmur2(k.encode()) & 0x7FFFFFFF) % PARTITIONS)
+    rule = (
+        (lambda k: partition_for(k, PARTITIONS))
+        if h.kind == "embedded"
+        else (lambda k: (murmur2(k.encode()) & 0x7FFFFFFF) % PARTITIONS)
+    )
     assert all(r.partition == rule(r.key) for r in got)
 
 
@@ -247,8 +255,9 @@ def _two_members(h, n_topics: int) -> None:
     assert not keys[0] & keys[1]  # every key, on every topic, went to one member
 
 
-@pytest.mark.parametrize("h", ["embedded", pytest.param("kafka", marks=[pytest.mark.kafka, pytest.mark.slow])],
-                         indirect=True)
+@pytest.mark.parametrize(
+    "h", ["embedded", pytest.param("kafka", marks=[pytest.mark.kafka, pytest.mark.slow])], indirect=True
+)
 def test_two_members_split_the_partitions(h):
     _two_members(h, 1)
 
@@ -270,8 +279,9 @@ def test_bad_topic_or_value_is_a_value_error(h):
 
 def test_concurrent_publish_many_is_durable_on_return_and_refuses_bad_records_whole(h):
     topic = new_name("many")
-    batches = [[(f"cmp-{i % 5}", json.dumps({"event_id": f"ev-{b}-{i:03d}"}).encode()) for i in range(40)]
-               for b in range(3)]
+    batches = [
+        [(f"cmp-{i % 5}", json.dumps({"event_id": f"ev-{b}-{i:03d}"}).encode()) for i in range(40)] for b in range(3)
+    ]
     threads = [threading.Thread(target=h.bus.publish_many, args=(topic, batch)) for batch in batches]
     [t.start() for t in threads]  # in flight together
     [t.join() for t in threads]
@@ -285,8 +295,9 @@ def test_concurrent_publish_many_is_durable_on_return_and_refuses_bad_records_wh
     assert sorted(ids(got)) == sorted(json.loads(v)["event_id"] for batch in batches for _, v in batch)
     for b, batch in enumerate(batches):  # per key, each batch's order
         for key in {k for k, _ in batch}:
-            assert [e for e in by_key(got)[key] if e.startswith(f"ev-{b}-")] == \
-                [json.loads(v)["event_id"] for k, v in batch if k == key]
+            assert [e for e in by_key(got)[key] if e.startswith(f"ev-{b}-")] == [
+                json.loads(v)["event_id"] for k, v in batch if k == key
+            ]
 
 
 def test_one_member_on_two_topics_consumes_and_commits_both(h):
@@ -306,8 +317,9 @@ def test_one_member_on_two_topics_consumes_and_commits_both(h):
     assert sorted(ids(drain(b, 5, h.quiet_s))) == sorted(ids(later))
 
 
-@pytest.mark.parametrize("h", ["embedded", pytest.param("kafka", marks=[pytest.mark.kafka, pytest.mark.slow])],
-                         indirect=True)
+@pytest.mark.parametrize(
+    "h", ["embedded", pytest.param("kafka", marks=[pytest.mark.kafka, pytest.mark.slow])], indirect=True
+)
 def test_two_members_on_two_topics_own_the_same_partitions_of_both(h):
     _two_members(h, 2)
 
@@ -316,11 +328,23 @@ def test_completion_sink_publishes_completions_keyed_by_completion_id(h):
     import asyncio
 
     sink = CompletionSink(h.bus)
-    events = [CompletionEvent(tenant="acme", completion_id=f"cmpl-{i}", model_version="v1", endpoint="completions",
-                              prompt_ids=[1, 2, 3], output_ids=[4, 5], logprobs=[-0.5, -1.0],
-                              routed_experts=RoutedExperts.from_bytes((4, 1, 2), bytes(range(8))),
-                              text="hi", finish_reason="stop", params={}, latency_ms={"total": 1.0})
-              for i in range(5)]
+    events = [
+        CompletionEvent(
+            tenant="acme",
+            completion_id=f"cmpl-{i}",
+            model_version="v1",
+            endpoint="completions",
+            prompt_ids=[1, 2, 3],
+            output_ids=[4, 5],
+            logprobs=[-0.5, -1.0],
+            routed_experts=RoutedExperts.from_bytes((4, 1, 2), bytes(range(8))),
+            text="hi",
+            finish_reason="stop",
+            params={},
+            latency_ms={"total": 1.0},
+        )
+        for i in range(5)
+    ]
 
     async def record_all():
         for e in events:

@@ -44,8 +44,10 @@ def test_completions_are_added_found_and_replaced(url):
     idx = CompletionIndex(url)
     idx.add("c1", "acme", "v1", ts=5.0, user_id="u-hash", arm="canary")
     idx.add("c2", "acme", "v1", ts=6.0)
-    assert idx.get_many(["c1", "c2", "nope"]) == {"c1": CompletionEntry("acme", "v1", 5.0, "u-hash", "canary"),
-                                                  "c2": CompletionEntry("acme", "v1", 6.0, None, None)}
+    assert idx.get_many(["c1", "c2", "nope"]) == {
+        "c1": CompletionEntry("acme", "v1", 5.0, "u-hash", "canary"),
+        "c2": CompletionEntry("acme", "v1", 6.0, None, None),
+    }
     idx.add("c2", "other", "v2", ts=9.0)  # a second add replaces
     assert idx.get("c2") == ("other", "v2", 9.0, None, None) and idx.get("nope") is None
     idx.close()

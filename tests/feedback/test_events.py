@@ -9,8 +9,18 @@ from feedback.events import FeedbackEvent, event_id_for
 
 
 def received(**kw) -> FeedbackEvent:
-    args = {"event_id": "e" * 32, "tenant": "t", "completion_id": "c", "kind": "copied", "value": None,
-            "edit_distance": None, "client_ts": None, "now": 200.0, "served_ts": 100.0, "served_user": "u-hash"}
+    args = {
+        "event_id": "e" * 32,
+        "tenant": "t",
+        "completion_id": "c",
+        "kind": "copied",
+        "value": None,
+        "edit_distance": None,
+        "client_ts": None,
+        "now": 200.0,
+        "served_ts": 100.0,
+        "served_user": "u-hash",
+    }
     return FeedbackEvent.received(**{**args, **kw})
 
 

@@ -23,15 +23,34 @@ WINDOW = 60.0
 
 def completion(cid, ts, tenant="t1", user="u1"):
     return CompletionEvent(
-        event_id=f"event-completion-{cid}", completion_id=cid, tenant=tenant, ts=ts, user_id=user,
-        model_version="v1", endpoint="completions", prompt_ids=[1, 2], output_ids=[3], logprobs=[-0.5],
-        routed_experts=RoutedExperts.from_bytes((2, 1, 1), b"\x00\x01"), text="x", finish_reason="stop",
-        params={}, latency_ms={})
+        event_id=f"event-completion-{cid}",
+        completion_id=cid,
+        tenant=tenant,
+        ts=ts,
+        user_id=user,
+        model_version="v1",
+        endpoint="completions",
+        prompt_ids=[1, 2],
+        output_ids=[3],
+        logprobs=[-0.5],
+        routed_experts=RoutedExperts.from_bytes((2, 1, 1), b"\x00\x01"),
+        text="x",
+        finish_reason="stop",
+        params={},
+        latency_ms={},
+    )
 
 
 def feedback(cid, kind, ts, value=None, tenant="t1", user="u1", event_id=None):
-    return FeedbackEvent(event_id=event_id or f"event-feedback-{cid}-{kind}-{ts}-{user}", completion_id=cid,
-                         tenant=tenant, ts=ts, user_id=user, kind=kind, value=value)
+    return FeedbackEvent(
+        event_id=event_id or f"event-feedback-{cid}-{kind}-{ts}-{user}",
+        completion_id=cid,
+        tenant=tenant,
+        ts=ts,
+        user_id=user,
+        kind=kind,
+        value=value,
+    )
 
 
 def core(**spec_kwargs):
@@ -51,8 +70,13 @@ def test_join_within_window_emits_one_sample_when_the_window_closes():
     assert s.reward_spec == "default-v1" and s.tenant == "t1" and s.ts == 60.0
     assert s.event_id == sample_event_id("c1", "default-v1")
     assert j.tick(1000.0) == []
-    assert {k: j.stats[k] for k in ("completions", "feedback", "samples", "late", "no_feedback")} == \
-        {"completions": 1, "feedback": 2, "samples": 1, "late": 0, "no_feedback": 0}
+    assert {k: j.stats[k] for k in ("completions", "feedback", "samples", "late", "no_feedback")} == {
+        "completions": 1,
+        "feedback": 2,
+        "samples": 1,
+        "late": 0,
+        "no_feedback": 0,
+    }
 
 
 def test_feedback_before_its_completion_is_buffered_then_joined_or_expired():
@@ -88,8 +112,11 @@ def test_late_feedback_is_counted_per_kind_and_handed_out():
     assert j.stats["late"] == 3
     assert (j.stats["late_thumb_up"], j.stats["late_rating"], j.stats["late_accepted"]) == (1, 1, 1)
     late = j.drain_late()
-    assert [(x.event.completion_id, x.reason) for x in late] == \
-        [("c1", "closed"), ("c3", "past_window"), ("c4", "past_window")]
+    assert [(x.event.completion_id, x.reason) for x in late] == [
+        ("c1", "closed"),
+        ("c3", "past_window"),
+        ("c4", "past_window"),
+    ]
     assert j.drain_late() == []
     assert j.tick(1000.0) == [] and j.stats["no_feedback"] == 3 and j.stats["samples"] == 0
 
@@ -175,6 +202,7 @@ def test_sample_ids_are_deterministic_per_completion_and_spec():
         j.on_completion(completion("c1", 0.0))
         j.on_feedback(feedback("c1", "thumb_up", 1.0))
         return j.tick(61.0)[0]
+
     a, b, other = run(SPEC), run(SPEC), run(RewardSpec(name="other-v2"))
     assert a.event_id == b.event_id == sample_event_id("c1", "default-v1")
     assert a.model_dump() == b.model_dump()
@@ -282,8 +310,7 @@ def test_crash_and_resume_yields_exactly_one_sample_per_completion(tmp_path):
     bus = CrashingBus(tmp_path)
     bus.crash_at = 2
     for i in range(n):  # i % 5 == 0: no feedback; every 7th completion's feedback comes first
-        events = [feedback(f"c{i}", k, i + 1.0, value=(1 if k == "rating" else None))
-                  for k in expected_reward(i)[1]]
+        events = [feedback(f"c{i}", k, i + 1.0, value=(1 if k == "rating" else None)) for k in expected_reward(i)[1]]
         events.insert(0 if i % 7 else len(events), completion(f"c{i}", float(i)))
         for ev in events:
             publish(bus, ev)
@@ -320,7 +347,8 @@ def test_crash_and_resume_yields_exactly_one_sample_per_completion(tmp_path):
     # After the restart's final round nothing is held: every record is committed.
     assert sum(bus.committed(TOPICS["completion"], "joiner").values()) == n
     assert sum(bus.committed(TOPICS["feedback"], "joiner").values()) == sum(
-        len(expected_reward(i)[1]) for i in range(n))
+        len(expected_reward(i)[1]) for i in range(n)
+    )
     bus.close()
 
 
@@ -358,8 +386,7 @@ def test_malformed_records_fail_loudly_or_go_to_the_dead_letter_topic(tmp_path):
     svc.close()
 
     dead = "flywheel.joiner.dead"
-    svc = JoinerService(bus, SPEC, window_s=WINDOW, clock=Clock(100.0), group="joiner2",
-                        dead_letter_topic=dead)
+    svc = JoinerService(bus, SPEC, window_s=WINDOW, clock=Clock(100.0), group="joiner2", dead_letter_topic=dead)
     publish(bus, completion("c1", 0.0))
     publish(bus, feedback("c1", "thumb_up", 90.0))  # late
     assert svc.run_once(0.0) == []
@@ -428,8 +455,7 @@ def test_a_second_joiner_takes_half_the_partitions_and_every_sample_is_emitted_o
     clock.t = 1000.0
     samples = a.run_once(0.0) + b.run_once(0.0)
     assert sorted(s.completion.completion_id for s in samples) == sorted(f"c{i}" for i in range(n))
-    assert all(s.reward == pytest.approx(0.75 if int(s.completion.completion_id[1:]) % 2 else -0.5)
-               for s in samples)
+    assert all(s.reward == pytest.approx(0.75 if int(s.completion.completion_id[1:]) % 2 else -0.5) for s in samples)
     emitted = [s.event_id for _, s in read_samples(bus)]
     assert len(emitted) == len(set(emitted)) == n  # once each: a emitted nothing for b's partitions
     for st in (a.stats, b.stats):

@@ -24,9 +24,11 @@ def test_append_read_and_reopen(tmp_path):
 
 def test_many_threads_every_record_once_in_order_per_thread(tmp_path):
     log = DurableLog(tmp_path, segment_bytes=2048)  # small segments: exercise rollover
+
     def worker(t):
         for i in range(100):
             log.append([f"{t}:{i}".encode()])
+
     threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
     [t.start() for t in threads]
     [t.join() for t in threads]

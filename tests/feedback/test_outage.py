@@ -76,8 +76,14 @@ def consume(bootstrap: str, group: str, expected: int, dedupe: Deduper, timeout_
 
 
 def test_broker_outage_mid_stream_loses_and_reorders_nothing(kafka_broker, tmp_path):
-    bus = KafkaBus(kafka_broker.bootstrap, tmp_path / "spool", partitions=6, send_timeout_s=2,
-                   consumer_config=FAST_CONSUMER, spool_backoff_s=(0.05, 0.5))
+    bus = KafkaBus(
+        kafka_broker.bootstrap,
+        tmp_path / "spool",
+        partitions=6,
+        send_timeout_s=2,
+        consumer_config=FAST_CONSUMER,
+        spool_backoff_s=(0.05, 0.5),
+    )
     broker_down, broker_up, published = threading.Event(), threading.Event(), [0]
     latencies_down: list[float] = []
 
@@ -169,10 +175,12 @@ def test_broker_outage_mid_stream_loses_and_reorders_nothing(kafka_broker, tmp_p
     lat = sorted(latencies_down)
     p95 = lat[int(0.95 * len(lat))]
     assert statistics.median(lat) < 0.01 and p95 < 0.03 and lat[-1] < 0.1, (statistics.median(lat), p95, lat[-1])
-    print(f"\noutage: {forwarded_before_stop} delivered before the kill, {N - forwarded_before_stop} after the "
-          f"restart, {repeats2} repeats dropped, {bus.spool.failures} failed delivery attempts, publish while "
-          f"down: median {statistics.median(lat) * 1e3:.2f} ms, p95 {p95 * 1e3:.2f} ms, max {lat[-1] * 1e3:.2f} ms "
-          f"over {len(lat)} calls")
+    print(
+        f"\noutage: {forwarded_before_stop} delivered before the kill, {N - forwarded_before_stop} after the "
+        f"restart, {repeats2} repeats dropped, {bus.spool.failures} failed delivery attempts, publish while "
+        f"down: median {statistics.median(lat) * 1e3:.2f} ms, p95 {p95 * 1e3:.2f} ms, max {lat[-1] * 1e3:.2f} ms "
+        f"over {len(lat)} calls"
+    )
 
 
 def test_a_bus_opens_topics_and_consumers_again_after_a_broker_restart(kafka_broker, tmp_path):
@@ -180,8 +188,9 @@ def test_a_bus_opens_topics_and_consumers_again_after_a_broker_restart(kafka_bro
     creating a topic or a consumer waits for it instead of failing."""
     if not kafka_broker.running:
         kafka_broker.start()
-    bus = KafkaBus(kafka_broker.bootstrap, tmp_path / "spool", partitions=2, send_timeout_s=5,
-                   consumer_config=FAST_CONSUMER)
+    bus = KafkaBus(
+        kafka_broker.bootstrap, tmp_path / "spool", partitions=2, send_timeout_s=5, consumer_config=FAST_CONSUMER
+    )
     try:
         bus.ensure_topic("before-restart")
         kafka_broker.stop()

@@ -12,26 +12,29 @@ def sig(kind, value=None, ts=0.0, user="u1"):
     return Signal(kind=kind, value=value, ts=ts, user_id=user)
 
 
-@pytest.mark.parametrize("kind,value,expected", [
-    ("accepted", None, 0.75),
-    ("rejected", None, -0.25),
-    ("thumb_up", None, 0.5),
-    ("thumb_down", None, -0.5),
-    ("rating", 1, -0.5),   # (1 - 3) / 4
-    ("rating", 2, -0.25),
-    ("rating", 3, 0.0),
-    ("rating", 4, 0.25),
-    ("rating", 5, 0.5),
-    ("edited", 1.0, 0.75),  # 0.75 * 1 - 0.25 * 0
-    ("edited", 0.0, -0.25),
-    ("edited", 0.5, 0.25),  # 0.375 - 0.125
-    ("edited", 0.8, 0.55),  # 0.6 - 0.05
-    ("copied", None, 0.25),
-    ("regenerated", None, -0.25),
-    ("dwell", 0.0, 0.0),
-    ("dwell", 15.0, 0.025),  # 0.05 * 15 / 30
-    ("dwell", 600.0, 0.05),  # capped at 30 s
-])
+@pytest.mark.parametrize(
+    "kind,value,expected",
+    [
+        ("accepted", None, 0.75),
+        ("rejected", None, -0.25),
+        ("thumb_up", None, 0.5),
+        ("thumb_down", None, -0.5),
+        ("rating", 1, -0.5),  # (1 - 3) / 4
+        ("rating", 2, -0.25),
+        ("rating", 3, 0.0),
+        ("rating", 4, 0.25),
+        ("rating", 5, 0.5),
+        ("edited", 1.0, 0.75),  # 0.75 * 1 - 0.25 * 0
+        ("edited", 0.0, -0.25),
+        ("edited", 0.5, 0.25),  # 0.375 - 0.125
+        ("edited", 0.8, 0.55),  # 0.6 - 0.05
+        ("copied", None, 0.25),
+        ("regenerated", None, -0.25),
+        ("dwell", 0.0, 0.0),
+        ("dwell", 15.0, 0.025),  # 0.05 * 15 / 30
+        ("dwell", 600.0, 0.05),  # capped at 30 s
+    ],
+)
 def test_signal_reward_by_kind(kind, value, expected):
     assert signal_reward(SPEC, sig(kind, value)) == pytest.approx(expected)
 
@@ -42,20 +45,23 @@ def test_default_spec_is_default_v1_with_docstrings_on_every_field():
     assert missing == []
 
 
-@pytest.mark.parametrize("signals,expected", [
-    ([sig("accepted"), sig("copied")], 1.0),
-    ([sig("accepted"), sig("copied"), sig("thumb_up")], 1.0),  # 1.5, per-user cap 1.0
-    ([sig("rejected"), sig("thumb_down"), sig("rating", 1)], -1.0),  # -1.25 capped
-    ([sig("accepted", ts=1), sig("edited", 0.5, ts=2)], 0.25),  # the edit supersedes the accept
-    ([sig("accepted", ts=1), sig("edited", 0.5, ts=2), sig("copied", ts=3)], 0.5),
-    ([sig("accepted", ts=1), sig("rejected", ts=2)], -0.25),  # latest of {accepted, rejected, edited}
-    ([sig("rejected", ts=1), sig("accepted", ts=2)], 0.75),
-    ([sig("accepted", ts=1), sig("rejected", ts=1)], -0.25),  # same ts: the later in arrival order
-    ([sig("thumb_up", ts=1), sig("thumb_down", ts=2)], -0.5),  # a changed vote
-    ([sig("accepted"), sig("dwell", 30.0)], 0.8),
-    ([sig("regenerated"), sig("dwell", 1.5)], -0.2475),  # -0.25 + 0.05 * 1.5 / 30
-    ([sig("rating", 4), sig("rating", 2, ts=5)], -0.25),  # one rating per user: the latest
-])
+@pytest.mark.parametrize(
+    "signals,expected",
+    [
+        ([sig("accepted"), sig("copied")], 1.0),
+        ([sig("accepted"), sig("copied"), sig("thumb_up")], 1.0),  # 1.5, per-user cap 1.0
+        ([sig("rejected"), sig("thumb_down"), sig("rating", 1)], -1.0),  # -1.25 capped
+        ([sig("accepted", ts=1), sig("edited", 0.5, ts=2)], 0.25),  # the edit supersedes the accept
+        ([sig("accepted", ts=1), sig("edited", 0.5, ts=2), sig("copied", ts=3)], 0.5),
+        ([sig("accepted", ts=1), sig("rejected", ts=2)], -0.25),  # latest of {accepted, rejected, edited}
+        ([sig("rejected", ts=1), sig("accepted", ts=2)], 0.75),
+        ([sig("accepted", ts=1), sig("rejected", ts=1)], -0.25),  # same ts: the later in arrival order
+        ([sig("thumb_up", ts=1), sig("thumb_down", ts=2)], -0.5),  # a changed vote
+        ([sig("accepted"), sig("dwell", 30.0)], 0.8),
+        ([sig("regenerated"), sig("dwell", 1.5)], -0.2475),  # -0.25 + 0.05 * 1.5 / 30
+        ([sig("rating", 4), sig("rating", 2, ts=5)], -0.25),  # one rating per user: the latest
+    ],
+)
 def test_reward_of_combinations(signals, expected):
     assert reward(SPEC, signals) == pytest.approx(expected)
 
@@ -111,22 +117,25 @@ def test_user_budget_windowing():
     assert UserBudget.from_spec(SPEC).max_per_window == 200
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    ({"per_user_cap": 0.0}, "per_user_cap"),
-    ({"reward_min": 0.5}, "reward_min"),
-    ({"reward_min": 1.0, "reward_max": 1.0}, "reward_min"),
-    ({"dwell_weight": 0.3}, "dwell_weight"),
-    ({"dwell_weight": -0.01}, "dwell_weight"),
-    ({"dwell_cap_s": 0.0}, "dwell_cap_s"),
-    ({"name": "bad name!"}, "name"),
-    ({"name": ""}, "name"),
-    ({"accepted": -1.0}, "accepted"),
-    ({"thumb_down": 0.5}, "thumb_down"),
-    ({"edited_none_kept": 0.9}, "edited_none_kept"),
-    ({"max_rewarded_per_user": 0}, "max_rewarded_per_user"),
-    ({"budget_window_s": 0.0}, "budget_window_s"),
-    ({"rating_weight": 1.0}, "rating_weight"),  # unknown field: extra="forbid"
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"per_user_cap": 0.0}, "per_user_cap"),
+        ({"reward_min": 0.5}, "reward_min"),
+        ({"reward_min": 1.0, "reward_max": 1.0}, "reward_min"),
+        ({"dwell_weight": 0.3}, "dwell_weight"),
+        ({"dwell_weight": -0.01}, "dwell_weight"),
+        ({"dwell_cap_s": 0.0}, "dwell_cap_s"),
+        ({"name": "bad name!"}, "name"),
+        ({"name": ""}, "name"),
+        ({"accepted": -1.0}, "accepted"),
+        ({"thumb_down": 0.5}, "thumb_down"),
+        ({"edited_none_kept": 0.9}, "edited_none_kept"),
+        ({"max_rewarded_per_user": 0}, "max_rewarded_per_user"),
+        ({"budget_window_s": 0.0}, "budget_window_s"),
+        ({"rating_weight": 1.0}, "rating_weight"),  # unknown field: extra="forbid"
+    ],
+)
 def test_invalid_spec_raises_value_error_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         RewardSpec(**kwargs)

@@ -99,9 +99,16 @@ class FaultProxy:
                 with proxy.lock:
                     fault = proxy.faults.pop(0) if proxy.faults else "ok"
                     events = json.loads(body).get("events", [])
-                    proxy.attempts.append({"t": time.monotonic(), "n": len(events), "fault": fault,
-                                           "keys": [e.get("idempotency_key") for e in events],
-                                           "status": r.status_code, "answer": r.json()})
+                    proxy.attempts.append(
+                        {
+                            "t": time.monotonic(),
+                            "n": len(events),
+                            "fault": fault,
+                            "keys": [e.get("idempotency_key") for e in events],
+                            "status": r.status_code,
+                            "answer": r.json(),
+                        }
+                    )
                 if fault == "drop":
                     self.close_connection = True
                     return
@@ -155,34 +162,57 @@ def test_every_call_is_delivered_once_with_its_value(live):
     c = new_completion(live, user="u1")
     errors = Errors()
     with FeedbackClient(live.url, batch_size=100, flush_interval_s=60, on_error=errors) as fb:
-        keys = [fb.thumbs_up(c, user="u1"), fb.thumbs_down(c), fb.rating(c, 4), fb.accepted(c),
-                fb.rejected(c), fb.edited(c, kept_fraction=0.7, edit_distance=3), fb.copied(c),
-                fb.regenerated(c), fb.dwell(c, 12.5), fb.send("rating", c, 2, ts=1_700_000_000.0)]
+        keys = [
+            fb.thumbs_up(c, user="u1"),
+            fb.thumbs_down(c),
+            fb.rating(c, 4),
+            fb.accepted(c),
+            fb.rejected(c),
+            fb.edited(c, kept_fraction=0.7, edit_distance=3),
+            fb.copied(c),
+            fb.regenerated(c),
+            fb.dwell(c, 12.5),
+            fb.send("rating", c, 2, ts=1_700_000_000.0),
+        ]
         assert fb.flush(timeout=10) and fb.sent == 10 and fb.pending == 0
     assert not errors and len(set(keys)) == 10
     got = on_bus(live, [c])
     assert len(got) == 10 and len({e.event_id for e in got}) == 10
     assert sorted((e.kind, e.value) for e in got) == sorted(
-        [("thumb_up", None), ("thumb_down", None), ("rating", 4), ("accepted", None), ("rejected", None),
-         ("edited", 0.7), ("copied", None), ("regenerated", None), ("dwell", 12.5), ("rating", 2)])
+        [
+            ("thumb_up", None),
+            ("thumb_down", None),
+            ("rating", 4),
+            ("accepted", None),
+            ("rejected", None),
+            ("edited", 0.7),
+            ("copied", None),
+            ("regenerated", None),
+            ("dwell", 12.5),
+            ("rating", 2),
+        ]
+    )
     assert {e.user_id for e in got} == {hash_user("default", "u1")}  # the completion's user
     assert [e.edit_distance for e in got if e.kind == "edited"] == [3]
     served = live.index.get(c).ts
     assert [e.ts for e in got if e.kind == "rating" and e.value == 2] == [served]  # ts before serving: clamped
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda fb: fb.rating("c", 7), "value=7"),
-    (lambda fb: fb.rating("c", 2.5), "value=2.5"),
-    (lambda fb: fb.rating("c", float("inf")), "value=inf"),
-    (lambda fb: fb.dwell("c", -1), "value=-1"),
-    (lambda fb: fb.edited("c", kept_fraction=1.2), "value=1.2"),
-    (lambda fb: fb.edited("c", kept_fraction=0.5, edit_distance=-2), "edit_distance=-2"),
-    (lambda fb: fb.send("smile", "c"), "kind='smile'"),
-    (lambda fb: fb.send("thumb_up", "c", 1), "value=1"),
-    (lambda fb: fb.thumbs_up(""), "completion_id=''"),
-    (lambda fb: fb.thumbs_up("c", user=5), "user=5"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda fb: fb.rating("c", 7), "value=7"),
+        (lambda fb: fb.rating("c", 2.5), "value=2.5"),
+        (lambda fb: fb.rating("c", float("inf")), "value=inf"),
+        (lambda fb: fb.dwell("c", -1), "value=-1"),
+        (lambda fb: fb.edited("c", kept_fraction=1.2), "value=1.2"),
+        (lambda fb: fb.edited("c", kept_fraction=0.5, edit_distance=-2), "edit_distance=-2"),
+        (lambda fb: fb.send("smile", "c"), "kind='smile'"),
+        (lambda fb: fb.send("thumb_up", "c", 1), "value=1"),
+        (lambda fb: fb.thumbs_up(""), "completion_id=''"),
+        (lambda fb: fb.thumbs_up("c", user=5), "user=5"),
+    ],
+)
 def test_invalid_calls_raise_value_error_naming_the_value(call, match):
     fb = FeedbackClient("http://127.0.0.1:9", max_retries=0)
     with pytest.raises(ValueError, match=match.replace("(", r"\(")):
@@ -234,8 +264,9 @@ def test_full_queue_drops_without_blocking_and_reports(live):
 def test_enqueue_does_no_io():
     """Nothing listens on port 9: every call still queues at once; the sender fails them in the background."""
     errors = Errors()
-    fb = FeedbackClient("http://127.0.0.1:9", batch_size=1000, flush_interval_s=600, max_queue=100_000,
-                        max_retries=0, on_error=errors)
+    fb = FeedbackClient(
+        "http://127.0.0.1:9", batch_size=1000, flush_interval_s=600, max_queue=100_000, max_retries=0, on_error=errors
+    )
     n = 20_000
     for i in range(n):
         fb.rating("cmpl-bench", 1 + i % 5, user="u")
@@ -250,8 +281,9 @@ def test_retry_storm_delivers_each_event_exactly_once(live):
     faults = ["503", "503+ra", "drop", "429", "503", "drop", "503", "drop"]
     kinds = ["thumb_up", "copied", "accepted", "regenerated", "rejected"]
     with FaultProxy(live.url, faults) as proxy:
-        with FeedbackClient(proxy.url, batch_size=8, flush_interval_s=60, backoff_s=0.01, max_backoff_s=0.05,
-                            on_error=Errors()) as fb:
+        with FeedbackClient(
+            proxy.url, batch_size=8, flush_interval_s=60, backoff_s=0.01, max_backoff_s=0.05, on_error=Errors()
+        ) as fb:
             for i in range(40):
                 fb.send(kinds[i % 5], cids[i % 4], user=f"u{i}")
             assert fb.flush(timeout=30)
@@ -328,12 +360,14 @@ def test_fork_child_sends_its_own_events_parent_sends_its_pending_once(live):
 
 def test_pending_events_are_sent_at_interpreter_exit(live):
     c = new_completion(live)
-    script = (f"import asyncio\nfrom feedback.sdk import AsyncFeedbackClient, FeedbackClient\n"
-              f"fb = FeedbackClient({live.url!r}, batch_size=100, flush_interval_s=600)\n"
-              f"fb.rating({c!r}, 5)\nfb.dwell({c!r}, 3.0)\n"  # no flush, no close
-              f"async def main():\n"
-              f"    AsyncFeedbackClient({live.url!r}, batch_size=100, flush_interval_s=600).accepted({c!r})\n"
-              f"asyncio.run(main())\n")  # the loop is gone at exit: the client's thread sends it
+    script = (
+        f"import asyncio\nfrom feedback.sdk import AsyncFeedbackClient, FeedbackClient\n"
+        f"fb = FeedbackClient({live.url!r}, batch_size=100, flush_interval_s=600)\n"
+        f"fb.rating({c!r}, 5)\nfb.dwell({c!r}, 3.0)\n"  # no flush, no close
+        f"async def main():\n"
+        f"    AsyncFeedbackClient({live.url!r}, batch_size=100, flush_interval_s=600).accepted({c!r})\n"
+        f"asyncio.run(main())\n"
+    )  # the loop is gone at exit: the client's thread sends it
     subprocess.run([sys.executable, "-c", script], cwd=REPO, check=True, timeout=60)
     assert sorted(e.kind for e in on_bus(live, [c])) == ["accepted", "dwell", "rating"]
 
@@ -378,15 +412,32 @@ def test_async_client_batches_retries_and_flushes_without_blocking_the_loop(live
     assert sorted(e.kind for e in got) == ["dwell", "edited", "rating", "thumb_up"]
 
 
-@pytest.mark.parametrize(("kind", "value", "edit"), [
-    ("thumb_up", None, None), ("rating", 3, None), ("rating", 5.0, None), ("edited", 0, 7), ("edited", 1, None),
-    ("dwell", 0.25, None), ("dwell", 86400, None), ("regenerated", None, None), ("edited", 0.5, True)])
+@pytest.mark.parametrize(
+    ("kind", "value", "edit"),
+    [
+        ("thumb_up", None, None),
+        ("rating", 3, None),
+        ("rating", 5.0, None),
+        ("edited", 0, 7),
+        ("edited", 1, None),
+        ("dwell", 0.25, None),
+        ("dwell", 86400, None),
+        ("regenerated", None, None),
+        ("edited", 0.5, True),
+    ],
+)
 def test_make_event_checks_as_the_event_model_does(kind, value, edit):
     """What the SDK queues is what the event model makes of the same call."""
     ev = make_event(kind, "cmpl-x", value, edit_distance=edit, ts=5.0, idempotency_key="k")
-    model = FeedbackEvent(event_id="e" * 8, tenant="t", ts=1.0, completion_id="cmpl-x", kind=kind, value=value,
-                          edit_distance=edit)
-    assert ev == {"completion_id": "cmpl-x", "kind": kind, "ts": 5.0, "idempotency_key": "k",
-                  **({"value": model.value} if model.value is not None else {}),
-                  **({"edit_distance": model.edit_distance} if model.edit_distance is not None else {})}
+    model = FeedbackEvent(
+        event_id="e" * 8, tenant="t", ts=1.0, completion_id="cmpl-x", kind=kind, value=value, edit_distance=edit
+    )
+    assert ev == {
+        "completion_id": "cmpl-x",
+        "kind": kind,
+        "ts": 5.0,
+        "idempotency_key": "k",
+        **({"value": model.value} if model.value is not None else {}),
+        **({"edit_distance": model.edit_distance} if model.edit_distance is not None else {}),
+    }
     assert type(ev.get("value", 0.0)) is float

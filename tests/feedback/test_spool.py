@@ -5,7 +5,6 @@ Deduper removes repeats, and a forwarder that dies says so."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 import uuid
 from collections import Counter
@@ -18,10 +17,15 @@ from feedback.spool import Deduper, Spool, decode, encode
 from tests.feedback.conftest import FAST_CONSUMER
 
 
-
 def make_bus(broker, spool_dir) -> KafkaBus:
-    return KafkaBus(broker.bootstrap, spool_dir, partitions=3, send_timeout_s=2, consumer_config=FAST_CONSUMER,
-                    spool_backoff_s=(0.05, 0.5))
+    return KafkaBus(
+        broker.bootstrap,
+        spool_dir,
+        partitions=3,
+        send_timeout_s=2,
+        consumer_config=FAST_CONSUMER,
+        spool_backoff_s=(0.05, 0.5),
+    )
 
 
 def publish(bus: KafkaBus, topic: str, start: int, n: int) -> list[str]:
@@ -132,7 +136,9 @@ def test_crash_after_acks_before_position_save_repeats_and_deduper_removes_them(
     kept = [(k, e) for k, e in got if not dedupe.seen(e)]
     assert sorted(e for _, e in kept) == sent  # every event exactly once after dedupe
     counts = Counter(e for _, e in got)
-    assert sorted(e for e, n in counts.items() if n > 1) == sent[30:] and max(counts.values()) == 2  # the repeats are the batch that was acknowledged but not recorded
+    assert (
+        sorted(e for e, n in counts.items() if n > 1) == sent[30:] and max(counts.values()) == 2
+    )  # the repeats are the batch that was acknowledged but not recorded
     assert per_key(kept) == per_key((f"cmp-{i % 5}", e) for i, e in enumerate(sent))  # order survives
 
 
@@ -194,8 +200,17 @@ def test_forwarded_segments_are_deleted_and_offsets_survive_reopening(tmp_path):
     assert delivered[-1] == (50, "t", "k", b"next") and len(delivered) == 51
 
 
-@pytest.mark.parametrize(("topic", "key"), [("feedback", "cmpl-00ab"), ("t", 'a", "b'), ("t", "back\\slash"),
-                                            ("t", "ünïcode-ключ"), ("t", '"'), ("t.x-y_z", "k\n2")])
+@pytest.mark.parametrize(
+    ("topic", "key"),
+    [
+        ("feedback", "cmpl-00ab"),
+        ("t", 'a", "b'),
+        ("t", "back\\slash"),
+        ("t", "ünïcode-ключ"),
+        ("t", '"'),
+        ("t.x-y_z", "k\n2"),
+    ],
+)
 def test_spooled_record_header_round_trip(topic, key):
     value = b'{"any": "bytes"}\n\x00\xff'
     rec = decode(7, encode(topic, key, value))
@@ -209,8 +224,9 @@ def test_a_lost_or_stale_position_resumes_at_the_first_segment_kept(tmp_path, po
     first segment (all below it were forwarded before it was deleted): repeats, never a gap or a
     dead forwarder."""
     got: list[int] = []
-    spool = Spool(tmp_path / "s", lambda batch: got.extend(r.offset for r in batch), segment_bytes=2000, batch_size=7,
-                  fsync=False)
+    spool = Spool(
+        tmp_path / "s", lambda batch: got.extend(r.offset for r in batch), segment_bytes=2000, batch_size=7, fsync=False
+    )
     for i in range(60):
         spool.publish("t", f"k{i}", b"x" * 100)
     spool.flush(timeout_s=10)
@@ -228,5 +244,3 @@ def test_a_lost_or_stale_position_resumes_at_the_first_segment_kept(tmp_path, po
     finally:
         spool.close()
     assert again == list(range(first, 61))
-
-

@@ -138,7 +138,10 @@ def test_holm_hand_examples():
     # m = 4, thresholds .0125, .0167, .025, .05: d and a pass, c (.03 > .025) stops the procedure,
     # so b is kept although .04 <= .05 (a step-up procedure would reject all four).
     assert holm({"a": 0.01, "b": 0.04, "c": 0.03, "d": 0.005}, alpha=0.05) == {
-        "a": True, "b": False, "c": False, "d": True,
+        "a": True,
+        "b": False,
+        "c": False,
+        "d": True,
     }
     # m = 3: .01 <= .0167, .02 <= .025, .04 <= .05, so all three (Bonferroni would reject only a).
     assert holm({"a": 0.01, "b": 0.02, "c": 0.04}) == {"a": True, "b": True, "c": True}
@@ -317,7 +320,9 @@ def test_anonymous_is_its_own_stratum():
 def test_salt_and_tenant_change_the_assignment():
     base = [assign_arm("exp-7", "acme", u, 0.5) for u in USERS[:2000]]
     assert base == [assign_arm("exp-7", "acme", u, 0.5) for u in USERS[:2000]]  # sticky
-    for other in ([assign_arm("exp-8", "acme", u, 0.5) for u in USERS[:2000]],
-                  [assign_arm("exp-7", "globex", u, 0.5) for u in USERS[:2000]]):
+    for other in (
+        [assign_arm("exp-8", "acme", u, 0.5) for u in USERS[:2000]],
+        [assign_arm("exp-7", "globex", u, 0.5) for u in USERS[:2000]],
+    ):
         moved = sum(a != b for a, b in zip(base, other, strict=True)) / len(base)
         assert 0.4 < moved < 0.6  # independent halves: about half the users change arm

@@ -33,14 +33,28 @@ def served(tiny_checkpoint):
     try:
         eng.add_version("v1", tiny_checkpoint)
         tok = eng.tokenizer()
-        params = [SamplingParams(temperature=1.0, max_tokens=6 + 2 * i, seed=i) if i % 2 else
-                  SamplingParams(temperature=0.7, top_p=0.9, max_tokens=20 - i, seed=i) for i in range(8)]
+        params = [
+            SamplingParams(temperature=1.0, max_tokens=6 + 2 * i, seed=i)
+            if i % 2
+            else SamplingParams(temperature=0.7, top_p=0.9, max_tokens=20 - i, seed=i)
+            for i in range(8)
+        ]
         outs = eng.generate([tok.encode_prompt(TEXTS[i % 4]) for i in range(8)], params)
     finally:
         eng.shutdown()
-    seqs = [Sequence(c.prompt_ids, c.output_ids, c.logprobs, c.routed_experts, c.params.temperature,
-                     c.params.top_p, reward=[1.0, 0.0, 0.5, -1.0][i % 4] + 0.1 * i, key="ab"[i % 2])
-            for i, c in enumerate(outs)]
+    seqs = [
+        Sequence(
+            c.prompt_ids,
+            c.output_ids,
+            c.logprobs,
+            c.routed_experts,
+            c.params.temperature,
+            c.params.top_p,
+            reward=[1.0, 0.0, 0.5, -1.0][i % 4] + 0.1 * i,
+            key="ab"[i % 2],
+        )
+        for i, c in enumerate(outs)
+    ]
     # A baseline that has seen rewards before: advantages are not just the rewards.
     baseline = RunningBaseline(0.9, min_count=2)
     for r, k in [(0.2, "a"), (0.4, "a"), (-0.3, "b"), (0.9, "b"), (0.1, None)]:
@@ -67,8 +81,9 @@ def max_diff(a: dict, b: dict) -> float:
 def check_same_update(ckpt, seqs, cfg, n_vocab, pad, baseline_state):
     init = load_checkpoint(ckpt).state_dict()
     sd_a, grads_a, stats_a, base_a = one_process(ckpt, seqs, cfg, n_vocab, pad, baseline_state)
-    res = spawn_update(2, load_checkpoint(ckpt), seqs, cfg, n_vocab, pad, baseline_state=baseline_state,
-                       timeout_s=60)  # a rank stuck in a collective fails the test instead of hanging it
+    res = spawn_update(
+        2, load_checkpoint(ckpt), seqs, cfg, n_vocab, pad, baseline_state=baseline_state, timeout_s=60
+    )  # a rank stuck in a collective fails the test instead of hanging it
     sd_b = res.state_dict
     # Every rank ends with the very same parameters, baseline and statistics.
     for r in res.ranks[1:]:
@@ -99,9 +114,11 @@ def check_same_update(ckpt, seqs, cfg, n_vocab, pad, baseline_state):
     assert res.stats["samples"] == len(seqs) and res.stats["world_size"] == 2
     # The baseline learnt the whole batch on every rank, in the same order as one process.
     assert res.ranks[0].baseline == base_a
-    print(f"max|A-B| {diff:.3g} (where |g| > 100 eps: {diff_well:.3g}), "
-          f"max update {max(moved.values()):.3g}, "
-          f"max|dgrad| {max_diff(grads_a, grads_b):.3g} of max|grad| {gscale:.3g}")
+    print(
+        f"max|A-B| {diff:.3g} (where |g| > 100 eps: {diff_well:.3g}), "
+        f"max update {max(moved.values()):.3g}, "
+        f"max|dgrad| {max_diff(grads_a, grads_b):.3g} of max|grad| {gscale:.3g}"
+    )
     return diff, max(moved.values()), grads_a, res
 
 
@@ -120,8 +137,10 @@ def test_two_ranks_unequal_shards_match_one_process(served, tiny_checkpoint):
     cfg = TrainerConfig(lr=LR, micro_batch=3, grad_clip=1e9, loss=LossConfig(normalize="token"))
     _, _, grads_full, res = check_same_update(tiny_checkpoint, seqs, cfg, n_vocab, pad, baseline)
     # The check can tell: plain DDP (each rank's own token mean, averaged over ranks) is measurably off.
-    halves = [one_process(tiny_checkpoint, [seqs[i] for i in shard_indices(7, 2, r)], cfg, n_vocab, pad,
-                          baseline)[1] for r in range(2)]
+    halves = [
+        one_process(tiny_checkpoint, [seqs[i] for i in shard_indices(7, 2, r)], cfg, n_vocab, pad, baseline)[1]
+        for r in range(2)
+    ]
     naive = {k: (halves[0].get(k, 0) + halves[1].get(k, 0)) / 2 for k in grads_full}
     gscale = max(float(g.abs().max()) for g in grads_full.values())
     assert max_diff(grads_full, res.ranks[0].grads) <= GRAD_RTOL * gscale
@@ -141,8 +160,9 @@ def test_batch_smaller_than_the_ranks_is_trained_whole_by_every_rank(served, tin
     seqs, n_vocab, pad, baseline = served
     cfg = TrainerConfig(lr=LR)
     sd_a, grads_a, stats_a, _ = one_process(tiny_checkpoint, seqs[:1], cfg, n_vocab, pad, baseline)
-    res = spawn_update(2, load_checkpoint(tiny_checkpoint), seqs[:1], cfg, n_vocab, pad, baseline_state=baseline,
-                       timeout_s=60)
+    res = spawn_update(
+        2, load_checkpoint(tiny_checkpoint), seqs[:1], cfg, n_vocab, pad, baseline_state=baseline, timeout_s=60
+    )
     assert all(torch.equal(res.state_dict[k], r.state_dict[k]) for r in res.ranks[1:] for k in res.state_dict)
     gscale = max(float(g.abs().max()) for g in grads_a.values())
     assert max_diff(grads_a, res.ranks[0].grads) <= GRAD_RTOL * gscale

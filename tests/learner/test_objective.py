@@ -15,8 +15,14 @@ ADV = [1.0, -2.0]
 
 def run(cfg, ref=None):
     logp = torch.tensor(LOGP, requires_grad=True)
-    out = policy_loss(logp, torch.tensor(BEHAVIOUR), torch.tensor(ADV), torch.tensor(MASK), cfg,
-                      ref_logp_BT=None if ref is None else torch.tensor(ref))
+    out = policy_loss(
+        logp,
+        torch.tensor(BEHAVIOUR),
+        torch.tensor(ADV),
+        torch.tensor(MASK),
+        cfg,
+        ref_logp_BT=None if ref is None else torch.tensor(ref),
+    )
     out.loss.backward()
     return out, logp.grad
 

@@ -39,7 +39,7 @@ def test_groups_have_relative_advantages(engine):
     assert batch.groups + batch.dropped_flat_groups == 6 and batch.groups >= 2
     assert len(batch.sequences) == 4 * batch.groups == len(batch.advantages)
     for g in range(batch.groups):
-        adv = batch.advantages[4 * g: 4 * g + 4]
+        adv = batch.advantages[4 * g : 4 * g + 4]
         assert abs(sum(adv)) < 1e-6  # centred per group
     assert all(s.weight == 0.5 for s in batch.sequences)
     with pytest.raises(ValueError, match="group_size"):
@@ -48,10 +48,15 @@ def test_groups_have_relative_advantages(engine):
 
 def _online(engine, n=8):
     tok = engine.tokenizer("v0")
-    outs = engine.generate([tok.encode_prompt("# add 1 to x\ndef f(x):\n")] * n,
-                           [SamplingParams(max_tokens=8, seed=i) for i in range(n)], "v0")
-    return [Sequence(o.prompt_ids, o.output_ids, o.logprobs, o.routed_experts, 1.0, 1.0, reward=float(i % 2))
-            for i, o in enumerate(outs)]
+    outs = engine.generate(
+        [tok.encode_prompt("# add 1 to x\ndef f(x):\n")] * n,
+        [SamplingParams(max_tokens=8, seed=i) for i in range(n)],
+        "v0",
+    )
+    return [
+        Sequence(o.prompt_ids, o.output_ids, o.logprobs, o.routed_experts, 1.0, 1.0, reward=float(i % 2))
+        for i, o in enumerate(outs)
+    ]
 
 
 def _grads_after(tiny_checkpoint, engine, seqs, advs):
@@ -65,16 +70,20 @@ def _grads_after(tiny_checkpoint, engine, seqs, advs):
 
 def test_offline_mixing_weight(tiny_checkpoint, engine):
     online = _online(engine)
-    offline = [Sequence(s.prompt_ids, s.output_ids, s.logprobs, s.routed_experts, 1.0, 1.0, reward=1.0,
-                        weight=0.0) for s in _online(engine, 4)]
+    offline = [
+        Sequence(s.prompt_ids, s.output_ids, s.logprobs, s.routed_experts, 1.0, 1.0, reward=1.0, weight=0.0)
+        for s in _online(engine, 4)
+    ]
     only = _grads_after(tiny_checkpoint, engine, online, None)
     # weight 0: the offline samples contribute nothing (sequence normalisation over all sequences scales the
     # online part by 8/12; Adam's update is invariant to that scale up to epsilon)
     mixed0 = _grads_after(tiny_checkpoint, engine, online + offline, [None] * 8 + [1.0, -1.0, 1.0, -1.0])
     for k in only:
         assert torch.allclose(only[k], mixed0[k], atol=1e-5), k
-    weighted = [Sequence(s.prompt_ids, s.output_ids, s.logprobs, s.routed_experts, 1.0, 1.0, reward=1.0,
-                         weight=1.0) for s in offline]
+    weighted = [
+        Sequence(s.prompt_ids, s.output_ids, s.logprobs, s.routed_experts, 1.0, 1.0, reward=1.0, weight=1.0)
+        for s in offline
+    ]
     mixed1 = _grads_after(tiny_checkpoint, engine, online + weighted, [None] * 8 + [1.0, -1.0, 1.0, -1.0])
     assert any(not torch.allclose(only[k], mixed1[k], atol=1e-5) for k in only)
 
@@ -85,12 +94,13 @@ def test_verified_groups_on_a_trained_model(small_trained_checkpoint):
     try:
         eng.add_version("v0", small_trained_checkpoint)
         tasks = sample_tasks(16, seed=5)
-        batch = rollout_groups(eng, "v0", [t.prompt for t in tasks], DemoVerifier(), group_size=8,
-                               keys=[t.family for t in tasks])
+        batch = rollout_groups(
+            eng, "v0", [t.prompt for t in tasks], DemoVerifier(), group_size=8, keys=[t.family for t in tasks]
+        )
     finally:
         eng.shutdown()
     assert 0.0 < batch.pass_rate < 1.0 and batch.groups > 0  # real pass/fail signal inside groups
     for g in range(batch.groups):
-        rewards = [s.reward for s in batch.sequences[8 * g: 8 * g + 8]]
-        adv = batch.advantages[8 * g: 8 * g + 8]
+        rewards = [s.reward for s in batch.sequences[8 * g : 8 * g + 8]]
+        adv = batch.advantages[8 * g : 8 * g + 8]
         assert all((a > 0) == (r == 1.0) for a, r in zip(adv, rewards))

@@ -18,13 +18,27 @@ def served(tiny_checkpoint):
     try:
         eng.add_version("v1", tiny_checkpoint)
         tok = eng.tokenizer()
-        params = [SamplingParams(temperature=1.0, max_tokens=12, seed=i) if i % 2 else
-                  SamplingParams(temperature=0.7, top_p=0.9, max_tokens=20, seed=i) for i in range(8)]
+        params = [
+            SamplingParams(temperature=1.0, max_tokens=12, seed=i)
+            if i % 2
+            else SamplingParams(temperature=0.7, top_p=0.9, max_tokens=20, seed=i)
+            for i in range(8)
+        ]
         outs = eng.generate([tok.encode_prompt(TEXTS[i % 4]) for i in range(8)], params)
     finally:
         eng.shutdown()
-    seqs = [Sequence(c.prompt_ids, c.output_ids, c.logprobs, c.routed_experts, c.params.temperature,
-                     c.params.top_p, reward=float(i % 2)) for i, c in enumerate(outs)]
+    seqs = [
+        Sequence(
+            c.prompt_ids,
+            c.output_ids,
+            c.logprobs,
+            c.routed_experts,
+            c.params.temperature,
+            c.params.top_p,
+            reward=float(i % 2),
+        )
+        for i, c in enumerate(outs)
+    ]
     return seqs, tok.vocab_size, tok.pad_id
 
 
@@ -38,7 +52,7 @@ def test_replayed_recompute_matches_serving_in_fp32(served, tiny_checkpoint):
     assert stats["routing_disagreement"] == 0.0  # same numerics: the router agrees with itself
     for size in (1, 3):
         for i in range(0, len(seqs), size):
-            part = make_batch(seqs[i: i + size], pad, model.args.n_layers, model.args.top_k)
+            part = make_batch(seqs[i : i + size], pad, model.args.n_layers, model.args.top_k)
             assert mismatch_stats(model, part, n_vocab)["abs_dlogp_max"] == 0.0, (size, i)
     # The default kernels round differently in a decode step and a full forward, but only by float32 noise.
     assert mismatch_stats(model, batch, n_vocab, batch_invariant=False)["abs_dlogp_max"] <= 1e-5

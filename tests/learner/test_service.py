@@ -29,8 +29,9 @@ def publish(bus, events):
 
 
 def make(tmp_path, tiny_checkpoint, bus, max_staleness=10, **kw):
-    cfg = LearnerConfig(update_every_samples=10, min_samples=1, trainer=TrainerConfig(lr=1e-3),
-                        max_staleness=max_staleness, **kw)
+    cfg = LearnerConfig(
+        update_every_samples=10, min_samples=1, trainer=TrainerConfig(lr=1e-3), max_staleness=max_staleness, **kw
+    )
     return LearnerService(bus, Registry(f"sqlite:///{tmp_path}/registry.db"), tmp_path / "models", tiny_checkpoint, cfg)
 
 
@@ -62,6 +63,7 @@ def test_updates_on_cadence_and_registers_candidates(tmp_path, tiny_checkpoint, 
     assert v4.delta_base_id == "v0003"
     from serving.checkpoint import load_checkpoint
     from serving.weight_store import WeightStore, shipping_state
+
     rebuilt = WeightStore(tmp_path / "models" / "store").get("v0004")  # a fresh reader: from the files
     expected = shipping_state(load_checkpoint(tmp_path / "models" / "v0004"))
     assert rebuilt.keys() == expected.keys() and all(torch.equal(rebuilt[k], expected[k]) for k in expected)
@@ -102,8 +104,10 @@ def test_crash_and_resume_trains_every_sample_exactly_once(tmp_path, tiny_checkp
     if where == "before_commit":
         svc.consumer.commit = lambda records: (_ for _ in ()).throw(Crash("killed before the bus commit"))
     else:
+
         def die(*a, **k):
             raise Crash("killed before learner.json")
+
         svc._publish = lambda stats, covered: (LearnerService._publish(svc, stats, covered), die())[0]
     with pytest.raises(Crash):
         svc.run_once(0.05)
@@ -140,8 +144,15 @@ def test_offline_groups_are_mixed_into_the_next_update(tmp_path, tiny_checkpoint
     eng = EmbeddedEngine(max_batch=32, max_model_len=128)
     try:
         eng.add_version(tiny_checkpoint.name, tiny_checkpoint)
-        batch = rollout_groups(eng, tiny_checkpoint.name, [t.prompt for t in sample_tasks(8, seed=3)], Parity(),
-                               group_size=4, weight=0.5, temperature=1.5)
+        batch = rollout_groups(
+            eng,
+            tiny_checkpoint.name,
+            [t.prompt for t in sample_tasks(8, seed=3)],
+            Parity(),
+            group_size=4,
+            weight=0.5,
+            temperature=1.5,
+        )
     finally:
         eng.shutdown()
     assert batch.sequences

@@ -14,10 +14,18 @@ def random_args(seed: int) -> ModelArgs:
     g = torch.Generator().manual_seed(seed)
     pick = lambda xs: xs[int(torch.randint(len(xs), (1,), generator=g))]  # noqa: E731
     heads = pick([2, 4])
-    return ModelArgs(vocab_size=pick([40, 57, 64]), dim=heads * pick([8, 16]), n_layers=pick([1, 2, 3]),
-                     n_heads=heads, n_kv_heads=pick([1, 2]) if heads == 2 else pick([1, 2, 4]),
-                     hidden_dim=pick([24, 40]), n_experts=pick([3, 4, 6]), top_k=2, max_seq_len=64,
-                     rope_theta=pick([10000.0, 500.0]))
+    return ModelArgs(
+        vocab_size=pick([40, 57, 64]),
+        dim=heads * pick([8, 16]),
+        n_layers=pick([1, 2, 3]),
+        n_heads=heads,
+        n_kv_heads=pick([1, 2]) if heads == 2 else pick([1, 2, 4]),
+        hidden_dim=pick([24, 40]),
+        n_experts=pick([3, 4, 6]),
+        top_k=2,
+        max_seq_len=64,
+        rope_theta=pick([10000.0, 500.0]),
+    )
 
 
 @pytest.fixture(params=[0, 1, 2])
@@ -51,8 +59,9 @@ def test_gradients_match_transformers(pair, invariant):
     tokens = torch.randint(args.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
     ours.train(), hf.train()
     logits = ours(tokens, batch_invariant=invariant).logits
-    loss_ours = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, args.vocab_size),
-                                                  tokens[:, 1:].reshape(-1))
+    loss_ours = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, args.vocab_size), tokens[:, 1:].reshape(-1)
+    )
     loss_hf = hf(tokens, labels=tokens).loss
     assert abs(loss_ours.item() - loss_hf.item()) < 1e-5
     loss_ours.backward(), loss_hf.backward()
@@ -60,10 +69,12 @@ def test_gradients_match_transformers(pair, invariant):
     n = args.n_layers
     for i in range(n):
         ol, hl = ours.layers[i], hf.model.layers[i]
-        pairs = [(ol.self_attn.q_proj.weight, hl.self_attn.q_proj.weight),
-                 (ol.self_attn.k_proj.weight, hl.self_attn.k_proj.weight),
-                 (ol.block_sparse_moe.gate.weight, hl.mlp.gate.weight),
-                 (ol.input_layernorm.weight, hl.input_layernorm.weight)]
+        pairs = [
+            (ol.self_attn.q_proj.weight, hl.self_attn.q_proj.weight),
+            (ol.self_attn.k_proj.weight, hl.self_attn.k_proj.weight),
+            (ol.block_sparse_moe.gate.weight, hl.mlp.gate.weight),
+            (ol.input_layernorm.weight, hl.input_layernorm.weight),
+        ]
         for e in range(args.n_experts):
             F_ = args.hidden_dim
             gu = hl.mlp.experts.gate_up_proj.grad[e]
@@ -124,6 +135,7 @@ def test_save_load_round_trip_is_bit_identical(tmp_path, dtype):
 
 def test_kv_cache_prefill_and_decode_match_full_forward():
     from serving.model import KVCache
+
     args = ModelArgs.from_name("tiny")
     model = Transformer(args).init_weights(seed=3, std=0.2).eval()
     tokens = torch.randint(args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(4))
@@ -131,10 +143,19 @@ def test_kv_cache_prefill_and_decode_match_full_forward():
     cache = KVCache.empty(args, n_slots=4, max_len=32)
     slots = torch.tensor([3, 1])
     with torch.no_grad():
-        pre = model(tokens[:, :7], positions_BT=torch.arange(7).expand(2, 7), cache=cache, slots_B=slots,
-                    return_experts=True)
-        steps = [model(tokens[:, t:t + 1], positions_BT=torch.full((2, 1), t), cache=cache, slots_B=slots,
-                       return_experts=True) for t in range(7, 12)]
+        pre = model(
+            tokens[:, :7], positions_BT=torch.arange(7).expand(2, 7), cache=cache, slots_B=slots, return_experts=True
+        )
+        steps = [
+            model(
+                tokens[:, t : t + 1],
+                positions_BT=torch.full((2, 1), t),
+                cache=cache,
+                slots_B=slots,
+                return_experts=True,
+            )
+            for t in range(7, 12)
+        ]
     logits = torch.cat([pre.logits] + [s.logits for s in steps], dim=1)
     experts = torch.cat([pre.experts] + [s.experts for s in steps], dim=1)
     assert torch.allclose(logits, full.logits, atol=1e-5)
@@ -147,14 +168,17 @@ def _corrupt(folder, field, value):
     (folder / "config.json").write_text(json.dumps(cfg))
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("architectures", ["LlamaForCausalLM"], "architectures"),
-    ("hidden_size", 48, "hidden_size|shape"),
-    ("num_local_experts", 5, "tensor"),
-    ("num_attention_heads", 3, "num_attention_heads|divisible"),
-    ("rms_norm_eps", "small", "rms_norm_eps"),
-    ("torch_dtype", "int8", "torch_dtype"),
-])
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("architectures", ["LlamaForCausalLM"], "architectures"),
+        ("hidden_size", 48, "hidden_size|shape"),
+        ("num_local_experts", 5, "tensor"),
+        ("num_attention_heads", 3, "num_attention_heads|divisible"),
+        ("rms_norm_eps", "small", "rms_norm_eps"),
+        ("torch_dtype", "int8", "torch_dtype"),
+    ],
+)
 def test_mismatched_config_is_refused_naming_file_and_field(tmp_path, field, value, match):
     save_checkpoint(Transformer(ModelArgs.from_name("tiny")).init_weights(seed=0), tmp_path)
     _corrupt(tmp_path, field, value)
@@ -178,6 +202,7 @@ def test_missing_and_broken_files_are_refused(tmp_path):
         load_checkpoint(tmp_path / "b")
     save_checkpoint(Transformer(ModelArgs.from_name("tiny")).init_weights(seed=0), tmp_path / "c")
     from safetensors.torch import load_file, save_file
+
     state = load_file(str(tmp_path / "c" / "model.safetensors"))
     del state["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
     save_file(state, str(tmp_path / "c" / "model.safetensors"))
@@ -187,14 +212,27 @@ def test_missing_and_broken_files_are_refused(tmp_path):
 
 # ---- batch-invariant mode: the same token gets bit-identical logits whatever it is computed with ----
 
+
 def test_invariant_linear_rows_do_not_depend_on_the_other_rows():
     """The property the mode stands on, checked on this machine's kernels for the layer shapes used here:
     from MIN_GEMM_ROWS rows on (small inputs are padded up to it), a row's result is the same whatever
     M is and wherever the row sits."""
     from serving.model import invariant_linear
+
     g = torch.Generator().manual_seed(0)
-    for K, N in [(32, 48), (48, 32), (64, 64), (64, 320), (128, 128), (128, 64), (128, 4), (128, 256), (256, 128),
-                 (128, 512), (512, 1024)]:
+    for K, N in [
+        (32, 48),
+        (48, 32),
+        (64, 64),
+        (64, 320),
+        (128, 128),
+        (128, 64),
+        (128, 4),
+        (128, 256),
+        (256, 128),
+        (128, 512),
+        (512, 1024),
+    ]:
         w = torch.randn(N, K, generator=g)
         pool = torch.randn(2000, K, generator=g)
         ref = invariant_linear(pool, w)
@@ -222,11 +260,14 @@ INVARIANT_CASES = [random_args(i) for i in range(6)] + [
 ]
 
 
-@pytest.mark.parametrize("args", INVARIANT_CASES, ids=lambda a: f"d{a.dim}h{a.n_heads}g{a.n_kv_heads}f{a.hidden_dim}s{a.max_seq_len}")
+@pytest.mark.parametrize(
+    "args", INVARIANT_CASES, ids=lambda a: f"d{a.dim}h{a.n_heads}g{a.n_kv_heads}f{a.hidden_dim}s{a.max_seq_len}"
+)
 def test_batch_invariant_logits_are_bit_identical_across_batches_decode_and_threads(args):
     """Full forwards in different batches (micro-batch sizes, padding), a prefill plus decode steps over a
     changing batch in a slot cache, with 1 and 2 threads: every token's logits are bit-identical."""
     from serving.model import KVCache
+
     model = Transformer(args).init_weights(seed=11, std=0.1).eval()
     long = args.max_seq_len > 256
     lengths = [args.max_seq_len - 20, 37, 450, 9] if long else [args.max_seq_len - 5, 13, 2, 41, 30, 64, 1]
@@ -254,8 +295,13 @@ def test_batch_invariant_logits_are_bit_identical_across_batches_decode_and_thre
         def prefill(ids):
             ps = [seqs[i][: prompt[i]] for i in ids]
             T = max(len(p) for p in ps)
-            out = model(_padded(ps, args.pad_id), positions_BT=torch.arange(T).expand(len(ids), T), cache=cache,
-                        slots_B=torch.tensor([slot[i] for i in ids]), batch_invariant=True).logits
+            out = model(
+                _padded(ps, args.pad_id),
+                positions_BT=torch.arange(T).expand(len(ids), T),
+                cache=cache,
+                slots_B=torch.tensor([slot[i] for i in ids]),
+                batch_invariant=True,
+            ).logits
             for j, i in enumerate(ids):
                 got[i].append(out[j, : prompt[i]])
 
@@ -272,14 +318,18 @@ def test_batch_invariant_logits_are_bit_identical_across_batches_decode_and_thre
                 del pos[i]
             if not ids:
                 continue
-            out = model(torch.stack([seqs[i][pos[i]: pos[i] + 1] for i in ids]),
-                        positions_BT=torch.tensor([[pos[i]] for i in ids]), cache=cache,
-                        slots_B=torch.tensor([slot[i] for i in ids]), batch_invariant=True).logits
+            out = model(
+                torch.stack([seqs[i][pos[i] : pos[i] + 1] for i in ids]),
+                positions_BT=torch.tensor([[pos[i]] for i in ids]),
+                cache=cache,
+                slots_B=torch.tensor([slot[i] for i in ids]),
+                batch_invariant=True,
+            ).logits
             for j, i in enumerate(ids):
                 got[i].append(out[j])
                 pos[i] += 1
             step += 1
-    for i, s in enumerate(seqs):
+    for i in range(len(seqs)):
         served = torch.cat(got[i])
         assert served.shape == alone[i].shape
         assert torch.equal(served, alone[i]), (i, (served - alone[i]).abs().max())

