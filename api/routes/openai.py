@@ -259,6 +259,39 @@ def _chat_body(ctx: _Ctx, results: list[Completion]) -> dict:
     }
 
 
+def _sse(body: dict) -> bytes:
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+def _stream_choice(ctx: _Ctx, tok, chat: bool, i: int, ev, finish: str | None) -> dict:
+    """One streamed event of choice `i` as its chunk's choice (chat delta or text)."""
+    want_lp = ctx.want_logprobs and bool(ev.token_ids)
+    if chat:
+        lp = _chat_logprobs(tok, ev.token_ids, ev.logprobs, ev.top_logprobs) if want_lp else None
+        delta = {"content": ev.text} if ev.text or finish is None else {}
+        return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+    text_lp = None
+    if want_lp:
+        tops = (
+            [{_token_strs(tok, [k])[0]: v for k, v in d.items()} for d in ev.top_logprobs] if ev.top_logprobs else None
+        )
+        text_lp = {"tokens": _token_strs(tok, ev.token_ids), "token_logprobs": ev.logprobs, "top_logprobs": tops}
+    return {"index": i, "text": ev.text, "logprobs": text_lp, "finish_reason": finish}
+
+
+async def _record_the_rest(ctx: _Ctx, handles, pumps, results, recorded) -> None:
+    """The client went away (or recording failed): stop generating, still record what was served."""
+    for h in handles:
+        h.cancel()
+    await asyncio.gather(*pumps, return_exceptions=True)
+    for i, r in enumerate(results):
+        if r is not None and not recorded[i]:
+            try:
+                await ctx.record(r)
+            except APIError:
+                log.exception("completion %s was served but could not be recorded", r.request_id)
+
+
 async def _stream(ctx: _Ctx, handles, include_usage: bool) -> AsyncIterator[bytes]:
     tok = ctx.gw.engine.tokenizer(ctx.version)
     chat = ctx.endpoint == "chat.completions"
@@ -279,35 +312,23 @@ async def _stream(ctx: _Ctx, handles, include_usage: bool) -> AsyncIterator[byte
     pumps = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
 
     def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
-        body = {
-            "id": ctx.base_id,
-            "object": obj,
-            "created": ctx.created,
-            "model": ctx.version,
-            "system_fingerprint": ctx.version,
-            "choices": choices,
-        }
+        body = {"id": ctx.base_id, "object": obj, "created": ctx.created, "model": ctx.version,
+                "system_fingerprint": ctx.version, "choices": choices}  # fmt: skip
         if include_usage:
             body["usage"] = usage
-        return b"data: " + json.dumps(body).encode() + b"\n\n"
+        return _sse(body)
 
     try:
         if chat:
+            role = {"role": "assistant", "content": ""}
             yield chunk(
-                [
-                    {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                    for i in range(len(handles))
-                ]
+                [{"index": i, "delta": role, "logprobs": None, "finish_reason": None} for i in range(len(handles))]
             )
         done = 0
         while done < len(handles):
             i, ev, err = await q.get()
             if err is not None:
-                yield (
-                    b"data: "
-                    + json.dumps(error_body(503, f"generation failed: {err}", None, "engine_unavailable")).encode()
-                    + b"\n\n"
-                )
+                yield _sse(error_body(503, f"generation failed: {err}", None, "engine_unavailable"))
                 return
             finish = None
             if ev.completion is not None:
@@ -315,47 +336,14 @@ async def _stream(ctx: _Ctx, handles, include_usage: bool) -> AsyncIterator[byte
                 await ctx.record(ev.completion)
                 recorded[i] = True
                 finish = _finish(ev.completion.finish_reason)
-            want_lp = ctx.want_logprobs and bool(ev.token_ids)
-            if chat:
-                lp = _chat_logprobs(tok, ev.token_ids, ev.logprobs, ev.top_logprobs) if want_lp else None
-                choice = {
-                    "index": i,
-                    "delta": {"content": ev.text} if ev.text or finish is None else {},
-                    "logprobs": lp,
-                    "finish_reason": finish,
-                }
-            else:
-                lp = None
-                if want_lp:
-                    lp = {
-                        "tokens": _token_strs(tok, ev.token_ids),
-                        "token_logprobs": ev.logprobs,
-                        "top_logprobs": [{_token_strs(tok, [k])[0]: v for k, v in d.items()} for d in ev.top_logprobs]
-                        if ev.top_logprobs
-                        else None,
-                    }
-                choice = {"index": i, "text": ev.text, "logprobs": lp, "finish_reason": finish}
-            yield chunk([choice])
+            yield chunk([_stream_choice(ctx, tok, chat, i, ev, finish)])
         final = [r for r in results if r is not None]
         ctx.observe(final)
         if include_usage:
             yield chunk([], ctx.usage(final))
         yield b"data: [DONE]\n\n"
     except APIError as e:
-        yield b"data: " + json.dumps(error_body(e.status, e.message, e.param, e.code)).encode() + b"\n\n"
+        yield _sse(error_body(e.status, e.message, e.param, e.code))
     finally:
         if not all(recorded):
-            # The client went away (or recording failed): stop generating, still record what was served.
-            for h in handles:
-                h.cancel()
-
-            async def finish_records():
-                await asyncio.gather(*pumps, return_exceptions=True)
-                for i, r in enumerate(results):
-                    if r is not None and not recorded[i]:
-                        try:
-                            await ctx.record(r)
-                        except APIError:
-                            log.exception("completion %s was served but could not be recorded", r.request_id)
-
-            ctx.gw.spawn(finish_records())
+            ctx.gw.spawn(_record_the_rest(ctx, handles, pumps, results, recorded))
