@@ -1,11 +1,9 @@
 """The event bus interface: topics of keyed records, consumer groups, commit after processing.
 
-Two implementations pass one contract suite (tests/feedback/test_bus_contract.py):
-`feedback.bus_embedded.EmbeddedBus` (durable local logs, the default, no server) and
-`feedback.bus_kafka.KafkaBus` (kafka-python's idempotent `KafkaProducer`, fed from a local spool,
-and consumer groups). A record's key is its completion id, so a completion and its feedback stay in
-order in one partition. `publish_many` returns once the records are durable on this machine: in
-the embedded log, or in the Kafka bus's spool (never waiting for the broker).
+Two implementations pass one contract suite (tests/feedback/test_bus_contract.py): `EmbeddedBus`
+(durable local logs, the default) and `KafkaBus` (a local spool forwarded to Kafka). A record's key is
+its completion id, so a completion and its feedback stay in order in one partition. `publish_many`
+returns once the records are durable on this machine, never waiting for a broker.
 
 Called by the gateway (completion and feedback producers), the joiner and the learner.
 """
@@ -56,12 +54,9 @@ def topic_list(topics: str | Sequence[str]) -> tuple[str, ...]:
 
 
 class Consumer(ABC):
-    """One member of a consumer group on one or more topics.
-
-    A member subscribed to several topics gets the same partition numbers of each (the topics have
-    equal partition counts): records keyed alike on different topics meet in one member. The joiner
-    relies on this for a completion and its feedback.
-    """
+    """One member of a consumer group on one or more topics. A member of several topics (of equal
+    partition counts) gets the same partition numbers of each: the joiner relies on this to meet a
+    completion and its feedback."""
 
     topics: tuple[str, ...]
 
@@ -83,8 +78,7 @@ class Consumer(ABC):
         """Leave the group (uncommitted records are redelivered to the group later)."""
 
     def _positions(self, records: list[Record]) -> dict[tuple[str, int], int]:
-        """Position after the last of `records` per (topic, partition); a ValueError for a topic
-        this member does not consume."""
+        """Position after the last of `records` per (topic, partition); ValueError for a foreign topic."""
         positions: dict[tuple[str, int], int] = {}
         for r in records:
             if r.topic not in self.topics:

@@ -1,16 +1,10 @@
 """The embedded event bus: durable local logs with Kafka's semantics, for one machine and no server.
 
-Owns `<folder>/bus.json` (format version and partition count, fixed when the folder is made),
-`<folder>/<topic>/p<N>/` (one `feedback.log.DurableLog` per partition: partition offsets are log
-offsets) and `<folder>/_groups/<group>--<topic>.json` (committed positions, replaced atomically).
-A record's partition is `crc32(key) % partitions`, so all records of one key stay in order in one
-partition; a record is stored as `[u16 key length][key][value]`.
-
-Consumers of one group in this process split the partitions between them (round-robin over the
-members, rebalanced when one joins or leaves; a member of several topics gets the same partition
-numbers of each). `commit()` records the position after the last processed record; a consumer that
-closes without committing leaves its records to be delivered again. `publish_many()` returns once
-its records are fsynced: there is no broker to be down.
+Owns `<folder>/bus.json` (format version, partition count), `<folder>/<topic>/p<N>/` (one `DurableLog`
+per partition: partition offsets are log offsets) and `<folder>/_groups/<group>--<topic>.json`
+(committed positions, replaced atomically). A record goes to partition `crc32(key) % partitions`,
+stored as `[u16 key length][key][value]`. Consumers of one group in this process split the partitions
+round-robin (rebalanced when one joins or leaves). `publish_many()` returns once its records are fsynced.
 
 Called by the gateway, the joiner and the learner when `FLYWHEEL_BUS=embedded` (the default).
 """
@@ -63,10 +57,8 @@ class EmbeddedBus(EventBus):
         if stored.get("version") != FORMAT_VERSION:
             raise ValueError(f"{meta}: bus format version {stored.get('version')!r}, this build reads {FORMAT_VERSION}")
         if stored["partitions"] != self.partitions:
-            raise ValueError(
-                f"{self.folder} was made with {stored['partitions']} partitions, not "
-                f"{self.partitions} (open it with the partition count it was written with)"
-            )
+            n = stored["partitions"]
+            raise ValueError(f"{self.folder} was made with {n} partitions, not {self.partitions} (open it with {n})")
 
     def _log(self, topic: str, p: int) -> DurableLog:
         with self._lock:
@@ -86,9 +78,8 @@ class EmbeddedBus(EventBus):
         for key, value in records:
             check_record(key, value)
             kb = key.encode()
-            per_partition.setdefault(partition_for(key, self.partitions), []).append(
-                _KEY_LEN.pack(len(kb)) + kb + bytes(value)
-            )
+            frames = per_partition.setdefault(partition_for(key, self.partitions), [])
+            frames.append(_KEY_LEN.pack(len(kb)) + kb + bytes(value))
         for p, payloads in sorted(per_partition.items()):
             self._log(topic, p).append(payloads)
         with self._new_data:
@@ -125,7 +116,6 @@ class EmbeddedBus(EventBus):
                 if c in members:
                     members.remove(c)
 
-    # ---- committed positions ------------------------------------------------------------
     def _positions_path(self, topic: str, group: str) -> Path:
         return self.folder / "_groups" / f"{group}--{topic}.json"
 

@@ -1,17 +1,13 @@
 """The Kafka event bus (kafka-python): a spooled idempotent producer and consumer groups.
 
-Owns the Kafka clients of one process. `publish_many()` checks the records and appends them to a
-`feedback.spool.Spool` under `spool_dir`: it returns once they are fsynced locally and never waits
-for the broker. The spool's one forwarder thread hands batches to `_deliver`, which sends them with
-kafka-python's own `KafkaProducer` (acks=all, idempotent, its default partitioner: murmur2 of the
-key, so a completion and its feedback share a partition) and returns once the broker acknowledged
-every record. A failed batch is sent again whole with a fresh producer (a restarted broker knows
-neither our producer id nor our topics): repeats are possible, reordering is not, and consumers drop
-repeats by event id (`feedback.spool.Deduper`). Topics are created on first use by an admin client
-with `partitions` and `replication`.
-
-Consumers commit explicit offsets (last processed offset + 1 per partition) only when the caller
-says it processed the records; a consumer closed without commit leaves them to the next member.
+`publish_many()` checks the records and appends them to a `feedback.spool.Spool`: it returns once
+they are fsynced locally, never waiting for the broker. The spool's forwarder thread hands batches to
+`_deliver`, which sends them with kafka-python's `KafkaProducer` (acks=all, idempotent, murmur2 of the
+key: a completion and its feedback share a partition) and returns once the broker acknowledged all of
+them. A failed batch is sent again whole with a fresh producer (a restarted broker knows neither our
+producer id nor our topics): repeats are possible, reordering is not; consumers drop repeats by event
+id. Topics are created on first use. Consumers commit explicit offsets only when the caller processed
+the records; a consumer closed without commit leaves them to the next member.
 
 Called by the gateway, the joiner and the learner when `FLYWHEEL_BUS=kafka`.
 """
@@ -39,6 +35,12 @@ log = logging.getLogger(__name__)
 MAX_RECORD_BYTES = 900_000  # key + value; under Kafka's default message.max.bytes (1 MiB)
 SPOOL_BATCH = 500  # records the forwarder sends before it waits for their acknowledgements
 _TOPIC_ALREADY_EXISTS = 36
+RETRIABLE = (KafkaError, OSError)  # broker down, slow or restarting: the spool retries the batch
+PRODUCER_CONFIG = dict(acks="all", enable_idempotence=True, linger_ms=5)
+CONSUMER_CONFIG = dict(enable_auto_commit=False, auto_offset_reset="earliest", allow_auto_create_topics=False)
+CONSUMER_CONFIG |= dict(session_timeout_ms=10_000, heartbeat_interval_ms=1_000)
+# The range assignor, with topics of equal partition counts, gives a member the same partitions of each.
+CONSUMER_CONFIG["partition_assignment_strategy"] = (RangePartitionAssignor,)
 
 
 def _accepts(addr: str, timeout_s: float = 1.0) -> bool:
@@ -76,34 +78,22 @@ class KafkaBus(EventBus):
             raise ValueError(f"bootstrap must name at least one host:port, got {bootstrap!r}")
         self.bootstrap, self.partitions, self.replication = bootstrap, partitions, replication
         self.client_id, self.send_timeout_s = client_id, send_timeout_s
-        timeout_ms = int(send_timeout_s * 1000)
-        self._consumer_config = {
-            "bootstrap_servers": bootstrap,
-            "client_id": f"{client_id}-consumer",
-            "enable_auto_commit": False,
-            "auto_offset_reset": "earliest",
-            "allow_auto_create_topics": False,
-            "session_timeout_ms": 10_000,
-            "heartbeat_interval_ms": 1_000,
-            "bootstrap_timeout_ms": timeout_ms,
-        }
+        self._timeout_ms = ms = int(send_timeout_s * 1000)
+        connect = {"bootstrap_servers": bootstrap, "bootstrap_timeout_ms": ms}
+        self._consumer_config = CONSUMER_CONFIG | connect | {"client_id": f"{client_id}-consumer"}
         self._consumer_config.update(consumer_config or {})
+        timeouts = {"max_block_ms": ms, "request_timeout_ms": ms, "delivery_timeout_ms": ms + 1000}
+        self._producer_config = PRODUCER_CONFIG | connect | timeouts | {"client_id": f"{client_id}-producer"}
         self._producer: KafkaProducer | None = None
         self._admin: KafkaAdminClient | None = None
         self._admin_lock = threading.Lock()
         self._ready_topics: set[str] = set()  # created (or found) since the last delivery failure
         self._closed = False
-        self.spool = (
-            None
-            if spool_dir is None
-            else Spool(
-                spool_dir,
-                self._deliver,
-                retriable=(KafkaError, OSError),
-                batch_size=SPOOL_BATCH,
-                backoff_s=spool_backoff_s,
+        self.spool: Spool | None = None
+        if spool_dir is not None:
+            self.spool = Spool(
+                spool_dir, self._deliver, retriable=RETRIABLE, batch_size=SPOOL_BATCH, backoff_s=spool_backoff_s
             )
-        )
 
     # ---- producing ------------------------------------------------------------------------------
     def publish_many(self, topic: str, records: list[tuple[str, bytes]]) -> None:
@@ -116,9 +106,7 @@ class KafkaBus(EventBus):
         for key, value in records:
             check_record(key, value)
             if len(key.encode()) + len(value) > MAX_RECORD_BYTES:
-                raise ValueError(
-                    f"record of key {key!r} is more than the {MAX_RECORD_BYTES} bytes a Kafka record may hold"
-                )
+                raise ValueError(f"record of key {key!r} is over the {MAX_RECORD_BYTES} bytes a Kafka record may hold")
         self.spool.publish_many([(topic, k, bytes(v)) for k, v in records])
 
     def flush(self, timeout_s: float = 30.0) -> None:
@@ -146,18 +134,7 @@ class KafkaBus(EventBus):
                 # fetch (docs/benchmarks.md): a producer made after the topics exist does not.
                 self._drop_producer()
             if self._producer is None:
-                timeout_ms = int(self.send_timeout_s * 1000)
-                self._producer = KafkaProducer(
-                    bootstrap_servers=self.bootstrap,
-                    client_id=f"{self.client_id}-producer",
-                    acks="all",
-                    enable_idempotence=True,
-                    linger_ms=5,
-                    max_block_ms=timeout_ms,
-                    request_timeout_ms=timeout_ms,
-                    delivery_timeout_ms=timeout_ms + 1000,
-                    bootstrap_timeout_ms=timeout_ms,
-                )
+                self._producer = KafkaProducer(**self._producer_config)
             futures = [self._producer.send(r.topic, key=r.key.encode(), value=r.value) for r in batch]
             self._producer.flush(timeout=self.send_timeout_s + 2)
             for f in futures:
@@ -176,14 +153,12 @@ class KafkaBus(EventBus):
         """Create `topic` with the bus's partitions and replication unless it exists."""
         check_name("topic", topic)
         deadline = time.monotonic() + self.send_timeout_s
+        layout = {"num_partitions": self.partitions, "replication_factor": self.replication}
         with self._admin_lock:
             admin = self._admin_client()
             while True:
                 try:
-                    result = admin.create_topics(
-                        {topic: {"num_partitions": self.partitions, "replication_factor": self.replication}},
-                        raise_errors=False,
-                    )
+                    result = admin.create_topics({topic: layout}, raise_errors=False)
                     break
                 except KafkaError as e:
                     # After a broker restart the admin client reconnects with backoff: its node is "not
@@ -194,13 +169,8 @@ class KafkaBus(EventBus):
                     time.sleep(0.2)
             code = result["topics"][0]["error_code"]
             if code == 0:
-                admin.wait_for_topics([topic], timeout_ms=int(self.send_timeout_s * 1000))
-                log.info(
-                    "kafka bus: created topic %s (%d partitions, replication %d)",
-                    topic,
-                    self.partitions,
-                    self.replication,
-                )
+                admin.wait_for_topics([topic], timeout_ms=self._timeout_ms)
+                log.info("kafka bus: created topic %s (%s)", topic, layout)
             elif code != _TOPIC_ALREADY_EXISTS:
                 raise for_code(code)(f"creating topic {topic!r}: {result['topics'][0]['error_message']}")
 
@@ -209,30 +179,23 @@ class KafkaBus(EventBus):
         connection is detected first with a plain socket: kafka-python leaves the I/O thread of an
         admin client whose bootstrap failed running."""
         if self._admin is None:
-            timeout_ms = int(self.send_timeout_s * 1000)
             if not any(_accepts(addr) for addr in self.bootstrap.split(",")):
                 raise KafkaConnectionError(f"no broker of {self.bootstrap!r} accepts connections")
-            self._admin = KafkaAdminClient(
-                bootstrap_servers=self.bootstrap,
-                client_id=f"{self.client_id}-admin",
-                bootstrap_timeout_ms=timeout_ms,
-                request_timeout_ms=timeout_ms,
-            )
+            ms, name = self._timeout_ms, f"{self.client_id}-admin"
+            config = {"bootstrap_servers": self.bootstrap, "bootstrap_timeout_ms": ms, "request_timeout_ms": ms}
+            self._admin = KafkaAdminClient(client_id=name, **config)
         return self._admin
 
     # ---- consuming ------------------------------------------------------------------------------
     def consumer(self, topics: str | Sequence[str], group: str) -> KafkaBusConsumer:
-        """Join `group` on `topics`. The range assignor, with topics of equal partition counts
-        (checked), gives a member the same partition numbers of every topic."""
+        """Join `group` on `topics` (of equal partition counts: checked)."""
         if self._closed:
             raise RuntimeError("bus is closed")
         names = topic_list(topics)
         check_name("group", group)
         for t in names:
             self.ensure_topic(t)
-        c = KafkaConsumer(
-            *names, group_id=group, partition_assignment_strategy=(RangePartitionAssignor,), **self._consumer_config
-        )
+        c = KafkaConsumer(*names, group_id=group, **self._consumer_config)
         if len(names) > 1:
             counts = {t: len(c.partitions_for_topic(t) or ()) for t in names}
             if len(set(counts.values())) != 1:

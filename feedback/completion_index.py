@@ -1,20 +1,15 @@
 """Which completions exist, whose they are; which feedback idempotency keys were already used.
 
-`CompletionIndex(url)` holds two tables in one SQL database (SQLAlchemy Core):
+Two tables in one SQL database (SQLAlchemy Core): `completions` (each served completion's id, tenant,
+hashed user, served time, model version and experiment arm: added by the gateway before it answers,
+so ingestion can refuse unknown or foreign ids and clamp a feedback `ts`) and `idempotency_keys` (one
+row per keyed feedback event id with the fingerprint of its event). A claim is an `INSERT … ON
+CONFLICT DO NOTHING`: the row is *pending* while its request publishes, then *done* (`confirm`) or
+deleted (`release`: the publish failed); a pending row older than `stale_claim_s` (its request died)
+may be claimed again. SQLite (a file) by default; PostgreSQL in production, where every gateway
+shares the tables, so two gateways never both claim one key. Rows older than their TTL are pruned;
+an index of another format version (`flywheel_meta`) is refused.
 
-* `completions`: each served completion's id, tenant, hashed user, served time, model version and
-  experiment arm. The gateway adds a completion right after it is recorded, before it answers, so
-  feedback ingestion can refuse ids that do not exist, belong to another tenant or another user,
-  and clamp a feedback `ts` to the completion's served time.
-* `idempotency_keys`: one row per keyed feedback event id, with the fingerprint of the event it
-  stands for. A claim is an `INSERT … ON CONFLICT DO NOTHING`: the row is *pending* while its
-  request publishes, then *done* (`confirm`), or deleted (`release`: the publish failed, a retry
-  may claim it). A pending row older than `stale_claim_s` (its request died) may be claimed again.
-
-SQLite (a file under FLYWHEEL_HOME) by default; PostgreSQL in production (`FLYWHEEL_INDEX_URL`),
-where every gateway shares the tables, so any gateway accepts feedback for a completion another one
-served, and two gateways never both claim one key. Rows older than their TTL are pruned. The
-tables' format version is stored in `flywheel_meta`; an index of another version is refused.
 Called by `feedback.ingest` and the gateway's completion route.
 """
 
@@ -22,13 +17,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
 FORMAT_VERSION = 1
 PENDING, DONE = 0, 1
+PRUNE_EVERY_S = 60.0
 
 _meta = sa.MetaData()
 _meta_table = sa.Table(
@@ -55,6 +51,24 @@ _keys = sa.Table(
     sa.Column("state", sa.SmallInteger, nullable=False),
     sa.Column("updated_ts", sa.Float, nullable=False, index=True),
 )
+_c, _k = _completions.c, _keys.c
+_VERSION_KEY = "completion_index_version"
+_IDS = sa.bindparam("ids", type_=sa.String, expanding=True)  # a list of ids (an empty one too)
+_NOW, _BEFORE = sa.bindparam("now", type_=sa.Float), sa.bindparam("before", type_=sa.Float)
+_GET_VERSION = sa.select(_meta_table.c.value).where(_meta_table.c.name == _VERSION_KEY)
+_ENTRY = (_c.tenant, _c.model_version, _c.served_ts, _c.user_id, _c.arm)  # CompletionEntry's fields
+_GET_COMPLETIONS = sa.select(_c.completion_id, *_ENTRY).where(_c.completion_id.in_(_IDS))
+_GET_KEYS = sa.select(_keys).where(_k.event_id.in_(_IDS))
+_RECLAIM = (  # a stale pending claim, unless another request reclaimed it meanwhile
+    sa.update(_keys)
+    .where(_k.event_id == sa.bindparam("eid"), _k.state == PENDING, _k.updated_ts == sa.bindparam("seen"))
+    .values(updated_ts=_NOW)
+)
+_CONFIRM = sa.update(_keys).where(_k.event_id.in_(_IDS), _k.state == PENDING).values(state=DONE, updated_ts=_NOW)
+_RELEASE = sa.delete(_keys).where(_k.event_id.in_(_IDS), _k.state == PENDING)
+_COUNT_DONE = sa.select(sa.func.count()).select_from(_keys).where(_k.state == DONE)
+_PRUNE_KEYS = sa.delete(_keys).where(_k.state == DONE, _k.updated_ts < _BEFORE)
+_PRUNE_COMPLETIONS = sa.delete(_completions).where(_c.served_ts < _BEFORE)
 
 
 class CompletionEntry(NamedTuple):
@@ -72,11 +86,6 @@ class Claim(NamedTuple):
     mismatched: list[str]  # ids already used for an event of another fingerprint
 
 
-def _url(where: str | Path) -> str:
-    text = str(where)
-    return text if "://" in text else f"sqlite:///{text}"
-
-
 class CompletionIndex:
     def __init__(
         self,
@@ -84,20 +93,13 @@ class CompletionIndex:
         accepted_ttl_s: float = 7 * 24 * 3600.0,
         completion_ttl_s: float = 30 * 24 * 3600.0,
         stale_claim_s: float = 60.0,
-        prune_every_s: float = 60.0,
     ):
         """`url`: a SQLAlchemy URL, or a path (a SQLite file)."""
-        for name, v in (
-            ("accepted_ttl_s", accepted_ttl_s),
-            ("completion_ttl_s", completion_ttl_s),
-            ("stale_claim_s", stale_claim_s),
-            ("prune_every_s", prune_every_s),
-        ):
-            if not v > 0:
-                raise ValueError(f"{name} must be > 0, got {v!r}")
-        self.accepted_ttl_s, self.completion_ttl_s = accepted_ttl_s, completion_ttl_s
-        self.stale_claim_s, self.prune_every_s = stale_claim_s, prune_every_s
-        url = _url(url)
+        self.accepted_ttl_s, self.completion_ttl_s, self.stale_claim_s = accepted_ttl_s, completion_ttl_s, stale_claim_s
+        for name in ("accepted_ttl_s", "completion_ttl_s", "stale_claim_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        url = str(url) if "://" in str(url) else f"sqlite:///{url}"
         if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
             Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         backend = sa.engine.make_url(url).get_backend_name()
@@ -109,20 +111,14 @@ class CompletionIndex:
         self._insert = sqlite.insert if backend == "sqlite" else postgresql.insert
         self._closed = False
         self._last_prune = 0.0
+        ours = str(FORMAT_VERSION)
         with self.engine.begin() as db:
             _meta.create_all(db)
-            db.execute(
-                self._insert(_meta_table)
-                .values(name="completion_index_version", value=str(FORMAT_VERSION))
-                .on_conflict_do_nothing()
-            )
-            stored = db.execute(
-                sa.select(_meta_table.c.value).where(_meta_table.c.name == "completion_index_version")
-            ).scalar_one()
-        if stored != str(FORMAT_VERSION):
+            db.execute(self._insert(_meta_table).values(name=_VERSION_KEY, value=ours).on_conflict_do_nothing())
+            stored = db.execute(_GET_VERSION).scalar_one()
+        if stored != ours:
             raise ValueError(
-                f"completion index at {self.engine.url!r} has format version {stored}, this build "
-                f"reads {FORMAT_VERSION}"
+                f"completion index at {self.engine.url!r}: format version {stored}, this build reads {ours}"
             )
 
     def _db(self):
@@ -140,106 +136,63 @@ class CompletionIndex:
         user_id: str | None = None,
         arm: str | None = None,
     ) -> None:
-        row: dict[str, Any]
-        row = {
-            "completion_id": completion_id,
-            "tenant": tenant,
-            "user_id": user_id,
-            "served_ts": time.time() if ts is None else ts,
-            "model_version": model_version,
-            "arm": arm,
-        }
-        stmt = self._insert(_completions).values(**row)
+        served_ts = time.time() if ts is None else ts
+        row = dict(tenant=tenant, user_id=user_id, served_ts=served_ts, model_version=model_version, arm=arm)
+        stmt = self._insert(_completions).values(completion_id=completion_id, **row)
+        upsert = stmt.on_conflict_do_update(index_elements=["completion_id"], set_={k: stmt.excluded[k] for k in row})
         with self._db() as db:
-            db.execute(
-                stmt.on_conflict_do_update(
-                    index_elements=["completion_id"], set_={k: stmt.excluded[k] for k in row if k != "completion_id"}
-                )
-            )
-        self._maybe_prune(row["served_ts"])
+            db.execute(upsert)
+        self._maybe_prune(served_ts)
 
     def get(self, completion_id: str) -> CompletionEntry | None:
         return self.get_many([completion_id]).get(completion_id)
 
     def get_many(self, completion_ids: list[str]) -> dict[str, CompletionEntry]:
-        c = _completions.c
-        ids = list(dict.fromkeys(completion_ids))
         with self._db() as db:
-            rows = (
-                db.execute(
-                    sa.select(c.completion_id, c.tenant, c.model_version, c.served_ts, c.user_id, c.arm).where(
-                        c.completion_id.in_(ids)
-                    )
-                ).all()
-                if ids
-                else []
-            )
+            rows = db.execute(_GET_COMPLETIONS, {"ids": list(dict.fromkeys(completion_ids))}).all()
         return {r[0]: CompletionEntry(*r[1:]) for r in rows}
 
     # ---- idempotency keys ---------------------------------------------------------------------
     def claim(self, fingerprints: dict[str, str], now: float | None = None) -> Claim:
         """Claim each event id (id -> fingerprint of the event it stands for)."""
         now = time.time() if now is None else now
+        claim = Claim([], {}, [], [])
         if not fingerprints:
-            return Claim([], {}, [], [])
-        k = _keys.c
+            return claim
         rows = [{"event_id": e, "fingerprint": f, "state": PENDING, "updated_ts": now} for e, f in fingerprints.items()]
+        insert = self._insert(_keys).values(rows).on_conflict_do_nothing().returning(_k.event_id)
         with self._db() as db:
-            got = set(
-                db.execute(self._insert(_keys).values(rows).on_conflict_do_nothing().returning(k.event_id)).scalars()
-            )
-            claimed = [e for e in fingerprints if e in got]
-            done: dict[str, str] = {}
-            pending, mismatched = [], []
+            got = set(db.execute(insert).scalars())
+            claim.claimed.extend(e for e in fingerprints if e in got)
             others = [e for e in fingerprints if e not in got]
-            stored = (
-                db.execute(
-                    sa.select(k.event_id, k.fingerprint, k.state, k.updated_ts).where(k.event_id.in_(others))
-                ).all()
-                if others
-                else []
-            )
+            stored, stale = db.execute(_GET_KEYS, {"ids": others}).all(), now - self.stale_claim_s
             for eid, fp, state, updated in stored:
                 if fp != fingerprints[eid]:
-                    mismatched.append(eid)
+                    claim.mismatched.append(eid)
                 elif state == DONE:
-                    done[eid] = fp
-                elif (
-                    updated < now - self.stale_claim_s
-                    and db.execute(
-                        sa.update(_keys)
-                        .where(k.event_id == eid, k.state == PENDING, k.updated_ts == updated)
-                        .values(updated_ts=now)
-                    ).rowcount
-                    == 1
-                ):
-                    claimed.append(eid)  # its claimer died
+                    claim.done[eid] = fp
+                elif updated < stale and db.execute(_RECLAIM, dict(eid=eid, seen=updated, now=now)).rowcount == 1:
+                    claim.claimed.append(eid)  # its claimer died
                 else:
-                    pending.append(eid)
-            pending += [e for e in others if e not in {r[0] for r in stored}]  # released meanwhile: ask again
-        return Claim(claimed, done, pending, mismatched)
+                    claim.pending.append(eid)
+            claim.pending.extend(e for e in others if e not in {r[0] for r in stored})  # released meanwhile: ask again
+        return claim
 
     def confirm(self, event_ids: list[str], now: float | None = None) -> None:
         """The claimed events are published: a retry is now a duplicate."""
         if event_ids:
-            k = _keys.c
             with self._db() as db:
-                db.execute(
-                    sa.update(_keys)
-                    .where(k.event_id.in_(event_ids), k.state == PENDING)
-                    .values(state=DONE, updated_ts=time.time() if now is None else now)
-                )
+                db.execute(_CONFIRM, {"ids": event_ids, "now": time.time() if now is None else now})
 
     def release(self, event_ids: list[str]) -> None:
         """The publish failed: a retry may claim these ids again."""
         if event_ids:
-            k = _keys.c
             with self._db() as db:
-                db.execute(sa.delete(_keys).where(k.event_id.in_(event_ids), k.state == PENDING))
+                db.execute(_RELEASE, {"ids": event_ids})
 
     def accepted_count(self) -> int:
         with self._db() as db:
-            return db.execute(sa.select(sa.func.count()).select_from(_keys).where(_keys.c.state == DONE)).scalar_one()
+            return db.execute(_COUNT_DONE).scalar_one()
 
     def prune(self, now: float | None = None) -> None:
         """Forget keys accepted more than `accepted_ttl_s` ago and completions served more than
@@ -247,11 +200,11 @@ class CompletionIndex:
         now = time.time() if now is None else now
         self._last_prune = now
         with self._db() as db:
-            db.execute(sa.delete(_keys).where(_keys.c.state == DONE, _keys.c.updated_ts < now - self.accepted_ttl_s))
-            db.execute(sa.delete(_completions).where(_completions.c.served_ts < now - self.completion_ttl_s))
+            db.execute(_PRUNE_KEYS, {"before": now - self.accepted_ttl_s})
+            db.execute(_PRUNE_COMPLETIONS, {"before": now - self.completion_ttl_s})
 
     def _maybe_prune(self, now: float) -> None:
-        if now - self._last_prune >= self.prune_every_s:
+        if now - self._last_prune >= PRUNE_EVERY_S:
             self.prune(now)
 
     def close(self) -> None:

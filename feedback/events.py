@@ -1,9 +1,8 @@
-"""Event schemas and topic names, defined once.
+"""Event schemas and topic names, defined once: the wire shape of everything on the event bus.
 
-Owns the wire shape of everything that flows through the event bus. Every event carries an
-`event_id` (idempotency: consumers drop ids they have seen), its `tenant`, a timestamp `ts`
-(seconds since the epoch) and the schema `version`. Called by the gateway (producer), the
-joiner and the learner (consumers). No torch here: tensors travel as compact integer arrays.
+Every event carries an `event_id` (consumers drop ids they have seen), its `tenant`, a timestamp `ts`
+(seconds since the epoch) and the schema `version`. Called by the gateway (producer), the joiner and
+the learner (consumers). No torch here: tensors travel as compact integer arrays.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import json
 import math
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -116,66 +115,11 @@ class CompletionEvent(Event):
 
 
 # ---- feedback ---------------------------------------------------------------------------------
-EXPLICIT_KINDS = ("thumb_up", "thumb_down", "rating")
-IMPLICIT_KINDS = ("accepted", "rejected", "edited", "copied", "regenerated", "dwell")
-FEEDBACK_KINDS = EXPLICIT_KINDS + IMPLICIT_KINDS
 FeedbackKind = Literal[
     "thumb_up", "thumb_down", "rating", "accepted", "rejected", "edited", "copied", "regenerated", "dwell"
 ]
+FEEDBACK_KINDS: tuple[str, ...] = get_args(FeedbackKind)
 MAX_DWELL_S = 24 * 3600.0
-VALUED_KINDS = frozenset({"rating", "edited", "dwell"})  # the kinds that carry a value (`check_value`)
-
-
-class FeedbackEvent(Event):
-    """One user-satisfaction signal about one completion.
-
-    `value` by kind: rating → 1..5 (integer); edited → kept fraction of the completion in [0, 1]
-    (`edit_distance`, characters, may be given too); dwell → seconds in [0, 24 h]; every other kind
-    → no value. Anything else is refused with a ValueError naming the field.
-    """
-
-    type: Literal["feedback"] = "feedback"
-    completion_id: str = Field(min_length=1, max_length=128)
-    user_id: str | None = None  # hashed (hash_user)
-    kind: FeedbackKind
-    value: float | None = Field(None, validate_default=True)
-    edit_distance: int | None = Field(None, ge=0)
-
-    @field_validator("value")
-    @classmethod
-    def _value_fits_kind(cls, v, info):
-        kind = info.data.get("kind")
-        return v if kind is None else check_value(kind, v)
-
-    @classmethod
-    def received(
-        cls,
-        *,
-        event_id: str,
-        tenant: str,
-        completion_id: str,
-        kind: str,
-        value: float | None,
-        edit_distance: int | None,
-        client_ts: float | None,
-        now: float,
-        served_ts: float,
-        served_user: str | None,
-    ) -> FeedbackEvent:
-        """The event the gateway publishes for feedback it received at `now` about a completion served
-        at `served_ts` to `served_user` (hashed): the user is the completion's, and the time is `now`,
-        or the client's `ts` clamped to [served_ts, now]."""
-        ts = now if client_ts is None else min(max(client_ts, served_ts), now)
-        return cls(
-            event_id=event_id,
-            tenant=tenant,
-            ts=ts,
-            completion_id=completion_id,
-            user_id=served_user,
-            kind=kind,
-            value=value,
-            edit_distance=edit_distance,
-        )
 
 
 def check_value(kind: str, v: float | None) -> float | None:
@@ -197,6 +141,52 @@ def check_value(kind: str, v: float | None) -> float | None:
     elif v is not None:
         raise ValueError(f"{kind} takes no value, got {v!r}")
     return v
+
+
+def value_fits_kind(v: float | None, info) -> float | None:
+    """`check_value` as the `value` validator of a model whose `kind` field comes before it."""
+    kind = info.data.get("kind")
+    return v if kind is None else check_value(kind, v)
+
+
+class FeedbackEvent(Event):
+    """One user-satisfaction signal about one completion.
+
+    `value` by kind: rating → 1..5 (integer); edited → kept fraction of the completion in [0, 1]
+    (`edit_distance`, characters, may be given too); dwell → seconds in [0, 24 h]; every other kind
+    → no value. Anything else is refused with a ValueError naming the field.
+    """
+
+    type: Literal["feedback"] = "feedback"
+    completion_id: str = Field(min_length=1, max_length=128)
+    user_id: str | None = None  # hashed (hash_user)
+    kind: FeedbackKind
+    value: float | None = Field(None, validate_default=True)
+    edit_distance: int | None = Field(None, ge=0)
+
+    _value_fits_kind = field_validator("value")(value_fits_kind)
+
+    @classmethod
+    def received(
+        cls,
+        *,
+        event_id: str,
+        tenant: str,
+        completion_id: str,
+        kind: str,
+        value: float | None,
+        edit_distance: int | None,
+        client_ts: float | None,
+        now: float,
+        served_ts: float,
+        served_user: str | None,
+    ) -> FeedbackEvent:
+        """The event the gateway publishes for feedback it received at `now` about a completion served
+        at `served_ts` to `served_user` (hashed): the user is the completion's, and the time is `now`,
+        or the client's `ts` clamped to [served_ts, now]."""
+        ts = now if client_ts is None else min(max(client_ts, served_ts), now)
+        what: dict[str, Any] = dict(completion_id=completion_id, kind=kind, value=value, edit_distance=edit_distance)
+        return cls(event_id=event_id, tenant=tenant, ts=ts, user_id=served_user, **what)
 
 
 class Signal(BaseModel):

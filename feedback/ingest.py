@@ -1,19 +1,18 @@
 """Feedback acceptance: the rules a feedback event must pass before it is published as a reward input.
 
 `accept(...)` takes the events of one request (already parsed as `FeedbackIn`) and, all or nothing:
-1. looks their completions up in the `CompletionIndex`: another tenant's completion is as unknown
-   as a made-up id (`NotFound`);
-2. vouches for the user: the completion's user is the one who may rate it. Feedback naming another
-   user is refused (`UserMismatch`); feedback naming no user is attributed to the completion's
-   user; a completion served without a user takes feedback as anonymous (any user it names is
-   dropped), so nobody can move an anonymous completion's reward onto a user of their choice;
-3. stamps the time: the gateway's receive time, or the client's `ts` clamped to [the completion's
-   served time, the receive time], so back- or forward-dating cannot move feedback in or out of
-   the joiner's attribution window;
-4. claims idempotency keys (a key names one event id per tenant; a retry is a duplicate, the same
-   key for a different event is `KeyReused`);
-5. publishes the new events to the feedback topic keyed by completion id, and confirms the keys
-   only once the events are durable (`PublishFailed` releases them).
+1. looks their completions up in the `CompletionIndex`: another tenant's completion is as unknown as a
+   made-up id (`NotFound`);
+2. vouches for the user: the completion's user is the one who may rate it. Feedback naming another user
+   is refused (`UserMismatch`); feedback naming no user is attributed to the completion's user; a
+   completion served without a user takes feedback as anonymous (any user it names is dropped), so
+   nobody can move an anonymous completion's reward onto a user of their choice;
+3. stamps the time: the gateway's receive time, or the client's `ts` clamped to [served time, receive
+   time], so back- or forward-dating cannot move feedback in or out of the joiner's attribution window;
+4. claims idempotency keys (a key names one event id per tenant; a retry is a duplicate, the same key
+   for a different event is `KeyReused`);
+5. publishes the new events to the feedback topic keyed by completion id, and confirms the keys only
+   once the events are durable (`PublishFailed` releases them).
 
 Called by `api/routes/feedback.py` on a worker thread (it blocks on the database and the disk).
 """
@@ -29,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from feedback.bus import EventBus
 from feedback.completion_index import CompletionIndex
-from feedback.events import TOPICS, FeedbackEvent, FeedbackKind, check_value, event_id_for, hash_user, new_event_id
+from feedback.events import TOPICS, FeedbackEvent, FeedbackKind, event_id_for, hash_user, new_event_id, value_fits_kind
 
 log = logging.getLogger(__name__)
 MAX_BATCH = 1000
@@ -48,11 +47,7 @@ class FeedbackIn(BaseModel):
     ts: float | None = Field(None, gt=0, allow_inf_nan=False)
     idempotency_key: str | None = Field(None, min_length=1, max_length=256)
 
-    @field_validator("value")
-    @classmethod
-    def _value_fits_kind(cls, v, info):
-        kind = info.data.get("kind")
-        return v if kind is None else check_value(kind, v)
+    _value_fits_kind = field_validator("value")(value_fits_kind)
 
 
 class FeedbackBatch(BaseModel):
@@ -101,14 +96,8 @@ class Accepted:
 
 def fingerprint(item: FeedbackIn, tenant: str) -> str:
     """What an idempotency key stands for: everything the client said but the key ("v1:" + 32 hex)."""
-    what = [
-        item.completion_id,
-        hash_user(tenant, item.user),
-        item.kind,
-        None if item.value is None else float(item.value),
-        item.edit_distance,
-        None if item.ts is None else float(item.ts),
-    ]
+    value, ts = (None if x is None else float(x) for x in (item.value, item.ts))
+    what = [item.completion_id, hash_user(tenant, item.user), item.kind, value, item.edit_distance, ts]
     return "v1:" + hashlib.sha256(repr(what).encode()).hexdigest()[:32]
 
 
@@ -130,37 +119,20 @@ def accept(
         if entry is None or entry.tenant != tenant:
             raise NotFound(f"No completion with id '{item.completion_id}'.", i)
         if item.user is not None and entry.user_id is not None and hash_user(tenant, item.user) != entry.user_id:
-            raise UserMismatch(
-                f"Completion '{item.completion_id}' was served to another user; feedback must "
-                "come from the user it was served to.",
-                i,
-            )
+            why = f"Completion '{item.completion_id}' was served to another user"
+            raise UserMismatch(f"{why}; feedback must come from the user it was served to.", i)
         event_id = new_event_id() if key is None else event_id_for(tenant, key)
         if key is not None:
             fp = fingerprint(item, tenant)
             if fingerprints.setdefault(event_id, fp) != fp:
                 raise KeyReused(f"Idempotency key {key!r} is used twice for different events.", i)
             first.setdefault(event_id, i)
-        events.append(
-            FeedbackEvent.received(
-                event_id=event_id,
-                tenant=tenant,
-                completion_id=item.completion_id,
-                kind=item.kind,
-                value=item.value,
-                edit_distance=item.edit_distance,
-                client_ts=item.ts,
-                now=now,
-                served_ts=entry.ts,
-                served_user=entry.user_id,
-            )
-        )
+        what = item.model_dump(include={"completion_id", "kind", "value", "edit_distance"})
+        what |= {"client_ts": item.ts, "served_ts": entry.ts, "served_user": entry.user_id}
+        events.append(FeedbackEvent.received(event_id=event_id, tenant=tenant, now=now, **what))
     claimed, done = _claim(index, fingerprints, first)
-    new, seen = [], set(done)
-    for ev in events:  # keyed ids are now either claimed by this request or done
-        if ev.event_id not in seen:
-            new.append(ev)
-            seen.add(ev.event_id)
+    # Keyed ids are now either claimed by this request or done; an id twice in the request is one event.
+    new = list({ev.event_id: ev for ev in events if ev.event_id not in done}.values())
     try:
         bus.publish_many(TOPICS["feedback"], [(ev.completion_id, ev.model_dump_json().encode()) for ev in new])
     except Exception as e:  # nothing acknowledged: a retry may publish again (consumers drop repeated ids)

@@ -2,16 +2,15 @@
 
 `JoinerCore` is a pure state machine (time passed in). Feedback counts when its `ts` is at most
 `window_s` after its completion's; the first `tick(now)` past that window emits the sample (reward by
-`feedback.rewards`), if any signal counted. Feedback ahead of its completion (another topic) waits in a
-bounded orphan buffer until its own `ts + window_s`; feedback for a closed completion or past its window
-is late, handed out by `drain_late()`. Redelivered ids, another tenant's feedback and signals over a
-user's `UserBudget` are dropped; every case is counted in `stats`.
+`feedback.rewards`), if any signal counted. Feedback ahead of its completion waits in a bounded orphan
+buffer until its own `ts + window_s`; feedback for a closed completion or past its window is late
+(`drain_late()`). Redelivered ids, another tenant's feedback and signals over a user's `UserBudget` are
+dropped; every case is counted in `stats`.
 
-`JoinerService` runs the core on an `EventBus` as one group member on both topics (partitioned alike, so
-a completion meets its feedback). A round reads the clock *before* draining both topics, so no window
-closes on feedback still in the bus (the gateway stamps `ts` as it publishes). After the round's samples
-are flushed, each partition is committed up to its oldest record still held: a restart rebuilds the
-state, and re-emitted samples keep their id. The seen-set, closed completions and budgets live in memory.
+`JoinerService` runs the core as one group member on both topics (partitioned alike, so a completion
+meets its feedback). A round reads the clock *before* draining both topics, so no window closes on
+feedback still in the bus. After the round's samples are flushed, each partition is committed up to
+its oldest record still held: a restart rebuilds the state, and re-emitted samples keep their id.
 """
 
 from __future__ import annotations
@@ -36,19 +35,11 @@ log = logging.getLogger(__name__)
 
 Source = tuple[str, int, int]  # (topic, partition, offset) of the bus record an event came from
 Orphan = tuple[FeedbackEvent, Source | None]
-STAT_KEYS = (
-    "completions",
-    "feedback",
-    "samples",
-    "late",
-    "duplicates",
-    "no_feedback",
-    "dropped_by_budget",
-    "tenant_mismatch",
-    "orphans_expired",
-    "orphans_overflow",
-    "malformed",
-)
+STAT_KEYS: tuple[str, ...] = ("completions", "feedback", "samples", "late", "duplicates", "no_feedback")
+STAT_KEYS += ("dropped_by_budget", "tenant_mismatch", "orphans_expired", "orphans_overflow", "malformed")
+MAX_SEEN = MAX_CLOSED = 200_000  # event ids and closed completion ids remembered (to drop redeliveries)
+MAX_LATE_KEPT = 10_000  # late feedback held for `drain_late()`
+MAX_RECORDS_PER_ROUND = 50_000  # a round that reads more stops short of the end: its windows stay open
 
 
 def sample_event_id(completion_id: str, spec_name: str) -> str:
@@ -97,22 +88,13 @@ class JoinerCore:
     """
 
     def __init__(
-        self,
-        spec: RewardSpec,
-        window_s: float,
-        clock: Callable[[], float] = time.time,
-        *,
-        max_orphans: int = 100_000,
-        max_seen: int = 200_000,
-        max_closed: int = 200_000,
-        max_late_kept: int = 10_000,
+        self, spec: RewardSpec, window_s: float, clock: Callable[[], float] = time.time, *, max_orphans: int = 100_000
     ):
         if not window_s > 0:
             raise ValueError(f"window_s must be > 0, got {window_s}")
         if max_orphans < 1:
             raise ValueError(f"max_orphans must be >= 1, got {max_orphans}")
-        self.spec, self.window_s, self.clock = spec, window_s, clock
-        self.max_orphans, self.max_late_kept = max_orphans, max_late_kept
+        self.spec, self.window_s, self.clock, self.max_orphans = spec, window_s, clock, max_orphans
         self.budget = UserBudget.from_spec(spec)
         self.stats: dict[str, int] = {k: 0 for k in STAT_KEYS} | {f"late_{k}": 0 for k in FEEDBACK_KINDS}
         self._pending: dict[str, _Pending] = {}
@@ -121,7 +103,7 @@ class JoinerCore:
         self._n_orphans = 0
         self._orphan_expiry: list[tuple[float, int, str, str]] = []  # heap of (expiry, seq, cid, event_id)
         self._seq = itertools.count()
-        self._seen, self._closed = _BoundedSet(max_seen), _BoundedSet(max_closed)
+        self._seen, self._closed = _BoundedSet(MAX_SEEN), _BoundedSet(MAX_CLOSED)
         self._late: list[LateFeedback] = []
 
     # ---- input ---------------------------------------------------------------------------------
@@ -159,13 +141,8 @@ class JoinerCore:
         c = p.completion
         if ev.tenant != c.tenant:
             self.stats["tenant_mismatch"] += 1
-            log.warning(
-                "feedback %s (tenant %r) names completion %s of tenant %r: rejected",
-                ev.event_id,
-                ev.tenant,
-                c.completion_id,
-                c.tenant,
-            )
+            what = (ev.event_id, ev.tenant, c.completion_id, c.tenant)
+            log.warning("feedback %s (tenant %r) names completion %s of tenant %r: rejected", *what)
         elif ev.ts > p.deadline:
             self._late_feedback(ev, source, "past_window")
         else:
@@ -178,7 +155,7 @@ class JoinerCore:
     def _late_feedback(self, ev: FeedbackEvent, source: Source | None, reason: str) -> None:
         self.stats["late"] += 1
         self.stats[f"late_{ev.kind}"] += 1
-        if len(self._late) >= self.max_late_kept:
+        if len(self._late) >= MAX_LATE_KEPT:
             raise RuntimeError(f"{len(self._late)} late feedback events not drained: call drain_late()")
         self._late.append(LateFeedback(ev, source, reason))
 
@@ -240,14 +217,9 @@ class JoinerCore:
         kept = [s for s in counted if user_key(s) in admitted]
         if (r := reward(self.spec, kept)) is None:
             return None
+        name, eid = self.spec.name, sample_event_id(c.completion_id, self.spec.name)
         return SampleEvent(
-            event_id=sample_event_id(c.completion_id, self.spec.name),
-            tenant=c.tenant,
-            ts=p.deadline,
-            completion=c,
-            reward=r,
-            signals=kept,
-            reward_spec=self.spec.name,
+            event_id=eid, tenant=c.tenant, ts=p.deadline, completion=c, reward=r, signals=kept, reward_spec=name
         )
 
     def release(self, partitions: set[int]) -> int:
@@ -299,12 +271,10 @@ class JoinerService:
         clock: Callable[[], float] = time.time,
         *,
         max_records: int = 500,
-        max_records_per_round: int = 50_000,
         dead_letter_topic: str | None = None,
     ):
         self.bus, self.spec, self.clock = bus, spec, clock
-        self.max_records, self.max_records_per_round = max_records, max_records_per_round
-        self.dead_letter_topic = dead_letter_topic
+        self.max_records, self.dead_letter_topic = max_records, dead_letter_topic
         self.core = JoinerCore(spec, window_s, clock)
         self.consumer: Consumer = bus.consumer((TOPICS["completion"], TOPICS["feedback"]), group)
         self._consumed: dict[tuple[str, int], int] = {}  # position after the last record read
@@ -346,9 +316,9 @@ class JoinerService:
 
     def _drain(self, timeout_s: float) -> bool:
         """Read both topics to their current end, waiting up to `timeout_s` for the first record; False
-        if stopped by `max_records_per_round`."""
+        if stopped by `MAX_RECORDS_PER_ROUND`."""
         n, wait = 0, timeout_s
-        while n < self.max_records_per_round:
+        while n < MAX_RECORDS_PER_ROUND:
             if not (records := self.consumer.poll(self.max_records, timeout_s=wait)):
                 return True
             self._handle(records)
@@ -379,23 +349,15 @@ class JoinerService:
             except ValidationError as e:
                 where = _where(src)
                 if self.dead_letter_topic is None:
-                    raise ValueError(
-                        f"malformed record at {where} (set dead_letter_topic to divert such records)"
-                    ) from e
+                    raise ValueError(f"malformed record at {where} (set dead_letter_topic to divert them)") from e
                 log.error("malformed record at %s sent to %s: %s", where, self.dead_letter_topic, e)
                 self.stats["malformed"] += 1
                 self.bus.publish(self.dead_letter_topic, r.key, r.value)
             self._consumed[r.topic, r.partition] = max(self._consumed.get((r.topic, r.partition), 0), r.offset + 1)
-        for late in self.core.drain_late():  # after every batch: the core keeps at most max_late_kept
-            ev = late.event
-            log.info(
-                "late feedback %s (%s, %s) for completion %s at %s",
-                ev.event_id,
-                ev.kind,
-                late.reason,
-                ev.completion_id,
-                "" if late.source is None else _where(late.source),
-            )
+        for late in self.core.drain_late():  # after every batch: the core keeps at most MAX_LATE_KEPT
+            ev, where = late.event, "" if late.source is None else _where(late.source)
+            what = (ev.event_id, ev.kind, late.reason, ev.completion_id, where)
+            log.info("late feedback %s (%s, %s) for completion %s at %s", *what)
             if self.dead_letter_topic is not None:
                 self.bus.publish(self.dead_letter_topic, ev.completion_id, ev.model_dump_json().encode())
 

@@ -1,13 +1,12 @@
 """A durable, append-only local log of opaque records: the storage of the embedded bus and the spool.
 
-Owns one folder of segments, `<base offset>.log`, each starting with an 8-byte header (magic and
-format version) followed by frames `[u32 length][u32 crc32][payload]`. Offsets are dense from 0 and
-survive reopening. `append()` returns only once its records are written and fsynced, so a caller
-may acknowledge them. A crash mid-write leaves a torn last frame, which reopening cuts (it was
-never acknowledged); a bad checksum anywhere else is an error, never skipped.
+Owns one folder of segments, `<base offset>.log`: an 8-byte header (magic, format version), then frames
+`[u32 length][u32 crc32][payload]`. Offsets are dense from 0 and survive reopening. `append()` returns
+once its records are written and fsynced (one write, one fsync, under a lock), so a caller may
+acknowledge them. A crash mid-write leaves a torn last frame, which reopening cuts (it was never
+acknowledged); a bad checksum anywhere else is an error, never skipped. `read()` does not block writers.
 
-Writers are serialised by a lock (one write and one fsync per `append`); readers iterate with
-`read(start, limit)` without blocking writers. Called by `feedback.bus_embedded` and `feedback.spool`.
+Called by `feedback.bus_embedded` and `feedback.spool`.
 """
 
 from __future__ import annotations
@@ -168,9 +167,7 @@ class DurableLog:
     def read(self, start: int = 0, limit: int | None = None) -> Iterator[tuple[int, bytes]]:
         """(offset, payload) of the durable records from `start` on, at most `limit` of them. A reader
         that continues where its last read ended resumes at the remembered byte position."""
-        end = self._next
-        if limit is not None:
-            end = min(end, start + limit)
+        end = self._next if limit is None else min(self._next, start + limit)
         if start >= end:
             return
         segs = segments(self.folder)

@@ -77,11 +77,8 @@ class RewardSpec(BaseModel):
                 f"edited_none_kept ({self.edited_none_kept}) must be <= edited_all_kept "
                 f"({self.edited_all_kept}): keeping more of a completion cannot be worse"
             )
-        others = [
-            abs(v)
-            for v in (self.accepted, self.rejected, self.thumb_up, self.thumb_down, self.copied, self.regenerated)
-            if v != 0.0
-        ]
+        signals = (self.accepted, self.rejected, self.thumb_up, self.thumb_down, self.copied, self.regenerated)
+        others = [abs(v) for v in signals if v != 0.0]
         if others and self.dwell_weight >= min(others):
             raise ValueError(
                 f"dwell_weight ({self.dwell_weight}) must be below every other nonzero signal "

@@ -1,8 +1,7 @@
 """Where the gateway hands every completion record: the completion topic of the event bus.
 
-`record()` returns only once the record is durable (fsynced to the embedded bus, or to the Kafka
-bus's spool), and the gateway awaits it before it answers (or, when streaming, before
-`data: [DONE]`), so nothing is served unrecorded. Called by `api/`.
+`record()` returns only once the record is durable, and the gateway awaits it before it answers (or,
+when streaming, before `data: [DONE]`), so nothing is served unrecorded. Called by `api/`.
 """
 
 from __future__ import annotations
@@ -22,9 +21,7 @@ class CompletionSink:
 
     async def record(self, event: CompletionEvent) -> None:
         # The publish blocks until the disk has the record: on a worker thread, the loop keeps serving.
-        await asyncio.to_thread(
-            self.bus.publish, TOPICS["completion"], event.completion_id, event.model_dump_json().encode()
-        )
+        value = event.model_dump_json().encode()
+        await asyncio.to_thread(self.bus.publish, TOPICS["completion"], event.completion_id, value)
 
-    def close(self) -> None:
-        """Nothing of its own to release."""
+    def close(self) -> None: ...  # nothing of its own to release

@@ -1,19 +1,14 @@
 """The producer-side spool: never lose an event, never block the caller on the broker.
 
-Owns `<folder>/log/` (a `feedback.log.DurableLog` of spooled records) and `<folder>/forwarded.json`
-(how far the log has been delivered). `Spool.publish_many()` returns once the records are fsynced
-in the local log; it never waits for the broker. One background thread, the forwarder, reads the
-log in order and hands batches to `deliver`, so records of one key reach the broker in publish
-order; after each delivered batch it advances the position and deletes delivered segments.
+Owns `<folder>/log/` (a `DurableLog` of spooled records) and `<folder>/forwarded.json` (how far it was
+delivered). `publish_many()` returns once the records are fsynced locally. One forwarder thread reads
+the log in order and hands batches to `deliver` (so one key's records arrive in publish order), then
+advances the position and deletes delivered segments. A failure that `retriable` names is retried with
+capped exponential backoff, forever, with the same batch; anything else stops the forwarder loudly
+(`healthy` turns False, `flush()` raises; the records stay spooled for the next `Spool` on the folder).
 
-A failure that `retriable` names (broker down, slow, restarting) is counted, logged and retried
-with capped exponential backoff, forever, with the same batch; anything else stops the forwarder
-loudly: the error is logged and kept, `healthy` turns False and `flush()` raises it (records stay
-spooled; a new `Spool` on the folder resumes them).
-
-Delivery is at-least-once: a crash after the broker acknowledged a batch and before the position
-was saved delivers that batch again, and so does a retry of a batch the broker half took. Consumers
-drop repeats by `event_id` with `Deduper`.
+Delivery is at-least-once: a crash between the broker's acknowledgement and the saved position, or a
+retry of a batch the broker half took, delivers records again; consumers drop repeats with `Deduper`.
 
 Called by `feedback.bus_kafka.KafkaBus` (publish path) and by the consumers (`Deduper`).
 """
@@ -38,6 +33,7 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 SEGMENT_BYTES = 4 << 20  # small segments: delivered ones are deleted soon
+MAX_BATCH_BYTES = 1 << 20
 _HEAD = struct.Struct("<HH")  # topic length, key length; then topic, key, value
 
 
@@ -59,18 +55,13 @@ def encode(topic: str, key: str, value: bytes) -> bytes:
 
 def decode(offset: int, frame: bytes) -> SpooledRecord:
     tlen, klen = _HEAD.unpack_from(frame)
-    at = _HEAD.size
-    return SpooledRecord(
-        offset, frame[at : at + tlen].decode(), frame[at + tlen : at + tlen + klen].decode(), frame[at + tlen + klen :]
-    )
+    t, k = _HEAD.size + tlen, _HEAD.size + tlen + klen  # the ends of the topic and of the key
+    return SpooledRecord(offset, frame[_HEAD.size : t].decode(), frame[t:k].decode(), frame[k:])
 
 
 class Deduper:
-    """Bounded memory of recently seen event ids (an LRU): `seen(id)` is True for a repeat.
-
-    A repeat arrives soon after the original (a re-forwarded batch, a redelivered partition), so a
-    window of the last `capacity` ids catches them.
-    """
+    """Bounded memory of recently seen event ids (an LRU): `seen(id)` is True for a repeat. A repeat
+    arrives soon after the original (a re-forwarded batch, a redelivered partition)."""
 
     def __init__(self, capacity: int = 1_000_000):
         if capacity < 1:
@@ -99,27 +90,22 @@ class Spool:
         *,
         retriable: tuple[type[BaseException], ...] = (OSError,),
         batch_size: int = 500,
-        max_batch_bytes: int = 1 << 20,
         backoff_s: tuple[float, float] = (0.05, 2.0),
         segment_bytes: int = SEGMENT_BYTES,
         fsync: bool = True,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.folder = Path(folder)
+        self.folder, self.fsync = Path(folder), fsync
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._deliver, self.retriable = deliver, retriable
-        self.batch_size, self.max_batch_bytes, self.backoff_s = batch_size, max_batch_bytes, backoff_s
-        self.fsync = fsync
+        self._deliver, self.retriable, self.batch_size, self.backoff_s = deliver, retriable, batch_size, backoff_s
         self._log = DurableLog(self.folder / "log", segment_bytes=segment_bytes, fsync=fsync)
         self._pos_path = self.folder / "forwarded.json"
         # A lost, torn or stale position resumes at the first segment kept: everything below it was
         # delivered before its segment was deleted (repeats, never a gap).
         self._forwarded = max(self._read_position(), self._log.first_offset)
         self._cond = threading.Condition()
-        self._held = False
-        self._in_flight = False
-        self._stop = False
+        self._held = self._in_flight = self._stop = False
         self.failures = 0
         self.last_failure: BaseException | None = None
         self._error: BaseException | None = None
@@ -167,10 +153,6 @@ class Spool:
     def healthy(self) -> bool:
         """False once the forwarder stopped on an error that is not retriable."""
         return self._error is None
-
-    @property
-    def error(self) -> BaseException | None:
-        return self._error
 
     def _raise_if_dead(self) -> None:
         if self._error is not None:
@@ -226,12 +208,7 @@ class Spool:
             try:
                 self.flush(flush_timeout_s)
             except TimeoutError:
-                log.warning(
-                    "spool %s: closing with %d records not forwarded; they are forwarded when "
-                    "the spool is opened again",
-                    self.folder,
-                    self.backlog,
-                )
+                log.warning("spool %s: %d records left to forward at the next open", self.folder, self.backlog)
         with self._cond:
             self._stop = True
             self._cond.notify_all()
@@ -253,7 +230,7 @@ class Spool:
         batch: list[SpooledRecord] = []
         size = 0
         for off, frame in self._log.read(start, limit=self.batch_size):
-            if batch and size + len(frame) > self.max_batch_bytes:
+            if batch and size + len(frame) > MAX_BATCH_BYTES:
                 break
             batch.append(decode(off, frame))
             size += len(frame)
@@ -279,11 +256,8 @@ class Spool:
                 self._deliver(batch)
                 break
             except self.retriable as e:
-                self.failures += 1
-                self.last_failure = e
-                log.warning(
-                    "spool %s: delivering %d records failed (%r); retrying in %.2f s", self.folder, len(batch), e, delay
-                )
+                self.failures, self.last_failure = self.failures + 1, e
+                log.warning("spool %s: a batch of %d failed (%r); retry in %.2fs", self.folder, len(batch), e, delay)
                 with self._cond:
                     self._in_flight = False  # a hold may begin between attempts
                     self._cond.notify_all()
@@ -300,9 +274,8 @@ class Spool:
         deleted = self._log.first_offset != first_before
         # The position is fsynced only when segments were deleted: otherwise a lost position
         # resumes at the first segment kept, which only repeats records.
-        atomic_write(
-            self._pos_path, json.dumps({"version": FORMAT_VERSION, "forwarded": end}), fsync=self.fsync and deleted
-        )
+        body = json.dumps({"version": FORMAT_VERSION, "forwarded": end})
+        atomic_write(self._pos_path, body, fsync=self.fsync and deleted)
         with self._cond:
             self._forwarded = end
             self._in_flight = False

@@ -104,15 +104,10 @@ def make_event(
     except ValidationError as e:
         err = e.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "event"
-        raise ValueError(
-            f"invalid feedback {field}={given.get(field, err.get('input'))!r} (kind {kind!r}): {err['msg']}"
-        ) from None
-    out: dict = {
-        "completion_id": completion_id,
-        "kind": kind,
-        "ts": time.time() if ts is None else float(ts),
-        "idempotency_key": idempotency_key or os.urandom(16).hex(),
-    }
+        got = given.get(field, err.get("input"))
+        raise ValueError(f"invalid feedback {field}={got!r} (kind {kind!r}): {err['msg']}") from None
+    out = {"completion_id": completion_id, "kind": kind, "ts": time.time() if ts is None else float(ts)}
+    out["idempotency_key"] = idempotency_key or os.urandom(16).hex()
     optional = {"value": ev.value, "edit_distance": ev.edit_distance, "user": user}
     return out | {k: v for k, v in optional.items() if v is not None}
 
@@ -205,17 +200,10 @@ class _Client:
         idempotency_key: str | None = None,
     ) -> str | None:
         """Queue one event; returns its idempotency key, or None when it was dropped (queue full, closed)."""
-        return self._enqueue(
-            make_event(
-                kind,
-                completion_id,
-                value,
-                edit_distance=edit_distance,
-                user=user,
-                ts=ts,
-                idempotency_key=idempotency_key,
-            )
+        event = make_event(
+            kind, completion_id, value, edit_distance=edit_distance, user=user, ts=ts, idempotency_key=idempotency_key
         )
+        return self._enqueue(event)
 
     def thumbs_up(self, completion_id: str, user: str | None = None) -> str | None:
         return self.send("thumb_up", completion_id, user=user)
@@ -321,6 +309,7 @@ class _Client:
 
     def _deliver(self, http: httpx.Client, events: list[dict]) -> None:
         attempt = 0
+        err: Exception  # the last failure: a transport error or the gateway's answer
         while events and not self._stop.is_set():
             try:
                 r = http.post(self.url, content=json.dumps({"events": events}).encode())
@@ -346,14 +335,8 @@ class _Client:
             if delay is None:  # full jitter
                 delay = random.uniform(0.0, min(self.max_backoff_s, self.backoff_s * 2 ** min(attempt, 30)))
             attempt += 1
-            log.warning(
-                "feedback: %d event(s) not delivered (%r); retry %d/%d in %.2f s",
-                len(events),
-                err,
-                attempt,
-                self.max_retries,
-                delay,
-            )
+            what = (len(events), err, attempt, self.max_retries, delay)
+            log.warning("feedback: %d event(s) not delivered (%r); retry %d/%d in %.2f s", *what)
             self._stop.wait(delay)
         if events:
             self._give_up(events, ClientClosedError("closed before these events could be sent"))
