@@ -1,38 +1,54 @@
-"""Registry tables and their API shapes: model versions and the audit log of their lifecycle.
+"""Registry tables and their API shapes: model versions, the audit log of their lifecycle, the
+registry's meta row and the replicas' heartbeats.
 
 A Base → Create → table → Public ladder (as in full-stack-fastapi-template): `ModelVersionCreate` is
 what the learner hands in and is validated (pydantic, so mistakes are `ValueError`s naming the value);
 `ModelVersion` is the row; `ModelVersionPublic` is what the registry hands out (detached, typed, safe to
-return from an API route). Same for `AuditEntry`.
+return from an API route). Same for `AuditEntry` and `ReplicaHeartbeat`.
 
 JSON columns hold what has no fixed shape in SQL:
 - `data_range`: the training data a version learnt from, as half-open offset ranges per topic and
   partition: `{"feedback.samples": {0: (1200, 1850), 1: (0, 40)}}` (JSON object keys are strings on
   disk; the Public model turns them back into ints).
 - `metrics`: whatever the learner and the evals report (`{"reward_mean": 0.41, "eval": {...}}`).
-- `files`: `[{path, sha256, bytes, kind: snapshot|delta}]`; a delta applies to `delta_base_id`.
+- `files`: `[{path, sha256, bytes, kind: snapshot|delta}]`; a delta applies to `delta_base_id`. The
+  version's *artifact* is the one file replicas load and report the hash of (`artifact_of`).
+- `gate`: the gate's persisted progress and verdicts, one JSON object per key: `offline`
+  (`OfflineVerdict`), `canary` (`CanaryProgress`), others free-form; each carries `format_version`.
+- `audit_entry.details`: the numbers behind a change, if its writer gave any.
 
 `status` is a plain string column (no database enum type to migrate); `Status` lists the values. The
-partial unique index `one_promoted` lets the database itself refuse a second `promoted` row. Owned by
-`gating.registry`; `gating.db.create_all` creates the tables.
+partial unique indexes `one_promoted` and `one_in_flight` let the database itself refuse a second
+`promoted` row and a second version in evaluating / canary / awaiting_approval. `registry_meta` holds
+the schema version (`SCHEMA_VERSION`) and the audit sequence counter. Owned by `gating.registry`;
+`gating.db.ensure_schema` creates (and migrates) the tables.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 from pydantic import Field as PField
-from sqlalchemy import JSON, DateTime, Index, String, text
+from sqlalchemy import JSON, BigInteger, DateTime, Index, String, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlmodel import Field, SQLModel
 
 JSONType = JSON().with_variant(JSONB(), "postgresql")
 UTCDateTime = DateTime(timezone=True)
 VERSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+SHA256 = r"^[0-9a-f]{64}$"
+SCHEMA_VERSION = 2
+"""Version of the registry's tables (stored in `registry_meta`). 1: versions and audit log only (no meta
+row); 2: gate evidence, audit `seq` / `action` / `details`, one version in flight, replica heartbeats."""
+GATE_FORMAT_VERSION = 1
+"""`format_version` of the records in `model_version.gate`."""
+WEIGHT_STORE_SUFFIXES = (".snapshot.fws", ".delta.fws")
+"""serving.weight_store's file suffixes (copied, not imported: gating does not load torch)."""
 
 
 def utcnow() -> datetime:
@@ -40,7 +56,7 @@ def utcnow() -> datetime:
 
 
 class Status(StrEnum):
-    """Lifecycle states of a version (see DESIGN.md, "Version lifecycle")."""
+    """Lifecycle states of a version (see docs/design.md, "Version lifecycle")."""
 
     candidate = "candidate"
     evaluating = "evaluating"
@@ -51,16 +67,33 @@ class Status(StrEnum):
     promoted = "promoted"
     rolled_back = "rolled_back"
     superseded = "superseded"
+    withdrawn = "withdrawn"
+
+
+IN_FLIGHT = (Status.evaluating, Status.canary, Status.awaiting_approval)
+"""In the gate's hands; at most one version at a time (index `one_in_flight`)."""
+WAITING = (Status.candidate, *IN_FLIGHT)
+"""Not yet decided: what a newer candidate may replace, or a failed ancestor withdraws."""
+_IN_FLIGHT_SQL = "status IN ('evaluating', 'canary', 'awaiting_approval')"
 
 
 class FileEntry(BaseModel):
     """One weight file of a version, as shipped by the weight store."""
 
     path: str = PField(min_length=1, description="Path relative to the weight store root.")
-    sha256: str = PField(pattern=r"^[0-9a-f]{64}$", description="Lowercase hex SHA-256 of the file's bytes.")
+    sha256: str = PField(pattern=SHA256, description="Lowercase hex SHA-256 of the file's bytes.")
     bytes: int = PField(ge=0, description="File size.")
     kind: Literal["snapshot", "delta"] = PField(
         description="Full snapshot, or lossless delta on delta_base_id.")
+
+
+def artifact_of(files: list[FileEntry]) -> FileEntry | None:
+    """The file replicas load a version from and report the SHA-256 of: the one weight-store file
+    (`*.snapshot.fws` / `*.delta.fws`), or the only file of a version with one file; else None."""
+    shipped = [f for f in files if f.path.endswith(WEIGHT_STORE_SUFFIXES)]
+    if len(shipped) == 1:
+        return shipped[0]
+    return files[0] if not shipped and len(files) == 1 else None
 
 
 def _aware(ts: datetime) -> datetime:
@@ -127,47 +160,173 @@ class ModelVersion(ModelVersionBase, table=True):
         # At most one promoted version, enforced by the database (both dialects support partial indexes).
         Index("one_promoted", "status", unique=True,
               sqlite_where=text("status = 'promoted'"), postgresql_where=text("status = 'promoted'")),
+        # At most one version in flight: a unique index on an expression that is true on every row it holds.
+        Index("one_in_flight", text(f"({_IN_FLIGHT_SQL})"), unique=True,
+              sqlite_where=text(_IN_FLIGHT_SQL), postgresql_where=text(_IN_FLIGHT_SQL)),
     )
 
     id: str = Field(primary_key=True, max_length=64)
     status: str = Field(default=Status.candidate.value, max_length=32, index=True)
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    gate: dict[str, Any] = Field(default_factory=dict, sa_type=JSONType)
 
 
 class ModelVersionPublic(ModelVersionBase):
     id: str
     status: Status
     created_at: datetime
+    gate: dict[str, Any] = {}
 
     @field_validator("created_at")
     @classmethod
     def _utc(cls, v: datetime) -> datetime:
         return _aware(v)
 
+    @property
+    def artifact(self) -> FileEntry | None:
+        """The file replicas load and report (`artifact_of`)."""
+        return artifact_of(self.files)
+
+    @property
+    def artifact_sha256(self) -> str | None:
+        a = self.artifact
+        return None if a is None else a.sha256
+
+
+class _GateRecord(BaseModel):
+    model_config = ConfigDict(extra="allow")  # the gate may store more than the registry reads
+
+    format_version: int = GATE_FORMAT_VERSION
+
+    @field_validator("format_version")
+    @classmethod
+    def _known(cls, v: int) -> int:
+        if v != GATE_FORMAT_VERSION:
+            raise ValueError(f"gate record format_version {v} is not the {GATE_FORMAT_VERSION} this build reads")
+        return v
+
+
+class OfflineVerdict(_GateRecord):
+    """`gate["offline"]`: the offline suite's verdict on a candidate, what `Registry.approve` checks."""
+
+    passed: bool
+    incumbent_id: str = PField(min_length=1, description="The promoted version it was compared with.")
+    artifact_sha256: str = PField(pattern=SHA256, description="The candidate artifact that was evaluated.")
+    suite_version: str = PField(min_length=1, description="Version of the eval suite (prompts, verifier).")
+    numbers: dict[str, Any] = PField(default_factory=dict, description="Estimates, bounds, p-values, n.")
+
+
+class CanaryProgress(_GateRecord):
+    """`gate["canary"]`: where the online A/B stands, so a restarted gate resumes it."""
+
+    step: int = PField(ge=0, description="Index of the current ramp step.")
+    share: float = PField(ge=0.0, le=1.0, description="Share of users assigned to the candidate.")
+    started_at: datetime
+    counts: dict[str, Any] = PField(default_factory=dict, description="Per-arm counts (requests, rewards).")
+
+    @field_validator("started_at")
+    @classmethod
+    def _has_tz(cls, v: datetime) -> datetime:
+        if v.tzinfo is None:
+            raise ValueError(f"started_at {v.isoformat()!r} needs a timezone")
+        return v
+
+
+GATE_RECORDS: dict[str, type[_GateRecord]] = {"offline": OfflineVerdict, "canary": CanaryProgress}
+
 
 class AuditEntryBase(SQLModel):
     version_id: str = Field(foreign_key="model_version.id", index=True)
     from_status: str | None = Field(default=None, max_length=32,
                                     description="None for the registration itself.")
-    to_status: str = Field(max_length=32)
+    to_status: str = Field(max_length=32, description="Equal to from_status for a change that is no step.")
     actor: str = Field(description="Who: a user, or a process such as 'learner' or 'gate'.")
-    reason: str = Field(description="Why, in words (what is the transition itself).")
+    reason: str = Field(description="Why, in words.")
+    action: str = Field(default="transition", max_length=32,
+                        description="What: the registry call (register, bootstrap, transition, approve, reject, "
+                                    "rollback, supersede, withdraw, record_gate).")
+    details: dict[str, Any] = Field(default_factory=dict, sa_type=JSONType,
+                                    description="The numbers behind it, if the writer gave any.")
 
 
 class AuditEntry(AuditEntryBase, table=True):
     __tablename__ = "audit_entry"
 
     id: int | None = Field(default=None, primary_key=True)
+    seq: int = Field(sa_type=BigInteger, unique=True, index=True,
+                     description="Registry change number: increases by one per row, in commit order.")
     at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
 
 
 class AuditEntryPublic(AuditEntryBase):
     id: int
+    seq: int
     from_status: Status | None
     to_status: Status
     at: datetime
 
     @field_validator("at")
+    @classmethod
+    def _utc(cls, v: datetime) -> datetime:
+        return _aware(v)
+
+
+class RegistryMeta(SQLModel, table=True):
+    """Named integers: `schema_version` (`SCHEMA_VERSION`), `audit_seq` (the last audit row's seq)."""
+
+    __tablename__ = "registry_meta"
+
+    name: str = Field(primary_key=True, max_length=64)
+    value: int = Field(sa_type=BigInteger)
+
+
+class HeartbeatBase(SQLModel):
+    gateway_id: str = Field(min_length=1, max_length=128, description="The gateway driving the replica.")
+    host: str = Field(min_length=1, max_length=255)
+    holds: dict[str, str] = Field(default_factory=dict, sa_type=JSONType,
+                                  description="Versions loaded: version id -> artifact SHA-256.")
+    serves: dict[str, float] = Field(default_factory=dict, sa_type=JSONType,
+                                     description="Versions it routes traffic to: version id -> share.")
+    error: str | None = Field(default=None, description="Last error, or None.")
+
+
+class HeartbeatCreate(HeartbeatBase):
+    """What a replica reports (`Registry.heartbeat`); validated here."""
+
+    replica_id: str = Field(min_length=1, max_length=128)
+
+    @field_validator("holds")
+    @classmethod
+    def _hashes(cls, v: dict[str, str]) -> dict[str, str]:
+        for vid, sha in v.items():
+            if not re.fullmatch(SHA256, sha):
+                raise ValueError(f"holds[{vid!r}]: {sha!r} is not a lowercase hex SHA-256")
+        return v
+
+    @model_validator(mode="after")
+    def _shares(self) -> HeartbeatCreate:
+        for vid, share in self.serves.items():
+            if vid not in self.holds:
+                raise ValueError(f"serves {vid!r}, which holds does not list")
+            if not (math.isfinite(share) and 0.0 <= share <= 1.0):
+                raise ValueError(f"serves[{vid!r}] share {share!r} is not within [0, 1]")
+        if sum(self.serves.values()) > 1.0 + 1e-9:
+            raise ValueError(f"serves shares add up to {sum(self.serves.values())!r} > 1")
+        return self
+
+
+class ReplicaHeartbeat(HeartbeatBase, table=True):
+    __tablename__ = "replica_heartbeat"
+
+    replica_id: str = Field(primary_key=True, max_length=128)
+    reported_at: datetime = Field(sa_type=UTCDateTime, index=True)
+
+
+class ReplicaHeartbeatPublic(HeartbeatBase):
+    replica_id: str
+    reported_at: datetime
+
+    @field_validator("reported_at")
     @classmethod
     def _utc(cls, v: datetime) -> datetime:
         return _aware(v)

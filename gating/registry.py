@@ -1,21 +1,30 @@
-"""The model registry: every version, where it came from, and its lifecycle with an audit trail.
+"""The model registry: every version, where it came from, its lifecycle with an audit trail, the gate's
+evidence, and the replicas' heartbeats.
 
 `Registry(url)` owns the registry database (SQLite file by default, PostgreSQL in production; see
-`gating.db`). The learner `register`s candidates; the gate, the dashboard and the admin API move them
-through the lifecycle of DESIGN.md:
+`gating.db`). `bootstrap` promotes the base model (cold start); the learner `register`s candidates and
+asks `base_for_next_candidate` what to train on; the gate moves them through the lifecycle of
+docs/design.md and stores its progress with `record_gate`; a person `approve`s, `reject`s or
+`rollback`s. `LIFECYCLE` lists every edge:
 
-    candidate → evaluating → (rejected | canary) → (aborted | awaiting_approval) → promoted
-              → (rolled_back | superseded)
+    candidate → evaluating → (rejected | canary) → (aborted | awaiting_approval) → (rejected | promoted)
+    promoted → (rolled_back | superseded);  superseded → promoted (rollback);  candidate → promoted (bootstrap)
+    candidate | evaluating | canary | awaiting_approval → withdrawn (replaced by a newer candidate,
+        or an ancestor was rejected, aborted or rolled back)
 
-- `transition` takes one step of that table. Promoting a version demotes the current promoted one to
-  `superseded` in the same transaction. `promoted → rolled_back` only happens through `rollback`, which
-  restores a `superseded` version in the same transaction, so the fleet always has a promoted version
-  once it had one.
-- Every change writes an audit row (who, from what to what, why) in the transaction that makes it.
-- Only one version is `promoted`: each write is a compare-and-set on the status it read
-  (`UPDATE ... WHERE id = :id AND status = :read`), and a partial unique index refuses a second
-  promoted row. When two promotions race, exactly one commits; the other gets `RegistryConflict`
-  and writes nothing.
+- Only `approve` promotes a candidate, and only on the gate's passed offline verdict on its current
+  artifact against the current promoted version, which becomes `superseded` in the same transaction.
+  `rollback` restores a superseded version in the same transaction, so once there is a promoted
+  version there always is one. Nothing is evaluated before there is one (`NoIncumbent`).
+- At most one version is promoted, and at most one in flight (evaluating, canary, awaiting
+  approval): checked, and refused by partial unique indexes.
+- Every change writes audit rows (who, what, from and to which status, why, the numbers) in its
+  transaction, each with a `seq`: a write locks the counter row first, so writers queue there and
+  seqs follow commit order (`changes_since(seq)` never skips one). On PostgreSQL the transaction
+  also sends `NOTIFY flywheel_registry, '<last seq>'`, delivered at commit.
+- Status writes are compare-and-set on the status read (`UPDATE ... WHERE id = :id AND status = :read`):
+  of two racing writers one commits; the other gets `RegistryConflict` (or, where it reads after the
+  lock, a `ValueError` saying what changed) and writes nothing.
 
 User mistakes (unknown version or status, illegal step, bad input) are `ValueError`s naming the value;
 `UnknownVersion` is the one an API maps to 404. Methods return detached `*Public` models.
@@ -24,51 +33,73 @@ User mistakes (unknown version or status, illegal step, bad input) are `ValueErr
 from __future__ import annotations
 
 import builtins
+import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from datetime import datetime
 from typing import Any, Self
 
-from sqlalchemy import literal, update
+from pydantic_core import to_jsonable_python
+from sqlalchemy import literal, text, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
-from gating.db import create_all, make_engine, session
+from gating import fleet_state
+from gating.db import ensure_schema, make_engine, session
 from gating.models import (
+    GATE_RECORDS,
+    IN_FLIGHT,
+    WAITING,
     AuditEntry,
     AuditEntryPublic,
     FileEntry,
+    HeartbeatCreate,
     ModelVersion,
     ModelVersionCreate,
     ModelVersionPublic,
+    OfflineVerdict,
+    RegistryMeta,
+    ReplicaHeartbeatPublic,
     Status,
+    artifact_of,
+    utcnow,
 )
 
 S = Status
 LIFECYCLE: dict[Status, frozenset[Status]] = {
-    S.candidate: frozenset({S.evaluating}),
-    S.evaluating: frozenset({S.rejected, S.canary}),
-    S.canary: frozenset({S.aborted, S.awaiting_approval}),
-    S.awaiting_approval: frozenset({S.promoted}),
+    S.candidate: frozenset({S.evaluating, S.withdrawn, S.promoted}),
+    S.evaluating: frozenset({S.rejected, S.canary, S.withdrawn}),
+    S.canary: frozenset({S.aborted, S.awaiting_approval, S.withdrawn}),
+    S.awaiting_approval: frozenset({S.promoted, S.rejected, S.withdrawn}),
     S.promoted: frozenset({S.rolled_back, S.superseded}),
-    S.rejected: frozenset(),
-    S.aborted: frozenset(),
-    S.rolled_back: frozenset(),
     S.superseded: frozenset({S.promoted}),  # only by rollback()
+    **{final: frozenset() for final in (S.rejected, S.aborted, S.rolled_back, S.withdrawn)},
 }
-"""Every edge of the lifecycle (for docs and the dashboard). `transition` takes the ones below."""
+"""Every edge of the lifecycle (for docs and the dashboard). `transition` takes those not listed below."""
 
 _BY_OTHER_MEANS = {
+    (S.candidate, S.promoted): "only bootstrap() promotes without the gate: a base model, when nothing is promoted",
+    (S.awaiting_approval, S.promoted): "use approve(), which checks the gate's evidence",
     (S.promoted, S.superseded): "a promoted version is superseded by promoting another one",
     (S.promoted, S.rolled_back): "use rollback() so that a previous version is promoted in its place",
     (S.superseded, S.promoted): "use rollback() to restore a superseded version",
 }
-_AUTO_ID = re.compile(r"v(\d+)")
-_AUTO_ID_TRIES = 5
+FAILED = frozenset({S.rejected, S.aborted, S.rolled_back})
+"""Entering one of these withdraws the version's waiting descendants: the learner rebases."""
+LIVE = frozenset({*WAITING, S.promoted})
+"""A learner lineage ending in one of these goes on; any other rebases onto the promoted version."""
+NOTIFY_CHANNEL = "flywheel_registry"
+_SEQ = "audit_seq"
+_GATE_KEY = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
 
 class UnknownVersion(ValueError):
     """No version with that id (an API answers 404)."""
+
+
+class NoIncumbent(ValueError):
+    """No version is promoted yet: bootstrap the base model first."""
 
 
 class RegistryConflict(RuntimeError):
@@ -88,6 +119,43 @@ def _need(what: str, value: str) -> str:
     return value.strip()
 
 
+def _json_object(what: str, value: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A plain JSON object (finite numbers only: PostgreSQL's JSONB has no NaN); ValueError otherwise."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{what} must be a JSON object, got {type(value).__name__}")
+    try:
+        return json.loads(json.dumps(dict(value), allow_nan=False, default=to_jsonable_python))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{what} is not JSON-serialisable with finite numbers: {e}") from None
+
+
+class _Change:
+    """The audit rows of one write transaction. Created before the transaction's first other write: it
+    locks the counter row, so writers queue here and seqs are handed out in commit order."""
+
+    def __init__(self, s: Session):
+        self.s = s
+        where = col(RegistryMeta.name) == _SEQ
+        s.exec(update(RegistryMeta).where(where).values(value=col(RegistryMeta.value)))  # the lock
+        self.start = self.seq = s.exec(select(RegistryMeta.value).where(where)).one()
+
+    def audit(self, version_id: str, frm: Status | None, to: Status, actor: str, reason: str, action: str,
+              details: dict[str, Any] | None = None) -> None:
+        self.seq += 1
+        self.s.add(AuditEntry(seq=self.seq, version_id=version_id, from_status=None if frm is None else frm.value,
+                              to_status=to.value, actor=actor, reason=reason, action=action, details=details or {}))
+
+    def commit(self) -> None:
+        s = self.s
+        s.exec(update(RegistryMeta).where(col(RegistryMeta.name) == _SEQ).values(value=self.seq))
+        if self.seq > self.start and s.get_bind().dialect.name == "postgresql":
+            s.connection().execute(text("SELECT pg_notify(:channel, :seq)"),
+                                   {"channel": NOTIFY_CHANNEL, "seq": str(self.seq)})
+        s.commit()
+
+
 class Registry:
     """Versions and their lifecycle in one database. Thread-safe: every call uses its own session."""
 
@@ -95,7 +163,7 @@ class Registry:
         self.url = url
         self.engine: Engine = make_engine(url, echo=echo)
         if create:
-            create_all(self.engine)
+            ensure_schema(self.engine)
 
     def close(self) -> None:
         self.engine.dispose()
@@ -106,7 +174,7 @@ class Registry:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- writes ---------------------------------------------------------------------------------
+    # -- versions -------------------------------------------------------------------------------
 
     def register(self, *, version_id: str | None = None, parent_id: str | None = None,
                  data_range: dict | None = None, metrics: dict[str, Any] | None = None,
@@ -116,73 +184,116 @@ class Registry:
 
         Fields as in `ModelVersionCreate`; `files` as dicts or `FileEntry`s.
         """
-        spec = ModelVersionCreate(id=version_id, parent_id=parent_id, data_range=data_range or {},
-                                  metrics=metrics or {}, delta_base_id=delta_base_id, notes=notes,
-                                  files=[FileEntry.model_validate(f) for f in files or ()])
-        actor, reason = _need("actor", actor), _need("reason", reason)
-        fields = spec.model_dump(mode="json", exclude={"id"})
-        for attempt in range(_AUTO_ID_TRIES):
-            with session(self.engine) as s:
-                for what, ref in (("parent", spec.parent_id), ("delta base", spec.delta_base_id)):
-                    if ref is not None and s.get(ModelVersion, ref) is None:
-                        raise UnknownVersion(f"unknown {what} {ref!r}: register it first")
-                vid = spec.id or self._next_id(s)
-                if spec.id is not None and s.get(ModelVersion, vid) is not None:
-                    raise ValueError(f"version id {vid!r} already exists")
-                row = ModelVersion(id=vid, status=S.candidate.value, **fields)
-                try:
-                    s.add(row)
-                    s.flush()  # the version row before its audit row (no ORM relationship orders them)
-                    s.add(AuditEntry(version_id=vid, from_status=None, to_status=S.candidate.value,
-                                     actor=actor, reason=reason))
-                    s.commit()
-                except IntegrityError as e:
-                    s.rollback()
-                    if s.get(ModelVersion, vid) is None:
-                        raise  # not the race below: a bug, say so loudly
-                    # The id was taken between our check and the insert (a concurrent register).
-                    if spec.id is not None or attempt == _AUTO_ID_TRIES - 1:
-                        raise ValueError(f"version id {vid!r} already exists") from e
-                    continue
-                return ModelVersionPublic.model_validate(row)
-        raise AssertionError("unreachable")
-
-    def transition(self, version_id: str, to_status: str | Status, actor: str,
-                   reason: str) -> ModelVersionPublic:
-        """Move a version one step along the lifecycle; promoting supersedes the current promoted one."""
-        to = parse_status(to_status)
+        spec = self._spec(version_id, parent_id, data_range, metrics, files, delta_base_id, notes)
         actor, reason = _need("actor", actor), _need("reason", reason)
         with session(self.engine) as s:
+            ch = _Change(s)  # first: concurrent registers queue here, so the next free id is really free
+            for what, ref in (("parent", spec.parent_id), ("delta base", spec.delta_base_id)):
+                if ref is not None and s.get(ModelVersion, ref) is None:
+                    raise UnknownVersion(f"unknown {what} {ref!r}: register it first")
+            vid = spec.id or self._next_id(s)
+            if s.get(ModelVersion, vid) is not None:
+                raise ValueError(f"version id {vid!r} already exists")
+            row = self._insert(s, spec, vid, S.candidate)
+            ch.audit(vid, None, S.candidate, actor, reason, "register")
+            ch.commit()
+            return ModelVersionPublic.model_validate(row)
+
+    def bootstrap(self, version_id: str, *, files: Iterable[FileEntry | dict[str, Any]],
+                  data_range: dict | None = None, metrics: dict[str, Any] | None = None, notes: str = "",
+                  actor: str = "bootstrap", reason: str = "cold start: the base model") -> ModelVersionPublic:
+        """Register the base model (no parent) and promote it: one transaction, one audit row.
+
+        Idempotent when that version is already promoted with the same files (no new row). A parentless
+        `candidate` of that id with the same files (registered before bootstrap existed) is promoted.
+        ValueError if another version is promoted, or the files have no artifact (`artifact_of`)."""
+        spec = self._spec(version_id, None, data_range, metrics, files, None, notes)
+        actor, reason = _need("actor", actor), _need("reason", reason)
+        if artifact_of(spec.files) is None:
+            raise ValueError(f"cannot bootstrap {version_id!r}: its files need one artifact for replicas to load "
+                             "(one *.snapshot.fws file, or a single file)")
+        with session(self.engine) as s:
+            ch = _Change(s)  # first: what is read below is the latest
+            current, row = self._promoted_id(s), s.get(ModelVersion, version_id)
+            if row is not None:
+                same = [FileEntry.model_validate(f) for f in row.files] == spec.files
+                if row.status == S.promoted and same:
+                    return ModelVersionPublic.model_validate(row)  # done before: nothing to write
+                if not same:
+                    raise ValueError(f"cannot bootstrap {version_id!r}: it is registered with other files")
+            if current is not None:
+                raise ValueError(f"cannot bootstrap {version_id!r}: {current!r} is promoted already")
+            if row is None:
+                self._insert(s, spec, version_id, S.promoted)
+                ch.audit(version_id, None, S.promoted, actor, reason, "bootstrap")
+            elif row.status == S.candidate and row.parent_id is None:
+                self._move(ch, version_id, S.candidate, S.promoted, actor, reason, "bootstrap")
+            else:
+                raise ValueError(f"cannot bootstrap {version_id!r}: it is {row.status!r}"
+                                 f"{' with a parent' if row.parent_id else ''}, not a new base model")
+            ch.commit()
+            return self._public(s, version_id)
+
+    def transition(self, version_id: str, to_status: str | Status, actor: str, reason: str,
+                   details: Mapping[str, Any] | None = None) -> ModelVersionPublic:
+        """Move a version one step along the lifecycle (the gate's steps). Entering `evaluating` needs a
+        promoted version and nothing else in flight; entering rejected / aborted withdraws the waiting
+        descendants."""
+        return self._step(version_id, parse_status(to_status), actor, reason, "transition", details)
+
+    def reject(self, version_id: str, actor: str, reason: str,
+               details: Mapping[str, Any] | None = None) -> ModelVersionPublic:
+        """A person (or the gate) says no: evaluating or awaiting_approval → `rejected`."""
+        return self._step(version_id, S.rejected, actor, reason, "reject", details,
+                          only_from=(S.evaluating, S.awaiting_approval))
+
+    def supersede(self, version_id: str, by: str, actor: str, reason: str) -> ModelVersionPublic:
+        """A newer `candidate` `by` replaces a waiting version (candidate, evaluating, canary or
+        awaiting_approval), which becomes `withdrawn` (final). Its descendants are left alone."""
+        with session(self.engine) as s:
+            new = self._row(s, by)
+            old = self._row(s, version_id)
+            if by == version_id or new.status != S.candidate or new.created_at <= old.created_at:
+                raise ValueError(f"cannot supersede {version_id!r} by {by!r}: that must be a newer candidate "
+                                 f"(it is {new.status!r}, registered {new.created_at})")
+        return self._step(version_id, S.withdrawn, actor, reason, "supersede", {"by": by}, only_from=WAITING)
+
+    def approve(self, version_id: str, actor: str, reason: str,
+                details: Mapping[str, Any] | None = None) -> ModelVersionPublic:
+        """A person approves: awaiting_approval → `promoted`, the previous promoted → `superseded`.
+
+        ValueError naming what is wrong unless the version awaits approval, its stored offline verdict
+        (`gate["offline"]`) passed, was against the version promoted now, and on the artifact it has now.
+        """
+        actor, reason = _need("actor", actor), _need("reason", reason)
+        extra = _json_object("details", details)
+        with session(self.engine) as s:
+            ch = _Change(s)  # first: the evidence and the incumbent read below are the latest
             row = self._row(s, version_id)
-            frm = S(row.status)
-            if to not in LIFECYCLE[frm] or (frm, to) in _BY_OTHER_MEANS:
-                hint = _BY_OTHER_MEANS.get((frm, to)) or (
-                    f"from {frm.value!r} the next status is one of "
-                    f"{sorted(s_.value for s_ in LIFECYCLE[frm]) or 'none (final)'}")
-                raise ValueError(f"illegal transition of {version_id!r} from {frm.value!r} "
-                                 f"to {to.value!r}: {hint}")
+            verdict = self._approvable(s, row)
+            current = verdict.incumbent_id
+            facts = {"incumbent_id": current, "artifact_sha256": verdict.artifact_sha256,
+                     "suite_version": verdict.suite_version, **extra}
             try:
-                if to is S.promoted:
-                    previous = self._promoted_id(s)
-                    if previous is not None:
-                        self._move(s, previous, S.promoted, S.superseded, actor,
-                                   f"superseded by {version_id}: {reason}", racing=version_id)
-                self._move(s, version_id, frm, to, actor, reason)
-                s.commit()
+                self._move(ch, current, S.promoted, S.superseded, actor, f"superseded by {version_id}: {reason}",
+                           "approve", {"by": version_id}, racing=version_id)
+                self._move(ch, version_id, S.awaiting_approval, S.promoted, actor, reason, "approve", facts)
+                ch.commit()
             except IntegrityError as e:
                 s.rollback()
-                if to is not S.promoted:
-                    raise  # only the one-promoted index is expected to fire: anything else is a bug
                 raise RegistryConflict(f"cannot promote {version_id!r}: another version was promoted "
                                        "concurrently; reload and retry") from e
             return self._public(s, version_id)
 
-    def rollback(self, to_version_id: str | None, actor: str, reason: str) -> ModelVersionPublic:
-        """Current promoted → `rolled_back`, `to_version_id` (a superseded version) → `promoted`.
+    def rollback(self, to_version_id: str | None, actor: str, reason: str,
+                 details: Mapping[str, Any] | None = None) -> ModelVersionPublic:
+        """Current promoted → `rolled_back`, `to_version_id` (a superseded version) → `promoted`; the
+        rolled-back version's waiting descendants are withdrawn.
 
         `to_version_id` None: the version superseded most recently (the "one click" rollback).
         """
         actor, reason = _need("actor", actor), _need("reason", reason)
+        extra = _json_object("details", details)
         with session(self.engine) as s:
             current = self._promoted_id(s)
             if current is None:
@@ -195,16 +306,48 @@ class Registry:
             if target.status != S.superseded:
                 raise ValueError(f"cannot roll back to {to_version_id!r}: it is {target.status!r}; only a "
                                  "superseded (previously promoted) version can be restored")
+            ch = _Change(s)
             try:
-                self._move(s, current, S.promoted, S.rolled_back, actor, reason, racing=to_version_id)
-                self._move(s, to_version_id, S.superseded, S.promoted, actor,
-                           f"rollback from {current}: {reason}")
-                s.commit()
+                self._move(ch, current, S.promoted, S.rolled_back, actor, reason, "rollback",
+                           {"to": to_version_id, **extra}, racing=to_version_id)
+                self._move(ch, to_version_id, S.superseded, S.promoted, actor,
+                           f"rollback from {current}: {reason}", "rollback", {"from": current, **extra})
+                self._withdraw_descendants(ch, current, S.rolled_back, actor)
+                ch.commit()
             except IntegrityError as e:
                 s.rollback()
                 raise RegistryConflict(f"cannot roll back to {to_version_id!r}: another version was promoted "
                                        "concurrently; reload and retry") from e
             return self._public(s, to_version_id)
+
+    def record_gate(self, version_id: str, key: str, payload: Mapping[str, Any], actor: str,
+                    reason: str | None = None) -> ModelVersionPublic:
+        """Store the gate's record `key` on a waiting version (`gate[key] = payload`, replacing it), audited.
+
+        `offline` is an `OfflineVerdict` and `canary` a `CanaryProgress` (validated, `format_version`
+        added); other keys any JSON object. Not a status change: the audit row's from and to are equal."""
+        actor = _need("actor", actor)
+        if not isinstance(key, str) or not _GATE_KEY.fullmatch(key):
+            raise ValueError(f"gate key {key!r} must be 1-64 lowercase letters, digits or '_'")
+        model = GATE_RECORDS.get(key)
+        value = _json_object(f"gate record {key!r}", payload)
+        if model is not None:
+            value = model.model_validate(value).model_dump(mode="json")
+        with session(self.engine) as s:
+            ch = _Change(s)
+            row = self._row(s, version_id)
+            status = S(row.status)
+            if status not in WAITING:
+                raise ValueError(f"cannot record gate {key!r} on {version_id!r}: it is {status.value!r}; the gate "
+                                 "records only on a candidate, evaluating, canary or awaiting_approval version")
+            if key == "offline" and s.get(ModelVersion, value["incumbent_id"]) is None:
+                raise UnknownVersion(f"unknown incumbent {value['incumbent_id']!r} in the offline verdict")
+            row.gate = {**row.gate, key: value}
+            s.add(row)
+            ch.audit(version_id, status, status, actor, reason or f"gate {key} recorded", "record_gate",
+                     {"key": key, "record": value})
+            ch.commit()
+            return self._public(s, version_id)
 
     def add_metrics(self, version_id: str, metrics: dict[str, Any]) -> ModelVersionPublic:
         """Merge `metrics` into the version's metrics (top-level keys replace). Not a transition: no audit."""
@@ -248,16 +391,156 @@ class Registry:
             vid = self._promoted_id(s)
             return None if vid is None else self._public(s, vid)
 
+    def incumbent(self) -> ModelVersionPublic:
+        """The promoted version, which every candidate is compared with; `NoIncumbent` before bootstrap."""
+        v = self.promoted()
+        if v is None:
+            raise NoIncumbent("no version is promoted, so there is no incumbent to compare a candidate with: "
+                              "bootstrap the base model first (Registry.bootstrap)")
+        return v
+
+    def in_flight(self) -> ModelVersionPublic | None:
+        """The one version evaluating, in canary or awaiting approval, or None."""
+        with session(self.engine) as s:
+            row = self._in_flight(s)
+            return None if row is None else ModelVersionPublic.model_validate(row)
+
+    def base_for_next_candidate(self, current: str | None = None) -> ModelVersionPublic:
+        """The version the learner's next candidate should be a child of: `current` (its lineage's tip)
+        while that is candidate, in flight or promoted; otherwise (withdrawn, rejected, aborted, rolled
+        back, superseded, or None) the promoted version, onto which the lineage rebases."""
+        if current is not None:
+            tip = self.get(current)
+            if tip.status in LIVE:
+                return tip
+        return self.incumbent()
+
     def audit(self, version_id: str | None = None) -> builtins.list[AuditEntryPublic]:
-        """Audit rows (of one version, or all), oldest first."""
-        q = select(AuditEntry).order_by(col(AuditEntry.id))
+        """Audit rows (of one version, or all), in commit order."""
+        q = select(AuditEntry).order_by(col(AuditEntry.seq))
         with session(self.engine) as s:
             if version_id is not None:
                 self._row(s, version_id)
                 q = q.where(AuditEntry.version_id == version_id)
             return [AuditEntryPublic.model_validate(r) for r in s.exec(q)]
 
+    def changes_since(self, seq: int, limit: int = 1000) -> builtins.list[AuditEntryPublic]:
+        """Audit rows with a seq above `seq`, in order, at most `limit` (a follower passes the last it saw)."""
+        if not isinstance(seq, int) or seq < 0 or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"changes_since needs seq >= 0 and limit >= 1, got {seq!r}, {limit!r}")
+        q = select(AuditEntry).where(col(AuditEntry.seq) > seq).order_by(col(AuditEntry.seq)).limit(limit)
+        with session(self.engine) as s:
+            return [AuditEntryPublic.model_validate(r) for r in s.exec(q)]
+
+    def last_seq(self) -> int:
+        """The seq of the latest committed change (0 for none): where a new follower starts."""
+        with session(self.engine) as s:
+            return s.exec(select(RegistryMeta.value).where(RegistryMeta.name == _SEQ)).one()
+
+    # -- replicas -------------------------------------------------------------------------------
+
+    def heartbeat(self, replica_id: str, *, gateway_id: str, host: str, holds: Mapping[str, str],
+                  serves: Mapping[str, float], error: str | None = None,
+                  reported_at: datetime | None = None) -> ReplicaHeartbeatPublic:
+        """Record a replica's report, replacing its last one: the versions it holds (id → artifact
+        SHA-256), those it serves (id → share), its last error. Not audited, no seq."""
+        hb = HeartbeatCreate(replica_id=replica_id, gateway_id=gateway_id, host=host, holds=dict(holds),
+                             serves=dict(serves), error=error)
+        return fleet_state.write_heartbeat(self.engine, hb, reported_at or utcnow())
+
+    def forget_replica(self, replica_id: str) -> bool:
+        """Drop a decommissioned replica's heartbeat; False if there was none."""
+        return fleet_state.forget(self.engine, replica_id)
+
+    def fleet(self, now: datetime | None = None,
+              interval_s: float = fleet_state.HEARTBEAT_INTERVAL_S) -> fleet_state.FleetState:
+        """Every replica, `up` or `down` (no heartbeat for more than 3 intervals), and whether the
+        promotion is complete or the fleet split (`gating.fleet_state.summarize`)."""
+        return fleet_state.summarize(*fleet_state.read(self.engine), now or utcnow(), interval_s)
+
     # -- internals ------------------------------------------------------------------------------
+
+    def _step(self, version_id: str, to: Status, actor: str, reason: str, action: str,
+              details: Mapping[str, Any] | None, only_from: Iterable[Status] | None = None) -> ModelVersionPublic:
+        actor, reason = _need("actor", actor), _need("reason", reason)
+        extra = _json_object("details", details)
+        with session(self.engine) as s:
+            row = self._row(s, version_id)
+            frm = S(row.status)
+            allowed = set(only_from) if only_from is not None else set(LIFECYCLE)
+            if frm not in allowed:
+                raise ValueError(f"cannot {action} {version_id!r}: it is {frm.value!r}; only from "
+                                 f"{sorted(a.value for a in allowed)}")
+            if to not in LIFECYCLE[frm] or (frm, to) in _BY_OTHER_MEANS:
+                hint = _BY_OTHER_MEANS.get((frm, to)) or (
+                    f"from {frm.value!r} the next status is one of "
+                    f"{sorted(s_.value for s_ in LIFECYCLE[frm] if (frm, s_) not in _BY_OTHER_MEANS) or 'none'}")
+                raise ValueError(f"illegal transition of {version_id!r} from {frm.value!r} "
+                                 f"to {to.value!r}: {hint}")
+            if to is S.evaluating:
+                if self._promoted_id(s) is None:
+                    raise NoIncumbent(f"cannot evaluate {version_id!r}: no version is promoted to compare it "
+                                      "with; bootstrap the base model first (Registry.bootstrap)")
+                if (other := self._in_flight(s)) is not None:
+                    raise ValueError(f"cannot start evaluating {version_id!r}: {other.id!r} is {other.status!r} "
+                                     "and only one candidate is in flight at a time")
+            ch = _Change(s)
+            try:
+                self._move(ch, version_id, frm, to, actor, reason, action, extra)
+                if to in FAILED:
+                    self._withdraw_descendants(ch, version_id, to, actor)
+                ch.commit()
+            except IntegrityError as e:
+                s.rollback()
+                if to is not S.evaluating:
+                    raise  # only the one-in-flight index is expected to fire: anything else is a bug
+                raise RegistryConflict(f"cannot start evaluating {version_id!r}: another version entered "
+                                       "evaluation concurrently; reload and retry") from e
+            return self._public(s, version_id)
+
+    def _approvable(self, s: Session, row: ModelVersion) -> OfflineVerdict:
+        vid = row.id
+        if row.status != S.awaiting_approval:
+            raise ValueError(f"cannot approve {vid!r}: it is {row.status!r}, not 'awaiting_approval'")
+        if "offline" not in row.gate:
+            raise ValueError(f"cannot approve {vid!r}: no offline verdict is recorded (gate 'offline')")
+        verdict = OfflineVerdict.model_validate(row.gate["offline"])
+        if not verdict.passed:
+            raise ValueError(f"cannot approve {vid!r}: its offline verdict did not pass")
+        current = self._promoted_id(s)
+        if verdict.incumbent_id != current:
+            raise ValueError(f"cannot approve {vid!r}: its offline verdict compared it with incumbent "
+                             f"{verdict.incumbent_id!r}, but {current!r} is promoted now; evaluate it again")
+        sha = artifact_of([FileEntry.model_validate(f) for f in row.files])
+        if sha is None or sha.sha256 != verdict.artifact_sha256:
+            raise ValueError(f"cannot approve {vid!r}: its artifact sha256 is {sha and sha.sha256!r}, not the "
+                             f"{verdict.artifact_sha256!r} its offline verdict evaluated; evaluate it again")
+        return verdict
+
+    def _withdraw_descendants(self, ch: _Change, version_id: str, why: Status, actor: str) -> None:
+        vid, parent, status = col(ModelVersion.id), col(ModelVersion.parent_id), col(ModelVersion.status)
+        tree = select(vid, status).where(parent == version_id).cte("tree", recursive=True)
+        tree = tree.union_all(select(vid, status).where(parent == tree.c.id))
+        q = select(tree.c.id, tree.c.status).where(tree.c.status.in_([st.value for st in WAITING]))
+        for child, st in ch.s.exec(q).all():
+            self._move(ch, child, S(st), S.withdrawn, actor, f"{version_id} was {why.value}: its descendants are "
+                       "withdrawn and the learner rebases onto the promoted version", "withdraw",
+                       {"because": version_id})
+
+    @staticmethod
+    def _spec(version_id: str | None, parent_id: str | None, data_range: dict | None,
+              metrics: dict[str, Any] | None, files: Iterable[FileEntry | dict[str, Any]] | None,
+              delta_base_id: str | None, notes: str) -> ModelVersionCreate:
+        return ModelVersionCreate(id=version_id, parent_id=parent_id, data_range=data_range or {},
+                                  metrics=metrics or {}, delta_base_id=delta_base_id, notes=notes,
+                                  files=[FileEntry.model_validate(f) for f in files or ()])
+
+    @staticmethod
+    def _insert(s: Session, spec: ModelVersionCreate, vid: str, status: Status) -> ModelVersion:
+        row = ModelVersion(id=vid, status=status.value, **spec.model_dump(mode="json", exclude={"id"}))
+        s.add(row)
+        s.flush()  # the version row before its audit row (no ORM relationship orders them)
+        return row
 
     @staticmethod
     def _row(s: Session, version_id: str, for_update: bool = False) -> ModelVersion:
@@ -276,6 +559,10 @@ class Registry:
         return ModelVersionPublic.model_validate(row)
 
     @staticmethod
+    def _in_flight(s: Session) -> ModelVersion | None:
+        return s.exec(select(ModelVersion).where(col(ModelVersion.status).in_([st.value for st in IN_FLIGHT]))).first()
+
+    @staticmethod
     def _promoted_id(s: Session) -> str | None:
         return s.exec(select(ModelVersion.id).where(ModelVersion.status == S.promoted.value)).first()
 
@@ -283,19 +570,20 @@ class Registry:
     def _last_superseded(s: Session) -> str | None:
         q = (select(AuditEntry.version_id).join(ModelVersion, col(ModelVersion.id) == AuditEntry.version_id)
              .where(AuditEntry.to_status == S.superseded.value, ModelVersion.status == S.superseded.value)
-             .order_by(col(AuditEntry.id).desc()))
+             .order_by(col(AuditEntry.seq).desc()))
         return s.exec(q).first()
 
     @staticmethod
     def _next_id(s: Session) -> str:
         ids = s.exec(select(ModelVersion.id).where(col(ModelVersion.id).like("v%"))).all()
-        nums = [int(m.group(1)) for i in ids if (m := _AUTO_ID.fullmatch(i))]
+        nums = [int(m.group(1)) for i in ids if (m := re.fullmatch(r"v(\d+)", i))]
         return f"v{max(nums, default=0) + 1:04d}"
 
     @staticmethod
-    def _move(s: Session, version_id: str, frm: Status, to: Status, actor: str, reason: str,
-              racing: str | None = None) -> None:
+    def _move(ch: _Change, version_id: str, frm: Status, to: Status, actor: str, reason: str, action: str,
+              details: dict[str, Any] | None = None, racing: str | None = None) -> None:
         """Compare-and-set one status, plus its audit row; RegistryConflict if the status moved meanwhile."""
+        s = ch.s
         done = s.exec(update(ModelVersion).where(col(ModelVersion.id) == version_id,
                                                  col(ModelVersion.status) == frm.value)
                       .values(status=to.value))
@@ -304,5 +592,4 @@ class Registry:
             who = f"cannot move {racing!r}: " if racing else ""
             raise RegistryConflict(f"{who}{version_id!r} is no longer {frm.value!r} (changed concurrently); "
                                    "nothing was written, reload and retry")
-        s.add(AuditEntry(version_id=version_id, from_status=frm.value, to_status=to.value,
-                         actor=actor, reason=reason))
+        ch.audit(version_id, frm, to, actor, reason, action, details)

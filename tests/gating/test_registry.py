@@ -1,14 +1,16 @@
 """The model registry against real databases: a SQLite file, and PostgreSQL on 127.0.0.1:5432.
 
-Every test runs on both. For PostgreSQL the run creates a scratch database (random name, dropped at
+Every test runs on both (tests/gating/test_heartbeats.py uses these fixtures too). For PostgreSQL the run creates a scratch database (random name, dropped at
 the end) and each test gets its own schema in it. The races are made deterministic with an engine
 event: each racing thread stops at its first write until the other one has done all its reads.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import uuid
+from collections.abc import Callable
 
 import pytest
 from sqlalchemy import event, text
@@ -16,10 +18,9 @@ from sqlalchemy.exc import IntegrityError
 
 from gating.db import make_engine, normalize_url
 from gating.models import Status
-from gating.registry import LIFECYCLE, Registry, RegistryConflict, UnknownVersion
+from gating.registry import LIFECYCLE, NoIncumbent, Registry, RegistryConflict, UnknownVersion
 
 PG_SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432"
-SHA = "ab" * 32
 HAPPY = ["evaluating", "canary", "awaiting_approval", "promoted"]
 
 
@@ -61,18 +62,39 @@ def reg(url):
     r.close()
 
 
+def sha(name: str) -> str:
+    return hashlib.sha256(name.encode()).hexdigest()
+
+
 def files(name: str, kind: str = "snapshot") -> list[dict]:
-    return [{"path": f"{name}/model.safetensors", "sha256": SHA, "bytes": 1234, "kind": kind}]
+    return [{"path": f"{name}/model.safetensors", "sha256": sha(name), "bytes": 1234, "kind": kind}]
 
 
-def to_awaiting(reg: Registry, vid: str) -> None:
-    for st in HAPPY[:-1]:
-        reg.transition(vid, st, "gate", f"to {st}")
+def verdict(reg: Registry, vid: str, **over) -> dict:
+    return {"passed": True, "incumbent_id": reg.incumbent().id, "artifact_sha256": reg.get(vid).artifact_sha256,
+            "suite_version": "suite-1", "numbers": {"lower": -0.01, "n": 200}, **over}
+
+
+def advance(reg: Registry, vid: str, to: str = "awaiting_approval", actor: str = "alice") -> None:
+    """Take a version along the happy path from where it is up to `to`, as the gate (and a person, for
+    promoted) would."""
+    now = reg.get(vid).status
+    for st in HAPPY[HAPPY.index(now) + 1 if now in HAPPY else 0:HAPPY.index(to) + 1]:
+        if st == "promoted":
+            reg.approve(vid, actor, "canary won")
+        else:
+            reg.transition(vid, st, "gate", f"to {st}")
+        if st == "evaluating":
+            reg.record_gate(vid, "offline", verdict(reg, vid), "gate")
+
+
+def base(reg: Registry, vid: str = "base") -> None:
+    reg.bootstrap(vid, files=files(vid))
 
 
 def snapshot(reg: Registry):
-    """Everything observable: each version's status and the whole audit log."""
-    return [(v.id, v.status) for v in reg.list()], reg.audit()
+    """Everything observable: each version's status and gate records, and the whole audit log."""
+    return [(v.id, v.status, v.gate) for v in reg.list()], reg.audit()
 
 
 # -- register / get / list / lineage ------------------------------------------------------------
@@ -94,7 +116,8 @@ def test_register_get_list_lineage(reg):
     assert got.data_range == {"samples": {0: (0, 120), 3: (7, 9)}}  # int partitions survive JSON
     assert got.metrics == {"reward_mean": 0.25, "eval": {"pass@1": 0.5}}
     assert [(f.path, f.sha256, f.bytes, f.kind) for f in got.files] == [
-        ("v0002/model.safetensors", SHA, 1234, "delta")]
+        ("v0002/model.safetensors", sha("v0002"), 1234, "delta")]
+    assert got.artifact_sha256 == sha("v0002") and v3.artifact is None and got.gate == {}
     assert got.created_at.tzinfo is not None and got.created_at >= v1.created_at
     assert reg.get("v0001").notes == "base"
 
@@ -104,13 +127,18 @@ def test_register_get_list_lineage(reg):
     assert [v.id for v in reg.lineage("v0001")] == ["v0001"]
     assert reg.promoted() is None
 
+    # Nothing is evaluated without an incumbent; bootstrap promotes the parentless candidate v0001.
+    with pytest.raises(NoIncumbent, match="bootstrap the base model first"):
+        reg.transition("v0002", "evaluating", "gate", "offline evals started")
+    assert reg.bootstrap("v0001", files=files("v0001")).status is Status.promoted
     reg.transition("v0002", "evaluating", "gate", "offline evals started")
     assert [v.id for v in reg.list("evaluating")] == ["v0002"]
-    assert [v.id for v in reg.list(Status.candidate)] == ["v0001", "v0003", "exp-a.1"]
+    assert [v.id for v in reg.list(Status.candidate)] == ["v0003", "exp-a.1"]
     assert reg.list("rejected") == []
-    assert [(a.version_id, a.from_status, a.to_status, a.actor) for a in reg.audit("v0002")] == [
-        ("v0002", None, Status.candidate, "learner"),
-        ("v0002", Status.candidate, Status.evaluating, "gate")]
+    assert [(a.version_id, a.from_status, a.to_status, a.actor, a.action) for a in reg.audit("v0002")] == [
+        ("v0002", None, Status.candidate, "learner", "register"),
+        ("v0002", Status.candidate, Status.evaluating, "gate", "transition")]
+    assert [a.seq for a in reg.audit()] == list(range(1, 7)) and reg.last_seq() == 6
 
 
 def test_registry_reopens_and_add_metrics(url):
@@ -121,82 +149,223 @@ def test_registry_reopens_and_add_metrics(url):
         assert r.get("v0001").metrics == {"loss": 1.0, "eval": {"gsm": 0.4}}
         assert r.add_metrics("v0001", {"loss": 0.5}).metrics == {"loss": 0.5, "eval": {"gsm": 0.4}}
         assert r.register().id == "v0002"
-        assert len(r.audit()) == 2  # metrics are not transitions
+        assert [a.seq for a in r.audit()] == [1, 2]  # metrics are not transitions
 
 
 # -- lifecycle ----------------------------------------------------------------------------------
 
 
-def test_happy_path_to_promoted_with_audit(reg):
-    reg.register(version_id="v0001")
-    for st in HAPPY:
-        v = reg.transition("v0001", st, "alice" if st == "promoted" else "gate", f"because {st}")
-        assert v.status == st and reg.get("v0001").status == st
-    assert reg.promoted().id == "v0001"
-    audit = reg.audit("v0001")
-    assert [(a.from_status, a.to_status, a.actor, a.reason) for a in audit] == [
-        (None, "candidate", "learner", "registered"),
-        ("candidate", "evaluating", "gate", "because evaluating"),
-        ("evaluating", "canary", "gate", "because canary"),
-        ("canary", "awaiting_approval", "gate", "because awaiting_approval"),
-        ("awaiting_approval", "promoted", "alice", "because promoted")]
-    assert [a.at for a in audit] == sorted(a.at for a in audit)
+def test_bootstrap_is_one_audited_step_and_idempotent(reg):
+    with pytest.raises(NoIncumbent, match="bootstrap"):
+        reg.incumbent()
+    with pytest.raises(NoIncumbent):
+        reg.base_for_next_candidate()
+    v = reg.bootstrap("base", files=files("base"), notes="pre-trained")
+    assert v.status is Status.promoted and v.parent_id is None and reg.incumbent().id == "base"
+    assert [(a.from_status, a.to_status, a.actor, a.action) for a in reg.audit()] == [
+        (None, "promoted", "bootstrap", "bootstrap")]
+    assert reg.bootstrap("base", files=files("base")).id == "base" and len(reg.audit()) == 1  # idempotent
+    before = snapshot(reg)
+    for call, match in [
+        (lambda: reg.bootstrap("base", files=files("other")), "registered with other files"),
+        (lambda: reg.bootstrap("base2", files=files("base2")), "'base' is promoted already"),
+        (lambda: reg.bootstrap("b3", files=[]), "one artifact"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call()
+    assert snapshot(reg) == before
+    assert reg.base_for_next_candidate().id == "base"
 
-    # The next promotion supersedes v0001 in the same step, with an audit row for each.
-    reg.register(version_id="v0002", parent_id="v0001")
-    to_awaiting(reg, "v0002")
-    reg.transition("v0002", "promoted", "bob", "canary won")
-    assert reg.promoted().id == "v0002" and reg.get("v0001").status is Status.superseded
-    assert [v.id for v in reg.list("promoted")] == ["v0002"]
-    tail = reg.audit()[-2:]
-    assert [(a.version_id, a.from_status, a.to_status, a.actor) for a in tail] == [
-        ("v0001", "promoted", "superseded", "bob"), ("v0002", "awaiting_approval", "promoted", "bob")]
-    assert "v0002" in tail[0].reason and "canary won" in tail[0].reason
+
+def test_happy_path_to_promoted_with_audit(reg):
+    base(reg)
+    reg.register(version_id="v0001", parent_id="base", files=files("v0001"))
+    advance(reg, "v0001", "promoted")
+    assert reg.promoted().id == "v0001" and reg.get("base").status is Status.superseded
+    audit = reg.audit()
+    assert [(a.version_id, a.from_status, a.to_status, a.actor, a.action) for a in audit] == [
+        ("base", None, "promoted", "bootstrap", "bootstrap"),
+        ("v0001", None, "candidate", "learner", "register"),
+        ("v0001", "candidate", "evaluating", "gate", "transition"),
+        ("v0001", "evaluating", "evaluating", "gate", "record_gate"),
+        ("v0001", "evaluating", "canary", "gate", "transition"),
+        ("v0001", "canary", "awaiting_approval", "gate", "transition"),
+        ("base", "promoted", "superseded", "alice", "approve"),
+        ("v0001", "awaiting_approval", "promoted", "alice", "approve")]
+    assert [a.seq for a in audit] == list(range(1, 9)) and [a.at for a in audit] == sorted(a.at for a in audit)
+    assert audit[3].details["record"]["numbers"] == {"lower": -0.01, "n": 200}
+    assert audit[-1].details == {"incumbent_id": "base", "artifact_sha256": sha("v0001"), "suite_version": "suite-1"}
+    assert "v0001" in audit[-2].reason and "canary won" in audit[-2].reason
+    assert reg.get("v0001").gate["offline"]["format_version"] == 1 and reg.in_flight() is None
 
 
 def test_dead_ends(reg):
-    for vid, path in [("r", ["evaluating", "rejected"]), ("a", ["evaluating", "canary", "aborted"])]:
-        reg.register(version_id=vid)
+    base(reg)
+    for vid, path in [("r", ["evaluating", "rejected"]), ("a", ["evaluating", "canary", "aborted"]),
+                      ("p", ["evaluating", "canary", "awaiting_approval", "rejected"]),
+                      ("w", ["evaluating", "withdrawn"])]:
+        reg.register(version_id=vid, parent_id="base", files=files(vid))
         for st in path:
             reg.transition(vid, st, "gate", "eval")
         assert reg.get(vid).status == path[-1] and not LIFECYCLE[Status(path[-1])]
         with pytest.raises(ValueError, match=f"'{path[-1]}' to 'evaluating'"):
             reg.transition(vid, "evaluating", "gate", "again")
+    assert reg.in_flight() is None
 
 
-@pytest.mark.parametrize("steps,to,why", [
-    ([], "promoted", "next status is one of \\['evaluating'\\]"),
-    ([], "canary", "next status"),
-    (["evaluating"], "awaiting_approval", "next status is one of \\['canary', 'rejected'\\]"),
-    (["evaluating", "canary"], "promoted", "next status"),
-    (HAPPY, "superseded", "promoting another"),
-    (HAPPY, "rolled_back", "rollback\\(\\)"),
-    (HAPPY, "promoted", "next status"),
+@pytest.mark.parametrize("upto,to,why", [
+    (None, "promoted", "only bootstrap\\(\\)"),
+    (None, "canary", "next status is one of \\['evaluating', 'withdrawn'\\]"),
+    ("evaluating", "awaiting_approval", "next status is one of \\['canary', 'rejected', 'withdrawn'\\]"),
+    ("canary", "promoted", "next status"),
+    ("awaiting_approval", "promoted", "use approve\\(\\)"),
+    ("promoted", "superseded", "promoting another"),
+    ("promoted", "rolled_back", "rollback\\(\\)"),
+    ("promoted", "withdrawn", "next status is one of none"),
 ])
-def test_illegal_transitions_refused_nothing_written(reg, steps, to, why):
-    reg.register(version_id="v0001")
-    for st in steps:
-        reg.transition("v0001", st, "gate", "ok")
-    frm = steps[-1] if steps else "candidate"
+def test_illegal_transitions_refused_nothing_written(reg, upto, to, why):
+    base(reg)
+    reg.register(version_id="v0001", parent_id="base", files=files("v0001"))
+    if upto:
+        advance(reg, "v0001", upto)
     before = snapshot(reg)
-    with pytest.raises(ValueError, match=f"'v0001' from '{frm}' to '{to}'.*{why}"):
+    with pytest.raises(ValueError, match=f"'v0001' from '{upto or 'candidate'}' to '{to}'.*{why}"):
         reg.transition("v0001", to, "mallory", "skip the gate")
     assert snapshot(reg) == before
 
 
-def test_database_itself_refuses_a_second_promoted(reg, url):
-    for vid in ("v0001", "v0002"):
+def test_one_candidate_in_flight(reg):
+    base(reg)
+    for vid in ("v1", "v2"):
+        reg.register(version_id=vid, parent_id="base", files=files(vid))
+    reg.transition("v1", "evaluating", "gate", "go")
+    assert reg.in_flight().id == "v1"
+    for st in ("evaluating", "canary", "awaiting_approval"):
+        if st != "evaluating":
+            reg.transition("v1", st, "gate", "go")
+        with pytest.raises(ValueError, match=f"'v1' is '{st}' and only one candidate is in flight"):
+            reg.transition("v2", "evaluating", "gate", "me too")
+    reg.reject("v1", "carol", "no", details={"why": "tone"})
+    assert reg.audit("v1")[-1].details == {"why": "tone"} and reg.audit("v1")[-1].action == "reject"
+    assert reg.transition("v2", "evaluating", "gate", "now").status is Status.evaluating
+
+
+def test_supersede_a_waiting_candidate(reg):
+    base(reg)
+    reg.register(version_id="v1", parent_id="base", files=files("v1"))
+    advance(reg, "v1", "awaiting_approval")
+    reg.register(version_id="v2", parent_id="v1", files=files("v2"))
+    before = snapshot(reg)
+    for args, match in [(("v1", "v1"), "must be a newer candidate"), (("v2", "v1"), "must be a newer candidate"),
+                        (("base", "v2"), "cannot supersede 'base': it is 'promoted'"),
+                        (("v1", "v9"), "unknown version 'v9'")]:
+        with pytest.raises(ValueError, match=match):
+            reg.supersede(*args, "gate", "newer")
+    assert snapshot(reg) == before
+    assert reg.supersede("v1", "v2", "gate", "v2 has 400 more samples").status is Status.withdrawn
+    last = reg.audit("v1")[-1]
+    assert (last.from_status, last.to_status, last.action, last.details) == (
+        "awaiting_approval", "withdrawn", "supersede", {"by": "v2"})
+    assert reg.in_flight() is None and reg.get("v2").status is Status.candidate  # not a verdict on v2
+    assert reg.base_for_next_candidate("v2").id == "v2" and reg.base_for_next_candidate("v1").id == "base"
+    with pytest.raises(ValueError, match="cannot approve 'v1': it is 'withdrawn'"):
+        reg.approve("v1", "alice", "too late")
+
+
+@pytest.mark.parametrize("upto,how", [("evaluating", "reject"), ("canary", "aborted"),
+                                      ("awaiting_approval", "reject")])
+def test_a_failed_parent_withdraws_its_waiting_descendants(reg, upto, how):
+    base(reg)
+    reg.register(version_id="v1", parent_id="base", files=files("v1"))
+    advance(reg, "v1", upto)
+    for vid, parent in (("v2", "v1"), ("v3", "v2"), ("side", "base")):
+        reg.register(version_id=vid, parent_id=parent, files=files(vid))
+    if how == "reject":
+        reg.reject("v1", "carol", "worse on sql tasks")
+    else:
+        reg.transition("v1", "aborted", "gate", "guardrail: latency")
+    assert [(v.id, v.status) for v in reg.list()] == [
+        ("base", "promoted"), ("v1", "rejected" if how == "reject" else "aborted"), ("v2", "withdrawn"),
+        ("v3", "withdrawn"), ("side", "candidate")]
+    tail = reg.audit()[-2:]
+    assert {(a.version_id, a.from_status, a.action, a.details["because"]) for a in tail} == {
+        ("v2", "candidate", "withdraw", "v1"), ("v3", "candidate", "withdraw", "v1")}
+    assert reg.base_for_next_candidate("v3").id == "base"  # the learner rebases onto the incumbent
+    assert reg.base_for_next_candidate("side").id == "side"
+
+
+@pytest.mark.parametrize("spoil,match", [
+    (None, "no offline verdict"),
+    ({"passed": False}, "did not pass"),
+    ({"incumbent_id": "old"}, "incumbent 'old', but 'base' is promoted now"),
+    ({"artifact_sha256": "0" * 64}, "is '" + sha("v1") + "', not the '" + "0" * 64),
+    ("files", "is '" + "1" * 64 + "', not the '" + sha("v1")),
+    ("status", "it is 'canary', not 'awaiting_approval'"),
+])
+def test_approve_checks_the_evidence(reg, spoil, match):
+    reg.register(version_id="old", files=files("old"))
+    base(reg)
+    reg.register(version_id="v1", parent_id="base", files=files("v1"))
+    for st in ("evaluating", "canary") + (() if spoil == "status" else ("awaiting_approval",)):
+        reg.transition("v1", st, "gate", st)
+    if isinstance(spoil, dict):
+        reg.record_gate("v1", "offline", verdict(reg, "v1", **spoil), "gate")
+    elif spoil is not None:
+        reg.record_gate("v1", "offline", verdict(reg, "v1"), "gate")
+    if spoil == "files":  # the artifact changed after it was evaluated
+        with reg.engine.begin() as c:
+            c.execute(text("UPDATE model_version SET files = :f WHERE id = 'v1'"),
+                      {"f": f'[{{"path": "v1/x", "sha256": "{"1" * 64}", "bytes": 1, "kind": "snapshot"}}]'})
+    before = snapshot(reg)
+    with pytest.raises(ValueError, match=f"cannot approve 'v1': .*{match}"):
+        reg.approve("v1", "alice", "ship it")
+    assert snapshot(reg) == before
+
+
+def test_record_gate(reg):
+    base(reg)
+    reg.register(version_id="v1", parent_id="base", files=files("v1"))
+    reg.transition("v1", "evaluating", "gate", "go")
+    reg.record_gate("v1", "offline", verdict(reg, "v1"), "gate")
+    reg.transition("v1", "canary", "gate", "go")
+    step = {"step": 1, "share": 0.05, "started_at": "2025-01-02T03:04:05Z", "counts": {"users": [40, 760]}}
+    v = reg.record_gate("v1", "canary", step, "gate", reason="ramp to 5%")
+    assert v.gate["canary"] == {**step, "format_version": 1} and "offline" in v.gate
+    reg.record_gate("v1", "notes_1", {"p": 0.5}, "gate")
+    assert reg.get("v1").gate["notes_1"] == {"p": 0.5}
+    last = reg.audit("v1")[-2]
+    assert (last.from_status, last.to_status, last.reason, last.details["key"]) == (
+        "canary", "canary", "ramp to 5%", "canary")
+    before = snapshot(reg)
+    for call, match in [
+        (lambda: reg.record_gate("v1", "canary", {**step, "share": 1.5}, "gate"), "share"),
+        (lambda: reg.record_gate("v1", "canary", {**step, "format_version": 9}, "gate"), "format_version 9"),
+        (lambda: reg.record_gate("v1", "offline", verdict(reg, "v1", incumbent_id="nope"), "gate"),
+         "unknown incumbent 'nope'"),
+        (lambda: reg.record_gate("v1", "Bad-Key", {}, "gate"), "gate key 'Bad-Key'"),
+        (lambda: reg.record_gate("v1", "x", {"p": float("nan")}, "gate"), "finite numbers"),
+        (lambda: reg.record_gate("base", "x", {}, "gate"), "it is 'promoted'"),
+        (lambda: reg.record_gate("v404", "x", {}, "gate"), "unknown version 'v404'"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call()
+    assert snapshot(reg) == before
+
+
+def test_database_itself_refuses_a_second_promoted_or_in_flight(reg, url):
+    for vid in ("v0001", "v0002", "v0003", "v0004"):
         reg.register(version_id=vid)
-    reg.transition("v0001", "evaluating", "gate", "x")  # make sure writes work before going around them
     engine = make_engine(url)
     try:
-        with engine.begin() as c:
-            c.execute(text("UPDATE model_version SET status = 'promoted' WHERE id = 'v0001'"))
-        with pytest.raises(IntegrityError), engine.begin() as c:
-            c.execute(text("UPDATE model_version SET status = 'promoted' WHERE id = 'v0002'"))
+        for first, second, st in (("v0001", "v0002", "promoted"), ("v0003", "v0004", "evaluating"),
+                                  ("v0003", "v0004", "awaiting_approval")):
+            with engine.begin() as c:
+                c.execute(text(f"UPDATE model_version SET status = '{st}' WHERE id = '{first}'"))
+            with pytest.raises(IntegrityError), engine.begin() as c:
+                c.execute(text(f"UPDATE model_version SET status = '{st}' WHERE id = '{second}'"))
         with pytest.raises(IntegrityError), engine.begin() as c:  # foreign keys are on (SQLite too)
-            c.execute(text("INSERT INTO audit_entry (version_id, to_status, actor, reason, at) "
-                           "VALUES ('nope', 'candidate', 'x', 'y', CURRENT_TIMESTAMP)"))
+            c.execute(text("INSERT INTO audit_entry (version_id, to_status, actor, reason, action, details, seq, at) "
+                           "VALUES ('nope', 'candidate', 'x', 'y', 'register', '{}', 99, CURRENT_TIMESTAMP)"))
         if engine.dialect.name == "sqlite":
             with engine.connect() as c:
                 assert c.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
@@ -205,11 +374,11 @@ def test_database_itself_refuses_a_second_promoted(reg, url):
     assert [v.id for v in reg.list("promoted")] == ["v0001"]
 
 
-def race(url: str, moves: list[tuple[str, str]]) -> tuple[list, list]:
-    """Run `transition(vid, to)` for each move in its own thread and Registry (as two processes would),
-    each thread held at its first write until all have read; returns (winners, errors)."""
-    regs = [Registry(url, create=False) for _ in moves]
-    barrier = threading.Barrier(len(moves), timeout=10)
+def race(url: str, calls: list[Callable[[Registry], object]]) -> tuple[list, list]:
+    """Run each call in its own thread and Registry (as two processes would), each thread held at its
+    first write until all have done their reads; returns (results, errors)."""
+    regs = [Registry(url, create=False) for _ in calls]
+    barrier = threading.Barrier(len(calls), timeout=10)
     held = threading.local()
 
     def hold_first_write(conn, cursor, statement, *args):
@@ -219,58 +388,68 @@ def race(url: str, moves: list[tuple[str, str]]) -> tuple[list, list]:
 
     winners, errors = [], []
 
-    def run(r: Registry, vid: str, to: str) -> None:
+    def run(r: Registry, call) -> None:
         held.racing = True
         try:
-            winners.append(r.transition(vid, to, f"admin-{vid}", "ship it").id)
+            winners.append(call(r))
         except Exception as e:  # collected and asserted on by the test
             errors.append(e)
 
     for r in regs:
         event.listen(r.engine, "before_cursor_execute", hold_first_write)
-    threads = [threading.Thread(target=run, args=(r, *move)) for r, move in zip(regs, moves, strict=True)]
+    threads = [threading.Thread(target=run, args=(r, c)) for r, c in zip(regs, calls, strict=True)]
     [t.start() for t in threads]
     [t.join(timeout=30) for t in threads]
     [r.close() for r in regs]
-    assert not any(t.is_alive() for t in threads), "a racing transition hung"
+    assert not any(t.is_alive() for t in threads), "a racing call hung"
     return winners, errors
 
 
-@pytest.mark.parametrize("previous", [None, "v0001"])
-def test_concurrent_promotions_exactly_one_wins(reg, url, previous):
-    if previous:
-        reg.register(version_id=previous)
-        to_awaiting(reg, previous)
-        reg.transition(previous, "promoted", "alice", "first")
-    for vid in ("v0002", "v0003"):
-        reg.register(version_id=vid, parent_id=previous)
-        to_awaiting(reg, vid)
-    audit_before = len(reg.audit())
-
-    winners, errors = race(url, [("v0002", "promoted"), ("v0003", "promoted")])
-
+def test_concurrent_bootstraps_exactly_one_wins(reg, url):
+    winners, errors = race(url, [lambda r, v=v: r.bootstrap(v, files=files(v)).id for v in ("b1", "b2")])
     assert len(winners) == 1 and len(errors) == 1, (winners, errors)
-    (winner,), (err,) = winners, errors
-    loser = ({"v0002", "v0003"} - {winner}).pop()
-    assert isinstance(err, RegistryConflict) and "concurrently" in str(err) and loser in str(err)
-    assert reg.promoted().id == winner and [v.id for v in reg.list("promoted")] == [winner]
-    assert reg.get(loser).status is Status.awaiting_approval  # untouched, can be retried
-    new = reg.audit()[audit_before:]
-    assert {(a.version_id, a.to_status) for a in new} == (
-        {(winner, "promoted")} | ({(previous, "superseded")} if previous else set()))
-    assert all(a.actor == f"admin-{winner}" for a in new)
-    if previous:
-        assert reg.get(previous).status is Status.superseded
-    # The loser retries against the new state and supersedes the winner.
-    reg.transition(loser, "promoted", "admin", "retry")
-    assert reg.promoted().id == loser and reg.get(winner).status is Status.superseded
+    loser = ({"b1", "b2"} - set(winners)).pop()
+    assert isinstance(errors[0], ValueError) and f"cannot bootstrap {loser!r}" in str(errors[0])
+    assert [v.id for v in reg.list()] == winners and len(reg.audit()) == 1
+
+
+def test_approval_racing_a_rollback_exactly_one_wins(reg, url):
+    base(reg)
+    reg.register(version_id="v1", parent_id="base", files=files("v1"))
+    advance(reg, "v1", "promoted")
+    reg.register(version_id="v2", parent_id="v1", files=files("v2"))
+    advance(reg, "v2", "awaiting_approval")  # evaluated against v1
+    n = len(reg.audit())
+    winners, errors = race(url, [lambda r: r.approve("v2", "alice", "ship").id,
+                                 lambda r: r.rollback(None, "ops", "v1 leaks").id])
+    assert len(winners) == 1 and len(errors) == 1, (winners, errors)
+    if winners == ["v2"]:  # the rollback's compare-and-set on v1 found it superseded
+        assert isinstance(errors[0], RegistryConflict) and "'v1' is no longer 'promoted'" in str(errors[0])
+        assert [(v.id, v.status) for v in reg.list()][1:] == [("v1", "superseded"), ("v2", "promoted")]
+    else:  # the approval, queued behind the rollback, found v2 withdrawn with its parent
+        assert isinstance(errors[0], ValueError) and "it is 'withdrawn'" in str(errors[0])
+        assert [(v.id, v.status) for v in reg.list()] == [
+            ("base", "promoted"), ("v1", "rolled_back"), ("v2", "withdrawn")]
+    assert [a.seq for a in reg.audit()] == list(range(1, len(reg.audit()) + 1)) and len(reg.audit()) - n in (2, 3)
+
+
+def test_concurrent_evaluations_one_in_flight(reg, url):
+    base(reg)
+    for vid in ("v1", "v2"):
+        reg.register(version_id=vid, parent_id="base", files=files(vid))
+    winners, errors = race(url, [lambda r, v=v: r.transition(v, "evaluating", "gate", "go").id for v in ("v1", "v2")])
+    assert len(winners) == 1 and len(errors) == 1 and isinstance(errors[0], RegistryConflict), errors
+    assert "entered evaluation concurrently" in str(errors[0]) and reg.in_flight().id == winners[0]
+    assert len(reg.audit()) == 4
 
 
 def test_concurrent_steps_on_one_version_exactly_one_wins(reg, url):
-    reg.register(version_id="v0001")
+    base(reg)
+    reg.register(version_id="v0001", parent_id="base")
     for st in ("evaluating", "canary"):
         reg.transition("v0001", st, "gate", "x")
-    winners, errors = race(url, [("v0001", "aborted"), ("v0001", "awaiting_approval")])
+    winners, errors = race(url, [lambda r, to=to: r.transition("v0001", to, "gate", "x").id
+                                 for to in ("aborted", "awaiting_approval")])
     assert len(winners) == 1 and len(errors) == 1 and isinstance(errors[0], RegistryConflict), errors
     final = reg.get("v0001").status
     assert final in ("aborted", "awaiting_approval")
@@ -282,20 +461,24 @@ def test_concurrent_steps_on_one_version_exactly_one_wins(reg, url):
 
 
 def test_rollback(reg):
-    for i, vid in enumerate(("v0001", "v0002", "v0003")):
-        reg.register(version_id=vid, parent_id=f"v000{i}" if i else None)
-        to_awaiting(reg, vid)
-        reg.transition(vid, "promoted", "alice", "good")
+    base(reg, "v0001")
+    for i, vid in enumerate(("v0002", "v0003")):
+        reg.register(version_id=vid, parent_id=f"v000{i + 1}", files=files(vid))
+        advance(reg, vid, "promoted")
+    reg.register(version_id="v0004", parent_id="v0003", files=files("v0004"))  # the learner's next one
     with pytest.raises(ValueError, match="cannot roll back to 'v0003': it is 'promoted'"):
         reg.rollback("v0003", "ops", "oops")
 
-    back = reg.rollback("v0001", "ops", "v0003 leaks memory")  # explicit target, two versions back
+    back = reg.rollback("v0001", "ops", "v0003 leaks memory", details={"rss_gb": 71.5})  # two versions back
     assert back.id == "v0001" and back.status is Status.promoted
     assert reg.get("v0003").status is Status.rolled_back and reg.get("v0002").status is Status.superseded
-    tail = reg.audit()[-2:]
-    assert [(a.version_id, a.from_status, a.to_status, a.actor) for a in tail] == [
-        ("v0003", "promoted", "rolled_back", "ops"), ("v0001", "superseded", "promoted", "ops")]
+    assert reg.get("v0004").status is Status.withdrawn and reg.base_for_next_candidate("v0004").id == "v0001"
+    tail = reg.audit()[-3:]
+    assert [(a.version_id, a.from_status, a.to_status, a.actor, a.action) for a in tail] == [
+        ("v0003", "promoted", "rolled_back", "ops", "rollback"), ("v0001", "superseded", "promoted", "ops", "rollback"),
+        ("v0004", "candidate", "withdrawn", "ops", "withdraw")]
     assert tail[0].reason == "v0003 leaks memory" and "v0003" in tail[1].reason
+    assert tail[0].details == {"to": "v0001", "rss_gb": 71.5}
 
     before = snapshot(reg)
     with pytest.raises(ValueError, match="cannot roll back to 'v0003': it is 'rolled_back'"):
@@ -309,13 +492,6 @@ def test_rollback(reg):
     assert reg.get("v0001").status is Status.rolled_back
     with pytest.raises(ValueError, match="no superseded version"):
         reg.rollback(None, "ops", "again")
-
-
-def test_rollback_needs_a_promoted_version(reg):
-    reg.register(version_id="v0001")
-    with pytest.raises(ValueError, match="no version is promoted"):
-        reg.rollback("v0001", "ops", "why")
-    assert len(reg.audit()) == 1
 
 
 # -- bad input ----------------------------------------------------------------------------------
@@ -338,12 +514,18 @@ def test_bad_input_is_a_value_error_naming_the_value(reg):
         (lambda: reg.transition("v0001", "shipped", "gate", "x"), "unknown status 'shipped'"),
         (lambda: reg.transition("v0001", "evaluating", "", "x"), "actor"),
         (lambda: reg.transition("v0001", "evaluating", "gate", ""), "reason"),
+        (lambda: reg.transition("v0001", "withdrawn", "gate", "x", details={"t": object()}), "JSON-serialisable"),
+        (lambda: reg.transition("v0001", "withdrawn", "gate", "x", details=[1]), "JSON object"),
         (lambda: reg.transition("v0404", "evaluating", "gate", "x"), "unknown version 'v0404'"),
+        (lambda: reg.reject("v0001", "carol", "no"), "cannot reject 'v0001': it is 'candidate'"),
+        (lambda: reg.approve("v0404", "alice", "yes"), "unknown version 'v0404'"),
         (lambda: reg.list(status="live"), "unknown status 'live'"),
         (lambda: reg.get("v0404"), "unknown version 'v0404'"),
         (lambda: reg.lineage("v0404"), "unknown version 'v0404'"),
         (lambda: reg.audit("v0404"), "unknown version 'v0404'"),
-        (lambda: reg.rollback("v0404", "ops", "x"), "no version is promoted"),
+        (lambda: reg.base_for_next_candidate("v0404"), "unknown version 'v0404'"),
+        (lambda: reg.rollback("v0001", "ops", "x"), "no version is promoted"),
+        (lambda: reg.changes_since(-1), "seq >= 0"),
     ]
     for call, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -374,7 +556,7 @@ def test_processes_starting_together_on_an_empty_database_all_open_it(url):
         trial_url = url.replace("registry.db", f"registry-{trial}.db")
         start, errors = threading.Barrier(6), []
 
-        def open_it() -> None:
+        def open_it(start=start, trial_url=trial_url, errors=errors) -> None:
             start.wait()
             try:
                 Registry(trial_url).close()
