@@ -1,7 +1,7 @@
 """Wiring shared by the routes: the gateway's state, tenant resolution, model-name resolution.
 
-`Gateway` holds the engine, the completion sink, the event bus, the completion index and the
-metrics; routes get it, and the caller's tenant, as `Annotated` dependencies.
+`Gateway` holds the engine, the completion sink, the event bus, the completion index, the
+registry, the key store and the metrics; routes get it, and the caller's tenant, as `Annotated` dependencies.
 """
 
 from __future__ import annotations
@@ -14,18 +14,29 @@ from fastapi import Depends, Request
 
 from api.errors import APIError
 from api.metrics import Metrics
+from core.security import KeyStore
 from core.settings import Settings
 from feedback.bus import EventBus
 from feedback.completion_index import CompletionIndex
 from feedback.sink import CompletionSink
+from gating.registry import Registry
 
 ALIAS = "flywheel"  # always names the default (promoted) version
 
 
 class Gateway:
-    def __init__(self, settings: Settings, engine, sink: CompletionSink, bus: EventBus, index: CompletionIndex):
+    def __init__(
+        self,
+        settings: Settings,
+        engine,
+        sink: CompletionSink,
+        bus: EventBus,
+        index: CompletionIndex,
+        registry: Registry,
+        key_store: KeyStore,
+    ):
         self.settings, self.engine, self.sink = settings, engine, sink
-        self.bus, self.index = bus, index
+        self.bus, self.index, self.registry, self.key_store = bus, index, registry, key_store
         self.metrics = Metrics()
         self.background: set[asyncio.Task] = set()
         self._keys = _parse_keys(settings.api_keys)

@@ -20,12 +20,14 @@ from fastapi.responses import JSONResponse, Response
 from api import errors
 from api.deps import Gateway, GatewayDep
 from api.metrics import RequestCounter
-from api.routes import feedback, openai
+from api.routes import admin, feedback, openai
+from core.security import KeyStore
 from core.settings import Settings, get_settings
 from feedback.bus import EventBus
 from feedback.completion_index import CompletionIndex
 from feedback.connect import open_bus
 from feedback.sink import CompletionSink
+from gating.registry import Registry
 
 if TYPE_CHECKING:
     from serving.interface import Engine
@@ -69,6 +71,7 @@ def create_app(
     sink: CompletionSink | None = None,
     bus: EventBus | None = None,
     index: CompletionIndex | None = None,
+    registry: Registry | None = None,
     freeze_gc: bool = False,
 ) -> FastAPI:
     """`freeze_gc` (the `serve` process): once start-up is done, hide every object alive then from the
@@ -76,6 +79,7 @@ def create_app(
     settings = settings or get_settings()
     settings.check_production()
     owns_engine, owns_sink, owns_bus, owns_index = engine is None, sink is None, bus is None, index is None
+    owns_registry = registry is None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -90,7 +94,9 @@ def create_app(
         # log, or to the Kafka spool while the broker is away, before the caller is answered.
         snk = sink if sink is not None else CompletionSink(bs)
         idx = index if index is not None else CompletionIndex(settings.completion_index_url)
-        app.state.gateway = Gateway(settings, eng, snk, bs, idx)
+        reg = registry if registry is not None else Registry(settings.db_url)
+        keys = KeyStore(settings.key_store_path)
+        app.state.gateway = Gateway(settings, eng, snk, bs, idx, reg, keys)
         log.info("gateway ready: versions %s, default %s", eng.versions, eng.default_version)
         if freeze_gc:
             gc.collect()
@@ -106,11 +112,14 @@ def create_app(
                 bs.close()
             if owns_index:
                 idx.close()
+            if owns_registry:
+                reg.close()
 
     app = FastAPI(title="Flywheel gateway", version="0.1.0", lifespan=lifespan)
     errors.install(app)
     app.include_router(openai.router)
     app.include_router(feedback.router)
+    app.include_router(admin.router)
 
     app.add_middleware(RequestCounter, version_header=openai.VERSION_HEADER)
 

@@ -61,7 +61,22 @@ def _serve(args) -> None:
             sys.exit(f"flywheel: no checkpoint at FLYWHEEL_MODEL_DIR={settings.model_dir}")
         args.force, args.steps = False, None
         _bootstrap(args, settings)
+    if args.cmd == "up":
+        print(f"flywheel: admin API key for this session: {up_admin_key(settings)}", flush=True)
     serve(settings)
+
+
+def up_admin_key(settings: Settings) -> str:
+    """A fresh admin key for this `flywheel up` (printed, as Jupyter prints its token); the keys of
+    earlier `up` sessions are revoked. Only its hash is stored."""
+    from core.security import KeyStore
+
+    store = KeyStore(settings.key_store_path)
+    for key in store.list():
+        if key.label == "flywheel up" and key.revoked is None:
+            store.revoke(key.key_id)
+    token, _ = store.create(["admin"], label="flywheel up")
+    return token
 
 
 @contextmanager

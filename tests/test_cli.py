@@ -74,3 +74,15 @@ def test_serve_hands_the_overridden_settings_to_the_gateway(env, monkeypatch):
     monkeypatch.setattr(api.main, "serve", served.append)
     cli.main(["serve", "--port", "9124"])
     assert [(s.host, s.port, s.home) for s in served] == [("127.0.0.2", 9124, env)]
+
+
+def test_up_makes_a_fresh_admin_key_and_revokes_the_last_sessions(tmp_path):
+    from core.cli import up_admin_key
+    from core.security import KeyStore
+    from core.settings import Settings
+
+    settings = Settings(home=tmp_path)
+    first, second = up_admin_key(settings), up_admin_key(settings)
+    store = KeyStore(settings.key_store_path)
+    assert store.verify(first) is None and store.verify(second).allows("admin")
+    assert first not in settings.key_store_path.read_text()

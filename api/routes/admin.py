@@ -1,0 +1,101 @@
+"""The admin API: read the registry and the fleet; approve, reject and roll back versions.
+
+Every route needs an API key from the key store (`core.security.KeyStore`), even in local mode:
+reads need `viewer` (or `admin`), actions need `admin`. A missing or unknown key is 401, a key
+without the scope 403. Each action takes a reason and calls one `gating.registry.Registry`
+method, which audits it; a step the lifecycle does not allow is 409 and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from api.deps import GatewayDep
+from api.errors import APIError
+from core.security import Key
+from gating.registry import RegistryConflict, UnknownVersion
+
+router = APIRouter(prefix="/admin")
+
+
+class Action(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reason: str = Field(min_length=1, max_length=2000)
+
+
+def _scoped(scope: str):
+    async def check(request: Request, gw: GatewayDep) -> Key:
+        auth = request.headers.get("authorization", "")
+        token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        key = await asyncio.to_thread(gw.key_store.verify, token)
+        if key is None:
+            raise APIError(401, "The admin API needs an API key (Authorization: Bearer ...).", None, "invalid_api_key")
+        if not key.allows(scope):
+            raise APIError(403, f"This key lacks the '{scope}' scope.", None, "insufficient_scope")
+        return key
+
+    return check
+
+
+ViewerKey = Annotated[Key, Depends(_scoped("viewer"))]
+AdminKey = Annotated[Key, Depends(_scoped("admin"))]
+
+
+async def _call(fn, *args):
+    """A registry call on a worker thread, its domain errors as API errors."""
+    try:
+        return await asyncio.to_thread(fn, *args)
+    except UnknownVersion as e:
+        raise APIError(404, str(e), "version_id", "version_not_found") from None
+    except RegistryConflict as e:
+        raise APIError(409, str(e), None, "conflict") from None
+    except ValueError as e:  # the lifecycle refuses the step: nothing changed
+        raise APIError(409, str(e), None, "invalid_transition") from None
+
+
+@router.get("/versions")
+async def list_versions(gw: GatewayDep, _: ViewerKey, status: str | None = None) -> list[dict]:
+    return [v.model_dump(mode="json") for v in await _call(gw.registry.list, status)]
+
+
+@router.get("/versions/{version_id}")
+async def get_version(version_id: str, gw: GatewayDep, _: ViewerKey) -> dict:
+    v = await _call(gw.registry.get, version_id)
+    audit = await _call(gw.registry.audit, version_id)
+    return {"version": v.model_dump(mode="json"), "audit": [a.model_dump(mode="json") for a in audit]}
+
+
+@router.get("/fleet")
+async def fleet(gw: GatewayDep, _: ViewerKey) -> dict:
+    return (await _call(gw.registry.fleet)).model_dump(mode="json")
+
+
+@router.post("/versions/{version_id}/approve")
+async def approve(version_id: str, body: Action, gw: GatewayDep, key: AdminKey) -> dict:
+    v = await _call(gw.registry.approve, version_id, _actor(key), body.reason)
+    return v.model_dump(mode="json")
+
+
+@router.post("/versions/{version_id}/reject")
+async def reject(version_id: str, body: Action, gw: GatewayDep, key: AdminKey) -> dict:
+    v = await _call(gw.registry.reject, version_id, _actor(key), body.reason)
+    return v.model_dump(mode="json")
+
+
+@router.post("/versions/{version_id}/rollback")
+async def rollback(version_id: str, body: Action, gw: GatewayDep, key: AdminKey) -> dict:
+    """Roll back `version_id`, which must be the promoted version, to the one it superseded."""
+    current = await _call(gw.registry.promoted)
+    if current is None or current.id != version_id:
+        promoted = None if current is None else current.id
+        raise APIError(409, f"'{version_id}' is not the promoted version ({promoted}).", "version_id", "not_promoted")
+    v = await _call(gw.registry.rollback, None, _actor(key), body.reason)
+    return v.model_dump(mode="json")
+
+
+def _actor(key: Key) -> str:
+    return f"key:{key.key_id}" + (f" ({key.label})" if key.label else "")
