@@ -4,11 +4,13 @@ the gate that decide whether a candidate may replace the promoted version.
 - `gating.models`: registry tables (SQLModel) — versions with parent, training data range, metrics,
   files and hashes, status and the gate's evidence; the audit log; the schema version; replica
   heartbeats.
-- `gating.db`: engines from a URL (SQLite file by default, PostgreSQL via psycopg 3); schema version
-  and migration.
+- `gating.db`: engines from a URL (SQLite file by default, PostgreSQL via psycopg 3); the tables and
+  their schema version (recorded on a new database, any other refused).
 - `gating.registry`: `Registry`, the only writer of these tables; it enforces the lifecycle of
   docs/design.md ("Version lifecycle"): one promoted version, one candidate in flight, approval only
-  on the gate's evidence, an audit row with a change number (`seq`) for every change.
+  on the gate's evidence, an audit row with a change number (`seq`) for every change. Its parts:
+  `gating.store` (the engine, audited compare-and-set writes, the errors), `gating.gate_evidence`
+  (`record_gate`, `approve`) and `gating.fleet_state` (`heartbeat`, `fleet`).
 - `gating.fleet_state`: replicas' heartbeats against what the registry says they should serve.
 - `gating.stats`: the gate's statistics (non-inferiority, SRM, confidence sequences, guardrails).
 

@@ -10,9 +10,9 @@ Owns the step from a URL (`core.settings.Settings.db_url`) to a configured SQLAl
 - PostgreSQL: `postgresql://` (and `postgres://`) URLs get the psycopg 3 driver,
   `postgresql+psycopg://`, the only PostgreSQL driver Flywheel installs.
 
-`ensure_schema` creates missing tables, records `gating.models.SCHEMA_VERSION` in `registry_meta`,
-migrates a version-1 registry (the tables before that row existed) in place and refuses any other
-version. Called by `gating.registry.Registry`.
+`ensure_schema` creates missing tables, records `gating.models.SCHEMA_VERSION` in `registry_meta` on a
+new database and refuses a database of any other version (or of none, if it holds versions). Called by
+`gating.registry.Registry`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import logging
 import time
 from pathlib import Path
 
-from sqlalchemy import event, inspect, text
-from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy import event, text
+from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError, ProgrammingError
 from sqlalchemy.pool import StaticPool
 from sqlmodel import Session, SQLModel, create_engine
@@ -34,7 +34,7 @@ SQLITE_BUSY_S = 30.0
 def normalize_url(url: str) -> str:
     """The URL with the driver Flywheel uses; ValueError naming the URL's backend if unsupported."""
     if url.startswith("postgres://"):
-        url = "postgresql://" + url[len("postgres://"):]
+        url = "postgresql://" + url[len("postgres://") :]
     try:
         u = make_url(url)
     except ArgumentError as e:
@@ -46,8 +46,10 @@ def normalize_url(url: str) -> str:
         return u.render_as_string(hide_password=False)
     if backend == "sqlite":
         return url
-    raise ValueError(f"database backend {backend!r} of {u.render_as_string()!r} is not supported: "
-                     "use sqlite:///path or postgresql://...")
+    raise ValueError(
+        f"database backend {backend!r} of {u.render_as_string()!r} is not supported: "
+        "use sqlite:///path or postgresql://..."
+    )
 
 
 def make_engine(url: str, echo: bool = False) -> Engine:
@@ -61,7 +63,8 @@ def make_engine(url: str, echo: bool = False) -> Engine:
     if not memory:
         Path(str(u.database)).expanduser().parent.mkdir(parents=True, exist_ok=True)
     engine = create_engine(
-        url, echo=echo,
+        url,
+        echo=echo,
         connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_S},
         # One shared connection for an in-memory database, or each connection would get its own.
         **({"poolclass": StaticPool} if memory else {}),
@@ -103,24 +106,12 @@ def session(engine: Engine) -> Session:
     return Session(engine, expire_on_commit=False)
 
 
-_MIGRATE_1_TO_2 = [
-    "ALTER TABLE model_version ADD COLUMN gate {json} NOT NULL DEFAULT '{{}}'",
-    "ALTER TABLE audit_entry ADD COLUMN seq BIGINT",
-    "ALTER TABLE audit_entry ADD COLUMN action VARCHAR(32) NOT NULL DEFAULT 'transition'",
-    "ALTER TABLE audit_entry ADD COLUMN details {json} NOT NULL DEFAULT '{{}}'",
-    "UPDATE audit_entry SET seq = id, action = CASE WHEN from_status IS NULL THEN 'register' ELSE 'transition' END",
-    "CREATE UNIQUE INDEX ix_audit_entry_seq ON audit_entry (seq)",
-    "CREATE UNIQUE INDEX one_in_flight ON model_version ((status IN ('evaluating', 'canary', 'awaiting_approval'))) "
-    "WHERE status IN ('evaluating', 'canary', 'awaiting_approval')",
-]
-
-
 def ensure_schema(engine: Engine) -> None:
-    """Create the tables, then check (or write) the schema version, migrating a version-1 registry.
+    """Create the tables, then check (or, on a new database, write) the schema version.
 
     Writing it is one locked transaction (SQLite `BEGIN IMMEDIATE`, PostgreSQL `LOCK TABLE`): of several
-    processes opening a new database, one writes the version or migrates and the others then find it
-    done. ValueError if the database holds another schema version than this build's."""
+    processes opening a new database, one writes the version and the others then find it written.
+    ValueError if the database holds another schema version than this build's, or versions without one."""
     from gating.models import SCHEMA_VERSION
 
     create_all(engine)
@@ -129,28 +120,27 @@ def ensure_schema(engine: Engine) -> None:
         stored = c.execute(version).scalar()
         if stored is None:
             c.rollback()
-            c.exec_driver_sql("BEGIN IMMEDIATE" if c.dialect.name == "sqlite"
-                              else "LOCK TABLE registry_meta IN EXCLUSIVE MODE")
+            c.exec_driver_sql(
+                "BEGIN IMMEDIATE" if c.dialect.name == "sqlite" else "LOCK TABLE registry_meta IN EXCLUSIVE MODE"
+            )
             stored = c.execute(version).scalar()
             if stored is None:
-                if "seq" not in {col["name"] for col in inspect(c).get_columns("audit_entry")}:
-                    _migrate_1_to_2(c)
-                last = c.execute(text("SELECT COALESCE(MAX(seq), 0) FROM audit_entry")).scalar()
-                c.execute(text("INSERT INTO registry_meta (name, value) VALUES ('schema_version', :v), "
-                               "('audit_seq', :s)"), {"v": SCHEMA_VERSION, "s": last})
+                # Rows without a version row predate the versioned schema: refuse rather than stamp them.
+                if c.execute(text("SELECT 1 FROM model_version LIMIT 1")).first() is not None:
+                    c.rollback()
+                    raise ValueError(
+                        f"the registry at {engine.url.render_as_string()!r} holds versions but no "
+                        f"schema version (made before it was recorded); this build reads schema "
+                        f"version {SCHEMA_VERSION}: start a new registry database"
+                    )
+                c.execute(
+                    text("INSERT INTO registry_meta (name, value) VALUES ('schema_version', :v), ('audit_seq', 0)"),
+                    {"v": SCHEMA_VERSION},
+                )
                 stored = SCHEMA_VERSION
             c.commit()
     if stored != SCHEMA_VERSION:
-        raise ValueError(f"the registry at {engine.url.render_as_string()!r} has schema version {stored}; "
-                         f"this build reads {SCHEMA_VERSION}")
-
-
-def _migrate_1_to_2(c: Connection) -> None:
-    json = "JSONB" if c.dialect.name == "postgresql" else "JSON"
-    log.info("migrating the registry from schema version 1 to 2")
-    for stmt in _MIGRATE_1_TO_2:
-        try:
-            c.exec_driver_sql(stmt.format(json=json))
-        except IntegrityError as e:
-            raise ValueError("cannot migrate the registry to schema version 2: more than one version is in "
-                             "evaluating / canary / awaiting_approval; move all but one on first") from e
+        raise ValueError(
+            f"the registry at {engine.url.render_as_string()!r} has schema version {stored}; "
+            f"this build reads {SCHEMA_VERSION}"
+        )

@@ -1,4 +1,4 @@
-"""What the fleet reports against what the registry says it should serve (pure functions, no I/O).
+"""What the fleet reports against what the registry says it should serve.
 
 Each replica heartbeats (`Registry.heartbeat`): the versions it holds (version id → SHA-256 of the
 artifact it loaded, `ModelVersionPublic.artifact_sha256`: the weight-store file), those it serves with
@@ -16,12 +16,14 @@ into a `FleetState`:
 - `state`: `empty` (none up), `split`, `complete`, else `pending` (they agree, on something else:
   the rollout of a promotion has not started or is stuck);
 - `errors`: the last error of every replica that reports one.
-Also the heartbeat table's reads and writes. Called by `gating.registry.Registry`.
+`summarize` is a pure function. Also here: the heartbeat table's reads and writes, and `Heartbeats`,
+the `Registry` methods on them (`heartbeat`, `forget_replica`, `fleet`), mixed into
+`gating.registry.Registry`; replicas' gateways and the admin API call them through it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Literal
 
@@ -38,7 +40,9 @@ from gating.models import (
     ReplicaHeartbeat,
     ReplicaHeartbeatPublic,
     Status,
+    utcnow,
 )
+from gating.store import RegistryStore
 
 HEARTBEAT_INTERVAL_S = 5.0
 DOWN_AFTER = 3
@@ -67,8 +71,12 @@ class FleetState(BaseModel):
     errors: dict[str, str]  # replica id -> its last error
 
 
-def summarize(beats: Iterable[ReplicaHeartbeatPublic], versions: Iterable[ModelVersionPublic], now: datetime,
-              interval_s: float = HEARTBEAT_INTERVAL_S) -> FleetState:
+def summarize(
+    beats: Iterable[ReplicaHeartbeatPublic],
+    versions: Iterable[ModelVersionPublic],
+    now: datetime,
+    interval_s: float = HEARTBEAT_INTERVAL_S,
+) -> FleetState:
     """`beats`: the latest heartbeat of each replica; `versions`: at least the promoted and canary ones
     and those the replicas name (their hashes come from here)."""
     if not interval_s > 0:
@@ -93,17 +101,29 @@ def summarize(beats: Iterable[ReplicaHeartbeatPublic], versions: Iterable[ModelV
 
     live = [r for r in replicas if r.status == "up"]
     complete = bool(live) and all(
-        r.serves_promoted and set(r.serves) <= set(target)
-        and all(r.holds.get(vid) == sha.get(vid) for vid in r.serves) for r in live)
+        r.serves_promoted and set(r.serves) <= set(target) and all(r.holds.get(vid) == sha.get(vid) for vid in r.serves)
+        for r in live
+    )
     served = {frozenset((vid, r.holds.get(vid)) for vid in r.serves if vid != canary) for r in live}
     split = len(served) > 1
     state: Literal["empty", "split", "complete", "pending"] = (
-        "empty" if not live else "split" if split else "complete" if complete else "pending")
-    return FleetState(at=now, interval_s=interval_s, promoted_id=promoted, canary_id=canary, target=target,
-                      replicas=replicas, up=[r.replica_id for r in live],
-                      down=[r.replica_id for r in replicas if r.status == "down"], complete=complete, split=split,
-                      state=state, mismatched=mismatched,
-                      errors={r.replica_id: r.error for r in replicas if r.error is not None})
+        "empty" if not live else "split" if split else "complete" if complete else "pending"
+    )
+    return FleetState(
+        at=now,
+        interval_s=interval_s,
+        promoted_id=promoted,
+        canary_id=canary,
+        target=target,
+        replicas=replicas,
+        up=[r.replica_id for r in live],
+        down=[r.replica_id for r in replicas if r.status == "down"],
+        complete=complete,
+        split=split,
+        state=state,
+        mismatched=mismatched,
+        errors={r.replica_id: r.error for r in replicas if r.error is not None},
+    )
 
 
 def write_heartbeat(engine: Engine, hb: HeartbeatCreate, at: datetime) -> ReplicaHeartbeatPublic:
@@ -113,8 +133,9 @@ def write_heartbeat(engine: Engine, hb: HeartbeatCreate, at: datetime) -> Replic
     row = {**hb.model_dump(), "reported_at": at}
     insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
     stmt = insert(ReplicaHeartbeat.__table__).values(**row)  # type: ignore[attr-defined]
-    stmt = stmt.on_conflict_do_update(index_elements=["replica_id"],
-                                      set_={k: stmt.excluded[k] for k in row if k != "replica_id"})
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["replica_id"], set_={k: stmt.excluded[k] for k in row if k != "replica_id"}
+    )
     with session(engine) as s:
         s.connection().execute(stmt)
         s.commit()
@@ -131,9 +152,43 @@ def forget(engine: Engine, replica_id: str) -> bool:
 def read(engine: Engine) -> tuple[list[ReplicaHeartbeatPublic], list[ModelVersionPublic]]:
     """Every replica's latest heartbeat, and the versions `summarize` needs (one read transaction)."""
     with session(engine) as s:
-        beats = [ReplicaHeartbeatPublic.model_validate(r) for r in
-                 s.exec(select(ReplicaHeartbeat).order_by(col(ReplicaHeartbeat.replica_id)))]
+        beats = [
+            ReplicaHeartbeatPublic.model_validate(r)
+            for r in s.exec(select(ReplicaHeartbeat).order_by(col(ReplicaHeartbeat.replica_id)))
+        ]
         named = sorted({v for b in beats for v in (*b.holds, *b.serves)})
-        q = select(ModelVersion).where(col(ModelVersion.status).in_([Status.promoted.value, Status.canary.value])
-                                       | col(ModelVersion.id).in_(named))
+        q = select(ModelVersion).where(
+            col(ModelVersion.status).in_([Status.promoted.value, Status.canary.value]) | col(ModelVersion.id).in_(named)
+        )
         return beats, [ModelVersionPublic.model_validate(r) for r in s.exec(q)]
+
+
+class Heartbeats(RegistryStore):
+    """The replicas' side of the registry (mixed into `Registry`): heartbeats in, the fleet's state out."""
+
+    def heartbeat(
+        self,
+        replica_id: str,
+        *,
+        gateway_id: str,
+        host: str,
+        holds: Mapping[str, str],
+        serves: Mapping[str, float],
+        error: str | None = None,
+        reported_at: datetime | None = None,
+    ) -> ReplicaHeartbeatPublic:
+        """Record a replica's report, replacing its last one: the versions it holds (id → artifact
+        SHA-256), those it serves (id → share), its last error. Not audited, no seq."""
+        hb = HeartbeatCreate(
+            replica_id=replica_id, gateway_id=gateway_id, host=host, holds=dict(holds), serves=dict(serves), error=error
+        )
+        return write_heartbeat(self.engine, hb, reported_at or utcnow())
+
+    def forget_replica(self, replica_id: str) -> bool:
+        """Drop a decommissioned replica's heartbeat; False if there was none."""
+        return forget(self.engine, replica_id)
+
+    def fleet(self, now: datetime | None = None, interval_s: float = HEARTBEAT_INTERVAL_S) -> FleetState:
+        """Every replica, `up` or `down` (no heartbeat for more than 3 intervals), and whether the
+        promotion is complete or the fleet split (`summarize`)."""
+        return summarize(*read(self.engine), now or utcnow(), interval_s)

@@ -21,7 +21,7 @@ JSON columns hold what has no fixed shape in SQL:
 partial unique indexes `one_promoted` and `one_in_flight` let the database itself refuse a second
 `promoted` row and a second version in evaluating / canary / awaiting_approval. `registry_meta` holds
 the schema version (`SCHEMA_VERSION`) and the audit sequence counter. Owned by `gating.registry`;
-`gating.db.ensure_schema` creates (and migrates) the tables.
+`gating.db.ensure_schema` creates the tables and checks their version.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ JSONType = JSON().with_variant(JSONB(), "postgresql")
 UTCDateTime = DateTime(timezone=True)
 VERSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 SHA256 = r"^[0-9a-f]{64}$"
-SCHEMA_VERSION = 2
-"""Version of the registry's tables (stored in `registry_meta`). 1: versions and audit log only (no meta
-row); 2: gate evidence, audit `seq` / `action` / `details`, one version in flight, replica heartbeats."""
+SCHEMA_VERSION = 1
+"""Version of the registry's tables (stored in `registry_meta`); a database of another version is refused.
+Bump it, with a migration in `gating.db`, for any change to the tables once a release has shipped."""
 GATE_FORMAT_VERSION = 1
 """`format_version` of the records in `model_version.gate`."""
 WEIGHT_STORE_SUFFIXES = (".snapshot.fws", ".delta.fws")
@@ -83,8 +83,7 @@ class FileEntry(BaseModel):
     path: str = PField(min_length=1, description="Path relative to the weight store root.")
     sha256: str = PField(pattern=SHA256, description="Lowercase hex SHA-256 of the file's bytes.")
     bytes: int = PField(ge=0, description="File size.")
-    kind: Literal["snapshot", "delta"] = PField(
-        description="Full snapshot, or lossless delta on delta_base_id.")
+    kind: Literal["snapshot", "delta"] = PField(description="Full snapshot, or lossless delta on delta_base_id.")
 
 
 def artifact_of(files: list[FileEntry]) -> FileEntry | None:
@@ -102,17 +101,28 @@ def _aware(ts: datetime) -> datetime:
 
 
 class ModelVersionBase(SQLModel):
-    parent_id: str | None = Field(default=None, foreign_key="model_version.id", index=True,
-                                  description="The version this one was trained from; None for a base model.")
+    parent_id: str | None = Field(
+        default=None,
+        foreign_key="model_version.id",
+        index=True,
+        description="The version this one was trained from; None for a base model.",
+    )
     data_range: dict[str, dict[int, tuple[int, int]]] = Field(
-        default_factory=dict, sa_type=JSONType,
-        description="Training data: topic -> partition -> half-open offset range [start, end).")
-    metrics: dict[str, Any] = Field(default_factory=dict, sa_type=JSONType,
-                                    description="Training and eval metrics (JSON-serialisable).")
-    files: list[FileEntry] = Field(default_factory=list, sa_type=JSONType,
-                                   description="Weight files with their hashes.")
-    delta_base_id: str | None = Field(default=None, foreign_key="model_version.id",
-                                      description="The version the delta file applies to (default: parent).")
+        default_factory=dict,
+        sa_type=JSONType,
+        description="Training data: topic -> partition -> half-open offset range [start, end).",
+    )
+    metrics: dict[str, Any] = Field(
+        default_factory=dict, sa_type=JSONType, description="Training and eval metrics (JSON-serialisable)."
+    )
+    files: list[FileEntry] = Field(
+        default_factory=list, sa_type=JSONType, description="Weight files with their hashes."
+    )
+    delta_base_id: str | None = Field(
+        default=None,
+        foreign_key="model_version.id",
+        description="The version the delta file applies to (default: parent).",
+    )
     notes: str = Field(default="", sa_type=String, description="Free text for people.")
 
 
@@ -125,8 +135,10 @@ class ModelVersionCreate(ModelVersionBase):
     @classmethod
     def _check_id(cls, v: str | None) -> str | None:
         if v is not None and not VERSION_ID.fullmatch(v):
-            raise ValueError(f"version id {v!r} must be 1-64 characters of letters, digits, '.', '_', '-' "
-                             "starting with a letter or digit")
+            raise ValueError(
+                f"version id {v!r} must be 1-64 characters of letters, digits, '.', '_', '-' "
+                "starting with a letter or digit"
+            )
         return v
 
     @field_validator("data_range")
@@ -137,8 +149,10 @@ class ModelVersionCreate(ModelVersionBase):
                 raise ValueError("data_range has an empty topic name")
             for p, (start, end) in parts.items():
                 if p < 0 or not 0 <= start <= end:
-                    raise ValueError(f"data_range {topic!r} partition {p}: range [{start}, {end}) needs "
-                                     "partition >= 0 and 0 <= start <= end")
+                    raise ValueError(
+                        f"data_range {topic!r} partition {p}: range [{start}, {end}) needs "
+                        "partition >= 0 and 0 <= start <= end"
+                    )
         return v
 
     @model_validator(mode="after")
@@ -158,11 +172,21 @@ class ModelVersion(ModelVersionBase, table=True):
     __tablename__ = "model_version"
     __table_args__ = (
         # At most one promoted version, enforced by the database (both dialects support partial indexes).
-        Index("one_promoted", "status", unique=True,
-              sqlite_where=text("status = 'promoted'"), postgresql_where=text("status = 'promoted'")),
+        Index(
+            "one_promoted",
+            "status",
+            unique=True,
+            sqlite_where=text("status = 'promoted'"),
+            postgresql_where=text("status = 'promoted'"),
+        ),
         # At most one version in flight: a unique index on an expression that is true on every row it holds.
-        Index("one_in_flight", text(f"({_IN_FLIGHT_SQL})"), unique=True,
-              sqlite_where=text(_IN_FLIGHT_SQL), postgresql_where=text(_IN_FLIGHT_SQL)),
+        Index(
+            "one_in_flight",
+            text(f"({_IN_FLIGHT_SQL})"),
+            unique=True,
+            sqlite_where=text(_IN_FLIGHT_SQL),
+            postgresql_where=text(_IN_FLIGHT_SQL),
+        ),
     )
 
     id: str = Field(primary_key=True, max_length=64)
@@ -237,24 +261,31 @@ GATE_RECORDS: dict[str, type[_GateRecord]] = {"offline": OfflineVerdict, "canary
 
 class AuditEntryBase(SQLModel):
     version_id: str = Field(foreign_key="model_version.id", index=True)
-    from_status: str | None = Field(default=None, max_length=32,
-                                    description="None for the registration itself.")
+    from_status: str | None = Field(default=None, max_length=32, description="None for the registration itself.")
     to_status: str = Field(max_length=32, description="Equal to from_status for a change that is no step.")
     actor: str = Field(description="Who: a user, or a process such as 'learner' or 'gate'.")
     reason: str = Field(description="Why, in words.")
-    action: str = Field(default="transition", max_length=32,
-                        description="What: the registry call (register, bootstrap, transition, approve, reject, "
-                                    "rollback, supersede, withdraw, record_gate).")
-    details: dict[str, Any] = Field(default_factory=dict, sa_type=JSONType,
-                                    description="The numbers behind it, if the writer gave any.")
+    action: str = Field(
+        default="transition",
+        max_length=32,
+        description="What: the registry call (register, bootstrap, transition, approve, reject, "
+        "rollback, supersede, withdraw, record_gate).",
+    )
+    details: dict[str, Any] = Field(
+        default_factory=dict, sa_type=JSONType, description="The numbers behind it, if the writer gave any."
+    )
 
 
 class AuditEntry(AuditEntryBase, table=True):
     __tablename__ = "audit_entry"
 
     id: int | None = Field(default=None, primary_key=True)
-    seq: int = Field(sa_type=BigInteger, unique=True, index=True,
-                     description="Registry change number: increases by one per row, in commit order.")
+    seq: int = Field(
+        sa_type=BigInteger,
+        unique=True,
+        index=True,
+        description="Registry change number: increases by one per row, in commit order.",
+    )
     at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
 
 
@@ -283,10 +314,12 @@ class RegistryMeta(SQLModel, table=True):
 class HeartbeatBase(SQLModel):
     gateway_id: str = Field(min_length=1, max_length=128, description="The gateway driving the replica.")
     host: str = Field(min_length=1, max_length=255)
-    holds: dict[str, str] = Field(default_factory=dict, sa_type=JSONType,
-                                  description="Versions loaded: version id -> artifact SHA-256.")
-    serves: dict[str, float] = Field(default_factory=dict, sa_type=JSONType,
-                                     description="Versions it routes traffic to: version id -> share.")
+    holds: dict[str, str] = Field(
+        default_factory=dict, sa_type=JSONType, description="Versions loaded: version id -> artifact SHA-256."
+    )
+    serves: dict[str, float] = Field(
+        default_factory=dict, sa_type=JSONType, description="Versions it routes traffic to: version id -> share."
+    )
     error: str | None = Field(default=None, description="Last error, or None.")
 
 

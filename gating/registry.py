@@ -1,69 +1,73 @@
-"""The model registry: every version, where it came from, its lifecycle with an audit trail, the gate's
-evidence, and the replicas' heartbeats.
+"""The model registry: every version, where it came from, and its lifecycle with an audit trail.
 
 `Registry(url)` owns the registry database (SQLite file by default, PostgreSQL in production; see
 `gating.db`). `bootstrap` promotes the base model (cold start); the learner `register`s candidates and
 asks `base_for_next_candidate` what to train on; the gate moves them through the lifecycle of
 docs/design.md and stores its progress with `record_gate`; a person `approve`s, `reject`s or
-`rollback`s. `LIFECYCLE` lists every edge:
+`rollback`s; replicas `heartbeat` and the dashboard reads the `fleet`. `LIFECYCLE` lists every edge:
 
     candidate → evaluating → (rejected | canary) → (aborted | awaiting_approval) → (rejected | promoted)
     promoted → (rolled_back | superseded);  superseded → promoted (rollback);  candidate → promoted (bootstrap)
     candidate | evaluating | canary | awaiting_approval → withdrawn (replaced by a newer candidate,
         or an ancestor was rejected, aborted or rolled back)
 
-- Only `approve` promotes a candidate, and only on the gate's passed offline verdict on its current
-  artifact against the current promoted version, which becomes `superseded` in the same transaction.
-  `rollback` restores a superseded version in the same transaction, so once there is a promoted
-  version there always is one. Nothing is evaluated before there is one (`NoIncumbent`).
+- Only `approve` promotes a candidate, on the gate's evidence (`gating.gate_evidence`). `rollback`
+  restores a superseded version in the same transaction as it demotes the promoted one, so once there
+  is a promoted version there always is one. Nothing is evaluated before there is one (`NoIncumbent`).
 - At most one version is promoted, and at most one in flight (evaluating, canary, awaiting
   approval): checked, and refused by partial unique indexes.
 - Every change writes audit rows (who, what, from and to which status, why, the numbers) in its
-  transaction, each with a `seq`: a write locks the counter row first, so writers queue there and
-  seqs follow commit order (`changes_since(seq)` never skips one). On PostgreSQL the transaction
-  also sends `NOTIFY flywheel_registry, '<last seq>'`, delivered at commit.
-- Status writes are compare-and-set on the status read (`UPDATE ... WHERE id = :id AND status = :read`):
-  of two racing writers one commits; the other gets `RegistryConflict` (or, where it reads after the
-  lock, a `ValueError` saying what changed) and writes nothing.
+  transaction, each with a `seq` in commit order (`gating.store.Change`; `changes_since(seq)` never
+  skips one; on PostgreSQL each change is also NOTIFYed on `flywheel_registry`).
+- Status writes are compare-and-set on the status read: of two racing writers one commits; the other
+  gets `RegistryConflict` (or, where it reads after the lock, a `ValueError` saying what changed) and
+  writes nothing.
 
-User mistakes (unknown version or status, illegal step, bad input) are `ValueError`s naming the value;
-`UnknownVersion` is the one an API maps to 404. Methods return detached `*Public` models.
+This module holds the versions, their lifecycle and the reads; `Registry` mixes in the gate's evidence
+(`gating.gate_evidence.GateEvidence`) and the replicas' heartbeats (`gating.fleet_state.Heartbeats`)
+over `gating.store.RegistryStore`. User mistakes (unknown version or status, illegal step, bad input)
+are `ValueError`s naming the value; `UnknownVersion` is the one an API maps to 404. Methods return
+detached `*Public` models. Called by the learner (`learner.service`), the gateway's API (`api.deps`,
+`api.routes.admin`) and the CLI.
 """
 
 from __future__ import annotations
 
 import builtins
-import json
 import re
 from collections.abc import Iterable, Mapping
-from datetime import datetime
-from typing import Any, Self
+from typing import Any
 
-from pydantic_core import to_jsonable_python
-from sqlalchemy import literal, text, update
-from sqlalchemy.engine import Engine
+from sqlalchemy import literal
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
-from gating import fleet_state
-from gating.db import ensure_schema, make_engine, session
+from gating.db import session
+from gating.fleet_state import Heartbeats
+from gating.gate_evidence import GateEvidence
 from gating.models import (
-    GATE_RECORDS,
-    IN_FLIGHT,
     WAITING,
     AuditEntry,
     AuditEntryPublic,
     FileEntry,
-    HeartbeatCreate,
     ModelVersion,
     ModelVersionCreate,
     ModelVersionPublic,
-    OfflineVerdict,
     RegistryMeta,
-    ReplicaHeartbeatPublic,
     Status,
     artifact_of,
-    utcnow,
+)
+
+# The errors live with the write primitives; callers import them from here, with Registry.
+from gating.store import (
+    SEQ_KEY,
+    Change,
+    NoIncumbent,
+    RegistryConflict,
+    UnknownVersion,
+    json_object,
+    need,
+    parse_status,
 )
 
 S = Status
@@ -89,105 +93,37 @@ FAILED = frozenset({S.rejected, S.aborted, S.rolled_back})
 """Entering one of these withdraws the version's waiting descendants: the learner rebases."""
 LIVE = frozenset({*WAITING, S.promoted})
 """A learner lineage ending in one of these goes on; any other rebases onto the promoted version."""
-NOTIFY_CHANNEL = "flywheel_registry"
-_SEQ = "audit_seq"
-_GATE_KEY = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
 
-class UnknownVersion(ValueError):
-    """No version with that id (an API answers 404)."""
+class Registry(GateEvidence, Heartbeats):
+    """Versions and their lifecycle in one database. Thread-safe: every call uses its own session.
 
-
-class NoIncumbent(ValueError):
-    """No version is promoted yet: bootstrap the base model first."""
-
-
-class RegistryConflict(RuntimeError):
-    """Another writer changed the version first (a racing promotion); nothing was written. Reload, retry."""
-
-
-def parse_status(value: str | Status) -> Status:
-    try:
-        return Status(value)
-    except ValueError:
-        raise ValueError(f"unknown status {value!r}; one of: {', '.join(s.value for s in Status)}") from None
-
-
-def _need(what: str, value: str) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"{what} must be a non-empty string, got {value!r}")
-    return value.strip()
-
-
-def _json_object(what: str, value: Mapping[str, Any] | None) -> dict[str, Any]:
-    """A plain JSON object (finite numbers only: PostgreSQL's JSONB has no NaN); ValueError otherwise."""
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise ValueError(f"{what} must be a JSON object, got {type(value).__name__}")
-    try:
-        return json.loads(json.dumps(dict(value), allow_nan=False, default=to_jsonable_python))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{what} is not JSON-serialisable with finite numbers: {e}") from None
-
-
-class _Change:
-    """The audit rows of one write transaction. Created before the transaction's first other write: it
-    locks the counter row, so writers queue here and seqs are handed out in commit order."""
-
-    def __init__(self, s: Session):
-        self.s = s
-        where = col(RegistryMeta.name) == _SEQ
-        s.exec(update(RegistryMeta).where(where).values(value=col(RegistryMeta.value)))  # the lock
-        self.start = self.seq = s.exec(select(RegistryMeta.value).where(where)).one()
-
-    def audit(self, version_id: str, frm: Status | None, to: Status, actor: str, reason: str, action: str,
-              details: dict[str, Any] | None = None) -> None:
-        self.seq += 1
-        self.s.add(AuditEntry(seq=self.seq, version_id=version_id, from_status=None if frm is None else frm.value,
-                              to_status=to.value, actor=actor, reason=reason, action=action, details=details or {}))
-
-    def commit(self) -> None:
-        s = self.s
-        s.exec(update(RegistryMeta).where(col(RegistryMeta.name) == _SEQ).values(value=self.seq))
-        if self.seq > self.start and s.get_bind().dialect.name == "postgresql":
-            s.connection().execute(text("SELECT pg_notify(:channel, :seq)"),
-                                   {"channel": NOTIFY_CHANNEL, "seq": str(self.seq)})
-        s.commit()
-
-
-class Registry:
-    """Versions and their lifecycle in one database. Thread-safe: every call uses its own session."""
-
-    def __init__(self, url: str, *, create: bool = True, echo: bool = False):
-        self.url = url
-        self.engine: Engine = make_engine(url, echo=echo)
-        if create:
-            ensure_schema(self.engine)
-
-    def close(self) -> None:
-        self.engine.dispose()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    `record_gate` and `approve` come from `GateEvidence`, `heartbeat`, `forget_replica` and `fleet` from
+    `Heartbeats`, the constructor, `close` and the row steps from `RegistryStore`."""
 
     # -- versions -------------------------------------------------------------------------------
 
-    def register(self, *, version_id: str | None = None, parent_id: str | None = None,
-                 data_range: dict | None = None, metrics: dict[str, Any] | None = None,
-                 files: Iterable[FileEntry | dict[str, Any]] | None = None, delta_base_id: str | None = None,
-                 notes: str = "", actor: str = "learner", reason: str = "registered") -> ModelVersionPublic:
+    def register(
+        self,
+        *,
+        version_id: str | None = None,
+        parent_id: str | None = None,
+        data_range: dict | None = None,
+        metrics: dict[str, Any] | None = None,
+        files: Iterable[FileEntry | dict[str, Any]] | None = None,
+        delta_base_id: str | None = None,
+        notes: str = "",
+        actor: str = "learner",
+        reason: str = "registered",
+    ) -> ModelVersionPublic:
         """Add a version as `candidate` (with its audit row). `version_id` None: the next `vNNNN`.
 
         Fields as in `ModelVersionCreate`; `files` as dicts or `FileEntry`s.
         """
         spec = self._spec(version_id, parent_id, data_range, metrics, files, delta_base_id, notes)
-        actor, reason = _need("actor", actor), _need("reason", reason)
+        actor, reason = need("actor", actor), need("reason", reason)
         with session(self.engine) as s:
-            ch = _Change(s)  # first: concurrent registers queue here, so the next free id is really free
+            ch = Change(s)  # first: concurrent registers queue here, so the next free id is really free
             for what, ref in (("parent", spec.parent_id), ("delta base", spec.delta_base_id)):
                 if ref is not None and s.get(ModelVersion, ref) is None:
                     raise UnknownVersion(f"unknown {what} {ref!r}: register it first")
@@ -199,21 +135,31 @@ class Registry:
             ch.commit()
             return ModelVersionPublic.model_validate(row)
 
-    def bootstrap(self, version_id: str, *, files: Iterable[FileEntry | dict[str, Any]],
-                  data_range: dict | None = None, metrics: dict[str, Any] | None = None, notes: str = "",
-                  actor: str = "bootstrap", reason: str = "cold start: the base model") -> ModelVersionPublic:
+    def bootstrap(
+        self,
+        version_id: str,
+        *,
+        files: Iterable[FileEntry | dict[str, Any]],
+        data_range: dict | None = None,
+        metrics: dict[str, Any] | None = None,
+        notes: str = "",
+        actor: str = "bootstrap",
+        reason: str = "cold start: the base model",
+    ) -> ModelVersionPublic:
         """Register the base model (no parent) and promote it: one transaction, one audit row.
 
         Idempotent when that version is already promoted with the same files (no new row). A parentless
         `candidate` of that id with the same files (registered before bootstrap existed) is promoted.
         ValueError if another version is promoted, or the files have no artifact (`artifact_of`)."""
         spec = self._spec(version_id, None, data_range, metrics, files, None, notes)
-        actor, reason = _need("actor", actor), _need("reason", reason)
+        actor, reason = need("actor", actor), need("reason", reason)
         if artifact_of(spec.files) is None:
-            raise ValueError(f"cannot bootstrap {version_id!r}: its files need one artifact for replicas to load "
-                             "(one *.snapshot.fws file, or a single file)")
+            raise ValueError(
+                f"cannot bootstrap {version_id!r}: its files need one artifact for replicas to load "
+                "(one *.snapshot.fws file, or a single file)"
+            )
         with session(self.engine) as s:
-            ch = _Change(s)  # first: what is read below is the latest
+            ch = Change(s)  # first: what is read below is the latest
             current, row = self._promoted_id(s), s.get(ModelVersion, version_id)
             if row is not None:
                 same = [FileEntry.model_validate(f) for f in row.files] == spec.files
@@ -229,23 +175,33 @@ class Registry:
             elif row.status == S.candidate and row.parent_id is None:
                 self._move(ch, version_id, S.candidate, S.promoted, actor, reason, "bootstrap")
             else:
-                raise ValueError(f"cannot bootstrap {version_id!r}: it is {row.status!r}"
-                                 f"{' with a parent' if row.parent_id else ''}, not a new base model")
+                raise ValueError(
+                    f"cannot bootstrap {version_id!r}: it is {row.status!r}"
+                    f"{' with a parent' if row.parent_id else ''}, not a new base model"
+                )
             ch.commit()
             return self._public(s, version_id)
 
-    def transition(self, version_id: str, to_status: str | Status, actor: str, reason: str,
-                   details: Mapping[str, Any] | None = None) -> ModelVersionPublic:
+    def transition(
+        self,
+        version_id: str,
+        to_status: str | Status,
+        actor: str,
+        reason: str,
+        details: Mapping[str, Any] | None = None,
+    ) -> ModelVersionPublic:
         """Move a version one step along the lifecycle (the gate's steps). Entering `evaluating` needs a
         promoted version and nothing else in flight; entering rejected / aborted withdraws the waiting
         descendants."""
         return self._step(version_id, parse_status(to_status), actor, reason, "transition", details)
 
-    def reject(self, version_id: str, actor: str, reason: str,
-               details: Mapping[str, Any] | None = None) -> ModelVersionPublic:
+    def reject(
+        self, version_id: str, actor: str, reason: str, details: Mapping[str, Any] | None = None
+    ) -> ModelVersionPublic:
         """A person (or the gate) says no: evaluating or awaiting_approval → `rejected`."""
-        return self._step(version_id, S.rejected, actor, reason, "reject", details,
-                          only_from=(S.evaluating, S.awaiting_approval))
+        return self._step(
+            version_id, S.rejected, actor, reason, "reject", details, only_from=(S.evaluating, S.awaiting_approval)
+        )
 
     def supersede(self, version_id: str, by: str, actor: str, reason: str) -> ModelVersionPublic:
         """A newer `candidate` `by` replaces a waiting version (candidate, evaluating, canary or
@@ -254,46 +210,22 @@ class Registry:
             new = self._row(s, by)
             old = self._row(s, version_id)
             if by == version_id or new.status != S.candidate or new.created_at <= old.created_at:
-                raise ValueError(f"cannot supersede {version_id!r} by {by!r}: that must be a newer candidate "
-                                 f"(it is {new.status!r}, registered {new.created_at})")
+                raise ValueError(
+                    f"cannot supersede {version_id!r} by {by!r}: that must be a newer candidate "
+                    f"(it is {new.status!r}, registered {new.created_at})"
+                )
         return self._step(version_id, S.withdrawn, actor, reason, "supersede", {"by": by}, only_from=WAITING)
 
-    def approve(self, version_id: str, actor: str, reason: str,
-                details: Mapping[str, Any] | None = None) -> ModelVersionPublic:
-        """A person approves: awaiting_approval → `promoted`, the previous promoted → `superseded`.
-
-        ValueError naming what is wrong unless the version awaits approval, its stored offline verdict
-        (`gate["offline"]`) passed, was against the version promoted now, and on the artifact it has now.
-        """
-        actor, reason = _need("actor", actor), _need("reason", reason)
-        extra = _json_object("details", details)
-        with session(self.engine) as s:
-            ch = _Change(s)  # first: the evidence and the incumbent read below are the latest
-            row = self._row(s, version_id)
-            verdict = self._approvable(s, row)
-            current = verdict.incumbent_id
-            facts = {"incumbent_id": current, "artifact_sha256": verdict.artifact_sha256,
-                     "suite_version": verdict.suite_version, **extra}
-            try:
-                self._move(ch, current, S.promoted, S.superseded, actor, f"superseded by {version_id}: {reason}",
-                           "approve", {"by": version_id}, racing=version_id)
-                self._move(ch, version_id, S.awaiting_approval, S.promoted, actor, reason, "approve", facts)
-                ch.commit()
-            except IntegrityError as e:
-                s.rollback()
-                raise RegistryConflict(f"cannot promote {version_id!r}: another version was promoted "
-                                       "concurrently; reload and retry") from e
-            return self._public(s, version_id)
-
-    def rollback(self, to_version_id: str | None, actor: str, reason: str,
-                 details: Mapping[str, Any] | None = None) -> ModelVersionPublic:
+    def rollback(
+        self, to_version_id: str | None, actor: str, reason: str, details: Mapping[str, Any] | None = None
+    ) -> ModelVersionPublic:
         """Current promoted → `rolled_back`, `to_version_id` (a superseded version) → `promoted`; the
         rolled-back version's waiting descendants are withdrawn.
 
         `to_version_id` None: the version superseded most recently (the "one click" rollback).
         """
-        actor, reason = _need("actor", actor), _need("reason", reason)
-        extra = _json_object("details", details)
+        actor, reason = need("actor", actor), need("reason", reason)
+        extra = json_object("details", details)
         with session(self.engine) as s:
             current = self._promoted_id(s)
             if current is None:
@@ -304,50 +236,42 @@ class Registry:
                     raise ValueError(f"cannot roll back {current!r}: no superseded version to restore")
             target = self._row(s, to_version_id)
             if target.status != S.superseded:
-                raise ValueError(f"cannot roll back to {to_version_id!r}: it is {target.status!r}; only a "
-                                 "superseded (previously promoted) version can be restored")
-            ch = _Change(s)
+                raise ValueError(
+                    f"cannot roll back to {to_version_id!r}: it is {target.status!r}; only a "
+                    "superseded (previously promoted) version can be restored"
+                )
+            ch = Change(s)
             try:
-                self._move(ch, current, S.promoted, S.rolled_back, actor, reason, "rollback",
-                           {"to": to_version_id, **extra}, racing=to_version_id)
-                self._move(ch, to_version_id, S.superseded, S.promoted, actor,
-                           f"rollback from {current}: {reason}", "rollback", {"from": current, **extra})
+                self._move(
+                    ch,
+                    current,
+                    S.promoted,
+                    S.rolled_back,
+                    actor,
+                    reason,
+                    "rollback",
+                    {"to": to_version_id, **extra},
+                    racing=to_version_id,
+                )
+                self._move(
+                    ch,
+                    to_version_id,
+                    S.superseded,
+                    S.promoted,
+                    actor,
+                    f"rollback from {current}: {reason}",
+                    "rollback",
+                    {"from": current, **extra},
+                )
                 self._withdraw_descendants(ch, current, S.rolled_back, actor)
                 ch.commit()
             except IntegrityError as e:
                 s.rollback()
-                raise RegistryConflict(f"cannot roll back to {to_version_id!r}: another version was promoted "
-                                       "concurrently; reload and retry") from e
+                raise RegistryConflict(
+                    f"cannot roll back to {to_version_id!r}: another version was promoted "
+                    "concurrently; reload and retry"
+                ) from e
             return self._public(s, to_version_id)
-
-    def record_gate(self, version_id: str, key: str, payload: Mapping[str, Any], actor: str,
-                    reason: str | None = None) -> ModelVersionPublic:
-        """Store the gate's record `key` on a waiting version (`gate[key] = payload`, replacing it), audited.
-
-        `offline` is an `OfflineVerdict` and `canary` a `CanaryProgress` (validated, `format_version`
-        added); other keys any JSON object. Not a status change: the audit row's from and to are equal."""
-        actor = _need("actor", actor)
-        if not isinstance(key, str) or not _GATE_KEY.fullmatch(key):
-            raise ValueError(f"gate key {key!r} must be 1-64 lowercase letters, digits or '_'")
-        model = GATE_RECORDS.get(key)
-        value = _json_object(f"gate record {key!r}", payload)
-        if model is not None:
-            value = model.model_validate(value).model_dump(mode="json")
-        with session(self.engine) as s:
-            ch = _Change(s)
-            row = self._row(s, version_id)
-            status = S(row.status)
-            if status not in WAITING:
-                raise ValueError(f"cannot record gate {key!r} on {version_id!r}: it is {status.value!r}; the gate "
-                                 "records only on a candidate, evaluating, canary or awaiting_approval version")
-            if key == "offline" and s.get(ModelVersion, value["incumbent_id"]) is None:
-                raise UnknownVersion(f"unknown incumbent {value['incumbent_id']!r} in the offline verdict")
-            row.gate = {**row.gate, key: value}
-            s.add(row)
-            ch.audit(version_id, status, status, actor, reason or f"gate {key} recorded", "record_gate",
-                     {"key": key, "record": value})
-            ch.commit()
-            return self._public(s, version_id)
 
     def add_metrics(self, version_id: str, metrics: dict[str, Any]) -> ModelVersionPublic:
         """Merge `metrics` into the version's metrics (top-level keys replace). Not a transition: no audit."""
@@ -378,10 +302,10 @@ class Registry:
         with session(self.engine) as s:
             self._row(s, version_id)
             vid, parent = col(ModelVersion.id), col(ModelVersion.parent_id)
-            chain = (select(vid, parent, literal(0).label("depth"))
-                     .where(vid == version_id).cte("chain", recursive=True))
-            chain = chain.union_all(select(vid, parent, (chain.c.depth + 1).label("depth"))
-                                    .where(vid == chain.c.parent_id))
+            chain = select(vid, parent, literal(0).label("depth")).where(vid == version_id).cte("chain", recursive=True)
+            chain = chain.union_all(
+                select(vid, parent, (chain.c.depth + 1).label("depth")).where(vid == chain.c.parent_id)
+            )
             q = select(ModelVersion).join(chain, col(ModelVersion.id) == chain.c.id).order_by(chain.c.depth)
             return [ModelVersionPublic.model_validate(r) for r in s.exec(q)]
 
@@ -395,8 +319,10 @@ class Registry:
         """The promoted version, which every candidate is compared with; `NoIncumbent` before bootstrap."""
         v = self.promoted()
         if v is None:
-            raise NoIncumbent("no version is promoted, so there is no incumbent to compare a candidate with: "
-                              "bootstrap the base model first (Registry.bootstrap)")
+            raise NoIncumbent(
+                "no version is promoted, so there is no incumbent to compare a candidate with: "
+                "bootstrap the base model first (Registry.bootstrap)"
+            )
         return v
 
     def in_flight(self) -> ModelVersionPublic | None:
@@ -435,56 +361,48 @@ class Registry:
     def last_seq(self) -> int:
         """The seq of the latest committed change (0 for none): where a new follower starts."""
         with session(self.engine) as s:
-            return s.exec(select(RegistryMeta.value).where(RegistryMeta.name == _SEQ)).one()
-
-    # -- replicas -------------------------------------------------------------------------------
-
-    def heartbeat(self, replica_id: str, *, gateway_id: str, host: str, holds: Mapping[str, str],
-                  serves: Mapping[str, float], error: str | None = None,
-                  reported_at: datetime | None = None) -> ReplicaHeartbeatPublic:
-        """Record a replica's report, replacing its last one: the versions it holds (id → artifact
-        SHA-256), those it serves (id → share), its last error. Not audited, no seq."""
-        hb = HeartbeatCreate(replica_id=replica_id, gateway_id=gateway_id, host=host, holds=dict(holds),
-                             serves=dict(serves), error=error)
-        return fleet_state.write_heartbeat(self.engine, hb, reported_at or utcnow())
-
-    def forget_replica(self, replica_id: str) -> bool:
-        """Drop a decommissioned replica's heartbeat; False if there was none."""
-        return fleet_state.forget(self.engine, replica_id)
-
-    def fleet(self, now: datetime | None = None,
-              interval_s: float = fleet_state.HEARTBEAT_INTERVAL_S) -> fleet_state.FleetState:
-        """Every replica, `up` or `down` (no heartbeat for more than 3 intervals), and whether the
-        promotion is complete or the fleet split (`gating.fleet_state.summarize`)."""
-        return fleet_state.summarize(*fleet_state.read(self.engine), now or utcnow(), interval_s)
+            return s.exec(select(RegistryMeta.value).where(RegistryMeta.name == SEQ_KEY)).one()
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _step(self, version_id: str, to: Status, actor: str, reason: str, action: str,
-              details: Mapping[str, Any] | None, only_from: Iterable[Status] | None = None) -> ModelVersionPublic:
-        actor, reason = _need("actor", actor), _need("reason", reason)
-        extra = _json_object("details", details)
+    def _step(
+        self,
+        version_id: str,
+        to: Status,
+        actor: str,
+        reason: str,
+        action: str,
+        details: Mapping[str, Any] | None,
+        only_from: Iterable[Status] | None = None,
+    ) -> ModelVersionPublic:
+        actor, reason = need("actor", actor), need("reason", reason)
+        extra = json_object("details", details)
         with session(self.engine) as s:
             row = self._row(s, version_id)
             frm = S(row.status)
             allowed = set(only_from) if only_from is not None else set(LIFECYCLE)
             if frm not in allowed:
-                raise ValueError(f"cannot {action} {version_id!r}: it is {frm.value!r}; only from "
-                                 f"{sorted(a.value for a in allowed)}")
+                raise ValueError(
+                    f"cannot {action} {version_id!r}: it is {frm.value!r}; only from {sorted(a.value for a in allowed)}"
+                )
             if to not in LIFECYCLE[frm] or (frm, to) in _BY_OTHER_MEANS:
                 hint = _BY_OTHER_MEANS.get((frm, to)) or (
                     f"from {frm.value!r} the next status is one of "
-                    f"{sorted(s_.value for s_ in LIFECYCLE[frm] if (frm, s_) not in _BY_OTHER_MEANS) or 'none'}")
-                raise ValueError(f"illegal transition of {version_id!r} from {frm.value!r} "
-                                 f"to {to.value!r}: {hint}")
+                    f"{sorted(s_.value for s_ in LIFECYCLE[frm] if (frm, s_) not in _BY_OTHER_MEANS) or 'none'}"
+                )
+                raise ValueError(f"illegal transition of {version_id!r} from {frm.value!r} to {to.value!r}: {hint}")
             if to is S.evaluating:
                 if self._promoted_id(s) is None:
-                    raise NoIncumbent(f"cannot evaluate {version_id!r}: no version is promoted to compare it "
-                                      "with; bootstrap the base model first (Registry.bootstrap)")
+                    raise NoIncumbent(
+                        f"cannot evaluate {version_id!r}: no version is promoted to compare it "
+                        "with; bootstrap the base model first (Registry.bootstrap)"
+                    )
                 if (other := self._in_flight(s)) is not None:
-                    raise ValueError(f"cannot start evaluating {version_id!r}: {other.id!r} is {other.status!r} "
-                                     "and only one candidate is in flight at a time")
-            ch = _Change(s)
+                    raise ValueError(
+                        f"cannot start evaluating {version_id!r}: {other.id!r} is {other.status!r} "
+                        "and only one candidate is in flight at a time"
+                    )
+            ch = Change(s)
             try:
                 self._move(ch, version_id, frm, to, actor, reason, action, extra)
                 if to in FAILED:
@@ -494,46 +412,49 @@ class Registry:
                 s.rollback()
                 if to is not S.evaluating:
                     raise  # only the one-in-flight index is expected to fire: anything else is a bug
-                raise RegistryConflict(f"cannot start evaluating {version_id!r}: another version entered "
-                                       "evaluation concurrently; reload and retry") from e
+                raise RegistryConflict(
+                    f"cannot start evaluating {version_id!r}: another version entered "
+                    "evaluation concurrently; reload and retry"
+                ) from e
             return self._public(s, version_id)
 
-    def _approvable(self, s: Session, row: ModelVersion) -> OfflineVerdict:
-        vid = row.id
-        if row.status != S.awaiting_approval:
-            raise ValueError(f"cannot approve {vid!r}: it is {row.status!r}, not 'awaiting_approval'")
-        if "offline" not in row.gate:
-            raise ValueError(f"cannot approve {vid!r}: no offline verdict is recorded (gate 'offline')")
-        verdict = OfflineVerdict.model_validate(row.gate["offline"])
-        if not verdict.passed:
-            raise ValueError(f"cannot approve {vid!r}: its offline verdict did not pass")
-        current = self._promoted_id(s)
-        if verdict.incumbent_id != current:
-            raise ValueError(f"cannot approve {vid!r}: its offline verdict compared it with incumbent "
-                             f"{verdict.incumbent_id!r}, but {current!r} is promoted now; evaluate it again")
-        sha = artifact_of([FileEntry.model_validate(f) for f in row.files])
-        if sha is None or sha.sha256 != verdict.artifact_sha256:
-            raise ValueError(f"cannot approve {vid!r}: its artifact sha256 is {sha and sha.sha256!r}, not the "
-                             f"{verdict.artifact_sha256!r} its offline verdict evaluated; evaluate it again")
-        return verdict
-
-    def _withdraw_descendants(self, ch: _Change, version_id: str, why: Status, actor: str) -> None:
+    def _withdraw_descendants(self, ch: Change, version_id: str, why: Status, actor: str) -> None:
         vid, parent, status = col(ModelVersion.id), col(ModelVersion.parent_id), col(ModelVersion.status)
         tree = select(vid, status).where(parent == version_id).cte("tree", recursive=True)
         tree = tree.union_all(select(vid, status).where(parent == tree.c.id))
         q = select(tree.c.id, tree.c.status).where(tree.c.status.in_([st.value for st in WAITING]))
         for child, st in ch.s.exec(q).all():
-            self._move(ch, child, S(st), S.withdrawn, actor, f"{version_id} was {why.value}: its descendants are "
-                       "withdrawn and the learner rebases onto the promoted version", "withdraw",
-                       {"because": version_id})
+            self._move(
+                ch,
+                child,
+                S(st),
+                S.withdrawn,
+                actor,
+                f"{version_id} was {why.value}: its descendants are "
+                "withdrawn and the learner rebases onto the promoted version",
+                "withdraw",
+                {"because": version_id},
+            )
 
     @staticmethod
-    def _spec(version_id: str | None, parent_id: str | None, data_range: dict | None,
-              metrics: dict[str, Any] | None, files: Iterable[FileEntry | dict[str, Any]] | None,
-              delta_base_id: str | None, notes: str) -> ModelVersionCreate:
-        return ModelVersionCreate(id=version_id, parent_id=parent_id, data_range=data_range or {},
-                                  metrics=metrics or {}, delta_base_id=delta_base_id, notes=notes,
-                                  files=[FileEntry.model_validate(f) for f in files or ()])
+    def _spec(
+        version_id: str | None,
+        parent_id: str | None,
+        data_range: dict | None,
+        metrics: dict[str, Any] | None,
+        files: Iterable[FileEntry | dict[str, Any]] | None,
+        delta_base_id: str | None,
+        notes: str,
+    ) -> ModelVersionCreate:
+        return ModelVersionCreate(
+            id=version_id,
+            parent_id=parent_id,
+            data_range=data_range or {},
+            metrics=metrics or {},
+            delta_base_id=delta_base_id,
+            notes=notes,
+            files=[FileEntry.model_validate(f) for f in files or ()],
+        )
 
     @staticmethod
     def _insert(s: Session, spec: ModelVersionCreate, vid: str, status: Status) -> ModelVersion:
@@ -543,34 +464,13 @@ class Registry:
         return row
 
     @staticmethod
-    def _row(s: Session, version_id: str, for_update: bool = False) -> ModelVersion:
-        if not isinstance(version_id, str):
-            raise UnknownVersion(f"unknown version {version_id!r}")
-        q = select(ModelVersion).where(ModelVersion.id == version_id)
-        row = s.exec(q.with_for_update() if for_update else q).first()
-        if row is None:
-            raise UnknownVersion(f"unknown version {version_id!r}")
-        return row
-
-    @staticmethod
-    def _public(s: Session, version_id: str) -> ModelVersionPublic:
-        row = s.exec(select(ModelVersion).where(ModelVersion.id == version_id)
-                     .execution_options(populate_existing=True)).one()
-        return ModelVersionPublic.model_validate(row)
-
-    @staticmethod
-    def _in_flight(s: Session) -> ModelVersion | None:
-        return s.exec(select(ModelVersion).where(col(ModelVersion.status).in_([st.value for st in IN_FLIGHT]))).first()
-
-    @staticmethod
-    def _promoted_id(s: Session) -> str | None:
-        return s.exec(select(ModelVersion.id).where(ModelVersion.status == S.promoted.value)).first()
-
-    @staticmethod
     def _last_superseded(s: Session) -> str | None:
-        q = (select(AuditEntry.version_id).join(ModelVersion, col(ModelVersion.id) == AuditEntry.version_id)
-             .where(AuditEntry.to_status == S.superseded.value, ModelVersion.status == S.superseded.value)
-             .order_by(col(AuditEntry.seq).desc()))
+        q = (
+            select(AuditEntry.version_id)
+            .join(ModelVersion, col(ModelVersion.id) == AuditEntry.version_id)
+            .where(AuditEntry.to_status == S.superseded.value, ModelVersion.status == S.superseded.value)
+            .order_by(col(AuditEntry.seq).desc())
+        )
         return s.exec(q).first()
 
     @staticmethod
@@ -578,18 +478,3 @@ class Registry:
         ids = s.exec(select(ModelVersion.id).where(col(ModelVersion.id).like("v%"))).all()
         nums = [int(m.group(1)) for i in ids if (m := re.fullmatch(r"v(\d+)", i))]
         return f"v{max(nums, default=0) + 1:04d}"
-
-    @staticmethod
-    def _move(ch: _Change, version_id: str, frm: Status, to: Status, actor: str, reason: str, action: str,
-              details: dict[str, Any] | None = None, racing: str | None = None) -> None:
-        """Compare-and-set one status, plus its audit row; RegistryConflict if the status moved meanwhile."""
-        s = ch.s
-        done = s.exec(update(ModelVersion).where(col(ModelVersion.id) == version_id,
-                                                 col(ModelVersion.status) == frm.value)
-                      .values(status=to.value))
-        if done.rowcount != 1:
-            s.rollback()
-            who = f"cannot move {racing!r}: " if racing else ""
-            raise RegistryConflict(f"{who}{version_id!r} is no longer {frm.value!r} (changed concurrently); "
-                                   "nothing was written, reload and retry")
-        ch.audit(version_id, frm, to, actor, reason, action, details)

@@ -11,7 +11,7 @@ import pytest
 
 from gating.db import make_engine
 from gating.fleet_state import summarize
-from gating.models import WEIGHT_STORE_SUFFIXES, Status
+from gating.models import SCHEMA_VERSION, WEIGHT_STORE_SUFFIXES
 from gating.registry import Registry
 from tests.gating.test_registry import advance, base, files, pg_database, reg, sha, url  # noqa: F401
 
@@ -19,12 +19,25 @@ T0 = datetime(2026, 1, 1, tzinfo=UTC)
 IV = 5.0  # heartbeat interval, seconds
 
 
-def beat(reg: Registry, rid: str, at_s: float, serves: dict[str, float], holds: dict[str, str] | None = None,
-         error: str | None = None):
+def beat(
+    reg: Registry,
+    rid: str,
+    at_s: float,
+    serves: dict[str, float],
+    holds: dict[str, str] | None = None,
+    error: str | None = None,
+):
     """Replica `rid` reports at T0 + at_s; by default it holds what it serves, under the registry's hashes."""
     holds = holds if holds is not None else {v: reg.get(v).artifact_sha256 for v in serves}
-    return reg.heartbeat(rid, gateway_id="gw-1", host=f"host-{rid}", holds=holds, serves=serves, error=error,
-                         reported_at=T0 + timedelta(seconds=at_s))
+    return reg.heartbeat(
+        rid,
+        gateway_id="gw-1",
+        host=f"host-{rid}",
+        holds=holds,
+        serves=serves,
+        error=error,
+        reported_at=T0 + timedelta(seconds=at_s),
+    )
 
 
 def at(reg: Registry, s: float):
@@ -40,7 +53,9 @@ def test_two_replicas_follow_a_promotion_and_one_goes_silent(reg):
     assert (f.state, f.complete, f.split, f.up, f.down) == ("complete", True, False, ["r1", "r2"], [])
     assert f.promoted_id == "base" and f.target == {"base": sha("base")} and f.canary_id is None
     assert [(r.replica_id, r.status, r.age_s, r.serves_promoted) for r in f.replicas] == [
-        ("r1", "up", 1.0, True), ("r2", "up", 1.0, True)]
+        ("r1", "up", 1.0, True),
+        ("r2", "up", 1.0, True),
+    ]
 
     # A canary: r1 carries the candidate for 5% of its users, r2 does not. Neither is a split.
     advance(reg, "v1", "canary")
@@ -79,15 +94,18 @@ def test_heartbeats_are_validated_and_replace_the_last_one(reg):
     assert hb.reported_at.tzinfo is not None and hb.serves == {"x": 1.0}
     f = reg.fleet(interval_s=IV)
     assert [(r.replica_id, r.gateway_id, r.holds, r.status) for r in f.replicas] == [
-        ("r1", "gw-2", {"x": sha("x")}, "up")]
+        ("r1", "gw-2", {"x": sha("x")}, "up")
+    ]
     assert f.promoted_id is None and f.state == "pending"  # no promoted version: nothing is complete
     ok = {"gateway_id": "g", "host": "h", "holds": {"x": sha("x")}, "serves": {"x": 1.0}}
-    for over, match in [({"holds": {"x": "abc"}}, "'abc' is not a lowercase hex SHA-256"),
-                        ({"serves": {"y": 1.0}}, "serves 'y', which holds does not list"),
-                        ({"serves": {"x": 1.5}}, "share 1.5"),
-                        ({"holds": {"x": sha("x"), "y": sha("y")}, "serves": {"x": 0.6, "y": 0.6}}, "add up to"),
-                        ({"host": ""}, "host"),
-                        ({"reported_at": datetime(2026, 1, 1)}, "needs a timezone")]:
+    for over, match in [
+        ({"holds": {"x": "abc"}}, "'abc' is not a lowercase hex SHA-256"),
+        ({"serves": {"y": 1.0}}, "serves 'y', which holds does not list"),
+        ({"serves": {"x": 1.5}}, "share 1.5"),
+        ({"holds": {"x": sha("x"), "y": sha("y")}, "serves": {"x": 0.6, "y": 0.6}}, "add up to"),
+        ({"host": ""}, "host"),
+        ({"reported_at": datetime(2026, 1, 1)}, "needs a timezone"),
+    ]:
         with pytest.raises(ValueError, match=match):
             reg.heartbeat("r2", **{**ok, **over})
     with pytest.raises(ValueError, match="interval_s"):
@@ -103,8 +121,9 @@ def test_the_artifact_is_the_weight_store_file():
     assert WEIGHT_STORE_SUFFIXES == (ws.SNAPSHOT_SUFFIX, ws.DELTA_SUFFIX)
     v = {"bytes": 1, "sha256": sha("a"), "kind": "snapshot"}
     reg = Registry("sqlite://")
-    got = reg.register(files=[{**v, "path": "v1/model.safetensors"}, {**v, "path": "store/v1.snapshot.fws",
-                                                                      "sha256": sha("b")}])
+    got = reg.register(
+        files=[{**v, "path": "v1/model.safetensors"}, {**v, "path": "store/v1.snapshot.fws", "sha256": sha("b")}]
+    )
     assert got.artifact_sha256 == sha("b")
 
 
@@ -122,7 +141,10 @@ def test_changes_since(reg):
     reg.reject("v1", "carol", "no")  # one transaction, two rows: v1 rejected, v2 withdrawn
     assert reg.last_seq() == 7
     assert [(c.seq, c.version_id, c.action) for c in reg.changes_since(4)] == [
-        (5, "v1", "record_gate"), (6, "v1", "reject"), (7, "v2", "withdraw")]
+        (5, "v1", "record_gate"),
+        (6, "v1", "reject"),
+        (7, "v2", "withdraw"),
+    ]
     assert [c.seq for c in reg.changes_since(0, limit=2)] == [1, 2] and reg.changes_since(7) == []
 
 
@@ -164,8 +186,9 @@ def test_a_follower_never_skips_a_change(url, reg):
 @pytest.mark.parametrize("url", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True)
 def test_postgres_notifies_each_change_at_commit(reg):
     psycopg = pytest.importorskip("psycopg")
-    listener = psycopg.connect(f"host=127.0.0.1 port=5432 user=postgres dbname={reg.engine.url.database}",
-                               autocommit=True)
+    listener = psycopg.connect(
+        f"host=127.0.0.1 port=5432 user=postgres dbname={reg.engine.url.database}", autocommit=True
+    )
     try:
         listener.execute("LISTEN flywheel_registry")
         base(reg)
@@ -184,39 +207,23 @@ def test_postgres_notifies_each_change_at_commit(reg):
 
 
 # -- schema ---------------------------------------------------------------------------------------
-V1_DDL = [  # the tables as schema version 1 (no registry_meta) created them
-    "CREATE TABLE model_version (parent_id VARCHAR REFERENCES model_version (id), data_range {json} NOT NULL, "
-    "metrics {json} NOT NULL, files {json} NOT NULL, delta_base_id VARCHAR REFERENCES model_version (id), "
-    "notes VARCHAR NOT NULL, id VARCHAR(64) NOT NULL PRIMARY KEY, status VARCHAR(32) NOT NULL, "
-    "created_at {ts} NOT NULL)",
-    "CREATE UNIQUE INDEX one_promoted ON model_version (status) WHERE status = 'promoted'",
-    "CREATE TABLE audit_entry (version_id VARCHAR NOT NULL REFERENCES model_version (id), from_status VARCHAR(32), "
-    "to_status VARCHAR(32) NOT NULL, actor VARCHAR NOT NULL, reason VARCHAR NOT NULL, id {serial} PRIMARY KEY, "
-    "at {ts} NOT NULL)",
-    "INSERT INTO model_version VALUES (NULL, '{{}}', '{{}}', '[]', NULL, '', 'v1', 'promoted', CURRENT_TIMESTAMP)",
-    "INSERT INTO audit_entry (version_id, from_status, to_status, actor, reason, at) VALUES "
-    "('v1', NULL, 'candidate', 'learner', 'registered', CURRENT_TIMESTAMP), "
-    "('v1', 'candidate', 'promoted', 'alice', 'ok', CURRENT_TIMESTAMP)",
-]
 
 
-def test_a_version_1_registry_is_migrated_and_another_version_refused(url):
-    engine = make_engine(url)
-    pg = engine.dialect.name == "postgresql"
-    with engine.begin() as c:
-        for stmt in V1_DDL:
-            c.exec_driver_sql(stmt.format(json="JSONB" if pg else "JSON", ts="TIMESTAMPTZ" if pg else "DATETIME",
-                                          serial="SERIAL" if pg else "INTEGER"))
+def test_the_schema_version_is_recorded_and_another_refused(url):
     with Registry(url) as r:
-        assert [(a.seq, a.action, a.details) for a in r.audit()] == [(1, "register", {}), (2, "transition", {})]
-        assert r.get("v1").gate == {} and r.register(version_id="v2", parent_id="v1").status is Status.candidate
-        assert r.last_seq() == 3 and r.changes_since(2)[0].version_id == "v2"
+        r.register(version_id="v1")
+    engine = make_engine(url)
+    with engine.connect() as c:
+        meta = dict(c.exec_driver_sql("SELECT name, value FROM registry_meta").all())
+    assert meta == {"schema_version": SCHEMA_VERSION, "audit_seq": 1} and SCHEMA_VERSION == 1
     with Registry(url) as r:  # opening it again changes nothing
-        assert len(r.audit()) == 3
+        assert [a.seq for a in r.audit()] == [1] and r.last_seq() == 1
     with engine.begin() as c:
-        c.exec_driver_sql("UPDATE registry_meta SET value = 3 WHERE name = 'schema_version'")
-    engine.dispose()
-    with pytest.raises(ValueError, match="has schema version 3; this build reads 2"):
+        c.exec_driver_sql("UPDATE registry_meta SET value = 2 WHERE name = 'schema_version'")
+    with pytest.raises(ValueError, match="has schema version 2; this build reads 1"):
         Registry(url)
-
-
+    with engine.begin() as c:  # versions, but no version row: made before the schema was versioned
+        c.exec_driver_sql("DELETE FROM registry_meta")
+    engine.dispose()
+    with pytest.raises(ValueError, match="holds versions but no schema version"):
+        Registry(url)
