@@ -30,7 +30,6 @@ _KEY_LEN = struct.Struct("<H")
 
 
 def partition_for(key: str, partitions: int) -> int:
-    """The partition of `key`'s records."""
     return zlib.crc32(key.encode()) % partitions
 
 
@@ -135,9 +134,7 @@ class EmbeddedBus(EventBus):
 
     def close(self) -> None:
         with self._lock:
-            self._closed = True
-            logs = list(self._logs.values())
-            self._logs.clear()
+            self._closed, logs, self._logs = True, list(self._logs.values()), {}
             self._new_data.notify_all()
         for log in logs:
             log.close()
@@ -172,20 +169,15 @@ class EmbeddedConsumer(Consumer):
             if tp not in assigned:  # rebalanced away: its new owner starts from the committed position
                 del self._next[tp]
         out: list[Record] = []
-        committed: dict[str, dict[int, int]] = {}
         self._turn = (self._turn + 1) % max(1, len(assigned))
         for topic, p in assigned[self._turn :] + assigned[: self._turn]:
             if len(out) >= max_records:
                 break
-            start = self._next.get((topic, p))
-            if start is None:
-                if topic not in committed:
-                    committed[topic] = self.bus.committed(topic, self.group)
-                start = committed[topic].get(p, 0)
+            if (start := self._next.get((topic, p))) is None:  # newly assigned: from the committed position
+                start = self.bus.committed(topic, self.group).get(p, 0)
             for off, payload in self.bus._log(topic, p).read(start, limit=max_records - len(out)):
-                klen = _KEY_LEN.unpack_from(payload)[0]
-                key = payload[_KEY_LEN.size : _KEY_LEN.size + klen].decode()
-                out.append(Record(topic, p, off, key, payload[_KEY_LEN.size + klen :]))
+                k = _KEY_LEN.size + _KEY_LEN.unpack_from(payload)[0]  # where the key ends
+                out.append(Record(topic, p, off, payload[_KEY_LEN.size : k].decode(), payload[k:]))
                 start = off + 1
             self._next[(topic, p)] = start
         return out

@@ -1,13 +1,11 @@
 """The Kafka event bus (kafka-python): a spooled idempotent producer and consumer groups.
 
-`publish_many()` checks the records and appends them to a `feedback.spool.Spool`: it returns once
-they are fsynced locally, never waiting for the broker. The spool's forwarder thread hands batches to
-`_deliver`, which sends them with kafka-python's `KafkaProducer` (acks=all, idempotent, murmur2 of the
-key: a completion and its feedback share a partition) and returns once the broker acknowledged all of
-them. A failed batch is sent again whole with a fresh producer (a restarted broker knows neither our
-producer id nor our topics): repeats are possible, reordering is not; consumers drop repeats by event
-id. Topics are created on first use. Consumers commit explicit offsets only when the caller processed
-the records; a consumer closed without commit leaves them to the next member.
+`publish_many()` appends the records to a `feedback.spool.Spool` and returns once they are fsynced,
+never waiting for the broker. The spool's forwarder hands batches to `_deliver`: a `KafkaProducer`
+(acks=all, idempotent, murmur2 of the key: a completion and its feedback share a partition) that
+returns once the broker acknowledged all of them. A failed batch is sent again whole with a fresh
+producer (a restarted broker knows neither our producer id nor our topics): repeats, never reordering.
+Topics are created on first use; consumers commit explicit offsets of what the caller processed.
 
 Called by the gateway, the joiner and the learner when `FLYWHEEL_BUS=kafka`.
 """
@@ -68,10 +66,9 @@ class KafkaBus(EventBus):
         """`send_timeout_s` bounds one delivery attempt (and connecting); `consumer_config` overrides
         kafka-python consumer settings (e.g. a short `session_timeout_ms` in tests). `spool_dir=None`:
         no spool, so no publishing (a bus that only consumes)."""
-        if partitions < 1:
-            raise ValueError(f"partitions must be >= 1, got {partitions}")
-        if replication < 1:
-            raise ValueError(f"replication must be >= 1, got {replication}")
+        for name, n in (("partitions", partitions), ("replication", replication)):
+            if n < 1:
+                raise ValueError(f"{name} must be >= 1, got {n}")
         if send_timeout_s < 2:
             raise ValueError(f"send_timeout_s must be >= 2 (a producer needs time to connect), got {send_timeout_s}")
         if not bootstrap:
@@ -79,11 +76,11 @@ class KafkaBus(EventBus):
         self.bootstrap, self.partitions, self.replication = bootstrap, partitions, replication
         self.client_id, self.send_timeout_s = client_id, send_timeout_s
         self._timeout_ms = ms = int(send_timeout_s * 1000)
-        connect = {"bootstrap_servers": bootstrap, "bootstrap_timeout_ms": ms}
-        self._consumer_config = CONSUMER_CONFIG | connect | {"client_id": f"{client_id}-consumer"}
+        conn = {"bootstrap_servers": bootstrap, "bootstrap_timeout_ms": ms}
+        self._consumer_config = CONSUMER_CONFIG | conn | {"client_id": f"{client_id}-consumer"}
         self._consumer_config.update(consumer_config or {})
         timeouts = {"max_block_ms": ms, "request_timeout_ms": ms, "delivery_timeout_ms": ms + 1000}
-        self._producer_config = PRODUCER_CONFIG | connect | timeouts | {"client_id": f"{client_id}-producer"}
+        self._producer_config = PRODUCER_CONFIG | conn | timeouts | {"client_id": f"{client_id}-producer"}
         self._producer: KafkaProducer | None = None
         self._admin: KafkaAdminClient | None = None
         self._admin_lock = threading.Lock()
@@ -130,8 +127,7 @@ class KafkaBus(EventBus):
                 self.ensure_topic(topic)
                 self._ready_topics.add(topic)
             if new_topics:
-                # kafka-python 3.0's sender spins on a topic created after its first metadata
-                # fetch (docs/benchmarks.md): a producer made after the topics exist does not.
+                # kafka-python 3.0's sender spins on topics created after its first metadata fetch (docs/benchmarks.md)
                 self._drop_producer()
             if self._producer is None:
                 self._producer = KafkaProducer(**self._producer_config)
@@ -227,33 +223,24 @@ class KafkaBusConsumer(Consumer):
         if self._closed:
             raise RuntimeError("consumer is closed")
         got = self._c.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
-        return [
-            Record(m.topic, m.partition, m.offset, m.key.decode() if m.key is not None else "", m.value)
-            for tp in sorted(got, key=lambda tp: (tp.topic, tp.partition))
-            for m in got[tp]
-        ]
+        msgs = [m for tp in sorted(got, key=lambda tp: (tp.topic, tp.partition)) for m in got[tp]]
+        return [Record(m.topic, m.partition, m.offset, m.key.decode() if m.key else "", m.value) for m in msgs]
 
     def assignment(self) -> list[tuple[str, int]]:
         return sorted((tp.topic, tp.partition) for tp in self._c.assignment())
 
     def commit(self, records: list[Record]) -> None:
         positions = self._positions(records)
-        offsets = {
-            TopicPartition(t, p): OffsetAndMetadata(o, "", -1)
-            for (t, p), o in positions.items()
-            if o > self._committed.get((t, p), 0)
-        }
-        if not offsets:
+        if not (new := {tp: o for tp, o in positions.items() if o > self._committed.get(tp, 0)}):
             return
         try:
-            self._c.commit(offsets)
+            self._c.commit({TopicPartition(*tp): OffsetAndMetadata(o, "", -1) for tp, o in new.items()})
         except CommitFailedError as e:
             # The group rebalanced: these partitions belong to another member now, which starts from
             # the last committed position, so the records are delivered again (and deduplicated).
             log.warning("kafka bus: commit of %s failed after a rebalance; they will be redelivered: %r", positions, e)
             return
-        for tp, o in positions.items():
-            self._committed[tp] = max(self._committed.get(tp, 0), o)
+        self._committed.update(new)
 
     def close(self) -> None:
         if self._closed:

@@ -109,17 +109,14 @@ class CompletionIndex:
         if backend == "sqlite":
             sa.event.listen(self.engine, "connect", _sqlite_pragmas)
         self._insert = sqlite.insert if backend == "sqlite" else postgresql.insert
-        self._closed = False
-        self._last_prune = 0.0
+        self._closed, self._last_prune = False, 0.0
         ours = str(FORMAT_VERSION)
         with self.engine.begin() as db:
             _meta.create_all(db)
             db.execute(self._insert(_meta_table).values(name=_VERSION_KEY, value=ours).on_conflict_do_nothing())
             stored = db.execute(_GET_VERSION).scalar_one()
         if stored != ours:
-            raise ValueError(
-                f"completion index at {self.engine.url!r}: format version {stored}, this build reads {ours}"
-            )
+            raise ValueError(f"completion index {self.engine.url!r}: format version {stored}, this build reads {ours}")
 
     def _db(self):
         if self._closed:
@@ -142,7 +139,8 @@ class CompletionIndex:
         upsert = stmt.on_conflict_do_update(index_elements=["completion_id"], set_={k: stmt.excluded[k] for k in row})
         with self._db() as db:
             db.execute(upsert)
-        self._maybe_prune(served_ts)
+        if served_ts - self._last_prune >= PRUNE_EVERY_S:
+            self.prune(served_ts)
 
     def get(self, completion_id: str) -> CompletionEntry | None:
         return self.get_many([completion_id]).get(completion_id)
@@ -202,10 +200,6 @@ class CompletionIndex:
         with self._db() as db:
             db.execute(_PRUNE_KEYS, {"before": now - self.accepted_ttl_s})
             db.execute(_PRUNE_COMPLETIONS, {"before": now - self.completion_ttl_s})
-
-    def _maybe_prune(self, now: float) -> None:
-        if now - self._last_prune >= PRUNE_EVERY_S:
-            self.prune(now)
 
     def close(self) -> None:
         if not self._closed:

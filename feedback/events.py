@@ -13,17 +13,14 @@ import json
 import math
 import time
 import uuid
+from dataclasses import asdict
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 SCHEMA_VERSION = 1
 
-TOPICS = {
-    "completion": "flywheel.completions",
-    "feedback": "flywheel.feedback",
-    "sample": "flywheel.samples",
-}
+TOPICS = {"completion": "flywheel.completions", "feedback": "flywheel.feedback", "sample": "flywheel.samples"}
 
 
 def new_event_id() -> str:
@@ -95,8 +92,6 @@ class CompletionEvent(Event):
     @classmethod
     def from_completion(cls, c, tenant: str, user: str | None, endpoint: str) -> CompletionEvent:
         """From an engine's `serving.engine.Completion` (duck-typed: feedback/ does not import torch)."""
-        from dataclasses import asdict
-
         return cls(
             tenant=tenant,
             completion_id=c.request_id,
@@ -123,8 +118,7 @@ MAX_DWELL_S = 24 * 3600.0
 
 
 def check_value(kind: str, v: float | None) -> float | None:
-    """`FeedbackEvent.value`'s rule for `kind` (a valid kind): the value as a float (or None), or a
-    ValueError naming it."""
+    """`FeedbackEvent.value`'s rule for a valid `kind`: the value as a float (or None), or a ValueError."""
     if v is not None:
         v = float(v)
         if not math.isfinite(v):

@@ -50,6 +50,9 @@ class FeedbackIn(BaseModel):
     _value_fits_kind = field_validator("value")(value_fits_kind)
 
 
+Item = tuple[FeedbackIn, str | None]  # an event and its idempotency key
+
+
 class FeedbackBatch(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     events: list[FeedbackIn] = Field(min_length=1, max_length=MAX_BATCH)
@@ -101,13 +104,7 @@ def fingerprint(item: FeedbackIn, tenant: str) -> str:
     return "v1:" + hashlib.sha256(repr(what).encode()).hexdigest()[:32]
 
 
-def accept(
-    index: CompletionIndex,
-    bus: EventBus,
-    tenant: str,
-    items: list[tuple[FeedbackIn, str | None]],
-    now: float | None = None,
-) -> Accepted:
+def accept(index: CompletionIndex, bus: EventBus, tenant: str, items: list[Item], now: float | None = None) -> Accepted:
     """Accept one request's events, `(event, idempotency key or None)`, all or nothing."""
     now = time.time() if now is None else now
     known = index.get_many([it.completion_id for it, _ in items])

@@ -81,11 +81,8 @@ class _BoundedSet(OrderedDict):
 
 
 class JoinerCore:
-    """Completions waiting for their window to close, orphan feedback, counters.
-
-    `source` (optional on every input) is where the event came from on the bus; `oldest_held()` tells,
-    per partition, the oldest source still held: what a caller may not commit yet.
-    """
+    """Completions waiting for their window to close, orphan feedback, counters. `source` (optional on
+    every input) is the event's bus record; `oldest_held()` is what a caller may not commit yet."""
 
     def __init__(
         self, spec: RewardSpec, window_s: float, clock: Callable[[], float] = time.time, *, max_orphans: int = 100_000
@@ -99,7 +96,7 @@ class JoinerCore:
         self.stats: dict[str, int] = {k: 0 for k in STAT_KEYS} | {f"late_{k}": 0 for k in FEEDBACK_KINDS}
         self._pending: dict[str, _Pending] = {}
         self._deadlines: list[tuple[float, int, str]] = []  # heap of (deadline, seq, completion_id)
-        self._orphans: dict[str, list[Orphan]] = {}  # by completion_id
+        self._orphans: dict[str, dict[str, Orphan]] = {}  # by completion_id, then event_id
         self._n_orphans = 0
         self._orphan_expiry: list[tuple[float, int, str, str]] = []  # heap of (expiry, seq, cid, event_id)
         self._seq = itertools.count()
@@ -116,7 +113,7 @@ class JoinerCore:
         p = _Pending(ev, ev.ts + self.window_s, sources=[] if source is None else [source], event_ids=[ev.event_id])
         self._pending[ev.completion_id] = p
         heapq.heappush(self._deadlines, (p.deadline, next(self._seq), ev.completion_id))
-        for fb, src in self._orphans.pop(ev.completion_id, []):
+        for fb, src in self._orphans.pop(ev.completion_id, {}).values():
             self._n_orphans -= 1
             self._attach(p, fb, src)
 
@@ -133,7 +130,7 @@ class JoinerCore:
         else:
             if self._n_orphans >= self.max_orphans:
                 self._evict_oldest_orphan()
-            self._orphans.setdefault(ev.completion_id, []).append((ev, source))
+            self._orphans.setdefault(ev.completion_id, {})[ev.event_id] = (ev, source)
             self._n_orphans += 1
             heapq.heappush(self._orphan_expiry, (ev.ts + self.window_s, next(self._seq), ev.completion_id, ev.event_id))
 
@@ -164,25 +161,18 @@ class JoinerCore:
             _, _, cid, eid = heapq.heappop(self._orphan_expiry)
             if self._drop_orphan(cid, eid):
                 self.stats["orphans_overflow"] += 1
-                log.warning(
-                    "orphan buffer full (%d): dropped feedback %s for unknown completion %s", self.max_orphans, eid, cid
-                )
+                n = self.max_orphans
+                log.warning("orphan buffer full (%d): dropped feedback %s for unknown completion %s", n, eid, cid)
                 return
 
-    def _drop_orphan(self, cid: str, eid: str) -> int:
-        return len(self._drop_orphans(cid, lambda fb, _: fb.event_id == eid))
-
-    def _drop_orphans(self, cid: str, drop: Callable[[FeedbackEvent, Source | None], bool]) -> list[Orphan]:
-        """Drop the orphans of completion `cid` that `drop` picks (none if attached already); returns them."""
-        entries = self._orphans.get(cid, [])
-        dropped = [e for e in entries if drop(*e)]
-        if dropped:
-            self._n_orphans -= len(dropped)
-            if kept := [e for e in entries if not drop(*e)]:
-                self._orphans[cid] = kept
-            else:
-                del self._orphans[cid]
-        return dropped
+    def _drop_orphan(self, cid: str, eid: str) -> bool:
+        """Drop one orphan; False if it is gone already (attached, expired or released)."""
+        if (entries := self._orphans.get(cid)) is None or entries.pop(eid, None) is None:
+            return False
+        self._n_orphans -= 1
+        if not entries:
+            del self._orphans[cid]
+        return True
 
     # ---- output --------------------------------------------------------------------------------
     def tick(self, now: float | None = None) -> list[SampleEvent]:
@@ -231,9 +221,10 @@ class JoinerCore:
             if p.sources and p.sources[0][0] == TOPICS["completion"] and p.sources[0][1] in partitions:
                 del self._pending[cid]  # its deadline entry is skipped by tick()
                 forgotten += p.event_ids
-        for cid in list(self._orphans):
-            dropped = self._drop_orphans(cid, lambda fb, src: src is not None and src[1] in partitions)
-            forgotten += [fb.event_id for fb, _ in dropped]
+        for cid, entries in list(self._orphans.items()):
+            for eid, (_, src) in list(entries.items()):
+                if src is not None and src[1] in partitions and self._drop_orphan(cid, eid):
+                    forgotten.append(eid)
         for eid in forgotten:
             self._seen.pop(eid, None)
         return len(forgotten)
@@ -254,7 +245,8 @@ class JoinerCore:
         """Per (topic, partition): the smallest offset among the records whose events the core holds."""
         out: dict[tuple[str, int], int] = {}
         held = [src for p in self._pending.values() for src in p.sources]
-        for topic, partition, offset in held + [s for es in self._orphans.values() for _, s in es if s is not None]:
+        held += [s for es in self._orphans.values() for _, s in es.values() if s is not None]
+        for topic, partition, offset in held:
             out[(topic, partition)] = min(offset, out.get((topic, partition), offset))
         return out
 
@@ -303,7 +295,6 @@ class JoinerService:
         return samples
 
     def run(self, stop_event: threading.Event, timeout_s: float = 0.5) -> None:
-        """`run_once` until `stop_event` is set, then leave the group."""
         try:
             while not stop_event.is_set():
                 self.run_once(timeout_s)

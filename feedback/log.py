@@ -42,10 +42,6 @@ def _crc(payload: bytes) -> int:
     return zlib.crc32(payload, zlib.crc32(struct.pack("<I", len(payload))))  # the length is covered too
 
 
-def _frames(payloads: list[bytes]) -> bytes:
-    return b"".join(_FRAME.pack(len(p), _crc(p)) + p for p in payloads)
-
-
 class SegmentReader:
     """Reads one segment file frame by frame from a byte position: the only parser of the format."""
 
@@ -147,7 +143,7 @@ class DurableLog:
 
     def append(self, payloads: list[bytes]) -> int:
         """Write and fsync `payloads` in order; their first offset once they are durable."""
-        data = _frames(payloads)
+        data = b"".join(_FRAME.pack(len(p), _crc(p)) + p for p in payloads)
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"log {self.folder} is closed")

@@ -67,23 +67,16 @@ class RewardSpec(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> RewardSpec:
-        if not self.reward_min <= 0.0 <= self.reward_max or self.reward_min == self.reward_max:
-            raise ValueError(
-                f"reward_min <= 0 <= reward_max and reward_min < reward_max must hold, "
-                f"got [{self.reward_min}, {self.reward_max}]"
-            )
-        if not self.edited_none_kept <= self.edited_all_kept:
-            raise ValueError(
-                f"edited_none_kept ({self.edited_none_kept}) must be <= edited_all_kept "
-                f"({self.edited_all_kept}): keeping more of a completion cannot be worse"
-            )
+        lo, hi = self.reward_min, self.reward_max
+        if not lo <= 0.0 <= hi or lo == hi:
+            raise ValueError(f"reward_min <= 0 <= reward_max and reward_min < reward_max must hold, got [{lo}, {hi}]")
+        none, full = self.edited_none_kept, self.edited_all_kept
+        if not none <= full:  # keeping more of a completion cannot be worse
+            raise ValueError(f"edited_none_kept ({none}) must be <= edited_all_kept ({full})")
         signals = (self.accepted, self.rejected, self.thumb_up, self.thumb_down, self.copied, self.regenerated)
         others = [abs(v) for v in signals if v != 0.0]
-        if others and self.dwell_weight >= min(others):
-            raise ValueError(
-                f"dwell_weight ({self.dwell_weight}) must be below every other nonzero signal "
-                f"(smallest {min(others)}): dwell is only a tie-breaker"
-            )
+        if others and self.dwell_weight >= (least := min(others)):  # dwell is only a tie-breaker
+            raise ValueError(f"dwell_weight ({self.dwell_weight}) must be below every other nonzero signal ({least})")
         return self
 
 

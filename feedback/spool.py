@@ -20,7 +20,6 @@ import json
 import logging
 import struct
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -43,9 +42,6 @@ class SpooledRecord:
     topic: str
     key: str
     value: bytes
-
-
-Deliver = Callable[[list[SpooledRecord]], None]
 
 
 def encode(topic: str, key: str, value: bytes) -> bytes:
@@ -86,7 +82,7 @@ class Spool:
     def __init__(
         self,
         folder: str | Path,
-        deliver: Deliver,
+        deliver: Callable[[list[SpooledRecord]], None],
         *,
         retriable: tuple[type[BaseException], ...] = (OSError,),
         batch_size: int = 500,
@@ -124,7 +120,6 @@ class Spool:
             log.warning("spool: %s is unreadable (%r); resuming at the first segment kept", self._pos_path, e)
             return 0
 
-    # ---- publishing ---------------------------------------------------------------------------
     def publish(self, topic: str, key: str, value: bytes) -> int:
         return self.publish_many([(topic, key, value)])
 
@@ -139,7 +134,6 @@ class Spool:
             self._cond.notify_all()
         return first
 
-    # ---- state --------------------------------------------------------------------------------
     @property
     def forwarded(self) -> int:
         """Records below this offset are acknowledged by the destination."""
@@ -154,44 +148,31 @@ class Spool:
         """False once the forwarder stopped on an error that is not retriable."""
         return self._error is None
 
-    def _raise_if_dead(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"spool {self.folder}: the forwarder died: {self._error!r}") from self._error
-
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until everything published before the call is delivered: TimeoutError (naming the
         backlog and the last failure) after `timeout_s`, RuntimeError when the forwarder is dead."""
-        deadline = time.monotonic() + timeout_s
         target = self._log.end_offset
         with self._cond:
-            while self._forwarded < target:
-                self._raise_if_dead()
-                if self._stop:
-                    raise RuntimeError(f"spool {self.folder} is closed")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(
-                        f"spool {self.folder}: {target - self._forwarded} records not "
-                        f"forwarded after {timeout_s}s (last failure: {self.last_failure!r})"
-                    )
-                self._cond.wait(timeout=min(left, 0.5))
-        self._raise_if_dead()
+            self._cond.wait_for(lambda: self._forwarded >= target or self._error is not None or self._stop, timeout_s)
+        if self._error is not None:
+            raise RuntimeError(f"spool {self.folder}: the forwarder died: {self._error!r}") from self._error
+        if (left := target - self._forwarded) > 0:
+            if self._stop:
+                raise RuntimeError(f"spool {self.folder} is closed")
+            why = f"after {timeout_s}s (last failure: {self.last_failure!r})"
+            raise TimeoutError(f"spool {self.folder}: {left} records not forwarded {why}")
 
     @contextlib.contextmanager
     def hold(self, timeout_s: float = 30.0) -> Iterator[int]:
         """Pause forwarding (broker maintenance): waits for the batch in flight, yields `forwarded`.
         Publishing keeps spooling while held; forwarding resumes on exit."""
-        deadline = time.monotonic() + timeout_s
         with self._cond:
             if self._held:
                 raise RuntimeError(f"spool {self.folder} is already held")
             self._held = True
-            while self._in_flight:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self._held = False
-                    raise TimeoutError(f"spool {self.folder}: the batch in flight did not finish in {timeout_s}s")
-                self._cond.wait(timeout=min(left, 0.5))
+            if not self._cond.wait_for(lambda: not self._in_flight, timeout_s):
+                self._held = False
+                raise TimeoutError(f"spool {self.folder}: the batch in flight did not finish in {timeout_s}s")
             pos = self._forwarded
         try:
             yield pos
@@ -262,8 +243,7 @@ class Spool:
                     self._in_flight = False  # a hold may begin between attempts
                     self._cond.notify_all()
                     self._cond.wait_for(lambda: self._stop, timeout=delay)
-                    while self._held and not self._stop:
-                        self._cond.wait(timeout=1.0)
+                    self._cond.wait_for(lambda: self._stop or not self._held)
                     if self._stop:
                         return
                     self._in_flight = True

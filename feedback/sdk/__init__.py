@@ -7,8 +7,8 @@ Only httpx and pydantic are needed (no torch); `feedback.sdk.client` describes b
 idempotency, fork safety and error reporting.
 """
 
-from feedback.sdk.aio import AsyncFeedbackClient
 from feedback.sdk.client import (
+    AsyncFeedbackClient,
     ClientClosedError,
     FeedbackAPIError,
     FeedbackClient,

@@ -12,6 +12,7 @@ starts empty, with its own lock, thread and connection.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import json
 import logging
@@ -162,12 +163,9 @@ class _Client:
         self.batch_size, self.flush_interval_s, self.max_queue = batch_size, flush_interval_s, max_queue
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
         self.timeout_s, self.on_error = timeout_s, on_error
-        self.headers = {
-            "content-type": "application/json",
-            "user-agent": "flywheel-feedback-sdk/0.1",
-            **({"authorization": f"Bearer {api_key}"} if api_key else {}),
-            **({"x-flywheel-tenant": tenant} if tenant else {}),
-        }
+        self.headers = {"content-type": "application/json", "user-agent": "flywheel-feedback-sdk/0.1"}
+        self.headers |= {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.headers |= {"x-flywheel-tenant": tenant} if tenant else {}
         self._closed = False
         self._reset()
         _LIVE.add(self)
@@ -366,6 +364,23 @@ class FeedbackClient(_Client):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class AsyncFeedbackClient(_Client):
+    """The client for asyncio code: calls queue as `FeedbackClient`'s do (no I/O, sent by the client's
+    thread, not the event loop); `flush()` and `aclose()` are `_flush` and `_close` awaited in a thread."""
+
+    async def flush(self, timeout: float | None = None) -> bool:
+        return await asyncio.to_thread(self._flush, timeout)
+
+    async def aclose(self, timeout: float | None = None) -> None:
+        await asyncio.to_thread(self._close, timeout)
+
+    async def __aenter__(self) -> AsyncFeedbackClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
 
 
 # ---- process lifecycle: close at exit, fresh state in a forked child -----------------------------
