@@ -3,13 +3,20 @@
 Owns request scheduling, prefill/decode steps, sampling, stop handling and the per-completion
 record (output token ids, the sampled log-probabilities, the experts every token was routed to).
 Several model versions are held at once, each with its own weights and cache; a request names
-the version it wants. Called by the gateway (`api/`), bootstrap's evaluation, the benchmark and
-the tests. Knows nothing about HTTP or Kafka.
+the version it wants (or gets the default) and is bound to it when submitted. Called by the gateway
+(`api/`), bootstrap's evaluation, the benchmark and the tests. Knows nothing about HTTP or Kafka.
+
+Hot swap (rules in `serving/versions.py`, the sequence in `serving/swap.py`): `add_version` loads a
+new version beside the served one while the loop goes on serving; `set_default` sends new requests
+to it; `retire_version` refuses new requests for the old one and unloads it (its model and cache
+freed) once its last request in flight has ended. `update_weights` changes a version in place only
+while nothing is in flight on it (otherwise `VersionBusy`), so one completion never mixes weights.
 
 Scheduling, one loop iteration per version with work: admit waiting requests into free slots
 (one batched prefill), then one decode step for every running sequence. New requests join the
 batch between decode steps; finished ones leave it and free their slot at once. Weight updates
-queued with `update_weights` are applied between steps, never inside one.
+queued with `update_weights` are applied between steps, never inside one; retired versions with
+nothing in flight are unloaded there too.
 
 Routed experts are recorded for every token fed through the model: the prompt's P tokens and
 the first N-1 generated ones (the last generated token is never fed), so `routed_experts` has
@@ -37,7 +44,7 @@ import queue
 import threading
 import time
 import uuid
-from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,9 +53,10 @@ import numpy as np
 import torch
 
 from serving.checkpoint import load_checkpoint
-from serving.model import KVCache, ModelArgs, Transformer
+from serving.model import ModelArgs, Transformer
 from serving.sampling import SamplingParams, sample_rows, sampling_logprobs
 from serving.tokenizer import Tokenizer
+from serving.versions import ServedVersion, VersionTable
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +190,7 @@ class GenerateMixin:
 @dataclass
 class _Seq:
     request_id: str
+    version: str
     prompt_ids: list[int]
     params: SamplingParams
     handle: RequestHandle
@@ -201,18 +210,6 @@ class _Seq:
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.out_ids)
-
-
-class _Version:
-    def __init__(self, name: str, model: Transformer, tokenizer: Tokenizer, n_slots: int, max_len: int):
-        self.name, self.model, self.tokenizer = name, model, tokenizer
-        self.dtype = next(model.parameters()).dtype
-        # Ids past the tokenizer's vocabulary (an embedding padded for speed) are never sampled.
-        self.n_vocab = min(model.args.vocab_size, tokenizer.vocab_size)
-        self.cache = KVCache.empty(model.args, n_slots, max_len, dtype=self.dtype)
-        self.free = list(range(n_slots - 1, -1, -1))
-        self.waiting: deque[_Seq] = deque()
-        self.running: list[_Seq] = []
 
 
 class _Done(threading.Event):
@@ -235,16 +232,15 @@ class EmbeddedEngine(GenerateMixin):
             from core.settings import get_settings
             batch_invariant = get_settings().batch_invariant
         self.batch_invariant = batch_invariant
-        self._versions: dict[str, _Version] = {}
+        self._table: VersionTable[ServedVersion[_Seq]] = VersionTable()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._lock = threading.Lock()
         self._rng = torch.Generator().manual_seed(seed)
         self._ids = itertools.count()
         self.failure: BaseException | None = None
-        self.default_version: str | None = None
+        self.on_unload: Callable[[str], object] | None = None  # called with each retired version once it is gone
         # start_thread=False: the caller runs `run_loop()` on a thread of its own (the engine process runs
         # it on its main thread, where torch's 2-thread parallel regions cost what they should).
         self._thread = threading.Thread(target=self._run, name="flywheel-engine", daemon=True)
@@ -255,7 +251,9 @@ class EmbeddedEngine(GenerateMixin):
     # ---- versions -------------------------------------------------------------------------
     def add_version(self, name: str, source: str | Path | Transformer, tokenizer: Tokenizer | None = None,
                     default: bool = False) -> None:
-        """Hold another model version (a checkpoint folder, or a model plus its tokenizer)."""
+        """Load another model version beside those held (a checkpoint folder, or a model plus its tokenizer),
+        on the caller's thread while the loop goes on serving. A model object is served as it is: do not
+        change its weights while it is loaded (`update_weights` does that safely)."""
         if isinstance(source, Transformer):
             if tokenizer is None:
                 raise ValueError("add_version with a model object needs its tokenizer")
@@ -264,24 +262,35 @@ class EmbeddedEngine(GenerateMixin):
             model = load_checkpoint(source)
             tokenizer = tokenizer or Tokenizer.from_file(Path(source) / "tokenizer.json")
         max_len = min(self.max_model_len, model.args.max_seq_len)
-        with self._lock:
-            if name in self._versions:
-                raise ValueError(f"model version {name!r} is already loaded")
-            self._versions[name] = _Version(name, model, tokenizer, self.max_batch, max_len)
-            if default or self.default_version is None:
-                self.default_version = name
+        self._table.add(name, ServedVersion(name, model, tokenizer, self.max_batch, max_len), default)
 
-    def remove_version(self, name: str) -> None:
-        """Unload a version once its in-flight requests finish (new ones are refused at once)."""
-        done = _Done()
-        self._commands.put(("remove", name, done))
+    @property
+    def default_version(self) -> str | None:
+        """The version a request that names none is served by."""
+        return self._table.default
+
+    def set_default(self, name: str) -> None:
+        """Send new requests that name no version to `name`; requests in flight finish where they are."""
+        self._table.set_default(name)
+
+    def retire_version(self, name: str, wait: bool = True) -> None:
+        """Refuse new requests for `name` at once and unload it once its requests in flight have ended
+        (never under a running one); `wait=True` returns once it is unloaded. Not the default version."""
+        unloaded = self._table.retire(name)
         self._wake.set()
-        done.wait()
+        while wait and not unloaded.wait(timeout=0.1):
+            if not self.alive:  # no loop to unload it: its requests have failed already
+                self._unload_retired(name)
+
+    def remove_version(self, name: str) -> None:  # the older name of retire_version(name, wait=True)
+        self.retire_version(name, wait=True)
 
     def call_in_loop(self, fn):
         """Run `fn()` on the engine's loop thread between two steps; returns its result (or raises)."""
+        if not self.alive:
+            raise EngineError(f"engine is not running: {self.failure!r}")
         done = _Done()
-        self._commands.put(("call", fn, done))
+        self._commands.put((fn, done))
         self._wake.set()
         done.wait()
         if isinstance(done.error, BaseException):
@@ -289,19 +298,18 @@ class EmbeddedEngine(GenerateMixin):
         return done.result
 
     def update_weights(self, name: str, weights: dict[str, torch.Tensor]) -> None:
-        """Replace a version's weights (a state dict of our model's names) between two decode steps;
-        returns once applied."""
-        done = _Done()
-        self._commands.put(("update", (name, weights), done))
-        self._wake.set()
-        done.wait()
-        if isinstance(done.error, BaseException):
-            raise done.error
+        """Replace a version's weights in place (a state dict of our model's names) between two decode steps;
+        returns once applied. Refused with `VersionBusy` while requests are in flight on it: serve new weights
+        to live traffic as a new version beside it instead (`serving.swap.hot_swap`)."""
+        def load() -> None:
+            with self._table.exclusive(name) as v:
+                v.model.load_state_dict(weights, strict=True)
+        self.call_in_loop(load)
 
     @property
     def versions(self) -> list[str]:
-        with self._lock:
-            return list(self._versions)
+        """Loaded versions; a retired one stays listed until it is unloaded."""
+        return self._table.names()
 
     def tokenizer(self, version: str | None = None) -> Tokenizer:
         return self._get(version).tokenizer
@@ -313,12 +321,8 @@ class EmbeddedEngine(GenerateMixin):
     def model_args(self, version: str | None = None) -> ModelArgs:
         return self._get(version).model.args
 
-    def _get(self, version: str | None) -> _Version:
-        name = version or self.default_version
-        with self._lock:
-            if name not in self._versions:
-                raise KeyError(f"model version {name!r} is not loaded; loaded: {sorted(self._versions)}")
-            return self._versions[name]
+    def _get(self, version: str | None) -> ServedVersion[_Seq]:
+        return self._table.get(version)
 
     # ---- requests -------------------------------------------------------------------------
     @property
@@ -338,13 +342,17 @@ class EmbeddedEngine(GenerateMixin):
         `stream=False` delivers only the final event: no per-token wake-ups of the caller."""
         if not self.alive:
             raise EngineError(f"engine is not running: {self.failure!r}")
-        v = self._get(version)
-        check_request(prompt_ids, params, v.model.args.vocab_size, v.cache.max_len)
+        name, v = self._table.acquire(version)  # bound to this version from here to its last event
+        try:
+            check_request(prompt_ids, params, v.model.args.vocab_size, v.cache.max_len)
+        except ValueError:
+            self._table.release(name)
+            self._wake.set()  # it may have been the last request of a retired version
+            raise
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
         handle = RequestHandle(rid, None if sink else caller_loop(), stream, sink)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        seq = _Seq(rid, list(prompt_ids), params, handle, gen, time.perf_counter())
-        self._inbox.put((v.name, seq))
+        self._inbox.put(_Seq(rid, name, list(prompt_ids), params, handle, gen, time.perf_counter()))
         self._wake.set()
         return handle
 
@@ -362,12 +370,9 @@ class EmbeddedEngine(GenerateMixin):
             with torch.inference_mode():
                 while not self._stop.is_set():
                     self._apply_commands()
+                    self._unload_retired()
                     self._drain_inbox()
-                    worked = False
-                    for v in list(self._versions.values()):
-                        worked |= self._admit(v)
-                        worked |= self._decode(v)
-                    if not worked:
+                    if not self._step():
                         self._wake.wait(timeout=0.5)
                         self._wake.clear()
         except BaseException as e:  # a dead engine fails loudly: every waiter gets the error
@@ -377,57 +382,66 @@ class EmbeddedEngine(GenerateMixin):
             raise
         self._fail_all(EngineError("engine shut down"))
 
+    def _step(self) -> bool:
+        """Admit and decode on every version with work (a method: no version outlives it in a local)."""
+        worked = False
+        for v in self._table.values():
+            worked |= self._admit(v)
+            worked |= self._decode(v)
+        return worked
+
+    def _unload_retired(self, *names: str) -> None:
+        for name in names or self._table.idle_retired():  # the model and cache go with the table's reference
+            if self._table.drop(name) is not None and self.on_unload is not None:
+                self.on_unload(name)
+
+    def _post_error(self, seq: _Seq, err: BaseException) -> None:
+        self._table.release(seq.version)
+        seq.handle._post(StreamEvent("", [], [], error=err))
+
     def _fail_all(self, err: BaseException) -> None:
         while True:
             try:
-                _, seq = self._inbox.get_nowait()
+                seq = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            seq.handle._post(StreamEvent("", [], [], error=err))
-        for v in self._versions.values():
+            self._post_error(seq, err)
+        for v in self._table.values():
             for seq in list(v.waiting) + v.running:
-                seq.handle._post(StreamEvent("", [], [], error=err))
+                self._post_error(seq, err)
             v.waiting.clear()
             v.running.clear()
+        self._unload_retired()
+        while True:
+            try:
+                _, done = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            done.error = err
+            done.set()
 
     def _apply_commands(self) -> None:
         while True:
             try:
-                kind, arg, done = self._commands.get_nowait()
+                fn, done = self._commands.get_nowait()
             except queue.Empty:
                 return
             try:
-                if kind == "call":
-                    done.result = arg()
-                elif kind == "update":
-                    name, state = arg
-                    v = self._get(name)
-                    v.model.load_state_dict(state, strict=True)
-                elif kind == "remove":
-                    with self._lock:
-                        held = self._versions.get(arg)
-                    if held is not None and (held.running or held.waiting):
-                        self._commands.put((kind, arg, done))  # try again after the next step
-                        return
-                    with self._lock:
-                        self._versions.pop(arg, None)
-                        if self.default_version == arg:
-                            self.default_version = next(iter(self._versions), None)
-            except Exception as e:  # reported to the caller of update_weights, the engine goes on
+                done.result = fn()
+            except Exception as e:  # reported to the caller (of update_weights, say), the engine goes on
                 done.error = e
             done.set()
 
     def _drain_inbox(self) -> None:
         while True:
             try:
-                name, seq = self._inbox.get_nowait()
+                seq = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            v = self._versions.get(name)
-            if v is None:
-                seq.handle._post(StreamEvent("", [], [], error=EngineError(f"model version {name!r} was unloaded")))
-            else:
-                v.waiting.append(seq)
+            try:  # a request in the inbox counts as in flight: its version is still here
+                self._table.get(seq.version).waiting.append(seq)
+            except KeyError:
+                self._post_error(seq, EngineError(f"model version {seq.version!r} was unloaded"))
 
     def _uniforms(self, seqs: list[_Seq]) -> torch.Tensor:
         """One uniform per row: seeded requests draw from their own generator, the rest from the engine's."""
@@ -437,7 +451,7 @@ class EmbeddedEngine(GenerateMixin):
                 u[i] = torch.rand(1, generator=s.gen)[0]
         return u
 
-    def _admit(self, v: _Version) -> bool:
+    def _admit(self, v: ServedVersion[_Seq]) -> bool:
         batch: list[_Seq] = []
         tokens = 0
         while v.waiting and v.free and (not batch or tokens + len(v.waiting[0].prompt_ids) <= self.max_prefill_tokens):
@@ -464,7 +478,7 @@ class EmbeddedEngine(GenerateMixin):
         self._sample_and_emit(v, batch, logits)
         return True
 
-    def _reap_cancelled(self, v: _Version) -> None:
+    def _reap_cancelled(self, v: ServedVersion[_Seq]) -> None:
         now = time.perf_counter()
         for s in [s for s in v.waiting if s.handle.cancelled]:
             v.waiting.remove(s)
@@ -472,7 +486,7 @@ class EmbeddedEngine(GenerateMixin):
         for s in [s for s in v.running if s.handle.cancelled]:
             s.handle._post(StreamEvent("", [], [], completion=self._finish(v, s, "abort", now)))
 
-    def _decode(self, v: _Version) -> bool:
+    def _decode(self, v: ServedVersion[_Seq]) -> bool:
         self._reap_cancelled(v)
         seqs = [s for s in v.running if s.out_ids and s.slot >= 0]
         if not seqs:
@@ -488,7 +502,7 @@ class EmbeddedEngine(GenerateMixin):
         self._sample_and_emit(v, seqs, out.logits[:, 0])
         return True
 
-    def _sample_and_emit(self, v: _Version, seqs: list[_Seq], logits_NV: torch.Tensor) -> None:
+    def _sample_and_emit(self, v: ServedVersion[_Seq], seqs: list[_Seq], logits_NV: torch.Tensor) -> None:
         temps = torch.tensor([s.params.temperature for s in seqs])
         top_ps = torch.tensor([s.params.top_p for s in seqs])
         logp = sampling_logprobs(logits_NV[:, : v.n_vocab], temps, top_ps)
@@ -539,11 +553,12 @@ class EmbeddedEngine(GenerateMixin):
                 s.emitted = upto
                 s.handle._post(StreamEvent(delta, [t], [lp], [top] if top else None))
 
-    def _finish(self, v: _Version, s: _Seq, reason: str, now: float) -> Completion:
+    def _finish(self, v: ServedVersion[_Seq], s: _Seq, reason: str, now: float) -> Completion:
         if s.slot >= 0:
             v.running.remove(s)
             v.free.append(s.slot)
             s.slot = -1
+        self._table.release(v.name)  # a retired version is unloaded at the top of the next iteration
         args = v.model.args
         experts = (np.concatenate(s.experts, axis=0) if s.experts else
                    np.zeros((0, args.n_layers, args.top_k), dtype=np.uint8))
@@ -554,8 +569,8 @@ class EmbeddedEngine(GenerateMixin):
         return Completion(
             request_id=s.request_id, version=v.name, prompt_ids=s.prompt_ids, output_ids=s.out_ids,
             logprobs=s.logprobs, routed_experts=experts, text=s.text, finish_reason=reason, params=s.params,
-            top_logprobs=s.top or None, queued_s=(s.t_start or now) - s.t_submit, first_token_s=(s.t_first or now) - s.t_submit,
-            total_s=now - s.t_submit)
+            top_logprobs=s.top or None, queued_s=(s.t_start or now) - s.t_submit,
+            first_token_s=(s.t_first or now) - s.t_submit, total_s=now - s.t_submit)
 
 
 def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:

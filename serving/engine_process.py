@@ -9,10 +9,19 @@ The gateway side (`ProcessEngine`) implements the same interface as `EmbeddedEng
 input fails at once with a `ValueError`, and a reader thread dispatches the engine's stream events
 to the right `RequestHandle`.
 
-Messages, parent → child: ("call", id, op, args) for add_version / remove_version /
+Hot swap as in the embedded engine (`serving/versions.py`): both sides keep a version table. A
+request is bound to a version by the proxy (the default resolved there) and sent with its name;
+`retire_version` refuses new requests for the version on this side at once, then in the child,
+whose loop unloads it once its last request has ended and says so ("unloaded"): `versions` lists
+it until then, and `retire_version(wait=True)` returns then. The child's pipe reader never waits
+for a drain, so submits and cancels keep flowing meanwhile. A new version loads on the child's
+loop thread (see `_child_main`), so serving pauses for the load itself.
+
+Messages, parent → child: ("call", id, op, args) for add_version / set_default / retire_version /
 update_weights / shutdown; ("submit", request_id, prompt_ids, params, version, stream);
 ("cancel", request_id). Child → parent: ("reply", id, ok, value_or_error);
-("event", request_id, StreamEvent); ("dead", repr(error)) when the engine loop fails.
+("event", request_id, StreamEvent); ("unloaded", version) once a retired version is gone;
+("dead", repr(error)) when the engine loop fails.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import multiprocessing as mp
 import threading
 import uuid
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 from serving.checkpoint import read_config
@@ -30,6 +40,7 @@ from serving.engine import EngineError, GenerateMixin, RequestHandle, StreamEven
 from serving.model import ModelArgs
 from serving.sampling import SamplingParams
 from serving.tokenizer import Tokenizer
+from serving.versions import VersionTable
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +51,15 @@ def _child_main(conn, cfg: dict) -> None:
     from serving.engine import EmbeddedEngine
 
     torch.set_num_threads(cfg.pop("threads"))
-    engine = EmbeddedEngine(**cfg, threads=None, start_thread=False)
     send_lock = threading.Lock()
     handles: dict[str, RequestHandle] = {}
 
     def send(msg) -> None:
         with send_lock:
             conn.send(msg)
+
+    engine = EmbeddedEngine(**cfg, threads=None, start_thread=False)
+    engine.on_unload = lambda name: send(("unloaded", name))
 
     def reader() -> None:
         while True:
@@ -81,8 +94,11 @@ def _child_main(conn, cfg: dict) -> None:
                         # process would make the loop's parallel regions slow (see serving/engine.py).
                         engine.call_in_loop(lambda n=name, f=folder, d=default: engine.add_version(n, f, default=d))
                         value = engine.context_length(name)
-                    elif op == "remove_version":
-                        engine.remove_version(*args)
+                    elif op == "set_default":
+                        engine.set_default(*args)
+                        value = None
+                    elif op == "retire_version":  # scheduled: the loop unloads it, on_unload reports it
+                        engine.retire_version(args[0], wait=False)
                         value = None
                     elif op == "update_weights":
                         engine.update_weights(*args)
@@ -105,6 +121,15 @@ def _child_main(conn, cfg: dict) -> None:
         raise
 
 
+@dataclass(frozen=True)
+class _Held:
+    """What the proxy knows of a version the child holds."""
+
+    tokenizer: Tokenizer
+    args: ModelArgs
+    context: int
+
+
 class ProcessEngine(GenerateMixin):
     def __init__(self, max_batch: int = 64, max_model_len: int = 256, threads: int = 2, seed: int = 0,
                  max_prefill_tokens: int = 2048):
@@ -120,10 +145,8 @@ class ProcessEngine(GenerateMixin):
         self._handles: dict[str, RequestHandle] = {}
         self._calls: dict[int, Future] = {}
         self._ids = itertools.count()
-        self._toks: dict[str, Tokenizer] = {}
-        self._args: dict[str, ModelArgs] = {}
-        self._ctx: dict[str, int] = {}
-        self.default_version: str | None = None
+        self._table: VersionTable[_Held] = VersionTable()
+        self._bound: dict[str, str] = {}  # request id -> its version, until its last event
         self.failure: str | None = None
         self._reader = threading.Thread(target=self._read_loop, name="engine-proxy", daemon=True)
         self._reader.start()
@@ -134,6 +157,8 @@ class ProcessEngine(GenerateMixin):
             self._conn.send(msg)
 
     def _call(self, op: str, *args, timeout: float = 300.0):
+        if not self._reader.is_alive():  # nobody would read the reply
+            raise EngineError(f"engine process is gone: {self.failure}")
         cid = next(self._ids)
         fut: Future = Future()
         self._calls[cid] = fut
@@ -153,7 +178,10 @@ class ProcessEngine(GenerateMixin):
                 if h is not None:
                     if ev.completion is not None or ev.error is not None:
                         self._handles.pop(rid, None)
+                        self._table.release(self._bound.pop(rid, ""))
                     h._post(ev)
+            elif msg[0] == "unloaded":
+                self._table.drop(msg[1])
             elif msg[0] == "reply":
                 _, cid, ok, value = msg
                 fut = self._calls.pop(cid)
@@ -162,65 +190,79 @@ class ProcessEngine(GenerateMixin):
                 self.failure = msg[1]
                 log.error("engine process failed: %s", msg[1])
         err = EngineError(f"engine process is gone: {self.failure}")
-        for h in list(self._handles.values()):
+        for rid, h in list(self._handles.items()):
+            self._table.release(self._bound.pop(rid, ""))
             h._post(StreamEvent("", [], [], error=err))
         for fut in list(self._calls.values()):
             fut.set_exception(err)
+        for name in self._table.idle_retired():  # nobody is left to unload them: wake who waits
+            self._table.drop(name)
 
     # ---- the Engine interface ---------------------------------------------------------------
     def add_version(self, name: str, source: str | Path, tokenizer: Tokenizer | None = None,
                     default: bool = False) -> None:
+        """Load a version beside those held, in the child (serving pauses there for the load itself)."""
         if not isinstance(source, (str, Path)):
             raise ValueError("the engine process loads versions from checkpoint folders only")
         args, _ = read_config(source)
         tok = tokenizer or Tokenizer.from_file(Path(source))
-        self._ctx[name] = self._call("add_version", name, str(source), default)
-        self._toks[name], self._args[name] = tok, args
-        if default or self.default_version is None:
-            self.default_version = name
+        context = self._call("add_version", name, str(source), default)
+        self._table.add(name, _Held(tok, args, context), default)
 
-    def remove_version(self, name: str) -> None:
-        self._call("remove_version", name)
-        for d in (self._toks, self._args, self._ctx):
-            d.pop(name, None)
-        if self.default_version == name:
-            self.default_version = next(iter(self._toks), None)
+    @property
+    def default_version(self) -> str | None:
+        return self._table.default
+
+    def set_default(self, name: str) -> None:
+        self._table.get(name)  # the same errors as the embedded engine's, before any message
+        self._call("set_default", name)
+        self._table.set_default(name)
+
+    def retire_version(self, name: str, wait: bool = True) -> None:
+        unloaded = self._table.retire(name)  # refused here from now on; requests already sent are the child's
+        self._call("retire_version", name)
+        while wait and not unloaded.wait(timeout=0.1):
+            if not self.alive:
+                self._table.drop(name)
+
+    def remove_version(self, name: str) -> None:  # the older name of retire_version(name, wait=True)
+        self.retire_version(name, wait=True)
 
     def update_weights(self, name: str, weights) -> None:
+        """In place, in the child: refused (`VersionBusy`) while requests are in flight on `name`."""
         self._call("update_weights", name, weights)
 
     @property
     def versions(self) -> list[str]:
-        return list(self._toks)
+        return self._table.names()
 
     @property
     def alive(self) -> bool:
         return self._proc.is_alive() and self._reader.is_alive() and self.failure is None
 
-    def _name(self, version: str | None) -> str:
-        name = version or self.default_version
-        if name not in self._toks:
-            raise KeyError(f"model version {name!r} is not loaded; loaded: {sorted(self._toks)}")
-        return name
-
     def tokenizer(self, version: str | None = None) -> Tokenizer:
-        return self._toks[self._name(version)]
+        return self._table.get(version).tokenizer
 
     def model_args(self, version: str | None = None) -> ModelArgs:
-        return self._args[self._name(version)]
+        return self._table.get(version).args
 
     def context_length(self, version: str | None = None) -> int:
-        return self._ctx[self._name(version)]
+        return self._table.get(version).context
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, version: str | None = None,
                request_id: str | None = None, stream: bool = True) -> RequestHandle:
         if not self.alive:
             raise EngineError(f"engine process is not running: {self.failure}")
-        name = self._name(version)
-        check_request(prompt_ids, params, self._args[name].vocab_size, self._ctx[name])
+        name, held = self._table.acquire(version)  # bound here: the child gets the name
+        try:
+            check_request(prompt_ids, params, held.args.vocab_size, held.context)
+        except ValueError:
+            self._table.release(name)
+            raise
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
         handle = RequestHandle(rid, caller_loop(), stream)
         handle.cancel = lambda: self._send(("cancel", rid))  # type: ignore[method-assign]
+        self._bound[rid] = name
         self._handles[rid] = handle
         self._send(("submit", rid, list(prompt_ids), params, name, stream))
         return handle

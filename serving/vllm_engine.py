@@ -8,13 +8,18 @@ thread, and translates its outputs into our `Completion` / `StreamEvent` records
 - routed experts: `enable_return_routed_experts=True` where vLLM supports it (the GPU model
   runner). On vLLM's CPU build there is no routing output: records then carry an empty
   `[0, L, K]` array, and the learner cannot replay their routing;
-- weight updates: `collective_rpc("reload_weights", ...)`, vLLM's documented in-place reload,
-  from a checkpoint folder or from (name, tensor) pairs in checkpoint format, on GPUs. On vLLM's
-  CPU build (0.32.0) the in-place reload leaves the fused-MoE experts in checkpoint layout while
-  the CPU MoE kernel expects its own (its log-probs are then wrong, even after reloading the same
-  folder; attention and embeddings reload fine), so there `update_weights` swaps in a freshly
-  loaded engine instead: new requests go to it at once, requests in flight finish on the old one,
-  which is then shut down. No request is lost either way.
+- hot swap (the rules of `serving/versions.py`): `add_version` starts another `AsyncLLM` beside
+  the served ones, `set_default` sends new requests to it, `retire_version` refuses new requests
+  for the old one and shuts its `AsyncLLM` down once its last request has ended;
+- weight updates in place, only while nothing is in flight on the version (else `VersionBusy`:
+  two policies in one completion would poison the learner's importance ratios; serve new weights
+  to live traffic with the hot swap instead): `collective_rpc("reload_weights", ...)`, vLLM's
+  documented in-place reload, from a checkpoint folder or from (name, tensor) pairs in checkpoint
+  format, on GPUs. On vLLM's CPU build (0.32.0) the in-place reload leaves the fused-MoE experts
+  in checkpoint layout while the CPU MoE kernel expects its own (its log-probs are then wrong,
+  even after reloading the same folder; attention and embeddings reload fine), so there
+  `update_weights` loads a fresh `AsyncLLM` from the folder and puts it under the name (if the
+  version is still idle then; the old one is shut down).
 
 vLLM spawns processes: create this engine under `if __name__ == "__main__":` in scripts.
 Imported lazily (only when `FLYWHEEL_ENGINE=vllm`), so the rest of Flywheel never needs vLLM.
@@ -28,6 +33,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +53,17 @@ from serving.engine import (
 from serving.model import ModelArgs
 from serving.sampling import SamplingParams
 from serving.tokenizer import Tokenizer
+from serving.versions import VersionTable
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Loaded:
+    llm: Any  # vllm's AsyncLLM (imported lazily)
+    tokenizer: Tokenizer
+    args: ModelArgs
+    folder: Path
 
 
 class VLLMEngine(GenerateMixin):
@@ -63,16 +78,10 @@ class VLLMEngine(GenerateMixin):
         self.gpu_memory_utilization = gpu_memory_utilization or (0.5 if on_gpu else 0.15)
         self.routed_experts = on_gpu if routed_experts is None else routed_experts
         self.inplace_updates = on_gpu if inplace_updates is None else inplace_updates
-        self._inflight: dict[int, int] = {}  # id(AsyncLLM) -> requests running on it
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="flywheel-vllm", daemon=True)
         self._thread.start()
-        self._llms: dict[str, Any] = {}  # vllm's AsyncLLM (imported lazily)
-        self._toks: dict[str, Tokenizer] = {}
-        self._args: dict[str, ModelArgs] = {}
-        self._folders: dict[str, Path] = {}
-        self._lock = threading.Lock()
-        self.default_version: str | None = None
+        self._table: VersionTable[_Loaded] = VersionTable()
         self.failure: BaseException | None = None
 
     def _call(self, coro, timeout: float | None = None):
@@ -85,18 +94,37 @@ class VLLMEngine(GenerateMixin):
             raise ValueError("the vLLM backend loads versions from checkpoint folders only")
         folder = Path(source)
         args, _ = read_config(folder)  # validates the folder with our own, clear errors first
-        with self._lock:
-            if name in self._llms:
-                raise ValueError(f"model version {name!r} is already loaded")
-
+        if name in self._table.names():
+            raise ValueError(f"model version {name!r} is already loaded")
         llm = self._make(folder, args)
-        with self._lock:
-            self._llms[name] = llm
-            self._toks[name] = tokenizer or Tokenizer.from_file(folder)
-            self._args[name] = args
-            self._folders[name] = folder
-            if default or self.default_version is None:
-                self.default_version = name
+        try:
+            self._table.add(name, _Loaded(llm, tokenizer or Tokenizer.from_file(folder), args, folder), default)
+        except Exception:
+            llm.shutdown()
+            raise
+
+    @property
+    def default_version(self) -> str | None:
+        return self._table.default
+
+    def set_default(self, name: str) -> None:
+        self._table.set_default(name)
+
+    def retire_version(self, name: str, wait: bool = True) -> None:
+        self._table.retire(name)
+        fut = asyncio.run_coroutine_threadsafe(self._unload_when_idle(name), self._loop)
+        if wait:
+            fut.result()
+
+    def remove_version(self, name: str) -> None:  # the older name of retire_version(name, wait=True)
+        self.retire_version(name, wait=True)
+
+    async def _unload_when_idle(self, name: str) -> None:
+        while name in self._table.names() and self._table.in_flight(name) > 0:
+            await asyncio.sleep(0.05)
+        loaded = self._table.drop(name)
+        if loaded is not None:
+            loaded.llm.shutdown()
 
     def _make(self, folder: Path, args):
         async def make():
@@ -113,26 +141,23 @@ class VLLMEngine(GenerateMixin):
 
         return self._call(make())
 
-    def remove_version(self, name: str) -> None:
-        with self._lock:
-            llm = self._llms.pop(name, None)
-            if self.default_version == name:
-                self.default_version = next(iter(self._llms), None)
-        if llm is not None:
-            llm.shutdown()
-
     def update_weights(self, name: str, weights: str | Path | dict[str, torch.Tensor]) -> None:
-        """Serve new weights under `name`: a checkpoint folder, or (in-place mode) a state dict in HF
-        checkpoint names."""
-        llm = self._get(name)
+        """Serve new weights under `name`, in place: a checkpoint folder, or (in-place mode) a state dict in HF
+        checkpoint names. Refused with `VersionBusy` while requests are in flight on `name`."""
         if not self.inplace_updates:
             if isinstance(weights, dict):
                 raise ValueError("without in-place updates the vLLM backend takes a checkpoint folder")
+            with self._table.exclusive(name):  # fail fast (VersionBusy) before loading anything
+                pass
             args, _ = read_config(weights)
             fresh = self._make(Path(weights), args)
-            with self._lock:
-                self._llms[name], self._args[name], self._folders[name] = fresh, args, Path(weights)
-            self._call(self._retire(llm))
+            try:
+                with self._table.exclusive(name) as loaded:
+                    old, loaded.llm, loaded.args, loaded.folder = loaded.llm, fresh, args, Path(weights)
+            except Exception:
+                fresh.shutdown()
+                raise
+            old.shutdown()  # idle: nothing ran on it since
             return
         if isinstance(weights, dict):
             kwargs = {"weights_iterator": [(k, v.detach().cpu()) for k, v in weights.items()],
@@ -140,38 +165,19 @@ class VLLMEngine(GenerateMixin):
         else:
             read_config(weights)
             kwargs = {"weights_path": str(weights)}
-        self._call(llm.collective_rpc("reload_weights", kwargs=kwargs))
-        self._call(llm.reset_prefix_cache())  # cached KV of the old weights must not be reused
-
-    async def _retire(self, llm) -> None:
-        while self._inflight.get(id(llm), 0) > 0:
-            await asyncio.sleep(0.05)
-        llm.shutdown()
+        with self._table.exclusive(name) as loaded:
+            self._call(loaded.llm.collective_rpc("reload_weights", kwargs=kwargs))
+            self._call(loaded.llm.reset_prefix_cache())  # cached KV of the old weights must not be reused
 
     @property
     def versions(self) -> list[str]:
-        with self._lock:
-            return list(self._llms)
-
-    def _get(self, version: str | None):
-        name = version or self.default_version
-        with self._lock:
-            if name not in self._llms:
-                raise KeyError(f"model version {name!r} is not loaded; loaded: {sorted(self._llms)}")
-            return self._llms[name]
-
-    def _name(self, version: str | None) -> str:
-        name = version or self.default_version
-        with self._lock:
-            if name not in self._llms:
-                raise KeyError(f"model version {name!r} is not loaded; loaded: {sorted(self._llms)}")
-        return name
+        return self._table.names()
 
     def tokenizer(self, version: str | None = None) -> Tokenizer:
-        return self._toks[self._name(version)]
+        return self._table.get(version).tokenizer
 
     def model_args(self, version: str | None = None) -> ModelArgs:
-        return self._args[self._name(version)]
+        return self._table.get(version).args
 
     def context_length(self, version: str | None = None) -> int:
         return min(self.max_model_len, self.model_args(version).max_seq_len)
@@ -183,13 +189,17 @@ class VLLMEngine(GenerateMixin):
     # ---- requests -------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, version: str | None = None,
                request_id: str | None = None, stream: bool = True) -> RequestHandle:
-        name = self._name(version)
-        llm = self._get(name)
-        check_request(prompt_ids, params, self._args[name].vocab_size, self.context_length(name))
+        name, loaded = self._table.acquire(version)  # bound to this version (and AsyncLLM) to its last event
+        llm, args = loaded.llm, loaded.args
+        try:
+            check_request(prompt_ids, params, args.vocab_size, min(self.max_model_len, args.max_seq_len))
+        except ValueError:
+            self._table.release(name)
+            raise
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
         handle = RequestHandle(rid, caller_loop(), stream)
-        fut: Future = asyncio.run_coroutine_threadsafe(self._run(llm, name, rid, list(prompt_ids), params, handle),
-                                                       self._loop)
+        fut: Future = asyncio.run_coroutine_threadsafe(
+            self._run(llm, name, args, rid, list(prompt_ids), params, handle), self._loop)
         handle.cancel = lambda: asyncio.run_coroutine_threadsafe(llm.abort(rid), self._loop)  # type: ignore
 
         def report_failure(f: Future) -> None:
@@ -199,19 +209,18 @@ class VLLMEngine(GenerateMixin):
         fut.add_done_callback(report_failure)
         return handle
 
-    async def _run(self, llm, name, rid, prompt_ids, params: SamplingParams, handle: RequestHandle) -> None:
+    async def _run(self, llm, name, args, rid, prompt_ids, params: SamplingParams, handle: RequestHandle) -> None:
         from vllm import SamplingParams as VSP
 
         vsp = VSP(temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
                   stop=list(params.stop) or None, seed=params.seed, logprobs=max(1, params.logprobs),
                   ignore_eos=params.ignore_eos)
-        self._inflight[id(llm)] = self._inflight.get(id(llm), 0) + 1
         try:
-            await self._stream(llm, name, rid, prompt_ids, params, vsp, handle)
+            await self._stream(llm, name, args, rid, prompt_ids, params, vsp, handle)
         finally:
-            self._inflight[id(llm)] -= 1
+            self._table.release(name)
 
-    async def _stream(self, llm, name, rid, prompt_ids, params, vsp, handle: RequestHandle) -> None:
+    async def _stream(self, llm, name, args, rid, prompt_ids, params, vsp, handle: RequestHandle) -> None:
         t0 = time.perf_counter()
         t_first = None
         n_seen, text_seen = 0, 0
@@ -246,7 +255,6 @@ class VLLMEngine(GenerateMixin):
         if final is None:
             raise EngineError("vLLM stream ended without a finished output")
         now = time.perf_counter()
-        args = self._args[name]
         experts = getattr(final, "routed_experts", None)
         n_fed = len(prompt_ids) + len(ids) - 1
         if experts is None:
@@ -266,6 +274,8 @@ class VLLMEngine(GenerateMixin):
 
     def shutdown(self) -> None:
         for name in self.versions:
-            self.remove_version(name)
+            loaded = self._table.drop(name)
+            if loaded is not None:
+                loaded.llm.shutdown()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)

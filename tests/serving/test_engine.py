@@ -1,9 +1,13 @@
-"""The embedded engine: continuous batching, exact logprobs and routing, seeds, stops, versions, swaps."""
+"""The embedded engine: continuous batching, exact logprobs and routing, seeds, stops, versions, hot swaps."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
+import queue
 import threading
+import time
+import weakref
 
 import numpy as np
 import pytest
@@ -13,6 +17,7 @@ from serving.checkpoint import load_checkpoint
 from serving.engine import EmbeddedEngine, score
 from serving.sampling import SamplingParams
 from serving.tokenizer import Tokenizer
+from serving.versions import VersionBusy
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +207,129 @@ def test_bad_requests_raise_value_errors(engine):
     for bad in [dict(temperature=-1), dict(top_p=0), dict(max_tokens=0), dict(stop=("",)), dict(logprobs=50)]:
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+
+
+# ---- hot swap -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_v2(tiny_checkpoint):
+    """Other weights of the same shapes: version v2."""
+    m = load_checkpoint(tiny_checkpoint)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return m
+
+
+def delivered(h) -> list:
+    """The events already posted to a (sync) handle, without waiting for more."""
+    events = []
+    while True:
+        try:
+            events.append(h._q.get_nowait())
+        except queue.Empty:
+            return events
+
+
+class Paused:
+    """Holds the engine's loop between two steps (a call on its loop thread that waits)."""
+
+    def __init__(self, eng):
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=eng.call_in_loop, args=(self._hold,))
+
+    def _hold(self):
+        self.entered.set()
+        self.release.wait(30)
+
+    def __enter__(self):
+        self.thread.start()
+        assert self.entered.wait(10)
+        return self
+
+    def __exit__(self, *exc):
+        self.release.set()
+        self.thread.join(10)
+
+
+def assert_exactly_from(model, tok, c):
+    lp, experts = score(model, c.prompt_ids, c.output_ids, c.params, n_vocab=tok.vocab_size)
+    assert torch.equal(lp, torch.tensor(c.logprobs)), (lp - torch.tensor(c.logprobs)).abs().max()
+    assert np.array_equal(c.routed_experts, experts.numpy())
+
+
+def test_swapping_the_default_mid_stream_keeps_every_completion_on_its_version(tiny_checkpoint, model, model_v2):
+    eng = EmbeddedEngine(max_batch=4, max_model_len=128)
+    try:
+        eng.add_version("v1", tiny_checkpoint, default=True)
+        tok = eng.tokenizer()
+        v1_weights = weakref.ref(eng._table.get("v1").model)
+        ps = prompts(tok, 3)
+        long = [SamplingParams(max_tokens=128 - len(p), temperature=1.0, seed=i, ignore_eos=True)
+                for i, p in enumerate(ps)]
+        old = [eng.submit(p, sp) for p, sp in zip(ps, long)]
+        seen = [[next(iter(h))] for h in old]  # all three admitted and decoding on v1
+        with Paused(eng):  # between two decode steps, the v1 requests mid-stream
+            for h, evs in zip(old, seen):
+                evs += delivered(h)
+                assert evs[-1].completion is None
+            eng.add_version("v2", model_v2, tokenizer=tok)  # beside v1
+            eng.set_default("v2")
+            eng.retire_version("v1", wait=False)
+            new = [eng.submit(p, SamplingParams(max_tokens=12, seed=10 + i)) for i, p in enumerate(ps)]
+            with pytest.raises(KeyError, match="retired"):
+                eng.submit(ps[0], SamplingParams(max_tokens=4), version="v1")
+            assert eng.versions == ["v1", "v2"] and eng._table.in_flight("v1") == 3
+            before = [sum(len(e.token_ids) for e in evs) for evs in seen]
+        eng.retire_version("v1")  # returns once v1's last request has ended and v1 is unloaded
+        assert eng.versions == ["v2"] and eng.default_version == "v2"
+        for h, evs, n, sp in zip(old, seen, before, long):
+            evs += delivered(h)  # already there: delivered before v1 went
+            c = evs[-1].completion
+            assert c is not None and c.version == "v1" and len(c.output_ids) == sp.max_tokens > n
+            assert [t for e in evs for t in e.token_ids] == c.output_ids
+            assert_exactly_from(model, tok, c)
+        for c in (h.result() for h in new):
+            assert c.version == "v2"
+            assert_exactly_from(model_v2, tok, c)
+            assert not torch.equal(score(model, c.prompt_ids, c.output_ids, c.params, n_vocab=tok.vocab_size)[0],
+                                   torch.tensor(c.logprobs))
+        gc.collect()
+        assert v1_weights() is None  # its model (and cache) released
+        with pytest.raises(KeyError, match="not loaded"):
+            eng.submit(ps[0], SamplingParams(max_tokens=4), version="v1")
+    finally:
+        eng.shutdown()
+
+
+def test_no_in_place_update_under_running_requests(tiny_checkpoint, model, model_v2):
+    eng = EmbeddedEngine(max_batch=2, max_model_len=128)
+    try:
+        eng.add_version("v1", tiny_checkpoint)
+        tok = eng.tokenizer()
+        errors = []
+
+        def update():
+            try:
+                eng.update_weights("v1", model_v2.state_dict())
+            except VersionBusy as e:
+                errors.append(e)
+
+        with Paused(eng):  # the update runs before the request's first step: it is in flight then
+            h = eng.submit(prompts(tok, 1)[0], SamplingParams(max_tokens=40, seed=1))
+            updater = threading.Thread(target=update)
+            updater.start()
+            deadline = time.time() + 10
+            while eng._commands.qsize() == 0 and time.time() < deadline:  # queued behind the pause
+                time.sleep(0.001)
+        updater.join(10)
+        assert len(errors) == 1 and "in flight" in str(errors[0]) and "add_version" in str(errors[0])
+        assert_exactly_from(model, tok, h.result())  # served by v1's weights throughout
+        eng.update_weights("v1", model_v2.state_dict())  # idle now: allowed
+        assert_exactly_from(model_v2, tok, eng.generate(prompts(tok, 1), SamplingParams(max_tokens=8, seed=1))[0])
+        with pytest.raises(ValueError, match="default"):
+            eng.retire_version("v1")
+        with pytest.raises(KeyError, match="not loaded"):
+            eng.set_default("v9")
+    finally:
+        eng.shutdown()

@@ -1,4 +1,4 @@
-"""The engine in its own process: same results as a full forward pass, streaming, cancel, failures."""
+"""The engine in its own process: same results as a full forward pass, streaming, cancel, failures, hot swap."""
 
 import os
 import signal
@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from serving.checkpoint import load_checkpoint
+from serving.checkpoint import load_checkpoint, save_checkpoint
 from serving.engine import EngineError, score
 from serving.engine_process import ProcessEngine
 from serving.sampling import SamplingParams
+from serving.swap import hot_swap
+from serving.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +68,54 @@ def test_a_dead_engine_process_fails_loudly(tiny_checkpoint):
     with pytest.raises(EngineError):
         eng.submit(tok.encode_prompt("def"), SamplingParams(max_tokens=4))
     eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def checkpoint_v2(tiny_checkpoint, tmp_path_factory):
+    """Other weights of the same shapes, in a folder: version v2."""
+    m = load_checkpoint(tiny_checkpoint)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    folder = tmp_path_factory.mktemp("ckpt") / "tiny-v2"
+    save_checkpoint(m, folder, tokenizer=Tokenizer.from_file(tiny_checkpoint))
+    return folder
+
+
+def test_hot_swap_over_the_pipe_keeps_every_completion_on_its_version(tiny_checkpoint, checkpoint_v2):
+    eng = ProcessEngine(max_batch=4, max_model_len=128, threads=1)
+    try:
+        eng.add_version("v1", tiny_checkpoint)
+        tok = eng.tokenizer()
+        ps = [tok.encode_prompt(t) for t in ["# add 3 to x\ndef f(x):\n", "def", "# count 'a' in s\n"]]
+        long = [SamplingParams(max_tokens=128 - len(p), temperature=1.0, seed=i, ignore_eos=True)
+                for i, p in enumerate(ps)]
+        old = [eng.submit(p, sp) for p, sp in zip(ps, long)]
+        for h in old:
+            next(iter(h))  # decoding on v1
+        swap = hot_swap(eng, "v2", checkpoint_v2, wait=False)  # v2 loads beside v1, takes the new requests
+        in_flight = sum(h.request_id in eng._handles for h in old)
+        new = [eng.submit(p, SamplingParams(max_tokens=12, seed=10 + i)) for i, p in enumerate(ps)]
+        with pytest.raises(KeyError, match="retired"):
+            eng.submit(ps[0], SamplingParams(max_tokens=4), version="v1")
+        assert swap.old == "v1" and eng.default_version == "v2" and in_flight > 0
+        eng.retire_version("v1")  # already retiring: waits until the child has unloaded it
+        assert eng.versions == ["v2"]
+        assert not any(h.request_id in eng._handles for h in old)  # their last events came first
+        v1, v2 = load_checkpoint(tiny_checkpoint), load_checkpoint(checkpoint_v2)
+        for model, name, handles in ((v1, "v1", old), (v2, "v2", new)):
+            done = [h.result() for h in handles]
+            assert {c.version for c in done} == {name}
+            if name == "v1":  # they ran on across the swap
+                assert [len(c.output_ids) for c in done] == [sp.max_tokens for sp in long]
+            for c in done:
+                lp, experts = score(model, c.prompt_ids, c.output_ids, c.params, n_vocab=tok.vocab_size)
+                assert torch.equal(lp, torch.tensor(c.logprobs)), (lp - torch.tensor(c.logprobs)).abs().max()
+                assert np.array_equal(c.routed_experts, experts.numpy())
+        with pytest.raises(KeyError, match="not loaded"):
+            eng.submit(ps[0], SamplingParams(max_tokens=4), version="v1")
+        with pytest.raises(ValueError, match="default"):
+            eng.retire_version("v2")
+    finally:
+        eng.shutdown()
