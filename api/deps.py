@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -22,6 +23,16 @@ from feedback.sink import CompletionSink
 from gating.registry import Registry
 
 ALIAS = "flywheel"  # always names the default (promoted) version
+PRODUCT_SCOPES = frozenset({"completions", "feedback:write"})  # FLYWHEEL_API_KEYS pairs and local mode
+
+
+@dataclass(frozen=True)
+class Caller:
+    tenant: str
+    scopes: frozenset[str]
+
+    def allows(self, scope: str) -> bool:
+        return scope in self.scopes or "admin" in self.scopes
 
 
 class Gateway:
@@ -41,27 +52,42 @@ class Gateway:
         self.background: set[asyncio.Task] = set()
         self._keys = _parse_keys(settings.api_keys)
 
-    def resolve_model(self, name: str, param: str = "model") -> str:
-        versions = self.engine.versions
-        if name == ALIAS and self.engine.default_version:
-            return self.engine.default_version
-        if name in versions:
-            return name
-        raise APIError(
-            404, f"The model '{name}' does not exist. Available: {sorted(versions) + [ALIAS]}", param, "model_not_found"
-        )
+    def resolve_model(self, name: str, caller: Caller, param: str = "model") -> str:
+        """The version a request names: the alias or the promoted (default) version for anyone; any
+        other version only for a key with the `eval` scope, so no completions key gets around the gate."""
+        versions, default = self.engine.versions, self.engine.default_version
+        if name == ALIAS and default:
+            return default
+        if name not in versions:
+            known = sorted(v for v in versions if v == default or caller.allows("eval")) + [ALIAS]
+            raise APIError(404, f"The model '{name}' does not exist. Available: {known}", param, "model_not_found")
+        if name != default and not caller.allows("eval"):
+            raise APIError(
+                403,
+                f"Naming version '{name}' needs a key with the 'eval' scope; use '{ALIAS}'.",
+                param,
+                "model_not_allowed",
+            )
+        return name
 
-    def tenant_for(self, request: Request) -> str:
+    def caller_for(self, request: Request) -> Caller:
+        """Who is calling: a key of the key store (`fw_...`), a `FLYWHEEL_API_KEYS` pair, or, with no
+        keys configured (local mode), an anonymous caller of the `X-Flywheel-Tenant` header's tenant."""
+        auth = request.headers.get("authorization", "")
+        token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        if token.startswith("fw_"):
+            key = self.key_store.verify(token)
+            if key is None:
+                raise APIError(401, "Incorrect or revoked API key.", None, "invalid_api_key")
+            return Caller(key.tenant, frozenset(key.scopes))
         if not self._keys:
             tenant = request.headers.get("x-flywheel-tenant", "default")
             if not tenant or len(tenant) > 64:
                 raise APIError(400, "X-Flywheel-Tenant must be 1-64 characters", None, "invalid_tenant")
-            return tenant
-        auth = request.headers.get("authorization", "")
-        token = auth[7:] if auth.lower().startswith("bearer ") else ""
-        for key, tenant in self._keys:
-            if token and hmac.compare_digest(token, key):
-                return tenant
+            return Caller(tenant, PRODUCT_SCOPES)
+        for key_text, tenant in self._keys:
+            if token and hmac.compare_digest(token, key_text):
+                return Caller(tenant, PRODUCT_SCOPES)
         raise APIError(401, "Incorrect or missing API key.", None, "invalid_api_key")
 
     def spawn(self, coro) -> None:
@@ -89,8 +115,15 @@ async def get_gateway(request: Request) -> Gateway:
 GatewayDep = Annotated[Gateway, Depends(get_gateway)]
 
 
-async def get_tenant(request: Request, gw: GatewayDep) -> str:
-    return gw.tenant_for(request)
+def _needs(scope: str):
+    async def caller(request: Request, gw: GatewayDep) -> Caller:
+        who = gw.caller_for(request)
+        if not who.allows(scope):
+            raise APIError(403, f"This key lacks the '{scope}' scope.", None, "insufficient_scope")
+        return who
+
+    return caller
 
 
-TenantDep = Annotated[str, Depends(get_tenant)]
+CompletionsCaller = Annotated[Caller, Depends(_needs("completions"))]
+FeedbackCaller = Annotated[Caller, Depends(_needs("feedback:write"))]

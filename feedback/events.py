@@ -88,9 +88,12 @@ class CompletionEvent(Event):
     finish_reason: str
     params: dict
     latency_ms: dict[str, float]
+    arm: str | None = None  # experiment arm; "eval": a version named by an eval key, outside canary statistics
 
     @classmethod
-    def from_completion(cls, c, tenant: str, user: str | None, endpoint: str) -> CompletionEvent:
+    def from_completion(
+        cls, c, tenant: str, user: str | None, endpoint: str, arm: str | None = None
+    ) -> CompletionEvent:
         """From an engine's `serving.engine.Completion` (duck-typed: feedback/ does not import torch)."""
         return cls(
             tenant=tenant,
@@ -106,6 +109,7 @@ class CompletionEvent(Event):
             finish_reason=c.finish_reason,
             params=asdict(c.params),
             latency_ms={"queued": c.queued_s * 1e3, "first_token": c.first_token_s * 1e3, "total": c.total_s * 1e3},
+            arm=arm,
         )
 
 

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from api.deps import GatewayDep, TenantDep
+from api.deps import FeedbackCaller, GatewayDep
 from api.errors import APIError
 from feedback import ingest
 from feedback.ingest import FeedbackBatch, FeedbackIn
@@ -33,7 +33,7 @@ def _openapi_body() -> dict:
 
 
 @router.post("/feedback", openapi_extra=_openapi_body())
-async def post_feedback(request: Request, gw: GatewayDep, tenant: TenantDep) -> dict:
+async def post_feedback(request: Request, gw: GatewayDep, caller: FeedbackCaller) -> dict:
     """Accept one feedback event, or a batch of 1..1000 as `{"events": [...]}`.
 
     An event: `completion_id`, `kind` (thumb_up, thumb_down, rating, accepted, rejected, edited,
@@ -45,7 +45,7 @@ async def post_feedback(request: Request, gw: GatewayDep, tenant: TenantDep) -> 
     """
     items, batch = _parse(await request.body(), request.headers.get("idempotency-key"))
     try:
-        done = await asyncio.to_thread(ingest.accept, gw.index, gw.bus, tenant, items)
+        done = await asyncio.to_thread(ingest.accept, gw.index, gw.bus, caller.tenant, items)
     except ingest.IngestError as e:
         param = None if e.field is None else _param(batch, e.index, e.field)
         headers = {"Retry-After": "1"} if e.status == 503 else None

@@ -19,7 +19,7 @@ from typing import TypeGuard
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from api.deps import ALIAS, GatewayDep, TenantDep
+from api.deps import ALIAS, CompletionsCaller, GatewayDep
 from api.errors import APIError, error_body
 from api.schemas import ChatRequest, CompletionRequest, chat_prompt
 from feedback.events import CompletionEvent
@@ -36,9 +36,10 @@ def _token_ids(prompt: str | list[str] | list[int]) -> TypeGuard[list[int]]:
 
 
 @router.get("/models")
-async def list_models(gw: GatewayDep, _: TenantDep):
+async def list_models(gw: GatewayDep, caller: CompletionsCaller):
     now = int(time.time())
-    names = gw.engine.versions + ([ALIAS] if gw.engine.default_version else [])
+    default = gw.engine.default_version
+    names = [v for v in gw.engine.versions if v == default or caller.allows("eval")] + ([ALIAS] if default else [])
     return {
         "object": "list",
         "data": [{"id": n, "object": "model", "created": now, "owned_by": "flywheel"} for n in names],
@@ -46,8 +47,8 @@ async def list_models(gw: GatewayDep, _: TenantDep):
 
 
 @router.post("/completions")
-async def completions(req: CompletionRequest, gw: GatewayDep, tenant: TenantDep):
-    version = gw.resolve_model(req.model)
+async def completions(req: CompletionRequest, gw: GatewayDep, caller: CompletionsCaller):
+    version, tenant = gw.resolve_model(req.model, caller), caller.tenant
     tok = gw.engine.tokenizer(version)
     if isinstance(req.prompt, str):
         prompts = [tok.encode_prompt(req.prompt)]
@@ -69,8 +70,8 @@ async def completions(req: CompletionRequest, gw: GatewayDep, tenant: TenantDep)
 
 
 @router.post("/chat/completions")
-async def chat_completions(req: ChatRequest, gw: GatewayDep, tenant: TenantDep):
-    version = gw.resolve_model(req.model)
+async def chat_completions(req: ChatRequest, gw: GatewayDep, caller: CompletionsCaller):
+    version, tenant = gw.resolve_model(req.model, caller), caller.tenant
     tok = gw.engine.tokenizer(version)
     top = (req.top_logprobs or 0) if req.logprobs else 0
     if req.top_logprobs and not req.logprobs:
@@ -154,11 +155,13 @@ class _Ctx:
     async def record(self, c: Completion) -> None:
         if not c.output_ids:
             return  # cancelled before anything was generated: nothing was served
-        ev = CompletionEvent.from_completion(c, self.tenant, self.user, self.endpoint)
+        # A version named by an eval key (not the promoted one) is its own arm, outside canary statistics.
+        arm = None if c.version == self.gw.engine.default_version else "eval"
+        ev = CompletionEvent.from_completion(c, self.tenant, self.user, self.endpoint, arm=arm)
         try:
             await self.gw.sink.record(ev)
             # Indexed before the response is sent, so feedback on this id can never be refused as unknown.
-            await asyncio.to_thread(self.gw.index.add, c.request_id, self.tenant, c.version, ev.ts, ev.user_id)
+            await asyncio.to_thread(self.gw.index.add, c.request_id, self.tenant, c.version, ev.ts, ev.user_id, arm)
         except Exception as e:  # not durable: the caller must not be served
             raise APIError(
                 503, f"The completion could not be recorded ({type(e).__name__}); not served.", None, "record_failed"

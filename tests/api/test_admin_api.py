@@ -1,5 +1,6 @@
 """The admin API against a live gateway: keys and scopes (401/403, even in local mode), approve,
-reject and roll back through the registry's lifecycle, audited, and refused steps that change nothing."""
+reject and roll back through the registry's lifecycle, audited, and refused steps that change nothing;
+and no way around the gate for completions keys."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from api.main import create_app
 from core.security import KeyStore
 from core.settings import Settings
 from feedback.bus_embedded import EmbeddedBus
+from feedback.completion_index import CompletionIndex
 from gating.registry import Registry
 from serving.engine import EmbeddedEngine
 from tests.conftest import LiveServer
@@ -42,17 +44,21 @@ def live(tiny_checkpoint, tmp_path):
     settings = Settings(home=tmp_path, model_dir=tiny_checkpoint)
     engine = EmbeddedEngine(max_batch=4, max_model_len=128)
     engine.add_version(tiny_checkpoint.name, tiny_checkpoint, default=True)
+    engine.add_version("ungated", tiny_checkpoint)  # held by the engine, never promoted
     bus, reg = EmbeddedBus(tmp_path / "bus"), Registry(f"sqlite:///{tmp_path / 'registry.db'}")
     reg.bootstrap("base", files=files("base"))
-    keys = KeyStore(settings.key_store_path)
-    with LiveServer(create_app(settings, engine=engine, bus=bus, registry=reg)) as server:
-        server.reg = reg
+    keys, index = KeyStore(settings.key_store_path), CompletionIndex(tmp_path / "index.db")
+    with LiveServer(create_app(settings, engine=engine, bus=bus, registry=reg, index=index)) as server:
+        server.reg, server.index = reg, index
         server.admin = {"Authorization": f"Bearer {keys.create(['admin'], label='ops')[0]}"}
         server.viewer = {"Authorization": f"Bearer {keys.create(['viewer'])[0]}"}
+        server.eval = {"Authorization": f"Bearer {keys.create(['eval', 'completions'], tenant='lab')[0]}"}
+        server.promoted = tiny_checkpoint.name
         yield server
     engine.shutdown()
     bus.close()
     reg.close()
+    index.close()
 
 
 def post(live, path: str, headers: dict | None, body: dict | None = None) -> httpx.Response:
@@ -100,3 +106,26 @@ def test_reject_and_refused_steps_change_nothing(live):
     r = post(live, "/admin/versions/v2/reject", live.admin, {"reason": "worse on count"})
     assert r.status_code == 200 and r.json()["status"] == "rejected"
     assert live.reg.promoted().id == "base"
+
+
+def complete(live, model: str, headers: dict | None = None) -> httpx.Response:
+    body = {"model": model, "prompt": "# add 1 to x\ndef f(x):\n", "max_tokens": 2}
+    return httpx.post(live.url + "/v1/completions", json=body, headers=headers, timeout=30)
+
+
+def test_no_way_around_the_gate(live):
+    """A completions caller gets the alias or the promoted version; naming any other version needs an
+    eval key, and such completions are marked as the eval arm (left out of canary statistics)."""
+    assert complete(live, "flywheel").status_code == 200 and complete(live, live.promoted).status_code == 200
+    r = complete(live, "ungated")
+    assert r.status_code == 403 and r.json()["error"]["code"] == "model_not_allowed", r.text
+    names = [m["id"] for m in httpx.get(live.url + "/v1/models").json()["data"]]
+    assert "ungated" not in names and "flywheel" in names
+    r = complete(live, "ungated", live.eval)
+    assert r.status_code == 200 and r.json()["model"] == "ungated"
+    assert live.index.get(r.json()["id"]).arm == "eval"
+    assert live.index.get(complete(live, "flywheel").json()["id"]).arm is None
+    assert "ungated" in [m["id"] for m in httpx.get(live.url + "/v1/models", headers=live.eval).json()["data"]]
+    r = complete(live, "flywheel", live.viewer)  # a key without the completions scope
+    assert r.status_code == 403 and r.json()["error"]["code"] == "insufficient_scope"
+    assert complete(live, "flywheel", {"Authorization": "Bearer fw_revoked-or-made-up"}).status_code == 401
