@@ -60,12 +60,9 @@ class SegmentReader:
         """The next whole record, or None at the end (or at a torn tail: a partial last frame).
         A whole frame with a wrong checksum raises LogCorrupted."""
         head = self._f.read(_FRAME.size)
-        if len(head) < _FRAME.size:
-            self._f.seek(self.pos)
-            return None
-        n, crc = _FRAME.unpack(head)
+        n, crc = _FRAME.unpack(head) if len(head) == _FRAME.size else (0, None)
         payload = self._f.read(n)
-        if len(payload) < n:
+        if crc is None or len(payload) < n:  # the end, or a partial frame
             self._f.seek(self.pos)
             return None
         if _crc(payload) != crc:
