@@ -95,8 +95,7 @@ class StreamEvent:
 class RequestHandle:
     """What `submit` returns: iterate (sync or async) for stream events, or wait for the result."""
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None, stream: bool = True,
-                 sink=None):
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None, stream: bool = True, sink=None):
         self.request_id = request_id
         self._sink = sink  # a callable taking each StreamEvent instead of the queues (the engine process)
         self.stream = stream  # False: only the final event (the whole completion) is delivered
@@ -162,8 +161,10 @@ def check_request(prompt_ids: list[int], params: SamplingParams, vocab: int, con
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
     if len(prompt_ids) + params.max_tokens > context:
-        raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                         f"the model's context of {context} tokens")
+        raise ValueError(
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+            f"the model's context of {context} tokens"
+        )
 
 
 def caller_loop() -> asyncio.AbstractEventLoop | None:
@@ -176,11 +177,19 @@ def caller_loop() -> asyncio.AbstractEventLoop | None:
 
 class GenerateMixin:
     if TYPE_CHECKING:  # provided by the class this is mixed into
-        def submit(self, prompt_ids: list[int], params: SamplingParams, version: str | None = None,
-                   request_id: str | None = None, stream: bool = True) -> RequestHandle: ...
 
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 version: str | None = None) -> list[Completion]:
+        def submit(
+            self,
+            prompt_ids: list[int],
+            params: SamplingParams,
+            version: str | None = None,
+            request_id: str | None = None,
+            stream: bool = True,
+        ) -> RequestHandle: ...
+
+    def generate(
+        self, prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams], version: str | None = None
+    ) -> list[Completion]:
         """Blocking convenience: submit all, wait for all (they are batched together)."""
         plist = params if isinstance(params, list) else [params] * len(prompt_ids)
         handles = [self.submit(p, sp, version, stream=False) for p, sp in zip(prompt_ids, plist)]
@@ -220,9 +229,16 @@ class _Done(threading.Event):
 
 
 class EmbeddedEngine(GenerateMixin):
-    def __init__(self, max_batch: int = 64, max_model_len: int = 256, threads: int | None = 1,
-                 max_prefill_tokens: int = 2048, seed: int = 0, start_thread: bool = True,
-                 batch_invariant: bool | None = None):
+    def __init__(
+        self,
+        max_batch: int = 64,
+        max_model_len: int = 256,
+        threads: int | None = 1,
+        max_prefill_tokens: int = 2048,
+        seed: int = 0,
+        start_thread: bool = True,
+        batch_invariant: bool | None = None,
+    ):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.max_batch, self.max_model_len = max_batch, max_model_len
@@ -230,6 +246,7 @@ class EmbeddedEngine(GenerateMixin):
         self.threads = threads
         if batch_invariant is None:  # the deployment's choice (FLYWHEEL_BATCH_INVARIANT, default on)
             from core.settings import get_settings
+
             batch_invariant = get_settings().batch_invariant
         self.batch_invariant = batch_invariant
         self._table: VersionTable[ServedVersion[_Seq]] = VersionTable()
@@ -249,8 +266,9 @@ class EmbeddedEngine(GenerateMixin):
             self._thread.start()
 
     # ---- versions -------------------------------------------------------------------------
-    def add_version(self, name: str, source: str | Path | Transformer, tokenizer: Tokenizer | None = None,
-                    default: bool = False) -> None:
+    def add_version(
+        self, name: str, source: str | Path | Transformer, tokenizer: Tokenizer | None = None, default: bool = False
+    ) -> None:
         """Load another model version beside those held (a checkpoint folder, or a model plus its tokenizer),
         on the caller's thread while the loop goes on serving. A model object is served as it is: do not
         change its weights while it is loaded (`update_weights` does that safely)."""
@@ -301,9 +319,11 @@ class EmbeddedEngine(GenerateMixin):
         """Replace a version's weights in place (a state dict of our model's names) between two decode steps;
         returns once applied. Refused with `VersionBusy` while requests are in flight on it: serve new weights
         to live traffic as a new version beside it instead (`serving.swap.hot_swap`)."""
+
         def load() -> None:
             with self._table.exclusive(name) as v:
                 v.model.load_state_dict(weights, strict=True)
+
         self.call_in_loop(load)
 
     @property
@@ -336,8 +356,15 @@ class EmbeddedEngine(GenerateMixin):
             raise RuntimeError("the engine loop already runs on its own thread")
         self._run()
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, version: str | None = None,
-               request_id: str | None = None, stream: bool = True, sink=None) -> RequestHandle:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        version: str | None = None,
+        request_id: str | None = None,
+        stream: bool = True,
+        sink=None,
+    ) -> RequestHandle:
         """Queue a request; thread-safe. From inside an event loop the handle is async-iterable.
         `stream=False` delivers only the final event: no per-token wake-ups of the caller."""
         if not self.alive:
@@ -467,8 +494,14 @@ class EmbeddedEngine(GenerateMixin):
         tok = torch.tensor([s.prompt_ids + [pad] * (T - len(s.prompt_ids)) for s in batch])
         pos = torch.arange(T).expand(len(batch), T)
         slots = torch.tensor([s.slot for s in batch])
-        out = v.model(tok, positions_BT=pos, cache=v.cache, slots_B=slots, return_experts=True,
-                      batch_invariant=self.batch_invariant)
+        out = v.model(
+            tok,
+            positions_BT=pos,
+            cache=v.cache,
+            slots_B=slots,
+            return_experts=True,
+            batch_invariant=self.batch_invariant,
+        )
         last = torch.tensor([len(s.prompt_ids) - 1 for s in batch])
         logits = out.logits[torch.arange(len(batch)), last]
         experts = out.experts.to(torch.uint8).numpy()
@@ -494,8 +527,14 @@ class EmbeddedEngine(GenerateMixin):
         tok = torch.tensor([[s.out_ids[-1]] for s in seqs])
         pos = torch.tensor([[s.length - 1] for s in seqs])
         slots = torch.tensor([s.slot for s in seqs])
-        out = v.model(tok, positions_BT=pos, cache=v.cache, slots_B=slots, return_experts=True,
-                      batch_invariant=self.batch_invariant)
+        out = v.model(
+            tok,
+            positions_BT=pos,
+            cache=v.cache,
+            slots_B=slots,
+            return_experts=True,
+            batch_invariant=self.batch_invariant,
+        )
         experts = out.experts.to(torch.uint8).numpy()
         for i, s in enumerate(seqs):
             s.experts.append(experts[i])
@@ -538,18 +577,21 @@ class EmbeddedEngine(GenerateMixin):
             if finish is not None:
                 if stop_at is None:
                     s.text += s.decoder.decode(b"", final=True)
-                delta = s.text[s.emitted:]
+                delta = s.text[s.emitted :]
                 s.emitted = len(s.text)
                 done = self._finish(v, s, finish, now)
                 if s.handle.stream:
                     s.handle._post(StreamEvent(delta, [t], [lp], [top] if top else None, completion=done))
                 else:
-                    s.handle._post(StreamEvent(done.text, list(done.output_ids), list(done.logprobs),
-                                               done.top_logprobs, completion=done))
+                    s.handle._post(
+                        StreamEvent(
+                            done.text, list(done.output_ids), list(done.logprobs), done.top_logprobs, completion=done
+                        )
+                    )
             elif s.handle.stream:
                 hold = max((len(x) for x in s.params.stop), default=1) - 1
                 upto = max(s.emitted, len(s.text) - hold)
-                delta = s.text[s.emitted:upto]
+                delta = s.text[s.emitted : upto]
                 s.emitted = upto
                 s.handle._post(StreamEvent(delta, [t], [lp], [top] if top else None))
 
@@ -560,17 +602,28 @@ class EmbeddedEngine(GenerateMixin):
             s.slot = -1
         self._table.release(v.name)  # a retired version is unloaded at the top of the next iteration
         args = v.model.args
-        experts = (np.concatenate(s.experts, axis=0) if s.experts else
-                   np.zeros((0, args.n_layers, args.top_k), dtype=np.uint8))
+        experts = (
+            np.concatenate(s.experts, axis=0) if s.experts else np.zeros((0, args.n_layers, args.top_k), dtype=np.uint8)
+        )
         if s.experts and not s.out_ids:
             experts = experts[:0]
         elif s.out_ids:
             experts = experts[: s.length - 1]
         return Completion(
-            request_id=s.request_id, version=v.name, prompt_ids=s.prompt_ids, output_ids=s.out_ids,
-            logprobs=s.logprobs, routed_experts=experts, text=s.text, finish_reason=reason, params=s.params,
-            top_logprobs=s.top or None, queued_s=(s.t_start or now) - s.t_submit,
-            first_token_s=(s.t_first or now) - s.t_submit, total_s=now - s.t_submit)
+            request_id=s.request_id,
+            version=v.name,
+            prompt_ids=s.prompt_ids,
+            output_ids=s.out_ids,
+            logprobs=s.logprobs,
+            routed_experts=experts,
+            text=s.text,
+            finish_reason=reason,
+            params=s.params,
+            top_logprobs=s.top or None,
+            queued_s=(s.t_start or now) - s.t_submit,
+            first_token_s=(s.t_first or now) - s.t_submit,
+            total_s=now - s.t_submit,
+        )
 
 
 def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
@@ -578,9 +631,15 @@ def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
     return min(hits) if hits else None
 
 
-def score(model: Transformer, prompt_ids: list[int], output_ids: list[int], params: SamplingParams,
-          replay_experts: np.ndarray | None = None, n_vocab: int | None = None,
-          batch_invariant: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def score(
+    model: Transformer,
+    prompt_ids: list[int],
+    output_ids: list[int],
+    params: SamplingParams,
+    replay_experts: np.ndarray | None = None,
+    n_vocab: int | None = None,
+    batch_invariant: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A full forward pass over prompt + output: (sampling log-probs of the output tokens [N],
     routed experts of every fed token [P + N - 1, L, K]). The reference the engine is tested against."""
     seq = torch.tensor([prompt_ids + output_ids[:-1]])
@@ -588,10 +647,9 @@ def score(model: Transformer, prompt_ids: list[int], output_ids: list[int], para
     with torch.inference_mode():
         out = model(seq, replay_experts=replay, return_experts=True, batch_invariant=batch_invariant)
     P = len(prompt_ids)
-    logits = out.logits[0, P - 1:, :n_vocab]
+    logits = out.logits[0, P - 1 :, :n_vocab]
     n = logits.shape[0]
-    logp = sampling_logprobs(logits, torch.full((n,), float(params.temperature)),
-                                 torch.full((n,), float(params.top_p)))
+    logp = sampling_logprobs(logits, torch.full((n,), float(params.temperature)), torch.full((n,), float(params.top_p)))
     chosen = logp.gather(-1, torch.tensor(output_ids)[:, None]).squeeze(-1)
     if params.greedy:
         chosen = torch.zeros_like(chosen)

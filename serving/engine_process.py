@@ -76,9 +76,9 @@ def _child_main(conn, cfg: dict) -> None:
                     if ev.completion is not None or ev.error is not None:
                         handles.pop(rid, None)
                     send(("event", rid, ev))
+
                 try:
-                    handles[rid] = engine.submit(prompt_ids, params, version, request_id=rid, stream=stream,
-                                                 sink=sink)
+                    handles[rid] = engine.submit(prompt_ids, params, version, request_id=rid, stream=stream, sink=sink)
                 except Exception as e:  # refused by the engine: the request fails, the engine goes on
                     send(("event", rid, StreamEvent("", [], [], error=e)))
             elif kind == "cancel":
@@ -131,12 +131,23 @@ class _Held:
 
 
 class ProcessEngine(GenerateMixin):
-    def __init__(self, max_batch: int = 64, max_model_len: int = 256, threads: int = 2, seed: int = 0,
-                 max_prefill_tokens: int = 2048):
+    def __init__(
+        self,
+        max_batch: int = 64,
+        max_model_len: int = 256,
+        threads: int = 2,
+        seed: int = 0,
+        max_prefill_tokens: int = 2048,
+    ):
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        cfg = dict(max_batch=max_batch, max_model_len=max_model_len, threads=threads, seed=seed,
-                   max_prefill_tokens=max_prefill_tokens)
+        cfg = dict(
+            max_batch=max_batch,
+            max_model_len=max_model_len,
+            threads=threads,
+            seed=seed,
+            max_prefill_tokens=max_prefill_tokens,
+        )
         self._proc = ctx.Process(target=_child_main, args=(child, cfg), name="flywheel-engine", daemon=True)
         self._proc.start()
         child.close()
@@ -199,8 +210,9 @@ class ProcessEngine(GenerateMixin):
             self._table.drop(name)
 
     # ---- the Engine interface ---------------------------------------------------------------
-    def add_version(self, name: str, source: str | Path, tokenizer: Tokenizer | None = None,
-                    default: bool = False) -> None:
+    def add_version(
+        self, name: str, source: str | Path, tokenizer: Tokenizer | None = None, default: bool = False
+    ) -> None:
         """Load a version beside those held, in the child (serving pauses there for the load itself)."""
         if not isinstance(source, (str, Path)):
             raise ValueError("the engine process loads versions from checkpoint folders only")
@@ -249,8 +261,14 @@ class ProcessEngine(GenerateMixin):
     def context_length(self, version: str | None = None) -> int:
         return self._table.get(version).context
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, version: str | None = None,
-               request_id: str | None = None, stream: bool = True) -> RequestHandle:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        version: str | None = None,
+        request_id: str | None = None,
+        stream: bool = True,
+    ) -> RequestHandle:
         if not self.alive:
             raise EngineError(f"engine process is not running: {self.failure}")
         name, held = self._table.acquire(version)  # bound here: the child gets the name

@@ -39,8 +39,9 @@ class Engine(Protocol):
     @property
     def alive(self) -> bool: ...
 
-    def add_version(self, name: str, source: str | Path, tokenizer: Tokenizer | None = None,
-                    default: bool = False) -> None:
+    def add_version(
+        self, name: str, source: str | Path, tokenizer: Tokenizer | None = None, default: bool = False
+    ) -> None:
         """Load a version beside those held (`default=True`: it becomes the default at once)."""
 
     def set_default(self, name: str) -> None:
@@ -57,12 +58,19 @@ class Engine(Protocol):
         """Serve new weights under `name` in place, in the parameter names the implementation documents;
         `serving.versions.VersionBusy` while requests are in flight on it (hot-swap a new version instead)."""
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, version: str | None = None,
-               request_id: str | None = None, stream: bool = True) -> RequestHandle:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        version: str | None = None,
+        request_id: str | None = None,
+        stream: bool = True,
+    ) -> RequestHandle:
         """Queue one request; `stream=False` delivers only the final event."""
 
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 version: str | None = None) -> list[Completion]: ...
+    def generate(
+        self, prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams], version: str | None = None
+    ) -> list[Completion]: ...
 
     def tokenizer(self, version: str | None = None) -> Tokenizer: ...
 

@@ -37,8 +37,9 @@ class Swap:
         return self.load_s + self.switch_s
 
 
-def hot_swap(engine: Engine, name: str, source: str | Path | Any, tokenizer: Tokenizer | None = None,
-             wait: bool = True) -> Swap:
+def hot_swap(
+    engine: Engine, name: str, source: str | Path | Any, tokenizer: Tokenizer | None = None, wait: bool = True
+) -> Swap:
     """Serve `source` as version `name` in place of the current default (see the module's docstring)."""
     old = engine.default_version
     if old == name:

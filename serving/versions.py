@@ -96,8 +96,10 @@ class VersionTable(Generic[T]):
                 name, entry = self._entry(name)
             if entry.retiring:
                 when = f"once its {entry.in_flight} requests in flight end" if entry.in_flight else "now"
-                raise KeyError(f"model version {name!r} is retired: it takes no new requests (it is unloaded "
-                               f"{when}); default: {self._default!r}")
+                raise KeyError(
+                    f"model version {name!r} is retired: it takes no new requests (it is unloaded "
+                    f"{when}); default: {self._default!r}"
+                )
             entry.in_flight += 1
             return name, entry.value
 
@@ -127,8 +129,9 @@ class VersionTable(Generic[T]):
         with self._cond:
             _, entry = self._entry(name)
             if name == self._default:
-                raise ValueError(f"model version {name!r} is the default: set_default to another version "
-                                 "before retiring it")
+                raise ValueError(
+                    f"model version {name!r} is the default: set_default to another version before retiring it"
+                )
             entry.retiring = True
             return entry.unloaded
 
@@ -161,7 +164,8 @@ class VersionTable(Generic[T]):
                     f"model version {name!r} has {entry.in_flight} requests in flight: changing its weights in "
                     "place would mix two policies in their completions. Load the new weights as a new version "
                     "beside it (add_version), set_default to it, then retire_version the old one "
-                    "(serving.swap.hot_swap does all three)")
+                    "(serving.swap.hot_swap does all three)"
+                )
             entry.updating = True
         try:
             yield entry.value

@@ -67,9 +67,16 @@ class _Loaded:
 
 
 class VLLMEngine(GenerateMixin):
-    def __init__(self, max_model_len: int = 256, max_batch: int = 64, gpu_memory_utilization: float | None = None,
-                 routed_experts: bool | None = None, dtype: str = "float32", seed: int = 0,
-                 inplace_updates: bool | None = None):
+    def __init__(
+        self,
+        max_model_len: int = 256,
+        max_batch: int = 64,
+        gpu_memory_utilization: float | None = None,
+        routed_experts: bool | None = None,
+        dtype: str = "float32",
+        seed: int = 0,
+        inplace_updates: bool | None = None,
+    ):
         from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: F401  (fail early if vLLM is missing)
 
         on_gpu = torch.cuda.is_available()
@@ -88,8 +95,9 @@ class VLLMEngine(GenerateMixin):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     # ---- versions -------------------------------------------------------------------------
-    def add_version(self, name: str, source: str | Path, tokenizer: Tokenizer | None = None,
-                    default: bool = False) -> None:
+    def add_version(
+        self, name: str, source: str | Path, tokenizer: Tokenizer | None = None, default: bool = False
+    ) -> None:
         if not isinstance(source, (str, Path)):
             raise ValueError("the vLLM backend loads versions from checkpoint folders only")
         folder = Path(source)
@@ -131,10 +139,17 @@ class VLLMEngine(GenerateMixin):
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
 
-            kwargs = dict(model=str(folder), max_model_len=min(self.max_model_len, args.max_seq_len),
-                          gpu_memory_utilization=self.gpu_memory_utilization, enforce_eager=True,
-                          logprobs_mode="processed_logprobs", seed=self.seed, dtype=self.dtype,
-                          max_num_seqs=self.max_batch, disable_log_stats=True)
+            kwargs = dict(
+                model=str(folder),
+                max_model_len=min(self.max_model_len, args.max_seq_len),
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                enforce_eager=True,
+                logprobs_mode="processed_logprobs",
+                seed=self.seed,
+                dtype=self.dtype,
+                max_num_seqs=self.max_batch,
+                disable_log_stats=True,
+            )
             if self.routed_experts:
                 kwargs["enable_return_routed_experts"] = True
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
@@ -160,8 +175,10 @@ class VLLMEngine(GenerateMixin):
             old.shutdown()  # idle: nothing ran on it since
             return
         if isinstance(weights, dict):
-            kwargs = {"weights_iterator": [(k, v.detach().cpu()) for k, v in weights.items()],
-                      "is_checkpoint_format": True}
+            kwargs = {
+                "weights_iterator": [(k, v.detach().cpu()) for k, v in weights.items()],
+                "is_checkpoint_format": True,
+            }
         else:
             read_config(weights)
             kwargs = {"weights_path": str(weights)}
@@ -187,8 +204,14 @@ class VLLMEngine(GenerateMixin):
         return self._thread.is_alive() and self.failure is None
 
     # ---- requests -------------------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams, version: str | None = None,
-               request_id: str | None = None, stream: bool = True) -> RequestHandle:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        version: str | None = None,
+        request_id: str | None = None,
+        stream: bool = True,
+    ) -> RequestHandle:
         name, loaded = self._table.acquire(version)  # bound to this version (and AsyncLLM) to its last event
         llm, args = loaded.llm, loaded.args
         try:
@@ -199,7 +222,8 @@ class VLLMEngine(GenerateMixin):
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
         handle = RequestHandle(rid, caller_loop(), stream)
         fut: Future = asyncio.run_coroutine_threadsafe(
-            self._run(llm, name, args, rid, list(prompt_ids), params, handle), self._loop)
+            self._run(llm, name, args, rid, list(prompt_ids), params, handle), self._loop
+        )
         handle.cancel = lambda: asyncio.run_coroutine_threadsafe(llm.abort(rid), self._loop)  # type: ignore
 
         def report_failure(f: Future) -> None:
@@ -212,9 +236,15 @@ class VLLMEngine(GenerateMixin):
     async def _run(self, llm, name, args, rid, prompt_ids, params: SamplingParams, handle: RequestHandle) -> None:
         from vllm import SamplingParams as VSP
 
-        vsp = VSP(temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
-                  stop=list(params.stop) or None, seed=params.seed, logprobs=max(1, params.logprobs),
-                  ignore_eos=params.ignore_eos)
+        vsp = VSP(
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_tokens=params.max_tokens,
+            stop=list(params.stop) or None,
+            seed=params.seed,
+            logprobs=max(1, params.logprobs),
+            ignore_eos=params.ignore_eos,
+        )
         try:
             await self._stream(llm, name, args, rid, prompt_ids, params, vsp, handle)
         finally:
@@ -261,12 +291,24 @@ class VLLMEngine(GenerateMixin):
             experts = np.zeros((0, args.n_layers, args.top_k), dtype=np.uint8)
         else:
             experts = np.asarray(experts)[:n_fed].astype(np.uint8)
-        reason = "abort" if final.finish_reason == "abort" else ("length" if final.finish_reason == "length"
-                                                                 else "stop")
-        done = Completion(request_id=rid, version=name, prompt_ids=prompt_ids, output_ids=ids, logprobs=lps,
-                          routed_experts=experts, text=final.text, finish_reason=reason, params=params,
-                          top_logprobs=tops or None, queued_s=0.0, first_token_s=(t_first or now) - t0,
-                          total_s=now - t0)
+        reason = (
+            "abort" if final.finish_reason == "abort" else ("length" if final.finish_reason == "length" else "stop")
+        )
+        done = Completion(
+            request_id=rid,
+            version=name,
+            prompt_ids=prompt_ids,
+            output_ids=ids,
+            logprobs=lps,
+            routed_experts=experts,
+            text=final.text,
+            finish_reason=reason,
+            params=params,
+            top_logprobs=tops or None,
+            queued_s=0.0,
+            first_token_s=(t_first or now) - t0,
+            total_s=now - t0,
+        )
         if handle.stream:
             handle._post(StreamEvent(delta, new_ids, new_lps, new_tops or None, completion=done))
         else:

@@ -42,17 +42,19 @@ def assert_matches_full_forward(model, tok, c):
     lp, experts = score(model, c.prompt_ids, c.output_ids, c.params, n_vocab=tok.vocab_size)
     assert torch.allclose(lp, torch.tensor(c.logprobs), atol=1e-5), (lp - torch.tensor(c.logprobs)).abs().max()
     assert c.routed_experts.dtype == np.uint8
-    assert c.routed_experts.shape == (len(c.prompt_ids) + len(c.output_ids) - 1, model.args.n_layers,
-                                      model.args.top_k)
+    assert c.routed_experts.shape == (len(c.prompt_ids) + len(c.output_ids) - 1, model.args.n_layers, model.args.top_k)
     assert np.array_equal(c.routed_experts, experts.numpy())
 
 
 def test_continuous_batching_from_many_threads_matches_full_forward(engine, model):
     tok = engine.tokenizer()
     ps = prompts(tok, 10)  # more requests than the 4 slots: they queue and join as slots free up
-    variants = [SamplingParams(temperature=1.0, max_tokens=20), SamplingParams(temperature=0.7, top_p=0.8,
-                                                                                max_tokens=9),
-                SamplingParams(temperature=0.0, max_tokens=15), SamplingParams(temperature=1.3, max_tokens=30)]
+    variants = [
+        SamplingParams(temperature=1.0, max_tokens=20),
+        SamplingParams(temperature=0.7, top_p=0.8, max_tokens=9),
+        SamplingParams(temperature=0.0, max_tokens=15),
+        SamplingParams(temperature=1.3, max_tokens=30),
+    ]
     results = [None] * len(ps)
 
     def worker(i):
@@ -78,8 +80,12 @@ def test_recorded_logprobs_are_bit_identical_to_a_full_forward(engine, model):
     log-probabilities equal a lone full forward's bit for bit (mixed temperatures and top-p in one batch)."""
     tok = engine.tokenizer()
     ps = prompts(tok, 9)
-    params = [SamplingParams(temperature=1.0, max_tokens=24, seed=i) if i % 3 else
-              SamplingParams(temperature=0.8, top_p=0.7, max_tokens=30, seed=i) for i in range(len(ps))]
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=24, seed=i)
+        if i % 3
+        else SamplingParams(temperature=0.8, top_p=0.7, max_tokens=30, seed=i)
+        for i in range(len(ps))
+    ]
     for c in engine.generate(ps, params):
         lp, experts = score(model, c.prompt_ids, c.output_ids, c.params, n_vocab=tok.vocab_size)
         assert torch.equal(lp, torch.tensor(c.logprobs)), (lp - torch.tensor(c.logprobs)).abs().max()
@@ -100,12 +106,13 @@ def test_default_kernels_are_still_available(tiny_checkpoint, model):
 
 def test_a_rows_sampling_logprobs_do_not_depend_on_its_batch_mates():
     from serving.sampling import sampling_logprobs
+
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
     temps = torch.tensor([1.0, 0.7, 1.0, 1.3, 0.0, 1.0])
     top_ps = torch.tensor([1.0, 0.9, 0.5, 1.0, 1.0, 0.95])
     together = sampling_logprobs(logits, temps, top_ps)
     for i in range(6):
-        alone = sampling_logprobs(logits[i:i + 1], temps[i:i + 1], top_ps[i:i + 1])
+        alone = sampling_logprobs(logits[i : i + 1], temps[i : i + 1], top_ps[i : i + 1])
         assert torch.equal(alone[0], together[i]), i
 
 
@@ -113,8 +120,9 @@ def test_seed_gives_same_tokens_whatever_the_batch(engine):
     tok = engine.tokenizer()
     p = prompts(tok, 1)[0]
     alone = engine.generate([p], SamplingParams(max_tokens=25, seed=11))[0]
-    crowd = engine.generate([p] + prompts(tok, 5), [SamplingParams(max_tokens=25, seed=11)] +
-                            [SamplingParams(max_tokens=25)] * 5)[0]
+    crowd = engine.generate(
+        [p] + prompts(tok, 5), [SamplingParams(max_tokens=25, seed=11)] + [SamplingParams(max_tokens=25)] * 5
+    )[0]
     assert alone.output_ids == crowd.output_ids and alone.logprobs == pytest.approx(crowd.logprobs, abs=1e-5)
     other = engine.generate([p], SamplingParams(max_tokens=25, seed=12))[0]
     assert other.output_ids != alone.output_ids
@@ -191,8 +199,22 @@ def test_both_backends_implement_the_interface(engine):
     from serving.vllm_engine import VLLMEngine
 
     assert isinstance(engine, Engine)
-    missing = [m for m in ("add_version", "remove_version", "update_weights", "submit", "generate", "tokenizer",
-                           "context_length", "shutdown", "versions", "alive") if not hasattr(VLLMEngine, m)]
+    missing = [
+        m
+        for m in (
+            "add_version",
+            "remove_version",
+            "update_weights",
+            "submit",
+            "generate",
+            "tokenizer",
+            "context_length",
+            "shutdown",
+            "versions",
+            "alive",
+        )
+        if not hasattr(VLLMEngine, m)
+    ]
     assert not missing
 
 
@@ -265,8 +287,9 @@ def test_swapping_the_default_mid_stream_keeps_every_completion_on_its_version(t
         tok = eng.tokenizer()
         v1_weights = weakref.ref(eng._table.get("v1").model)
         ps = prompts(tok, 3)
-        long = [SamplingParams(max_tokens=128 - len(p), temperature=1.0, seed=i, ignore_eos=True)
-                for i, p in enumerate(ps)]
+        long = [
+            SamplingParams(max_tokens=128 - len(p), temperature=1.0, seed=i, ignore_eos=True) for i, p in enumerate(ps)
+        ]
         old = [eng.submit(p, sp) for p, sp in zip(ps, long)]
         seen = [[next(iter(h))] for h in old]  # all three admitted and decoding on v1
         with Paused(eng):  # between two decode steps, the v1 requests mid-stream
@@ -292,8 +315,9 @@ def test_swapping_the_default_mid_stream_keeps_every_completion_on_its_version(t
         for c in (h.result() for h in new):
             assert c.version == "v2"
             assert_exactly_from(model_v2, tok, c)
-            assert not torch.equal(score(model, c.prompt_ids, c.output_ids, c.params, n_vocab=tok.vocab_size)[0],
-                                   torch.tensor(c.logprobs))
+            assert not torch.equal(
+                score(model, c.prompt_ids, c.output_ids, c.params, n_vocab=tok.vocab_size)[0], torch.tensor(c.logprobs)
+            )
         gc.collect()
         assert v1_weights() is None  # its model (and cache) released
         with pytest.raises(KeyError, match="not loaded"):

@@ -89,8 +89,9 @@ def test_hot_swap_over_the_pipe_keeps_every_completion_on_its_version(tiny_check
         eng.add_version("v1", tiny_checkpoint)
         tok = eng.tokenizer()
         ps = [tok.encode_prompt(t) for t in ["# add 3 to x\ndef f(x):\n", "def", "# count 'a' in s\n"]]
-        long = [SamplingParams(max_tokens=128 - len(p), temperature=1.0, seed=i, ignore_eos=True)
-                for i, p in enumerate(ps)]
+        long = [
+            SamplingParams(max_tokens=128 - len(p), temperature=1.0, seed=i, ignore_eos=True) for i, p in enumerate(ps)
+        ]
         old = [eng.submit(p, sp) for p, sp in zip(ps, long)]
         for h in old:
             next(iter(h))  # decoding on v1

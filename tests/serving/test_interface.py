@@ -20,8 +20,11 @@ _OPTIONAL_KINDS = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWO
 
 def protocol_members() -> dict[str, object]:
     """The protocol's public methods and properties, by name."""
-    return {name: value for name, value in vars(Engine).items()
-            if not name.startswith("_") and (inspect.isfunction(value) or isinstance(value, property))}
+    return {
+        name: value
+        for name, value in vars(Engine).items()
+        if not name.startswith("_") and (inspect.isfunction(value) or isinstance(value, property))
+    }
 
 
 def incompatibility(proto: inspect.Signature, impl: inspect.Signature) -> str | None:
@@ -38,19 +41,35 @@ def incompatibility(proto: inspect.Signature, impl: inspect.Signature) -> str | 
             return f"parameter {i} is {q.name!r} ({q.kind.description}), not {p.name!r} ({p.kind.description})"
         if p.default is not p.empty and q.default != p.default:
             return f"parameter {p.name!r} defaults to {q.default!r}, not {p.default!r}"
-    for q in theirs[len(ours):]:
+    for q in theirs[len(ours) :]:
         if q.default is q.empty and q.kind not in _OPTIONAL_KINDS:
             return f"added parameter {q.name!r} is required"
-    if proto.return_annotation is not proto.empty and impl.return_annotation is not impl.empty \
-            and proto.return_annotation != impl.return_annotation:
+    if (
+        proto.return_annotation is not proto.empty
+        and impl.return_annotation is not impl.empty
+        and proto.return_annotation != impl.return_annotation
+    ):
         return f"returns {impl.return_annotation!r}, not {proto.return_annotation!r}"
     return None
 
 
 def test_the_protocol_declares_the_engine_surface():
-    assert {"default_version", "versions", "alive", "add_version", "set_default", "retire_version",
-            "remove_version", "update_weights", "submit", "generate", "tokenizer", "model_args", "context_length",
-            "shutdown"} <= set(protocol_members())
+    assert {
+        "default_version",
+        "versions",
+        "alive",
+        "add_version",
+        "set_default",
+        "retire_version",
+        "remove_version",
+        "update_weights",
+        "submit",
+        "generate",
+        "tokenizer",
+        "model_args",
+        "context_length",
+        "shutdown",
+    } <= set(protocol_members())
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=lambda c: c.__name__)
