@@ -53,8 +53,9 @@ def _shown(path: Path) -> str:
 from demo.bootstrap import encode_example  # noqa: E402
 from demo.corpus import make_corpus  # noqa: E402
 from serving.checkpoint import load_checkpoint  # noqa: E402
+from serving.codec import Codec, apply_delta, encode_delta, encode_snapshot, read_manifest  # noqa: E402
 from serving.tokenizer import Tokenizer  # noqa: E402
-from serving.weight_store import Codec, apply_delta, encode_delta, encode_snapshot, read_manifest, shipping_state  # noqa: E402
+from serving.weight_store import shipping_state  # noqa: E402
 
 LRS = (1e-6, 1e-5, 1e-4, 3e-3)
 STEPS = (1, 4)

@@ -28,7 +28,7 @@ regions become slow (torch's libgomp), while a 1-thread loop is as fast whatever
 process does. Pass `threads=None` to keep torch's default.
 
 Numerics: `batch_invariant=True` (the default, from `FLYWHEEL_BATCH_INVARIANT`; float32 versions
-only) runs the model's batch-invariant kernels (`serving/model.py`), so a token's recorded
+only) runs the model's batch-invariant kernels (`serving/batch_invariant.py`), so a token's recorded
 log-probability is bit-identical to what the trainer recomputes in one full forward at the same
 weights, whatever the decode batch held. Off: torch's default kernels, a faster decode step, and
 recorded log-probs a few 1e-6 from the trainer's.
@@ -36,7 +36,6 @@ recorded log-probs a few 1e-6 from the trainer's.
 
 from __future__ import annotations
 
-import asyncio
 import codecs
 import itertools
 import logging
@@ -47,153 +46,27 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from serving.checkpoint import load_checkpoint
 from serving.model import ModelArgs, Transformer
+from serving.requests import (
+    Completion,
+    EngineError,
+    GenerateMixin,
+    RequestHandle,
+    StreamEvent,
+    caller_loop,
+    check_request,
+)
 from serving.sampling import SamplingParams, sample_rows, sampling_logprobs
 from serving.tokenizer import Tokenizer
 from serving.versions import ServedVersion, VersionTable
 
 log = logging.getLogger(__name__)
-
-
-class EngineError(RuntimeError):
-    """The engine stopped or failed while the request was in flight."""
-
-
-@dataclass
-class Completion:
-    request_id: str
-    version: str
-    prompt_ids: list[int]
-    output_ids: list[int]
-    logprobs: list[float]
-    routed_experts: np.ndarray  # [P + N - 1, L, K] uint8
-    text: str
-    finish_reason: str  # "stop" | "length"
-    params: SamplingParams
-    top_logprobs: list[dict[int, float]] | None = None
-    queued_s: float = 0.0
-    first_token_s: float = 0.0
-    total_s: float = 0.0
-
-
-@dataclass
-class StreamEvent:
-    text: str  # new text since the previous event
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[dict[int, float]] | None = None
-    completion: Completion | None = None  # set on the last event
-    error: BaseException | None = None
-
-
-class RequestHandle:
-    """What `submit` returns: iterate (sync or async) for stream events, or wait for the result."""
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None, stream: bool = True, sink=None):
-        self.request_id = request_id
-        self._sink = sink  # a callable taking each StreamEvent instead of the queues (the engine process)
-        self.stream = stream  # False: only the final event (the whole completion) is delivered
-        self._loop = loop
-        self._aq: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self.cancelled = False
-
-    def cancel(self) -> None:
-        """Stop generating at the next step; the stream then ends with finish_reason "abort"."""
-        self.cancelled = True
-
-    def _post(self, ev: StreamEvent) -> None:
-        if self._sink is not None:
-            self._sink(ev)
-        elif self._loop is not None and self._aq is not None:  # both set, or neither
-            try:
-                self._loop.call_soon_threadsafe(self._aq.put_nowait, ev)
-            except RuntimeError:  # the caller's loop is gone; nobody is listening any more
-                pass
-        else:
-            self._q.put(ev)
-
-    def __iter__(self):
-        if self._aq is not None:
-            raise RuntimeError("this handle was submitted from an event loop: use `async for`")
-        while True:
-            ev = self._q.get()
-            if ev.error is not None:
-                raise ev.error
-            yield ev
-            if ev.completion is not None:
-                return
-
-    async def __aiter__(self):
-        if self._aq is None:
-            raise RuntimeError("this handle was submitted without an event loop: use `for`")
-        while True:
-            ev = await self._aq.get()
-            if ev.error is not None:
-                raise ev.error
-            yield ev
-            if ev.completion is not None:
-                return
-
-    def result(self) -> Completion:
-        for ev in self:
-            if ev.completion is not None:
-                return ev.completion
-        raise EngineError("stream ended without a completion")
-
-    async def aresult(self) -> Completion:
-        async for ev in self:
-            if ev.completion is not None:
-                return ev.completion
-        raise EngineError("stream ended without a completion")
-
-
-def check_request(prompt_ids: list[int], params: SamplingParams, vocab: int, context: int) -> None:
-    """The checks every backend applies before accepting a request (ValueError naming the problem)."""
-    if not prompt_ids:
-        raise ValueError("prompt must contain at least one token")
-    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-        raise ValueError(f"prompt token ids must be in [0, {vocab})")
-    if len(prompt_ids) + params.max_tokens > context:
-        raise ValueError(
-            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-            f"the model's context of {context} tokens"
-        )
-
-
-def caller_loop() -> asyncio.AbstractEventLoop | None:
-    """The running event loop of the caller, if any (its handle is then async-iterable)."""
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
-
-
-class GenerateMixin:
-    if TYPE_CHECKING:  # provided by the class this is mixed into
-
-        def submit(
-            self,
-            prompt_ids: list[int],
-            params: SamplingParams,
-            version: str | None = None,
-            request_id: str | None = None,
-            stream: bool = True,
-        ) -> RequestHandle: ...
-
-    def generate(
-        self, prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams], version: str | None = None
-    ) -> list[Completion]:
-        """Blocking convenience: submit all, wait for all (they are batched together)."""
-        plist = params if isinstance(params, list) else [params] * len(prompt_ids)
-        handles = [self.submit(p, sp, version, stream=False) for p, sp in zip(prompt_ids, plist)]
-        return [h.result() for h in handles]
 
 
 @dataclass

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from serving.checkpoint import read_config
-from serving.engine import EngineError, GenerateMixin, RequestHandle, StreamEvent, caller_loop, check_request
 from serving.model import ModelArgs
+from serving.requests import EngineError, GenerateMixin, RequestHandle, StreamEvent, caller_loop, check_request
 from serving.sampling import SamplingParams
 from serving.tokenizer import Tokenizer
 from serving.versions import VersionTable

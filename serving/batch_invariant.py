@@ -1,0 +1,189 @@
+"""Batch-invariant kernels: a row's result does not depend on what else is in the batch.
+
+Owns the float32 kernels of the model's batch-invariant mode (`Transformer(batch_invariant=True)`,
+`forward(batch_invariant=...)`): a token gets bit-identical logits whatever else is in the batch,
+whether it is computed in a prefill, a decode step against the KV cache or one full forward, so the
+log-probs recorded at serving equal the trainer's recomputation. torch's default CPU kernels do not
+give that (SDPA, MKL's small-matrix path, fused SiLU and long reductions all round by shape;
+docs/numerics.md says which and by how much). These kernels therefore:
+- compute every linear layer and expert matmul with at least `MIN_GEMM_ROWS` rows, padding small
+  inputs with zero rows (`invariant_linear`, `pad_rows`), so a row's result is independent of the
+  batch and of its place in it;
+- compute attention (`InvariantAttention`) so that what varies between a decode step and a full
+  forward is never a matmul's row count or reduction length: scores = keys @ queries^T over key
+  blocks of `KEY_BLOCK`, then [v | 1 | 0...]^T @ p per block (the weighted values and the softmax
+  denominator in one fixed-size reduction), blocks summed pairwise; the KV cache keeps the 1 column
+  (`value_width`);
+- compute SiLU as x / (1 + exp(-x)) (`InvariantSiLU`).
+Gradients come from torch's own kernels: only the forward values need to be invariant.
+
+Called by `serving/model.py` (its layers and `KVCache`) and the model tests.
+Shape legend as in `serving/model.py`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+# A float32 matmul with fewer rows than this takes MKL's small-matrix path (measured: up to 15 rows
+# for an inner dimension of 384 and more), which rounds differently.
+MIN_GEMM_ROWS = 16
+# Attention reduces over keys in blocks of this many (the key axis is padded to a multiple): MKL
+# splits a long reduction into pieces whose size depends on its length (measured: past ~400), so a
+# decode step and a full forward would otherwise group the same terms differently.
+KEY_BLOCK = 32
+# Scores are [KEY_BLOCK, Dh] @ [Dh, queries]; torch computes a matmul of fewer than 400 multiply-adds
+# with its own naive kernel, which rounds differently: smaller heads are padded with zero columns.
+_MIN_HEAD_DIM = 16
+
+
+def value_width(head_dim: int) -> int:
+    """Columns of a value row in the cache and in the batch-invariant attention: v, a 1, zeros up to
+    `MIN_GEMM_ROWS` (that matmul's rows)."""
+    return max(head_dim + 1, MIN_GEMM_ROWS)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, weight)` whose rows do not depend on how many rows there are (batch-invariant mode).
+
+    Inputs with fewer than `MIN_GEMM_ROWS` rows are padded with zero rows, so every call takes the
+    same blocked MKL path; from there on a row's result depends only on the row itself."""
+    m = x.numel() // x.shape[-1]
+    if m >= MIN_GEMM_ROWS and x.is_contiguous():
+        return F.linear(x, weight)  # one [m, K] matmul, as the 2-D call below
+    y = F.linear(pad_rows(x.reshape(m, x.shape[-1]).contiguous()), weight)[:m]
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def pad_rows(x_MK: torch.Tensor) -> torch.Tensor:
+    m = x_MK.shape[0]
+    return F.pad(x_MK, (0, 0, 0, MIN_GEMM_ROWS - m)) if m < MIN_GEMM_ROWS else x_MK
+
+
+def _silu_values(x: torch.Tensor) -> torch.Tensor:
+    d = torch.neg(x).exp_().add_(1.0)
+    return torch.div(x, d, out=d)
+
+
+def invariant_silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU with batch-invariant values (`InvariantSiLU`); without autograd when no gradient is wanted."""
+    return InvariantSiLU.apply(x) if torch.is_grad_enabled() and x.requires_grad else _silu_values(x)
+
+
+class InvariantSiLU(torch.autograd.Function):
+    """SiLU as x / (1 + exp(-x)): exp is MKL's vector math, which rounds an element the same wherever
+    it falls (torch's fused silu kernel rounds its vectorised body and scalar tail differently).
+    The gradient is torch's own silu gradient: only the forward values need to be invariant."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return _silu_values(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(grad, x)
+
+
+def _attend(
+    q_BHTd: torch.Tensor, k_BGSd: torch.Tensor, v_BGSW: torch.Tensor, query_pos_BT: torch.Tensor
+) -> torch.Tensor:
+    """The batch-invariant attention's forward (no autograd). Key s is visible to query t of sequence b
+    iff s <= query_pos_BT[b, t]. `v_BGSW` holds [v | 1 | 0...] rows (`value_width`). Returns [B, T, H * Dh]."""
+    B, H, T, Dh = q_BHTd.shape
+    t_min = -(-MIN_GEMM_ROWS // (H // k_BGSd.shape[1]))
+    if T < t_min:
+        # Few query columns per matmul (a decode step, a short prompt) take other MKL kernels, which round
+        # differently (one column: a matrix-vector product; 2 columns differed too on an AVX-512 Zen 4):
+        # the last query is repeated until every matmul has at least MIN_GEMM_ROWS columns.
+        extra = t_min - T
+        q_BHTd = torch.cat([q_BHTd, q_BHTd[:, :, -1:].expand(B, H, extra, Dh)], dim=2)
+        query_pos_BT = torch.cat([query_pos_BT, query_pos_BT[:, -1:].expand(B, extra)], dim=1)
+        return _attend(q_BHTd, k_BGSd, v_BGSW, query_pos_BT)[:, :T]
+    G, S, W = k_BGSd.shape[1], k_BGSd.shape[2], v_BGSW.shape[-1]
+    R, N = H // G, H // G * T
+    S_pad = -(-S // KEY_BLOCK) * KEY_BLOCK
+    Dk = max(Dh, _MIN_HEAD_DIM)  # a small head is padded with zero columns (the scores do not change)
+    if S_pad != S or Dk != Dh or not k_BGSd.is_contiguous():
+        k_BGSd = F.pad(k_BGSd, (0, Dk - Dh, 0, S_pad - S)).contiguous()
+    if S_pad != S or not v_BGSW.is_contiguous():
+        v_BGSW = F.pad(v_BGSW, (0, 0, 0, S_pad - S)).contiguous()  # padded keys get weight 0 anyway
+    q_BGRTd = torch.empty((B, G, R, T, Dk), dtype=q_BHTd.dtype, device=q_BHTd.device)
+    if Dk != Dh:
+        q_BGRTd[..., Dh:] = 0.0
+    torch.mul(q_BHTd.view(B, G, R, T, Dh), 1.0 / math.sqrt(Dh), out=q_BGRTd[..., :Dh])
+    # Scores with the keys as the rows, [S_pad, Dk] @ [Dk, R*T]: never few rows (S_pad is a multiple of
+    # KEY_BLOCK), and a score does not depend on how many query columns there are.
+    s_BGSN = torch.matmul(k_BGSd, q_BGRTd.view(B, G, N, Dk).transpose(-1, -2))
+    # Softmax numerators down the key axis, in place: masked keys -inf, minus the max of the visible ones,
+    # exp. All exact or elementwise (exp is MKL's vector math, the same for an element wherever it falls).
+    hidden_BTS = torch.arange(S_pad, device=q_BHTd.device)[None, None, :] > query_pos_BT[:, :, None]
+    s_BGSRT = s_BGSN.view(B, G, S_pad, R, T)
+    s_BGSRT.masked_fill_(hidden_BTS.transpose(1, 2)[:, None, :, None, :], float("-inf"))
+    s_BGSRT.sub_(s_BGSRT.amax(dim=2, keepdim=True))
+    p_BGSN = s_BGSN.exp_()
+    # [v | 1 | 0...]^T @ p per block of KEY_BLOCK keys, [W, KEY_BLOCK] @ [KEY_BLOCK, R*T]: the weighted
+    # values and the softmax denominator from the same fixed-size reductions; the blocks are then
+    # summed pairwise (0+1, 2+3, ..., then again), a tree that trailing all-masked blocks (p exactly 0)
+    # do not change. So neither how many keys the cache read nor how long the batch was matters.
+    nb = S_pad // KEY_BLOCK
+    o_BGbWN = torch.matmul(v_BGSW.view(B, G, nb, KEY_BLOCK, W).transpose(-1, -2), p_BGSN.view(B, G, nb, KEY_BLOCK, N))
+    while o_BGbWN.shape[2] > 1:
+        if o_BGbWN.shape[2] % 2:
+            o_BGbWN = F.pad(o_BGbWN, (0, 0, 0, 0, 0, 1))
+        o_BGbWN = o_BGbWN[:, :, 0::2] + o_BGbWN[:, :, 1::2]
+    o_BGWRT = o_BGbWN.view(B, G, W, R, T)
+    out_BTGRd = torch.empty((B, T, G, R, Dh), dtype=q_BHTd.dtype, device=q_BHTd.device)
+    torch.div(
+        o_BGWRT[:, :, :Dh].permute(0, 4, 1, 3, 2), o_BGWRT[:, :, Dh : Dh + 1].permute(0, 4, 1, 3, 2), out=out_BTGRd
+    )
+    return out_BTGRd.view(B, T, H * Dh)
+
+
+def invariant_attention(
+    q_BHTd: torch.Tensor, k_BGSd: torch.Tensor, v_BGSW: torch.Tensor, query_pos_BT: torch.Tensor, causal: bool
+) -> torch.Tensor:
+    """`InvariantAttention`; without autograd when no gradient is wanted (decode steps)."""
+    if torch.is_grad_enabled() and (q_BHTd.requires_grad or k_BGSd.requires_grad or v_BGSW.requires_grad):
+        return InvariantAttention.apply(q_BHTd, k_BGSd, v_BGSW, query_pos_BT, causal)
+    return _attend(q_BHTd, k_BGSd, v_BGSW, query_pos_BT)
+
+
+class InvariantAttention(torch.autograd.Function):
+    """softmax(q k^T / sqrt(Dh)) v, computed the same way for a decode step, a prefill and a full forward.
+
+    Inputs: q [B, H, T, Dh]; keys [B, G, S, Dh]; values [B, G, S, value_width(Dh)] as [v | 1 | 0...];
+    query positions [B, T] (key s is visible to query t iff s <= position); `causal`: the keys are the
+    queries' own tokens (a full forward), which the gradient uses. Output [B, T, H * Dh].
+    Queries of the R = H / G heads sharing a kv head are R * T columns of the same matmuls.
+    The gradient is SDPA's, recomputed in the backward: only the forward values need to be invariant.
+    """
+
+    @staticmethod
+    def forward(ctx, q_BHTd, k_BGSd, v_BGSW, query_pos_BT, causal: bool):
+        ctx.save_for_backward(q_BHTd, k_BGSd, v_BGSW, query_pos_BT)
+        ctx.causal = causal
+        return _attend(q_BHTd, k_BGSd, v_BGSW, query_pos_BT)
+
+    @staticmethod
+    def backward(ctx, grad_BTE):
+        q_BHTd, k_BGSd, v_BGSW, query_pos_BT = ctx.saved_tensors
+        B, H, T, Dh = q_BHTd.shape
+        wanted = ctx.needs_input_grad[:3]
+        with torch.enable_grad():
+            q, k, v = (t.detach().requires_grad_(w) for t, w in zip((q_BHTd, k_BGSd, v_BGSW), wanted))
+            if ctx.causal:
+                out = F.scaled_dot_product_attention(q, k, v[..., :Dh], is_causal=True, enable_gqa=True)
+            else:
+                mask_B1TS = (torch.arange(k.shape[2], device=q.device)[None, None, :] <= query_pos_BT[..., None])[
+                    :, None
+                ]
+                out = F.scaled_dot_product_attention(q, k, v[..., :Dh], attn_mask=mask_B1TS, enable_gqa=True)
+            out = out.transpose(1, 2).reshape(B, T, H * Dh)
+            inputs = [t for t, w in zip((q, k, v), wanted) if w]
+            grads = iter(torch.autograd.grad(out, inputs, grad_BTE) if inputs else ())
+        return (*(next(grads) if w else None for w in wanted), None, None)
