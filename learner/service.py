@@ -61,6 +61,11 @@ from serving.checkpoint import WEIGHTS, load_checkpoint, save_checkpoint
 from serving.tokenizer import Tokenizer
 from serving.weight_store import DELTA_SUFFIX, WeightStore, shipping_state
 
+# Versions ship in the trainer's dtype: replicas then serve exactly the weights that were trained, so
+# the log-probs they record match the trainer's recomputation bit for bit (bf16 would halve the bytes
+# but round every weight, and the importance ratios would see that rounding as policy drift).
+SHIPPING_DTYPE = torch.float32
+
 log = logging.getLogger(__name__)
 STATE = "learner.json"
 OPT_STATE = "learner_state.pt"
@@ -150,7 +155,7 @@ class LearnerService:
             vid = Path(base_dir).name
             shutil.copytree(base_dir, self.models_dir / vid, dirs_exist_ok=True)
             if vid not in self.store.versions():
-                self.store.put(vid, shipping_state(load_checkpoint(base_dir)))
+                self.store.put(vid, shipping_state(load_checkpoint(base_dir), SHIPPING_DTYPE))
             try:
                 base = self.registry.get(vid)
             except UnknownVersion:
@@ -341,7 +346,7 @@ class LearnerService:
         # Registered before it is renamed into place: a crash in between leaves a registered candidate
         # whose folder is missing (the registry's file hash tells it apart), never a folder without a row.
         vid = self._free_id(len(self.state["versions"]))
-        shipped = self.store.put(vid, shipping_state(self.model), parent=self.current)
+        shipped = self.store.put(vid, shipping_state(self.model, SHIPPING_DTYPE), parent=self.current)
         stats["shipping"] = {"kind": shipped.kind, "bytes": shipped.nbytes}
         version = self.registry.register(
             version_id=vid,

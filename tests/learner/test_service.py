@@ -65,7 +65,7 @@ def test_updates_on_cadence_and_registers_candidates(tmp_path, tiny_checkpoint, 
     from serving.weight_store import WeightStore, shipping_state
 
     rebuilt = WeightStore(tmp_path / "models" / "store").get("v0004")  # a fresh reader: from the files
-    expected = shipping_state(load_checkpoint(tmp_path / "models" / "v0004"))
+    expected = shipping_state(load_checkpoint(tmp_path / "models" / "v0004"), torch.float32)  # as shipped
     assert rebuilt.keys() == expected.keys() and all(torch.equal(rebuilt[k], expected[k]) for k in expected)
     assert (tmp_path / "models" / "v0004" / "model.safetensors").is_file()
     assert "ratio_mean" in v4.metrics and "abs_dlogp_max" not in v4.metrics  # served by the base, not v0003
