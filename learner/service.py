@@ -54,17 +54,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from core.files import atomic_write
 from feedback.bus import EventBus, Record
 from feedback.events import TOPICS, SampleEvent
+from gating.bootstrap import SHIPPING_DTYPE, publish_base
 from gating.registry import Registry, UnknownVersion
 from learner.samples import select
 from learner.trainer import Trainer, TrainerConfig
 from serving.checkpoint import WEIGHTS, load_checkpoint, save_checkpoint
 from serving.tokenizer import Tokenizer
 from serving.weight_store import DELTA_SUFFIX, WeightStore, shipping_state
-
-# Versions ship in the trainer's dtype: replicas then serve exactly the weights that were trained, so
-# the log-probs they record match the trainer's recomputation bit for bit (bf16 would halve the bytes
-# but round every weight, and the importance ratios would see that rounding as policy drift).
-SHIPPING_DTYPE = torch.float32
 
 log = logging.getLogger(__name__)
 STATE = "learner.json"
@@ -150,26 +146,14 @@ class LearnerService:
         if self.state_path.is_file():
             self.state = json.loads(self.state_path.read_text())
         else:
-            # The base keeps the name the gateway serves it under (its folder's name), so samples it
-            # served are attributed to it.
-            vid = Path(base_dir).name
-            shutil.copytree(base_dir, self.models_dir / vid, dirs_exist_ok=True)
-            if vid not in self.store.versions():
-                self.store.put(vid, shipping_state(load_checkpoint(base_dir), SHIPPING_DTYPE))
-            try:
-                base = self.registry.get(vid)
-            except UnknownVersion:
-                base = self.registry.register(
-                    version_id=vid,
-                    parent_id=None,
-                    notes=f"copied from {base_dir}",
-                    files=[self._file_entry(self.models_dir / vid, "snapshot", vid), self._store_entry(vid)],
-                    reason="learner started from the base model",
-                )
+            # The lineage starts at the promoted version: the base (named after its folder, as the
+            # gateway serves it), published and promoted here if nobody did yet.
+            base = publish_base(self.registry, self.models_dir, base_dir, self.cfg.snapshot_every)
+            folder = self.models_dir / base.id
             self.state = {
                 "current": base.id,
                 "versions": [base.id],
-                "dirs": {base.id: str(self.models_dir / vid)},
+                "dirs": {base.id: str(folder if folder.is_dir() else base_dir)},
                 "positions": {},
                 "trained_ids": [],
             }
