@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 from dataclasses import dataclass
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 
@@ -21,6 +21,9 @@ from feedback.bus import EventBus
 from feedback.completion_index import CompletionIndex
 from feedback.sink import CompletionSink
 from gating.registry import Registry
+
+if TYPE_CHECKING:
+    from api.fleet import GatewayFleet
 
 ALIAS = "flywheel"  # always names the default (promoted) version
 PRODUCT_SCOPES = frozenset({"completions", "feedback:write"})  # FLYWHEEL_API_KEYS pairs and local mode
@@ -45,19 +48,26 @@ class Gateway:
         index: CompletionIndex,
         registry: Registry,
         key_store: KeyStore,
+        fleet: GatewayFleet | None = None,
     ):
         self.settings, self.engine, self.sink = settings, engine, sink
         self.bus, self.index, self.registry, self.key_store = bus, index, registry, key_store
+        self.fleet = fleet
         self.metrics = Metrics()
         self.background: set[asyncio.Task] = set()
         self._keys = _parse_keys(settings.api_keys)
 
-    def resolve_model(self, name: str, caller: Caller, param: str = "model") -> str:
-        """The version a request names: the alias or the promoted (default) version for anyone; any
-        other version only for a key with the `eval` scope, so no completions key gets around the gate."""
+    def resolve_model(
+        self, name: str, caller: Caller, user: str | None = None, param: str = "model"
+    ) -> tuple[str, str | None]:
+        """(version, arm) of a request. The alias gets the promoted (default) version, or during a canary
+        the candidate for the users assigned to it (arm `candidate` / `incumbent` / `anonymous`); the
+        promoted version by name, anyone; any other version only a key with the `eval` scope (arm
+        `eval`, outside canary statistics), so no completions key gets around the gate."""
         versions, default = self.engine.versions, self.engine.default_version
         if name == ALIAS and default:
-            return default
+            routed, arm = self.fleet.route(caller.tenant, user) if self.fleet is not None else (None, None)
+            return routed or default, arm
         if name not in versions:
             known = sorted(v for v in versions if v == default or caller.allows("eval")) + [ALIAS]
             raise APIError(404, f"The model '{name}' does not exist. Available: {known}", param, "model_not_found")
@@ -68,7 +78,7 @@ class Gateway:
                 param,
                 "model_not_allowed",
             )
-        return name
+        return name, (None if name == default else "eval")
 
     def caller_for(self, request: Request) -> Caller:
         """Who is calling: a key of the key store (`fw_...`), a `FLYWHEEL_API_KEYS` pair, or, with no

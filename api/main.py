@@ -7,6 +7,7 @@ app builds them from the settings at start-up and closes, at shutdown, only what
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import time
@@ -19,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 
 from api import errors
 from api.deps import Gateway, GatewayDep
+from api.fleet import GatewayFleet
 from api.metrics import RequestCounter
 from api.routes import admin, feedback, openai
 from core.security import KeyStore
@@ -35,8 +37,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def build_engine(settings: Settings):
-    """The configured inference backend, holding the served checkpoint as its default version."""
+def build_engine(settings: Settings, serve_checkpoint: bool = True):
+    """The configured inference backend; `serve_checkpoint`: holding the served checkpoint as its
+    default version (otherwise empty, for a replica to fill from the registry)."""
     folder = Path(settings.served_model_dir)
     engine: Engine
     if settings.engine == "vllm":
@@ -61,7 +64,8 @@ def build_engine(settings: Settings):
             threads=settings.torch_threads or 1,
             seed=settings.seed,
         )
-    engine.add_version(folder.name, folder, default=True)
+    if serve_checkpoint:
+        engine.add_version(folder.name, folder, default=True)
     return engine
 
 
@@ -78,25 +82,32 @@ def create_app(
     garbage collector, so a full collection under load does not scan the model and modules."""
     settings = settings or get_settings()
     settings.check_production()
-    owns_engine, owns_sink, owns_bus, owns_index = engine is None, sink is None, bus is None, index is None
+    owns_sink, owns_bus, owns_index = sink is None, bus is None, index is None
     owns_registry = registry is None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        eng = engine if engine is not None else build_engine(settings)
+        reg = registry if registry is not None else Registry(settings.db_url)
+        # Built from the settings, the gateway runs replicas that follow the registry; an engine
+        # passed in (tests, benchmarks) serves what it holds.
+        fleet = None
+        if engine is None:
+            fleet = await asyncio.to_thread(
+                GatewayFleet.start, settings, reg, lambda: build_engine(settings, serve_checkpoint=False)
+            )
+        eng = engine if fleet is None else fleet.engine
         try:
             bs = bus if bus is not None else open_bus(settings)
         except BaseException:
-            if owns_engine:  # nothing else will shut the engine (and its process) down
-                eng.shutdown()
+            if fleet is not None:  # nothing else will shut the engines (and their processes) down
+                fleet.close()
             raise
         # Completion records go to the event bus (the joiner reads them there): fsynced to the embedded
         # log, or to the Kafka spool while the broker is away, before the caller is answered.
         snk = sink if sink is not None else CompletionSink(bs)
         idx = index if index is not None else CompletionIndex(settings.completion_index_url)
-        reg = registry if registry is not None else Registry(settings.db_url)
         keys = KeyStore(settings.key_store_path)
-        app.state.gateway = Gateway(settings, eng, snk, bs, idx, reg, keys)
+        app.state.gateway = Gateway(settings, eng, snk, bs, idx, reg, keys, fleet)
         log.info("gateway ready: versions %s, default %s", eng.versions, eng.default_version)
         if freeze_gc:
             gc.collect()
@@ -104,8 +115,8 @@ def create_app(
         try:
             yield
         finally:
-            if owns_engine:
-                eng.shutdown()
+            if fleet is not None:
+                fleet.close()
             if owns_sink:
                 snk.close()
             if owns_bus:

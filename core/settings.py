@@ -36,6 +36,11 @@ class Settings(BaseSettings):
         description="Inference backend: the embedded engine on a thread of the gateway, the embedded "
         "engine in a process of its own, or vLLM.",
     )
+    replicas: int = Field(
+        1, ge=1, le=64, description="Engines (replicas) this gateway drives, each following the registry."
+    )
+    gateway_id: str | None = Field(None, description="This gateway's name in replica heartbeats; None: host-pid.")
+    heartbeat_s: float = Field(5.0, gt=0, description="Seconds between a replica's heartbeats (down after 3 missed).")
     max_batch: int = Field(64, ge=1, le=1024, description="Sequences the embedded engine decodes at once.")
     max_model_len: int = Field(256, ge=16, description="Longest prompt + completion a request may ask for.")
     torch_threads: int | None = Field(

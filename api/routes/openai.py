@@ -48,7 +48,7 @@ async def list_models(gw: GatewayDep, caller: CompletionsCaller):
 
 @router.post("/completions")
 async def completions(req: CompletionRequest, gw: GatewayDep, caller: CompletionsCaller):
-    version, tenant = gw.resolve_model(req.model, caller), caller.tenant
+    (version, arm), tenant = gw.resolve_model(req.model, caller, req.user), caller.tenant
     tok = gw.engine.tokenizer(version)
     if isinstance(req.prompt, str):
         prompts = [tok.encode_prompt(req.prompt)]
@@ -65,13 +65,13 @@ async def completions(req: CompletionRequest, gw: GatewayDep, caller: Completion
         prompts = [tok.encode_prompt(p) for p in req.prompt]
     params = _params(req, req.max_tokens, req.logprobs or 0)
     return await _serve(
-        gw, tenant, version, "completions", prompts, params, req, "prompt", want_logprobs=req.logprobs is not None
+        gw, tenant, version, arm, "completions", prompts, params, req, "prompt", want_logprobs=req.logprobs is not None
     )
 
 
 @router.post("/chat/completions")
 async def chat_completions(req: ChatRequest, gw: GatewayDep, caller: CompletionsCaller):
-    version, tenant = gw.resolve_model(req.model, caller), caller.tenant
+    (version, arm), tenant = gw.resolve_model(req.model, caller, req.user), caller.tenant
     tok = gw.engine.tokenizer(version)
     top = (req.top_logprobs or 0) if req.logprobs else 0
     if req.top_logprobs and not req.logprobs:
@@ -79,7 +79,7 @@ async def chat_completions(req: ChatRequest, gw: GatewayDep, caller: Completions
     params = _params(req, req.token_limit, top)
     prompts = [tok.encode_prompt(chat_prompt(req.messages))]
     return await _serve(
-        gw, tenant, version, "chat.completions", prompts, params, req, "messages", want_logprobs=req.logprobs
+        gw, tenant, version, arm, "chat.completions", prompts, params, req, "messages", want_logprobs=req.logprobs
     )
 
 
@@ -98,7 +98,7 @@ def _params(req, max_tokens: int, logprobs: int) -> SamplingParams:
         raise APIError(400, str(e), None, "invalid_value") from None
 
 
-async def _serve(gw, tenant, version, endpoint, prompts, params, req, prompt_param, want_logprobs: bool):
+async def _serve(gw, tenant, version, arm, endpoint, prompts, params, req, prompt_param, want_logprobs: bool):
     limit = gw.engine.context_length(version)
     for p in prompts:
         if len(p) + params.max_tokens > limit:
@@ -129,6 +129,7 @@ async def _serve(gw, tenant, version, endpoint, prompts, params, req, prompt_par
     ctx = _Ctx(
         gw, tenant, version, endpoint, base_id, req.user, time.perf_counter(), int(time.time()), n, want_logprobs
     )
+    ctx.arm = arm
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(
@@ -151,12 +152,12 @@ class _Ctx:
         self.gw, self.tenant, self.version, self.endpoint = gw, tenant, version, endpoint
         self.base_id, self.user, self.t0, self.created = base_id, user, t0, created
         self.n, self.want_logprobs = n, want_logprobs
+        self.arm: str | None = None  # experiment arm (`Gateway.resolve_model`)
 
     async def record(self, c: Completion) -> None:
         if not c.output_ids:
             return  # cancelled before anything was generated: nothing was served
-        # A version named by an eval key (not the promoted one) is its own arm, outside canary statistics.
-        arm = None if c.version == self.gw.engine.default_version else "eval"
+        arm = self.arm
         ev = CompletionEvent.from_completion(c, self.tenant, self.user, self.endpoint, arm=arm)
         try:
             await self.gw.sink.record(ev)

@@ -1,0 +1,106 @@
+"""The gateway's replicas: engines that follow the registry, and the canary split of its traffic.
+
+`GatewayFleet.start(settings, registry, make_engine)` publishes the base model if nothing is
+promoted yet (`gating.bootstrap.publish_base`), makes `FLYWHEEL_REPLICAS` engines, each driven by a
+`serving.replica.Replica` that fetches versions from the weight store shared with the learner,
+checks them against the registry's hashes, swaps them in and heartbeats; it waits for their first
+sync, then runs their follower loops on threads. `engine` is the `serving.fleet.Fleet` the routes
+submit to. `route(tenant, user)` says which version and arm a request for the `flywheel` alias gets:
+during a canary, users land in it by `gating.stats.assign_arm` (sticky, salted by the candidate's
+id); completions without a user are their own stratum and get the promoted version.
+Called by `api.main`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from core.settings import Settings
+from gating.bootstrap import STORE, publish_base
+from gating.registry import Registry
+from gating.stats import assign_arm
+from serving.fetch import Fetcher
+from serving.fleet import Fleet
+from serving.interface import Engine
+from serving.replica import Replica
+from serving.weight_store import WeightStore
+
+log = logging.getLogger(__name__)
+CANARY_TTL_S = 1.0  # how long the canary's share is cached between registry reads
+
+
+@dataclass(frozen=True)
+class Canary:
+    version: str
+    share: float
+
+
+class GatewayFleet:
+    def __init__(self, registry: Registry, replicas: list[Replica], stop: threading.Event):
+        self.registry, self.replicas, self._stop = registry, replicas, stop
+        self.engine = Fleet([r.engine for r in replicas])
+        self._threads: list[threading.Thread] = []
+        self._canary: tuple[float, Canary | None] = (0.0, None)
+
+    @classmethod
+    def start(cls, settings: Settings, registry: Registry, make_engine: Callable[[], Engine]) -> GatewayFleet:
+        models_dir = settings.home / "models" / "learner"  # shared with `flywheel learner`
+        publish_base(registry, models_dir, settings.served_model_dir)
+        gateway_id = settings.gateway_id or f"{socket.gethostname()}-{os.getpid()}"
+        store, fetcher = WeightStore(models_dir / STORE), Fetcher(models_dir)
+        replicas = [
+            Replica(
+                f"{gateway_id}-r{i}",
+                gateway_id,
+                make_engine(),
+                store,
+                registry,
+                fetcher,
+                settings.served_model_dir,
+                heartbeat_s=settings.heartbeat_s,
+            )  # fmt: skip
+            for i in range(settings.replicas)
+        ]
+        fleet = cls(registry, replicas, threading.Event())
+        for r in replicas:
+            result = r.sync()
+            if result.default is None:
+                fleet.close()
+                raise RuntimeError(f"replica {r.replica_id} could not load the promoted version: {result.error}")
+            r.heartbeat()
+        for r in replicas:
+            t = threading.Thread(target=r.run, args=(fleet._stop,), name=f"replica-{r.replica_id}", daemon=True)
+            t.start()
+            fleet._threads.append(t)
+        return fleet
+
+    def canary(self) -> Canary | None:
+        """The version in canary and its share (cached for `CANARY_TTL_S`)."""
+        at, cached = self._canary
+        if time.monotonic() - at < CANARY_TTL_S:
+            return cached
+        v = self.registry.in_flight()
+        share = float((v.gate.get("canary") or {}).get("share", 0.0)) if v is not None else 0.0
+        now = Canary(v.id, share) if v is not None and v.status == "canary" and share > 0 else None
+        self._canary = (time.monotonic(), now)
+        return now
+
+    def route(self, tenant: str, user: str | None) -> tuple[str | None, str | None]:
+        """(version, arm) for a request of the alias: (None, None) outside a canary (the default)."""
+        c = self.canary()
+        if c is None or c.version not in self.engine.versions:
+            return None, None
+        arm = assign_arm(c.version, tenant, user, c.share)
+        return (c.version if arm == "candidate" else self.engine.default_version), arm
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=30)
+        self.engine.shutdown()

@@ -1,0 +1,87 @@
+"""The replicas of one gateway behind one engine-shaped front: requests go to a replica holding their version.
+
+`Fleet(engines)` offers what the gateway's routes use of an engine (`versions`, `default_version`,
+`tokenizer`, `context_length`, `alive`, `submit`, `generate`, `shutdown`) over several engines, each
+driven by its own `serving.replica.Replica`. A request goes to the next engine, round robin, that
+holds its version and takes it (a replica still loading a new version, or retiring an old one,
+refuses it and the next is tried). Called by `api.main` when the gateway runs replicas.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+from serving.interface import Engine
+from serving.requests import EngineError, GenerateMixin, RequestHandle
+from serving.sampling import SamplingParams
+from serving.tokenizer import Tokenizer
+
+
+class Fleet(GenerateMixin):
+    def __init__(self, engines: list[Engine]):
+        if not engines:
+            raise ValueError("a fleet needs at least one engine")
+        self.engines = engines
+        self._turn = itertools.count()
+        self._lock = threading.Lock()
+
+    @property
+    def versions(self) -> list[str]:
+        """Versions some replica holds."""
+        return sorted({v for e in self.engines for v in e.versions})
+
+    @property
+    def default_version(self) -> str | None:
+        """The default most live replicas serve (they agree once synced: the promoted version)."""
+        defaults = [e.default_version for e in self.engines if e.alive and e.default_version]
+        return max(set(defaults), key=defaults.count) if defaults else None
+
+    @property
+    def alive(self) -> bool:
+        return any(e.alive for e in self.engines)
+
+    def _holding(self, version: str | None) -> list[Engine]:
+        name = version or self.default_version
+        with self._lock:
+            start = next(self._turn) % len(self.engines)
+        order = self.engines[start:] + self.engines[:start]
+        return [e for e in order if e.alive and name in e.versions]
+
+    def tokenizer(self, version: str | None = None) -> Tokenizer:
+        return self._first(version).tokenizer(version)
+
+    def context_length(self, version: str | None = None) -> int:
+        return self._first(version).context_length(version)
+
+    def _first(self, version: str | None) -> Engine:
+        held = self._holding(version)
+        if not held:
+            raise KeyError(f"model version {version or self.default_version!r} is not loaded on any replica")
+        return held[0]
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        version: str | None = None,
+        request_id: str | None = None,
+        stream: bool = True,
+    ) -> RequestHandle:
+        held = self._holding(version)
+        if not held:
+            if not self.alive:
+                raise EngineError("no replica is running")
+            raise KeyError(f"model version {version or self.default_version!r} is not loaded on any replica")
+        refused: Exception | None = None
+        for engine in held:
+            try:
+                return engine.submit(prompt_ids, params, version, request_id=request_id, stream=stream)
+            except (KeyError, EngineError) as e:  # retiring there, or that replica just died: try the next
+                refused = e
+        assert refused is not None
+        raise refused
+
+    def shutdown(self) -> None:
+        for e in self.engines:
+            e.shutdown()

@@ -1,0 +1,107 @@
+"""A gateway built from its settings runs replicas that follow the registry: it publishes and serves
+the base, splits a canary's traffic by sticky user assignment, serves an approved version on every
+replica (the fleet reports its hash) and returns to the previous one on a rollback."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+
+import httpx
+import pytest
+import torch
+
+from api.fleet import CANARY_TTL_S
+from api.main import create_app
+from core.security import KeyStore
+from core.settings import Settings
+from feedback.bus_embedded import EmbeddedBus
+from feedback.completion_index import CompletionIndex
+from gating.bootstrap import SHIPPING_DTYPE, STORE, file_entry
+from gating.registry import Registry
+from serving.checkpoint import load_checkpoint
+from serving.weight_store import WeightStore, shipping_state
+from tests.conftest import LiveServer
+
+PROMPT = "# add 1 to x\ndef f(x):\n"
+
+
+def publish_candidate(settings: Settings, reg: Registry, vid: str, parent: str) -> None:
+    """As the learner does: perturbed weights as a delta in the shared weight store, registered."""
+    models = settings.home / "models" / "learner"
+    model = load_checkpoint(settings.served_model_dir)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)
+    put = WeightStore(models / STORE).put(vid, shipping_state(model, SHIPPING_DTYPE), parent=parent)
+    reg.register(version_id=vid, parent_id=parent, files=[file_entry(models, put.path, put.kind)])
+
+
+def wait_until(check, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def gateway(tiny_checkpoint, tmp_path):
+    settings = Settings(home=tmp_path, model_dir=tiny_checkpoint, engine="embedded", replicas=2, heartbeat_s=0.5)
+    reg, bus, index = Registry(settings.db_url), EmbeddedBus(tmp_path / "bus"), CompletionIndex(tmp_path / "i.db")
+    admin = {"Authorization": f"Bearer {KeyStore(settings.key_store_path).create(['admin'])[0]}"}
+    with LiveServer(create_app(settings, bus=bus, index=index, registry=reg)) as server:
+        server.settings, server.reg, server.index, server.admin = settings, reg, index, admin
+        yield server
+    bus.close()
+    index.close()
+    reg.close()
+
+
+def complete(gw, user: str | None) -> dict:
+    body = {"model": "flywheel", "prompt": PROMPT, "max_tokens": 3, **({"user": user} if user else {})}
+    r = httpx.post(gw.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def fleet(gw) -> dict:
+    return httpx.get(gw.url + "/admin/fleet", headers=gw.admin, timeout=10).json()
+
+
+def test_the_fleet_follows_the_registry_through_canary_approval_and_rollback(gateway):
+    gw, reg = gateway, gateway.reg
+    base = reg.promoted()
+    assert base is not None and base.id == gw.settings.served_model_dir.name  # bootstrapped, audited
+    assert reg.audit(base.id)[-1].actor == "bootstrap"
+    wait_until(lambda: fleet(gw)["complete"] and len(fleet(gw)["replicas"]) == 2)
+    assert complete(gw, "u0")["model"] == base.id
+
+    publish_candidate(gw.settings, reg, "v2", base.id)
+    reg.transition("v2", "evaluating", "gate", "offline eval")
+    verdict = {"passed": True, "incumbent_id": base.id, "artifact_sha256": reg.get("v2").artifact_sha256,
+               "suite_version": "s1", "numbers": {}}  # fmt: skip
+    reg.record_gate("v2", "offline", verdict, "gate")
+    reg.transition("v2", "canary", "gate", "offline passed")
+    reg.record_gate("v2", "canary", {"step": 0, "share": 0.5, "started_at": datetime.now(UTC)}, "gate")
+    wait_until(lambda: fleet(gw)["complete"] and all("v2" in r["holds"] for r in fleet(gw)["replicas"]))
+    time.sleep(CANARY_TTL_S)  # the gateway's cached view of the canary
+
+    served = {u: complete(gw, u) for u in (f"user-{i}" for i in range(24))}
+    arms = {u: gw.index.get(r["id"]).arm for u, r in served.items()}
+    assert {r["model"] for u, r in served.items() if arms[u] == "candidate"} == {"v2"}
+    assert {r["model"] for u, r in served.items() if arms[u] == "incumbent"} == {base.id}
+    assert 4 <= sum(a == "candidate" for a in arms.values()) <= 20  # about half of 24 users
+    again = complete(gw, "user-3")  # sticky
+    assert again["model"] == served["user-3"]["model"]
+    anonymous = complete(gw, None)
+    assert anonymous["model"] == base.id and gw.index.get(anonymous["id"]).arm == "anonymous"
+
+    reg.transition("v2", "awaiting_approval", "gate", "canary passed")
+    r = httpx.post(gw.url + "/admin/versions/v2/approve", json={"reason": "better"}, headers=gw.admin, timeout=10)
+    assert r.status_code == 200, r.text
+    v2_sha = reg.get("v2").artifact_sha256
+    wait_until(lambda: fleet(gw)["complete"] and all(r["holds"].get("v2") == v2_sha for r in fleet(gw)["replicas"]))
+    assert {complete(gw, f"user-{i}")["model"] for i in range(6)} == {"v2"}
+
+    r = httpx.post(gw.url + "/admin/versions/v2/rollback", json={"reason": "worse"}, headers=gw.admin, timeout=10)
+    assert r.status_code == 200, r.text
+    wait_until(lambda: complete(gw, "user-1")["model"] == base.id and fleet(gw)["complete"])
