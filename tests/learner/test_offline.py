@@ -5,10 +5,10 @@ import torch
 
 from demo.checker import DemoVerifier
 from demo.tasks import sample_tasks
+from gating.suites import Verifier
 from learner.offline import rollout_groups
 from learner.replay import Sequence
 from learner.trainer import Trainer, TrainerConfig
-from learner.verifier import Verifier
 from serving.checkpoint import load_checkpoint
 from serving.engine import EmbeddedEngine
 from serving.sampling import SamplingParams

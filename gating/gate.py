@@ -1,0 +1,360 @@
+"""The gate process: drives candidates through the offline part of the lifecycle, resumably.
+
+`Gate(registry, engine_factory, load_version, suite, cfg).step()` does one thing and returns what it did
+(`GateStep`):
+
+1. Nothing promoted: nothing to compare with, so nothing is evaluated (`no_incumbent`).
+2. Nothing in flight: the oldest `candidate` moves to `evaluating` (`idle` when there is none, or when
+   another writer got there first).
+3. A version `evaluating` (just moved, or left there by a gate that was killed): its offline verdict is
+   reached, recorded and acted on. If a verdict on its current artifact, against the current incumbent
+   and on this suite is recorded already (a gate killed between recording and moving it), it is acted on
+   without evaluating again. Otherwise the evaluation runs (again) from the start: it is seeded
+   throughout, so a re-run reaches the same numbers. Before each attempt the gate records
+   `gate["offline_run"]` (attempt, start, incumbent, suite, artifact; the error of a failed attempt); after
+   `cfg.max_attempts` failed attempts (a version that cannot be loaded, say) the version is rejected,
+   naming the error.
+   An evaluation: `load_version(version)` gives a checkpoint folder (or a model and its tokenizer) for
+   the candidate and for the incumbent; `engine_factory()` makes the gate's own engine (never a live
+   replica); both are loaded into it under their version ids; `gating.evals.evaluate_offline` compares
+   them, scoring the candidate's samples under the incumbent in this process (`ModelScorer`); the engine
+   is shut down. The verdict (`OfflineResult.verdict`: passed, incumbent id, the artifact SHA-256 from the
+   registry, `suite.suite_version`, every number) is stored with `record_gate(version, "offline", ...)`;
+   then the version moves to `canary` if it passed, else `reject` with the numbers.
+4. A version in `canary`: `canary_step(version)`, the hook of the online stage (not built; see there).
+5. A version `awaiting_approval`: nothing; a person approves or rejects (`approve` is the only way to
+   `promoted`; the gate never promotes).
+
+`run_gate(settings, stop_event, suite)` is the `flywheel gate` loop: the registry at `settings.db_url`,
+a `ProcessEngine` per evaluation and `weight_store_loader` on the learner's models folder by default,
+the whole process (and so its engine processes) at nice `cfg.nice`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from safetensors.torch import save_file
+
+from gating.evals import Guardrails, ModelScorer, OfflineResult, evaluate_offline
+from gating.models import WEIGHT_STORE_SUFFIXES, ModelVersionPublic, OfflineVerdict, Status
+from gating.registry import Registry, RegistryConflict
+from gating.stats import DEFAULT_ALPHA, DEFAULT_MARGIN
+from gating.suites import EvalSuite
+from serving.checkpoint import CONFIG, WEIGHTS, read_config
+from serving.interface import Engine
+from serving.model import Transformer
+from serving.tokenizer import Tokenizer
+from serving.weight_store import WeightStore
+
+log = logging.getLogger(__name__)
+
+LoadedVersion = str | Path | tuple[Transformer, Tokenizer]
+"""What `load_version` gives: a checkpoint folder, or a model with its tokenizer (embedded engines only)."""
+VersionLoader = Callable[[ModelVersionPublic], LoadedVersion]
+EngineFactory = Callable[[], Engine]
+RUN_KEY = "offline_run"
+"""`gate[RUN_KEY]`: the current offline attempt (free-form gate record)."""
+
+
+class GateConfig(BaseModel):
+    """The offline gate's settings: the eval's sampling and statistics, retries, the loop."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    G: int = Field(8, ge=1, description="Samples per prompt and version.")
+    margin: float = Field(DEFAULT_MARGIN, ge=0, description="Non-inferiority margin (pass-rate points).")
+    alpha: float = Field(DEFAULT_ALPHA, gt=0, lt=1, description="One-sided level of every test.")
+    seed: int = Field(0, description="Seeds every sample and the bootstrap.")
+    max_tokens: int = Field(48, ge=1, description="Completion length limit.")
+    temperature: float = Field(1.0, gt=0, le=2, description="Sampling temperature (as the product serves).")
+    n_resamples: int = Field(2000, ge=100, description="Bootstrap resamples (the cross-check).")
+    guardrails: Guardrails = Field(default_factory=Guardrails)
+    max_attempts: int = Field(3, ge=1, description="Failed evaluations of one version before it is rejected.")
+    poll_s: float = Field(5.0, gt=0, description="run_gate: wait between steps while there is nothing to do.")
+    actor: str = Field("gate", min_length=1, description="Actor of the gate's registry writes.")
+    nice: int = Field(10, ge=0, le=19, description="run_gate: niceness of the gate process and its engines.")
+
+
+@dataclass(frozen=True)
+class GateStep:
+    """What one `Gate.step()` did. `action`: no_incumbent, idle, canary, awaiting_approval, error (an
+    attempt failed; retried next step), passed / rejected (a verdict acted on; `resumed`: recorded by an
+    earlier gate), lost (the version left `evaluating` meanwhile, e.g. superseded)."""
+
+    action: str
+    version_id: str | None = None
+    result: OfflineResult | None = None
+    detail: str = ""
+    resumed: bool = False
+
+
+class Gate:
+    def __init__(
+        self,
+        registry: Registry,
+        engine_factory: EngineFactory,
+        load_version: VersionLoader,
+        suite: EvalSuite,
+        cfg: GateConfig | None = None,
+    ):
+        self.registry, self.engine_factory, self.load_version = registry, engine_factory, load_version
+        self.suite, self.cfg = suite, cfg or GateConfig()
+
+    def step(self) -> GateStep:
+        """One step of the lifecycle (module docstring). Never promotes."""
+        if self.registry.promoted() is None:
+            return GateStep("no_incumbent", detail="nothing is promoted: bootstrap the base model first")
+        v = self.registry.in_flight()
+        if v is None:
+            waiting = self.registry.list(Status.candidate)
+            if not waiting:
+                return GateStep("idle")
+            try:
+                v = self.registry.transition(
+                    waiting[0].id,
+                    Status.evaluating,
+                    self.cfg.actor,
+                    f"offline evaluation on {self.suite.suite_version}",
+                )
+            except (RegistryConflict, ValueError) as e:  # another writer moved first: look again next step
+                return GateStep("idle", waiting[0].id, detail=str(e))
+        if v.status is Status.evaluating:
+            return self._evaluate(v)
+        if v.status is Status.canary:
+            return self.canary_step(v)
+        return GateStep("awaiting_approval", v.id)
+
+    def canary_step(self, version: ModelVersionPublic) -> GateStep:
+        """The online stage, called by `step()` on every step while `version` is in `canary`: TO BE BUILT.
+
+        Its contract: keep its progress in `gate["canary"]` (`gating.models.CanaryProgress`: ramp step,
+        share, start, per-arm counts) with `registry.record_gate`, so a restarted gate resumes the ramp;
+        assignment is `gating.stats.assign_arm` with a salt fixed per experiment; at each look check
+        `srm_check`, the `guardrail`s and `confidence_sequence(...).passes(margin)` on the arms' outcomes
+        from the joined samples; then `transition(version, "awaiting_approval", ...)` when the last ramp
+        step passes, or `transition(version, "aborted", ...)` with the numbers. It never promotes.
+        Until it is built the version waits in `canary` (return `GateStep("canary", ...)`)."""
+        return GateStep("canary", version.id, detail="the canary stage is not built: the version waits in canary")
+
+    # -- the offline stage ----------------------------------------------------------------------
+
+    def _evaluate(self, v: ModelVersionPublic) -> GateStep:
+        inc = self.registry.incumbent()
+        sha = v.artifact_sha256
+        if sha is None:
+            return self._act(v, False, {"error": "no artifact"}, "offline: the version has no artifact to evaluate")
+        recorded = v.gate.get("offline")
+        if recorded is not None:
+            old = OfflineVerdict.model_validate(recorded)
+            if (old.incumbent_id, old.artifact_sha256, old.suite_version) == (inc.id, sha, self.suite.suite_version):
+                why = f"offline verdict recorded by an earlier gate ({'passed' if old.passed else 'failed'})"
+                return self._act(v, old.passed, old.numbers, why, resumed=True)
+        run = v.gate.get(RUN_KEY, {})
+        attempt = int(run.get("attempt", 0)) + 1
+        if attempt > self.cfg.max_attempts:
+            why = f"offline evaluation failed {attempt - 1} times; last error: {run.get('error')}"
+            return self._act(v, False, {"attempts": attempt - 1, "error": run.get("error")}, why)
+        record = {
+            "attempt": attempt,
+            "started_at": datetime.now(UTC).isoformat(),
+            "incumbent_id": inc.id,
+            "artifact_sha256": sha,
+            "suite_version": self.suite.suite_version,
+            "seed": self.cfg.seed,
+            "error": None,
+        }
+        try:
+            self.registry.record_gate(
+                v.id, RUN_KEY, record, self.cfg.actor, f"offline evaluation attempt {attempt} against {inc.id}"
+            )
+            result = self._run(v, inc)
+        except Exception as e:  # reported, counted, retried at the next step
+            log.exception("gate: offline evaluation of %s failed", v.id)
+            return self._failed_attempt(v, record, e)
+        try:
+            self.registry.record_gate(v.id, "offline", result.verdict(sha, inc.id), self.cfg.actor, result.summary())
+        except ValueError as e:
+            return self._lost(v, e)
+        return self._act(v, result.passed, result.numbers, result.summary(), result=result)
+
+    def _run(self, v: ModelVersionPublic, inc: ModelVersionPublic) -> OfflineResult:
+        sources = {v.id: self.load_version(v), inc.id: self.load_version(inc)}
+        engine = self.engine_factory()
+        try:
+            for name, src in sources.items():
+                if isinstance(src, tuple):
+                    model, tok = src
+                    engine.add_version(name, model, tok)  # type: ignore[arg-type]  # embedded engines take models
+                else:
+                    engine.add_version(name, src)
+            inc_src = sources[inc.id]
+            scorer = ModelScorer(
+                {inc.id: inc_src[0] if isinstance(inc_src, tuple) else inc_src},
+                batch_invariant=getattr(engine, "batch_invariant", True),
+            )
+            c = self.cfg
+            return evaluate_offline(
+                engine,
+                v.id,
+                inc.id,
+                self.suite,
+                scorer=scorer,
+                G=c.G,
+                margin=c.margin,
+                alpha=c.alpha,
+                seed=c.seed,
+                max_tokens=c.max_tokens,
+                temperature=c.temperature,
+                guardrails=c.guardrails,
+                n_resamples=c.n_resamples,
+            )
+        finally:
+            engine.shutdown()
+
+    def _failed_attempt(self, v: ModelVersionPublic, record: dict[str, Any], e: Exception) -> GateStep:
+        try:
+            self.registry.record_gate(
+                v.id, RUN_KEY, {**record, "error": repr(e)}, self.cfg.actor, f"offline attempt failed: {e!r}"
+            )
+        except Exception:  # the registry itself is down: the attempt counted anyway, the step reports it
+            log.exception("gate: could not record the failed attempt on %s", v.id)
+        return GateStep("error", v.id, detail=repr(e))
+
+    def _act(
+        self,
+        v: ModelVersionPublic,
+        passed: bool,
+        numbers: dict[str, Any],
+        reason: str,
+        result: OfflineResult | None = None,
+        resumed: bool = False,
+    ) -> GateStep:
+        """evaluating → canary (passed) or rejected (with the numbers)."""
+        try:
+            if passed:
+                summary: dict[str, Any] = {
+                    k: numbers[k] for k in ("non_inferiority", "checks", "in_distribution") if k in numbers
+                }
+                self.registry.transition(v.id, Status.canary, self.cfg.actor, reason, summary)
+            else:
+                self.registry.reject(v.id, self.cfg.actor, reason, numbers)
+        except ValueError as e:
+            return self._lost(v, e)
+        return GateStep("passed" if passed else "rejected", v.id, result, reason, resumed)
+
+    def _lost(self, v: ModelVersionPublic, e: Exception) -> GateStep:
+        now = self.registry.get(v.id).status
+        if now is Status.evaluating:
+            raise e
+        return GateStep("lost", v.id, detail=f"{v.id} is {now.value} now: {e}")
+
+
+# -- loading versions the way the learner stores them -------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def weight_store_loader(models_dir: str | Path, cache_dir: str | Path, keep: int = 4) -> VersionLoader:
+    """Loads a version as replicas will: from its weight-store artifact, not the learner's own weights.
+
+    The learner (`learner.service`) keeps `<models_dir>/<id>/` (an HF folder: config, tokenizer,
+    float32 weights) and `<models_dir>/store/<id>.snapshot.fws|.delta.fws` (the artifact: bf16
+    shipping weights, rebuilt through its chain of deltas with every tensor verified). The loader checks
+    the artifact file's SHA-256 against the registry's, rebuilds the weights with `WeightStore.get`, and
+    writes them (in the folder's dtype) with the version's config and tokenizer to
+    `<cache_dir>/<id>-<sha prefix>/`, the folder it returns; at most `keep` such folders are kept."""
+    models, cache = Path(models_dir), Path(cache_dir)
+
+    def load(v: ModelVersionPublic) -> Path:
+        art = v.artifact
+        if art is None or not art.path.endswith(WEIGHT_STORE_SUFFIXES):
+            raise ValueError(f"version {v.id!r} has no weight-store artifact ({WEIGHT_STORE_SUFFIXES}) in its files")
+        path = models / art.path
+        if not path.is_file():
+            raise ValueError(f"version {v.id!r}: its artifact {path} is missing")
+        if (got := _sha256(path)) != art.sha256:
+            raise ValueError(f"version {v.id!r}: {path} has SHA-256 {got}, the registry says {art.sha256}")
+        out = cache / f"{v.id}-{art.sha256[:16]}"
+        if (out / CONFIG).is_file():  # renamed into place whole: complete
+            os.utime(out)
+            return out
+        src = models / v.id
+        _, dtype = read_config(src)
+        state = WeightStore(path.parent).get(v.id)
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = cache / f".{out.name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(src, tmp, ignore=shutil.ignore_patterns(WEIGHTS, "*.pt"))
+        save_file({n: t.to(dtype).contiguous() for n, t in state.items()}, str(tmp / WEIGHTS), {"format": "pt"})
+        os.replace(tmp, out)
+        held = sorted((p for p in cache.iterdir() if not p.name.startswith(".")), key=lambda p: p.stat().st_mtime)
+        for old in held[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return out
+
+    return load
+
+
+def run_gate(
+    settings: Any,
+    stop_event: threading.Event,
+    suite: EvalSuite,
+    cfg: GateConfig | None = None,
+    *,
+    engine_factory: EngineFactory | None = None,
+    load_version: VersionLoader | None = None,
+) -> None:
+    """`flywheel gate`: step until `stop_event` is set (waiting `cfg.poll_s` while there is nothing to do).
+
+    `settings` is a `core.settings.Settings` (db_url, home, max_batch, max_model_len, torch_threads).
+    The suite is the product's (the demo's: `demo.suite.demo_suite()`), passed in by the caller: gating
+    holds no product code. Defaults: a `ProcessEngine` per evaluation, versions from
+    `weight_store_loader(<home>/models/learner, <home>/gate/versions)`."""
+    cfg = cfg or GateConfig()
+    if cfg.nice:
+        os.nice(cfg.nice)  # inherited by the engine processes spawned below: live traffic comes first
+    if engine_factory is None:
+        from serving.engine_process import ProcessEngine
+
+        def process_engine() -> Engine:
+            return ProcessEngine(
+                max_batch=settings.max_batch, max_model_len=settings.max_model_len, threads=settings.torch_threads or 2
+            )
+
+        engine_factory = process_engine
+
+    if load_version is None:
+        load_version = weight_store_loader(settings.home / "models" / "learner", settings.home / "gate" / "versions")
+    registry = Registry(settings.db_url)
+    gate = Gate(registry, engine_factory, load_version, suite, cfg)
+    log.info("gate: started on %s with suite %s", settings.db_url, suite.suite_version)
+    try:
+        while not stop_event.is_set():
+            try:
+                done = gate.step()
+            except Exception:
+                log.exception("gate: step failed")
+                done = GateStep("error")
+            if done.action in ("passed", "rejected", "lost"):
+                log.info("gate: %s %s: %s", done.version_id, done.action, done.detail)
+                continue  # the next candidate at once
+            stop_event.wait(cfg.poll_s)
+    finally:
+        registry.close()
