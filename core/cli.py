@@ -5,6 +5,7 @@
   flywheel up [--host --port]     the main job on embedded defaults (today: bootstrap if absent, then serve)
   flywheel joiner                 feedback + completions -> rewarded samples (consumes and publishes on the bus)
   flywheel learner                samples -> policy-gradient updates -> candidate versions in the registry
+  flywheel gate                   candidates -> offline regression evals -> canary or rejected (never promotes)
   flywheel demo                   the online-RL loop in one process on the demo product (simulated users)
 
 Each command imports what it runs only when it runs, so e.g. the joiner never loads FastAPI or torch.
@@ -140,6 +141,19 @@ def _learner(args) -> None:
         bus.close()
 
 
+def _gate(args) -> None:
+    import threading
+
+    from demo.suite import demo_suite
+    from gating.gate import run_gate
+
+    stop = threading.Event()
+    try:
+        run_gate(get_settings(), stop, demo_suite())
+    except KeyboardInterrupt:
+        stop.set()
+
+
 def _demo(args) -> None:
     from demo.loop import DemoLoopConfig, run_demo_loop
 
@@ -191,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     le = sub.add_parser("learner", help="train on samples, publish candidate versions")
     le.add_argument("--every-samples", type=int, default=512, help="update after this many samples")
     le.add_argument("--every-s", type=float, default=4 * 3600.0, help="...or after this many seconds")
+    sub.add_parser("gate", help="evaluate candidates offline and move them on (a person approves)")
     d = sub.add_parser("demo", help="the online-RL loop in one process with simulated users")
     d.add_argument("--rounds", type=int, default=20, help="learner updates")
     return p
@@ -207,6 +222,8 @@ def main(argv: list[str] | None = None) -> None:
         _joiner(args)
     elif args.cmd == "learner":
         _learner(args)
+    elif args.cmd == "gate":
+        _gate(args)
     elif args.cmd == "demo":
         _demo(args)
 

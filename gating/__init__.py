@@ -1,5 +1,5 @@
-"""Gating: the model registry and version lifecycle, the A/B statistics, and (to come) the evals and
-the gate that decide whether a candidate may replace the promoted version.
+"""Gating: the model registry and version lifecycle, the A/B statistics, the evals and the gate that
+decide whether a candidate may replace the promoted version.
 
 - `gating.models`: registry tables (SQLModel) — versions with parent, training data range, metrics,
   files and hashes, status and the gate's evidence; the audit log; the schema version; replica
@@ -13,6 +13,9 @@ the gate that decide whether a candidate may replace the promoted version.
   (`record_gate`, `approve`) and `gating.fleet_state` (`heartbeat`, `fleet`).
 - `gating.fleet_state`: replicas' heartbeats against what the registry says they should serve.
 - `gating.stats`: the gate's statistics (non-inferiority, SRM, confidence sequences, guardrails).
+- `gating.bootstrap`: cold start (the base published and promoted, actor `bootstrap`).
+- `gating.suites`, `gating.evals`, `gating.gate`: eval suites (data + a `Verifier`), the offline
+  paired GRPO-style eval with its guardrails, and `flywheel gate`, which drives the lifecycle.
 
 Gating never trains: it reads what the learner published and decides.
 """
