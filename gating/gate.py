@@ -46,8 +46,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import save_file
 
+from feedback.bus import Consumer, EventBus
+from feedback.events import TOPICS, SampleEvent
+from gating.canary import CanaryConfig, CanaryOutcomes, Decision, decide
 from gating.evals import Guardrails, ModelScorer, OfflineResult, evaluate_offline
-from gating.models import WEIGHT_STORE_SUFFIXES, ModelVersionPublic, OfflineVerdict, Status
+from gating.models import WEIGHT_STORE_SUFFIXES, CanaryProgress, ModelVersionPublic, OfflineVerdict, Status
 from gating.registry import Registry, RegistryConflict
 from gating.stats import DEFAULT_ALPHA, DEFAULT_MARGIN
 from gating.suites import EvalSuite
@@ -84,11 +87,14 @@ class GateConfig(BaseModel):
     poll_s: float = Field(5.0, gt=0, description="run_gate: wait between steps while there is nothing to do.")
     actor: str = Field("gate", min_length=1, description="Actor of the gate's registry writes.")
     nice: int = Field(10, ge=0, le=19, description="run_gate: niceness of the gate process and its engines.")
+    canary: CanaryConfig = Field(default_factory=CanaryConfig, description="The online canary stage.")
 
 
 @dataclass(frozen=True)
 class GateStep:
-    """What one `Gate.step()` did. `action`: no_incumbent, idle, canary, awaiting_approval, error (an
+    """What one `Gate.step()` did. `action`: no_incumbent, idle, canary (waiting in the canary),
+    next_step (the canary ramped up), abort_invalid / abort_harm / abort_inconclusive (the canary aborted
+    the version), awaiting_approval, error (an
     attempt failed; retried next step), passed / rejected (a verdict acted on; `resumed`: recorded by an
     earlier gate), lost (the version left `evaluating` meanwhile, e.g. superseded)."""
 
@@ -107,9 +113,13 @@ class Gate:
         load_version: VersionLoader,
         suite: EvalSuite,
         cfg: GateConfig | None = None,
+        bus: EventBus | None = None,
+        clock: Callable[[], datetime] | None = None,
     ):
         self.registry, self.engine_factory, self.load_version = registry, engine_factory, load_version
         self.suite, self.cfg = suite, cfg or GateConfig()
+        self.bus, self.clock = bus, clock or (lambda: datetime.now(UTC))
+        self._consumer: Consumer | None = None
 
     def step(self) -> GateStep:
         """One step of the lifecycle (module docstring). Never promotes."""
@@ -136,16 +146,94 @@ class Gate:
         return GateStep("awaiting_approval", v.id)
 
     def canary_step(self, version: ModelVersionPublic) -> GateStep:
-        """The online stage, called by `step()` on every step while `version` is in `canary`: TO BE BUILT.
+        """The online stage, called by `step()` on every step while `version` is in `canary`.
 
-        Its contract: keep its progress in `gate["canary"]` (`gating.models.CanaryProgress`: ramp step,
-        share, start, per-arm counts) with `registry.record_gate`, so a restarted gate resumes the ramp;
-        assignment is `gating.stats.assign_arm` with a salt fixed per experiment; at each look check
-        `srm_check`, the `guardrail`s and `confidence_sequence(...).passes(margin)` on the arms' outcomes
-        from the joined samples; then `transition(version, "awaiting_approval", ...)` when the last ramp
-        step passes, or `transition(version, "aborted", ...)` with the numbers. It never promotes.
-        Until it is built the version waits in `canary` (return `GateStep("canary", ...)`)."""
-        return GateStep("canary", version.id, detail="the canary stage is not built: the version waits in canary")
+        Progress lives in `gate["canary"]` (`CanaryProgress`: ramp step, share, start, and the
+        `gating.canary.CanaryOutcomes` as `counts`, with the bus positions already counted), written with
+        `record_gate`, so a restarted gate resumes the ramp and never counts a sample twice. The gateway
+        assigns users with `assign_arm` salted by the candidate's id at `gate["canary"]["share"]`.
+
+        1. No `gate["canary"]`: the canary starts at step 0, share `cfg.canary.steps[0]`, now.
+        2. New samples are read from `TOPICS["sample"]` in the group `cfg.canary.consumer_group`;
+           those of the candidate arm served by the candidate and of the incumbent arm served by the
+           incumbent, for completions served since the step started, are counted; the counts are
+           recorded, then the records committed. Without a bus (`bus=None`) the version waits.
+        3. `gating.canary.decide` at this look, acted on: `next_step` records the next share and a new
+           start (users already in stay in: `assign_arm` is monotone in share); `awaiting_approval`
+           and `abort_*` first record share 0, then `transition` to `awaiting_approval` / `aborted`
+           with the numbers. It never promotes.
+
+        While awaiting approval the candidate serves nobody (share 0, and the gateway routes only a
+        version in `canary`): no user sees an unapproved version while a person decides, and nothing
+        unguarded runs meanwhile (the guardrails are no longer looked at once the canary is over)."""
+        if self.bus is None:
+            return GateStep("canary", version.id, detail="no event bus: the canary waits")
+        c, now = self.cfg.canary, self.clock()
+        raw = version.gate.get("canary")
+        if raw is None:
+            progress = CanaryProgress(step=0, share=c.steps[0], started_at=now, counts=CanaryOutcomes().to_dict())
+            self._record_canary(version.id, progress, f"canary started at {c.steps[0]:.0%}")
+        else:
+            progress = CanaryProgress.model_validate(raw)
+        outcomes = CanaryOutcomes.from_dict(progress.counts)
+        incumbent = self.registry.incumbent().id
+        records, counted = self._read_samples(version.id, incumbent, progress, outcomes)
+        progress = progress.model_copy(update={"counts": outcomes.to_dict()})
+        if records:
+            self._record_canary(version.id, progress, f"canary step {progress.step}: {counted} new samples")
+            assert self._consumer is not None
+            self._consumer.commit(records)
+        d = decide(progress, outcomes, c, now)
+        return self._act_canary(version, progress, d, now)
+
+    def _read_samples(
+        self, vid: str, incumbent: str, progress: CanaryProgress, outcomes: CanaryOutcomes, max_polls: int = 100
+    ) -> tuple[list[Any], int]:
+        """Drain the sample topic (at most `max_polls` batches) into `outcomes`; (records read, counted)."""
+        assert self.bus is not None
+        if self._consumer is None:
+            self._consumer = self.bus.consumer(TOPICS["sample"], self.cfg.canary.consumer_group)
+        start, records, counted = progress.started_at.timestamp(), [], 0
+        for _ in range(max_polls):
+            batch = self._consumer.poll(500, timeout_s=0.0)
+            if not batch:
+                break
+            records.extend(batch)
+            for r in batch:
+                if outcomes.seen(r.topic, r.partition, r.offset):
+                    continue
+                try:
+                    sample = SampleEvent.model_validate_json(r.value)
+                except ValueError:
+                    log.warning("gate: unreadable sample at %s/%d@%d skipped", r.topic, r.partition, r.offset)
+                    continue
+                if sample.completion.ts >= start:  # stratified: served under this step's share
+                    counted += outcomes.add(progress.step, sample, vid, incumbent)
+        return records, counted
+
+    def _record_canary(self, vid: str, progress: CanaryProgress, reason: str) -> None:
+        self.registry.record_gate(vid, "canary", progress.model_dump(mode="json"), self.cfg.actor, reason)
+
+    def _act_canary(self, v: ModelVersionPublic, progress: CanaryProgress, d: Decision, now: datetime) -> GateStep:
+        c = self.cfg.canary
+        if d.action == "wait":
+            return GateStep("canary", v.id, detail=d.reason)
+        if d.action == "next_step":
+            nxt = progress.step + 1
+            share = c.steps[nxt]
+            self._record_canary(
+                v.id,
+                progress.model_copy(update={"step": nxt, "share": share, "started_at": now}),
+                f"{d.reason}; ramp to {share:.0%}",
+            )
+            return GateStep("next_step", v.id, detail=d.reason)
+        self._record_canary(v.id, progress.model_copy(update={"share": 0.0}), f"{d.reason}; share 0")
+        to = Status.awaiting_approval if d.action == "awaiting_approval" else Status.aborted
+        try:
+            self.registry.transition(v.id, to, self.cfg.actor, f"canary: {d.reason}", d.numbers)
+        except ValueError as e:
+            return self._lost(v, e)
+        return GateStep("awaiting_approval" if to is Status.awaiting_approval else d.action, v.id, detail=d.reason)
 
     # -- the offline stage ----------------------------------------------------------------------
 
