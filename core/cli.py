@@ -145,13 +145,17 @@ def _gate(args) -> None:
     import threading
 
     from demo.suite import demo_suite
+    from feedback.connect import open_bus
     from gating.gate import run_gate
 
-    stop = threading.Event()
+    settings, stop = get_settings(), threading.Event()
+    bus = open_bus(settings)  # the canary reads the joined samples from it
     try:
-        run_gate(get_settings(), stop, demo_suite())
+        run_gate(settings, stop, demo_suite(), bus=bus)
     except KeyboardInterrupt:
         stop.set()
+    finally:
+        bus.close()
 
 
 def _demo(args) -> None:

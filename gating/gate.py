@@ -408,13 +408,15 @@ def run_gate(
     *,
     engine_factory: EngineFactory | None = None,
     load_version: VersionLoader | None = None,
+    bus: EventBus | None = None,
 ) -> None:
     """`flywheel gate`: step until `stop_event` is set (waiting `cfg.poll_s` while there is nothing to do).
 
     `settings` is a `core.settings.Settings` (db_url, home, max_batch, max_model_len, torch_threads).
     The suite is the product's (the demo's: `demo.suite.demo_suite()`), passed in by the caller: gating
     holds no product code. Defaults: a `ProcessEngine` per evaluation, versions from
-    `weight_store_loader(<home>/models/learner, <home>/gate/versions)`."""
+    `weight_store_loader(<home>/models/learner, <home>/gate/versions)`, the canary's joined samples from
+    `bus` (None: candidates wait in canary)."""
     cfg = cfg or GateConfig()
     if cfg.nice:
         os.nice(cfg.nice)  # inherited by the engine processes spawned below: live traffic comes first
@@ -431,7 +433,7 @@ def run_gate(
     if load_version is None:
         load_version = weight_store_loader(settings.home / "models" / "learner", settings.home / "gate" / "versions")
     registry = Registry(settings.db_url)
-    gate = Gate(registry, engine_factory, load_version, suite, cfg)
+    gate = Gate(registry, engine_factory, load_version, suite, cfg, bus=bus)
     log.info("gate: started on %s with suite %s", settings.db_url, suite.suite_version)
     try:
         while not stop_event.is_set():
