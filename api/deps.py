@@ -15,7 +15,7 @@ from fastapi import Depends, Request
 
 from api.errors import APIError
 from api.metrics import Metrics
-from core.security import KeyStore
+from core.security import Key, KeyStore
 from core.settings import Settings
 from feedback.bus import EventBus
 from feedback.completion_index import CompletionIndex
@@ -33,6 +33,7 @@ PRODUCT_SCOPES = frozenset({"completions", "feedback:write"})  # FLYWHEEL_API_KE
 class Caller:
     tenant: str
     scopes: frozenset[str]
+    key: Key | None = None  # the key-store key it called with, if any
 
     def allows(self, scope: str) -> bool:
         return scope in self.scopes or "admin" in self.scopes
@@ -80,16 +81,19 @@ class Gateway:
             )
         return name, (None if name == default else "eval")
 
-    def caller_for(self, request: Request) -> Caller:
+    def caller_for(self, request: Request, key_required: bool = False) -> Caller:
         """Who is calling: a key of the key store (`fw_...`), a `FLYWHEEL_API_KEYS` pair, or, with no
-        keys configured (local mode), an anonymous caller of the `X-Flywheel-Tenant` header's tenant."""
+        keys configured (local mode) and `key_required` False, an anonymous caller of the
+        `X-Flywheel-Tenant` header's tenant."""
         auth = request.headers.get("authorization", "")
         token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
         if token.startswith("fw_"):
             key = self.key_store.verify(token)
             if key is None:
                 raise APIError(401, "Incorrect or revoked API key.", None, "invalid_api_key")
-            return Caller(key.tenant, frozenset(key.scopes))
+            return Caller(key.tenant, frozenset(key.scopes), key)
+        if key_required:
+            raise APIError(401, "This API needs an API key (Authorization: Bearer fw_...).", None, "invalid_api_key")
         if not self._keys:
             tenant = request.headers.get("x-flywheel-tenant", "default")
             if not tenant or len(tenant) > 64:
@@ -125,9 +129,11 @@ async def get_gateway(request: Request) -> Gateway:
 GatewayDep = Annotated[Gateway, Depends(get_gateway)]
 
 
-def _needs(scope: str):
+def needs(scope: str, key_required: bool = False):
+    """A dependency: the caller, who must hold `scope` (403 otherwise)."""
+
     async def caller(request: Request, gw: GatewayDep) -> Caller:
-        who = gw.caller_for(request)
+        who = gw.caller_for(request, key_required)  # a key-store key costs a small file read
         if not who.allows(scope):
             raise APIError(403, f"This key lacks the '{scope}' scope.", None, "insufficient_scope")
         return who
@@ -135,5 +141,5 @@ def _needs(scope: str):
     return caller
 
 
-CompletionsCaller = Annotated[Caller, Depends(_needs("completions"))]
-FeedbackCaller = Annotated[Caller, Depends(_needs("feedback:write"))]
+CompletionsCaller = Annotated[Caller, Depends(needs("completions"))]
+FeedbackCaller = Annotated[Caller, Depends(needs("feedback:write"))]

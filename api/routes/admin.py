@@ -11,12 +11,11 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.deps import GatewayDep
+from api.deps import Caller, GatewayDep, needs
 from api.errors import APIError
-from core.security import Key
 from gating.registry import RegistryConflict, UnknownVersion
 
 router = APIRouter(prefix="/admin")
@@ -27,22 +26,8 @@ class Action(BaseModel):
     reason: str = Field(min_length=1, max_length=2000)
 
 
-def _scoped(scope: str):
-    async def check(request: Request, gw: GatewayDep) -> Key:
-        auth = request.headers.get("authorization", "")
-        token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-        key = await asyncio.to_thread(gw.key_store.verify, token)
-        if key is None:
-            raise APIError(401, "The admin API needs an API key (Authorization: Bearer ...).", None, "invalid_api_key")
-        if not key.allows(scope):
-            raise APIError(403, f"This key lacks the '{scope}' scope.", None, "insufficient_scope")
-        return key
-
-    return check
-
-
-ViewerKey = Annotated[Key, Depends(_scoped("viewer"))]
-AdminKey = Annotated[Key, Depends(_scoped("admin"))]
+ViewerKey = Annotated[Caller, Depends(needs("viewer", key_required=True))]
+AdminKey = Annotated[Caller, Depends(needs("admin", key_required=True))]
 
 
 async def _call(fn, *args):
@@ -97,5 +82,7 @@ async def rollback(version_id: str, body: Action, gw: GatewayDep, key: AdminKey)
     return v.model_dump(mode="json")
 
 
-def _actor(key: Key) -> str:
+def _actor(caller: Caller) -> str:
+    key = caller.key
+    assert key is not None, "the admin API takes key-store keys only"
     return f"key:{key.key_id}" + (f" ({key.label})" if key.label else "")
