@@ -2,7 +2,7 @@
 
   flywheel bootstrap [--force]    pre-train the demo base model (cached under FLYWHEEL_HOME)
   flywheel serve [--host --port]  the gateway on the served checkpoint (bootstraps it first if absent)
-  flywheel up [--host --port]     the main job on embedded defaults (today: bootstrap if absent, then serve)
+  flywheel up [--host --port]     the main job on embedded defaults: the gateway, the joiner, the learner, the gate
   flywheel joiner                 feedback + completions -> rewarded samples (consumes and publishes on the bus)
   flywheel learner                samples -> policy-gradient updates -> candidate versions in the registry
   flywheel gate                   candidates -> offline regression evals -> canary or rejected (never promotes)
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -62,9 +63,48 @@ def _serve(args) -> None:
             sys.exit(f"flywheel: no checkpoint at FLYWHEEL_MODEL_DIR={settings.model_dir}")
         args.force, args.steps = False, None
         _bootstrap(args, settings)
-    if args.cmd == "up":
-        print(f"flywheel: admin API key for this session: {up_admin_key(settings)}", flush=True)
-    serve(settings)
+    if args.cmd != "up":
+        serve(settings)
+        return
+    print(f"flywheel: admin API key for this session: {up_admin_key(settings)}", flush=True)
+    services = start_services(settings)
+    try:
+        serve(settings)
+    finally:
+        stop_services(services)
+
+
+UP_SERVICES = ("joiner", "learner", "gate")
+
+
+def start_services(settings: Settings) -> list:
+    """`flywheel up`'s other processes, each `flywheel <name>` with this environment: the joiner, the
+    learner and the gate. The base is published first, so none of them races another to do it."""
+    import subprocess
+
+    from gating.bootstrap import publish_base
+    from gating.registry import Registry
+
+    with Registry(settings.db_url) as registry:
+        publish_base(registry, settings.home / "models" / "learner", settings.served_model_dir)
+    env = {**os.environ, "FLYWHEEL_HOME": str(settings.home), "FLYWHEEL_MODEL_DIR": str(settings.served_model_dir)}
+    return [subprocess.Popen([sys.executable, "-m", "core.cli", name], env=env) for name in UP_SERVICES]
+
+
+def stop_services(procs: list, timeout_s: float = 30.0) -> None:
+    """Ctrl-C for each (they stop cleanly on KeyboardInterrupt), then a kill for any still running."""
+    import signal
+    import subprocess
+
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    for p in procs:
+        try:
+            p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def up_admin_key(settings: Settings) -> str:

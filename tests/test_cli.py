@@ -86,3 +86,22 @@ def test_up_makes_a_fresh_admin_key_and_revokes_the_last_sessions(tmp_path):
     store = KeyStore(settings.key_store_path)
     assert store.verify(first) is None and store.verify(second).allows("admin")
     assert first not in settings.key_store_path.read_text()
+
+
+def test_up_runs_the_joiner_the_learner_and_the_gate_and_stops_them(tiny_checkpoint, tmp_path):
+    import time
+
+    from core.cli import UP_SERVICES, start_services, stop_services
+    from core.settings import Settings
+    from gating.registry import Registry
+
+    settings = Settings(home=tmp_path, model_dir=tiny_checkpoint)
+    procs = start_services(settings)
+    try:
+        with Registry(settings.db_url) as reg:  # published before any service started
+            assert reg.promoted().id == tiny_checkpoint.name
+        time.sleep(8)  # long enough for each to import, open the bus and start its loop
+        assert [p.poll() for p in procs] == [None] * len(UP_SERVICES)  # all still running
+    finally:
+        stop_services(procs, timeout_s=30)
+    assert all(p.returncode is not None for p in procs)
