@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing as mp
+import signal
 import threading
 import uuid
 from concurrent.futures import Future
@@ -47,6 +48,9 @@ log = logging.getLogger(__name__)
 
 def _child_main(conn, cfg: dict) -> None:
     import torch
+
+    # Ctrl-C reaches the whole process group: the parent stops this process, after its requests.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     from serving.engine import EmbeddedEngine
 
