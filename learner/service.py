@@ -256,8 +256,33 @@ class LearnerService:
                     events.append(ev)
         return records, events, gathered[0][1]
 
+    def rebase(self) -> bool:
+        """A lineage whose tip was withdrawn, rejected, aborted or rolled back continues from the
+        promoted version (`Registry.base_for_next_candidate`): its weights and optimizer state are
+        loaded, and it is appended to the lineage so staleness counts from it. True if it rebased."""
+        base = self.registry.base_for_next_candidate(self.current)
+        folder = Path(self.state["dirs"].get(base.id, ""))
+        if base.id == self.current:
+            return False
+        if not (folder / "config.json").is_file():
+            log.warning("learner: cannot rebase onto %s: no checkpoint of it in %s", base.id, self.models_dir)
+            return False
+        self.model.load_state_dict(load_checkpoint(folder).state_dict())
+        if (folder / OPT_STATE).is_file():
+            saved = torch.load(folder / OPT_STATE, weights_only=False)
+            self.trainer.opt.load_state_dict(saved["optimizer"])
+            self.trainer.baseline = saved["baseline"]
+        log.info("learner: %s is %s; rebased onto %s", self.current, self.registry.get(self.current).status, base.id)
+        self.state["versions"].append(base.id)
+        self.state["current"] = base.id
+        if self.rank == 0:
+            atomic_write(self.state_path, json.dumps(self.state))
+        self.counters["rebased"] += 1
+        return True
+
     def update(self) -> str | None:
         """Train on the buffer, publish the next version; returns its id (None if nothing trainable)."""
+        self.rebase()
         mine = [r for r, _ in self.buffer]  # committed by this rank once the version is durable
         records, events, offline_all = self._whole_batch()
         index = {v: i for i, v in enumerate(self.state["versions"])}
@@ -329,7 +354,7 @@ class LearnerService:
         )
         # Registered before it is renamed into place: a crash in between leaves a registered candidate
         # whose folder is missing (the registry's file hash tells it apart), never a folder without a row.
-        vid = self._free_id(len(self.state["versions"]))
+        vid = self._free_id(len(set(self.state["versions"])))  # a rebase lists its base twice
         shipped = self.store.put(vid, shipping_state(self.model, SHIPPING_DTYPE), parent=self.current)
         stats["shipping"] = {"kind": shipped.kind, "bytes": shipped.nbytes}
         version = self.registry.register(

@@ -162,3 +162,26 @@ def test_offline_groups_are_mixed_into_the_next_update(tmp_path, tiny_checkpoint
     assert svc.registry.get("v0001").metrics["offline_samples"] == len(batch.sequences)
     svc.close()
     bus.close()
+
+
+def test_a_rejected_lineage_rebases_onto_the_promoted_version(tmp_path, tiny_checkpoint, samples):
+    bus = EmbeddedBus(tmp_path / "bus")
+    publish(bus, samples[:20])
+    svc = make(tmp_path, tiny_checkpoint, bus)
+    assert drain(svc) == ["v0001", "v0002"]
+    reg, base = svc.registry, tiny_checkpoint.name
+    assert reg.promoted().id == base  # the learner published and promoted the base at its start
+    reg.transition("v0001", "evaluating", "gate", "offline eval")
+    reg.reject("v0001", "gate", "worse")  # its descendant v0002 is withdrawn with it
+    assert reg.get("v0002").status == "withdrawn"
+    publish(bus, samples[20:30])
+    assert drain(svc) == ["v0003"]
+    assert reg.get("v0003").parent_id == base and svc.counters["rebased"] == 1
+    from serving.checkpoint import load_checkpoint
+
+    moved = load_checkpoint(tmp_path / "models" / "v0003").state_dict()
+    v2 = load_checkpoint(tmp_path / "models" / "v0002").state_dict()
+    b = load_checkpoint(tiny_checkpoint).state_dict()
+    # v0003 is one update away from the base, not from the withdrawn v0002
+    assert sum((moved[k] - b[k]).abs().sum() for k in b) < sum((moved[k] - v2[k]).abs().sum() for k in b)
+    bus.close()
