@@ -127,7 +127,7 @@ def run_demo_loop(
             nxt = f"v{r + 1}"
             versions[nxt] = r + 1
             engine.add_version(nxt, model, tok, default=True)  # the updated weights, under a new name
-            engine.remove_version(version)
+            engine.retire_version(version)
             row: dict[str, Any]
             row = {
                 "round": r + 1,

@@ -173,9 +173,6 @@ class EmbeddedEngine(GenerateMixin):
             if not self.alive:  # no loop to unload it: its requests have failed already
                 self._unload_retired(name)
 
-    def remove_version(self, name: str) -> None:  # the older name of retire_version(name, wait=True)
-        self.retire_version(name, wait=True)
-
     def call_in_loop(self, fn):
         """Run `fn()` on the engine's loop thread between two steps; returns its result (or raises)."""
         if not self.alive:

@@ -241,9 +241,6 @@ class ProcessEngine(GenerateMixin):
             if not self.alive:
                 self._table.drop(name)
 
-    def remove_version(self, name: str) -> None:  # the older name of retire_version(name, wait=True)
-        self.retire_version(name, wait=True)
-
     def update_weights(self, name: str, weights) -> None:
         """In place, in the child: refused (`VersionBusy`) while requests are in flight on `name`."""
         self._call("update_weights", name, weights)

@@ -51,9 +51,6 @@ class Engine(Protocol):
         """Refuse new requests for `name` (a KeyError saying it is retired) and unload it once its requests
         in flight have ended; `wait`: return once it is unloaded. The default version cannot be retired."""
 
-    def remove_version(self, name: str) -> None:
-        """`retire_version(name, wait=True)`."""
-
     def update_weights(self, name: str, weights: dict[str, torch.Tensor]) -> None:
         """Serve new weights under `name` in place, in the parameter names the implementation documents;
         `serving.versions.VersionBusy` while requests are in flight on it (hot-swap a new version instead)."""

@@ -124,9 +124,6 @@ class VLLMEngine(GenerateMixin):
         if wait:
             fut.result()
 
-    def remove_version(self, name: str) -> None:  # the older name of retire_version(name, wait=True)
-        self.retire_version(name, wait=True)
-
     async def _unload_when_idle(self, name: str) -> None:
         while name in self._table.names() and self._table.in_flight(name) > 0:
             await asyncio.sleep(0.05)

@@ -188,7 +188,7 @@ def test_versions_and_weight_updates(tiny_checkpoint, model):
         with pytest.raises(RuntimeError):
             eng.update_weights("a", {"bogus": torch.zeros(1)})
         assert eng.alive  # a refused update does not kill the engine
-        eng.remove_version("b")
+        eng.retire_version("b")
         assert eng.versions == ["a"]
     finally:
         eng.shutdown()
@@ -203,7 +203,7 @@ def test_both_backends_implement_the_interface(engine):
         m
         for m in (
             "add_version",
-            "remove_version",
+            "retire_version",
             "update_weights",
             "submit",
             "generate",

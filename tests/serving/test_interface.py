@@ -61,7 +61,6 @@ def test_the_protocol_declares_the_engine_surface():
         "add_version",
         "set_default",
         "retire_version",
-        "remove_version",
         "update_weights",
         "submit",
         "generate",
