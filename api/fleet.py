@@ -50,10 +50,11 @@ class GatewayFleet:
 
     @classmethod
     def start(cls, settings: Settings, registry: Registry, make_engine: Callable[[], Engine]) -> GatewayFleet:
-        models_dir = settings.home / "models" / "learner"  # shared with `flywheel learner`
+        models_dir = settings.learner_models_dir  # shared with `flywheel learner`
         publish_base(registry, models_dir, settings.served_model_dir)
         gateway_id = settings.gateway_id or f"{socket.gethostname()}-{os.getpid()}"
-        store, fetcher = WeightStore(models_dir / STORE), Fetcher(models_dir)
+        store = WeightStore(models_dir / STORE)
+        fetcher = Fetcher(settings.weights_url or models_dir, token=settings.weights_token)
         replicas = [
             Replica(
                 f"{gateway_id}-r{i}",

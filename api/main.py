@@ -22,7 +22,7 @@ from api import errors
 from api.deps import Gateway, GatewayDep
 from api.fleet import GatewayFleet
 from api.metrics import RequestCounter
-from api.routes import admin, feedback, openai
+from api.routes import admin, feedback, openai, weights
 from core.security import KeyStore
 from core.settings import Settings, get_settings
 from feedback.bus import EventBus
@@ -131,6 +131,7 @@ def create_app(
     app.include_router(openai.router)
     app.include_router(feedback.router)
     app.include_router(admin.router)
+    app.include_router(weights.router)
 
     app.add_middleware(RequestCounter, version_header=openai.VERSION_HEADER)
 

@@ -86,7 +86,7 @@ def start_services(settings: Settings) -> list:
     from gating.registry import Registry
 
     with Registry(settings.db_url) as registry:
-        publish_base(registry, settings.home / "models" / "learner", settings.served_model_dir)
+        publish_base(registry, settings.learner_models_dir, settings.served_model_dir)
     env = {**os.environ, "FLYWHEEL_HOME": str(settings.home), "FLYWHEEL_MODEL_DIR": str(settings.served_model_dir)}
     return [subprocess.Popen([sys.executable, "-m", "core.cli", name], env=env) for name in UP_SERVICES]
 
@@ -166,7 +166,7 @@ def _learner(args) -> None:
     bus = open_bus(settings)
     cfg = LearnerConfig(update_every_samples=args.every_samples, update_every_s=args.every_s)
     service = LearnerService(
-        bus, Registry(settings.db_url), settings.home / "models" / "learner", settings.served_model_dir, cfg
+        bus, Registry(settings.db_url), settings.learner_models_dir, settings.served_model_dir, cfg
     )
     try:
         while True:

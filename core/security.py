@@ -3,7 +3,8 @@
 A key is a random token (`fw_` + 43 url-safe characters) shown once, when it is made; the store
 keeps only its SHA-256 (a random 256-bit token needs no slow hash), its id, tenant, scopes, label
 and times, in `<FLYWHEEL_HOME>/keys.json` (format version 1, replaced atomically). Scopes:
-`completions`, `feedback:write`, `eval`, `viewer`, `admin`. Called by the gateway (auth) and the CLI.
+`completions`, `feedback:write`, `eval`, `weights:read` (fetch weights over HTTP), `viewer`,
+`admin`. Called by the gateway (auth) and the CLI.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from core.files import atomic_write
 
 FORMAT_VERSION = 1
-SCOPES = ("completions", "feedback:write", "eval", "viewer", "admin")
+SCOPES = ("completions", "feedback:write", "eval", "weights:read", "viewer", "admin")
 
 
 @dataclass(frozen=True)

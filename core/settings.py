@@ -72,6 +72,15 @@ class Settings(BaseSettings):
         default_factory=list, description="Accepted bearer tokens; empty means no auth (local only)."
     )
 
+    weights_url: str | None = Field(
+        None,
+        description="Where replicas fetch versions from: a folder, or the http(s) URL of a gateway's "
+        "/v1/weights on the machine holding the learner's models folder; None: that folder under <home>.",
+    )
+    weights_token: str | None = Field(
+        None, description="Bearer token for an http(s) FLYWHEEL_WEIGHTS_URL: a key with the weights:read scope."
+    )
+
     @field_validator("api_keys", mode="before")
     @classmethod
     def _split_keys(cls, v):
@@ -82,6 +91,11 @@ class Settings(BaseSettings):
     @property
     def served_model_dir(self) -> Path:
         return self.model_dir or self.home / "models" / "demo-base"
+
+    @property
+    def learner_models_dir(self) -> Path:
+        """The learner's checkpoints and weight store (the folder `/v1/weights` serves)."""
+        return self.home / "models" / "learner"
 
     @property
     def records_dir(self) -> Path:

@@ -431,7 +431,7 @@ def run_gate(
         engine_factory = process_engine
 
     if load_version is None:
-        load_version = weight_store_loader(settings.home / "models" / "learner", settings.home / "gate" / "versions")
+        load_version = weight_store_loader(settings.learner_models_dir, settings.home / "gate" / "versions")
     registry = Registry(settings.db_url)
     gate = Gate(registry, engine_factory, load_version, suite, cfg, bus=bus)
     log.info("gate: started on %s with suite %s", settings.db_url, suite.suite_version)
