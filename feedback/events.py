@@ -115,7 +115,7 @@ class CompletionEvent(Event):
 
 # ---- feedback ---------------------------------------------------------------------------------
 FeedbackKind = Literal[
-    "thumb_up", "thumb_down", "rating", "accepted", "rejected", "edited", "copied", "regenerated", "dwell"
+    "shown", "thumb_up", "thumb_down", "rating", "accepted", "rejected", "edited", "copied", "regenerated", "dwell"
 ]
 FEEDBACK_KINDS: tuple[str, ...] = get_args(FeedbackKind)
 MAX_DWELL_S = 24 * 3600.0
@@ -150,6 +150,8 @@ def value_fits_kind(v: float | None, info) -> float | None:
 class FeedbackEvent(Event):
     """One user-satisfaction signal about one completion.
 
+    `shown` is exposure: the product displayed the completion to its user. It carries no reward by
+    itself; the reward spec says what silence after it means (`feedback.rewards`).
     `value` by kind: rating → 1..5 (integer); edited → kept fraction of the completion in [0, 1]
     (`edit_distance`, characters, may be given too); dwell → seconds in [0, 24 h]; every other kind
     → no value. Anything else is refused with a ValueError naming the field.
@@ -203,3 +205,13 @@ class SampleEvent(Event):
     reward: float
     signals: list[Signal]
     reward_spec: str  # name/version of the reward spec that produced `reward`
+
+    @property
+    def exposed(self) -> bool:
+        """The product reported the completion as shown."""
+        return any(s.kind == "shown" for s in self.signals)
+
+    @property
+    def silent(self) -> bool:
+        """Shown, and no signal carrying a reward of its own: the reward is the spec's `silence`."""
+        return self.exposed and all(s.kind in ("shown", "dwell") for s in self.signals)

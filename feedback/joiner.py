@@ -2,10 +2,12 @@
 
 `JoinerCore` is a pure state machine (time passed in). Feedback counts when its `ts` is at most
 `window_s` after its completion's; the first `tick(now)` past that window emits the sample (reward by
-`feedback.rewards`), if any signal counted. Feedback ahead of its completion waits in a bounded orphan
-buffer until its own `ts + window_s`; feedback for a closed completion or past its window is late
-(`drain_late()`). Redelivered ids, another tenant's feedback and signals over a user's `UserBudget` are
-dropped; every case is counted in `stats`.
+`feedback.rewards`), if any signal counted: a completion the product reported `shown` always yields
+one (its reward is the spec's `silence` when nothing else came), so every exposure is a sample and an
+ignored completion cannot drop out of the learner's data or the canary's metric. Feedback ahead of
+its completion waits in a bounded orphan buffer until its own `ts + window_s`; feedback for a closed
+completion or past its window is late (`drain_late()`). Redelivered ids, another tenant's feedback and
+signals over a user's `UserBudget` are dropped; every case is counted in `stats`.
 
 `JoinerService` runs the core as one group member on both topics (partitioned alike, so a completion
 meets its feedback). A round reads the clock *before* draining both topics, so no window closes on
@@ -35,7 +37,7 @@ log = logging.getLogger(__name__)
 
 Source = tuple[str, int, int]  # (topic, partition, offset) of the bus record an event came from
 Orphan = tuple[FeedbackEvent, Source | None]
-STAT_KEYS: tuple[str, ...] = ("completions", "feedback", "samples", "late", "duplicates", "no_feedback")
+STAT_KEYS: tuple[str, ...] = ("completions", "feedback", "samples", "silent", "late", "duplicates", "no_feedback")
 STAT_KEYS += ("dropped_by_budget", "tenant_mismatch", "orphans_expired", "orphans_overflow", "malformed")
 MAX_SEEN = MAX_CLOSED = 200_000  # event ids and closed completion ids remembered (to drop redeliveries)
 MAX_LATE_KEPT = 10_000  # late feedback held for `drain_late()`
@@ -188,6 +190,7 @@ class JoinerCore:
                 self.stats["no_feedback"] += 1
             else:
                 self.stats["samples"] += 1
+                self.stats["silent"] += sample.silent
                 out.append(sample)
         while self._orphan_expiry and self._orphan_expiry[0][0] < now:
             _, _, cid, eid = heapq.heappop(self._orphan_expiry)

@@ -11,6 +11,8 @@ how far any single user can move the learner. Every number below is a field of `
     copied       +0.25                                    mild: copying usually follows acceptance
     regenerated  -0.25                                    "try again" is a rejection, not a verdict
     dwell        +0.05 x min(dwell_s, 30) / 30            tie-breaker only: at most 0.05
+    shown        0 (exposure)                             see silence
+    silence      0.0: shown, then no other reaction       "ignored" scores below anything a user liked
     total        clipped to [reward_min, reward_max] = [-1, 1]
 
 Positive signals outweigh negative ones on purpose: rejections and regenerations also happen to correct
@@ -19,7 +21,12 @@ completions (the user wanted another phrasing). The learner subtracts a baseline
 Rules: (1) signals without a `user_id` are one anonymous user; (2) per user, only the latest signal
 (largest `ts`, ties to the later one) of each kind counts, and of each exclusive group: {accepted,
 rejected, edited} and {thumb_up, thumb_down}; (3) a user's sum is clipped to +-`per_user_cap`; (4) the
-users' total is clipped to [`reward_min`, `reward_max`]; (5) only dwell, or no signal: no reward (None).
+users' total is clipped to [`reward_min`, `reward_max`]; (5) a completion reported as `shown` with no
+signal of its own inside the window (dwell aside) is *silence*: its reward is `silence` (plus any dwell),
+so a completion users ignore still counts, and counts as ignored; (6) not shown and only dwell, or no
+signal at all: no reward (None) — the completion may never have reached a user.
+Silence is 0.0, not negative, on purpose: with the learner's baseline subtracted, an ignored completion
+already scores below the average one as soon as users like some completions.
 With `UserBudget` (at most `max_rewarded_per_user` completions per `budget_window_s`), one user moves
 the learner's sum of rewards by at most `per_user_cap x max_rewarded_per_user` per window.
 """
@@ -59,6 +66,9 @@ class RewardSpec(BaseModel):
     regenerated: float = Field(-0.25, le=0.0, description="Reward of a completion the user asked to regenerate.")
     dwell_weight: float = Field(0.05, ge=0.0, description="Largest dwell reward (at dwell_cap_s); below any other.")
     dwell_cap_s: float = Field(30.0, gt=0.0, description="Dwell seconds beyond this earn nothing more.")
+    silence: float = Field(
+        0.0, description="Reward of a completion shown to its user who reacted in no other way within the window."
+    )
     reward_min: float = Field(-1.0, description="Lower clip of the final reward.")
     reward_max: float = Field(1.0, description="Upper clip of the final reward.")
     per_user_cap: float = Field(1.0, gt=0.0, description="One user's contribution to a reward is clipped to +- this.")
@@ -70,6 +80,8 @@ class RewardSpec(BaseModel):
         lo, hi = self.reward_min, self.reward_max
         if not lo <= 0.0 <= hi or lo == hi:
             raise ValueError(f"reward_min <= 0 <= reward_max and reward_min < reward_max must hold, got [{lo}, {hi}]")
+        if not lo <= self.silence <= hi:
+            raise ValueError(f"silence ({self.silence}) must lie in [reward_min, reward_max] = [{lo}, {hi}]")
         none, full = self.edited_none_kept, self.edited_all_kept
         if not none <= full:  # keeping more of a completion cannot be worse
             raise ValueError(f"edited_none_kept ({none}) must be <= edited_all_kept ({full})")
@@ -82,6 +94,8 @@ class RewardSpec(BaseModel):
 
 def signal_reward(spec: RewardSpec, signal: Signal) -> float:
     """The reward of one signal on its own (before any cap or clip)."""
+    if signal.kind == "shown":
+        return 0.0
     if signal.kind not in ("rating", "edited", "dwell"):
         return float(getattr(spec, signal.kind))
     v = signal.value
@@ -109,14 +123,17 @@ def counted_signals(signals: Sequence[Signal]) -> list[Signal]:
 
 
 def reward(spec: RewardSpec, signals: Sequence[Signal]) -> float | None:
-    """One completion's reward from all its signals (rules 1-5); None when no signal counts."""
+    """One completion's reward from all its signals (rules 1-6); None when no signal counts."""
     counted = counted_signals(signals)
-    if all(s.kind == "dwell" for s in counted):
+    silent = all(s.kind in ("dwell", "shown") for s in counted)
+    if silent and not any(s.kind == "shown" for s in counted):
         return None
     per_user: dict[str, float] = {}
     for s in counted:
         per_user[user_key(s)] = per_user.get(user_key(s), 0.0) + signal_reward(spec, s)
     total = sum(max(-spec.per_user_cap, min(spec.per_user_cap, r)) for r in per_user.values())
+    if silent:
+        total += spec.silence
     return max(spec.reward_min, min(spec.reward_max, total))
 
 

@@ -36,8 +36,8 @@ def _openapi_body() -> dict:
 async def post_feedback(request: Request, gw: GatewayDep, caller: FeedbackCaller) -> dict:
     """Accept one feedback event, or a batch of 1..1000 as `{"events": [...]}`.
 
-    An event: `completion_id`, `kind` (thumb_up, thumb_down, rating, accepted, rejected, edited,
-    copied, regenerated, dwell), `value` (rating 1..5, edited kept fraction, dwell seconds),
+    An event: `completion_id`, `kind` (shown — the exposure —, thumb_up, thumb_down, rating, accepted,
+    rejected, edited, copied, regenerated, dwell), `value` (rating 1..5, edited kept fraction, dwell seconds),
     optional `edit_distance`, `user`, `ts`, `idempotency_key` (or the `Idempotency-Key` header; in
     a batch, event i without a key gets `<header>#<i>`). Answer: `{"accepted", "duplicates",
     "event_ids"}`. Errors: 400 naming the parameter, 403 `user_mismatch`, 404

@@ -203,6 +203,11 @@ class _Client:
         )
         return self._enqueue(event)
 
+    def shown(self, completion_id: str, user: str | None = None) -> str | None:
+        """The completion was displayed to its user: an exposure. Report it for every completion you
+        show; with it, silence inside the attribution window counts (as the reward spec's `silence`)."""
+        return self.send("shown", completion_id, user=user)
+
     def thumbs_up(self, completion_id: str, user: str | None = None) -> str | None:
         return self.send("thumb_up", completion_id, user=user)
 

@@ -157,6 +157,24 @@ def test_completions_without_counting_feedback_emit_nothing():
     assert j.stats["no_feedback"] == 2 and j.stats["samples"] == 0
 
 
+def test_every_exposed_completion_yields_a_sample_silence_included():
+    j = core(silence=-0.2)
+    for cid in ("shown-ignored", "shown-liked", "never-shown"):
+        j.on_completion(completion(cid, 0.0))
+    j.on_feedback(feedback("shown-ignored", "shown", 1.0))
+    j.on_feedback(feedback("shown-liked", "shown", 1.0))
+    j.on_feedback(feedback("shown-liked", "accepted", 5.0))
+    j.on_feedback(feedback("never-shown", "dwell", 5.0, value=3.0))
+    j.on_feedback(feedback("shown-ignored", "thumb_up", WINDOW + 1.0))  # past the window: silence stands
+    out = {s.completion.completion_id: s for s in j.tick(WINDOW + 2.0)}
+    assert set(out) == {"shown-ignored", "shown-liked"}
+    assert out["shown-ignored"].reward == pytest.approx(-0.2) and out["shown-ignored"].silent
+    assert out["shown-liked"].reward == pytest.approx(0.75) and out["shown-liked"].exposed
+    assert not out["shown-liked"].silent
+    assert j.stats["samples"] == 2 and j.stats["silent"] == 1 and j.stats["no_feedback"] == 1
+    assert j.stats["late"] == 1
+
+
 def test_feedback_without_user_is_attributed_to_the_completions_user():
     j = core()
     j.on_completion(completion("c1", 0.0, user="alice"))

@@ -133,6 +133,7 @@ def test_user_budget_windowing():
         ({"edited_none_kept": 0.9}, "edited_none_kept"),
         ({"max_rewarded_per_user": 0}, "max_rewarded_per_user"),
         ({"budget_window_s": 0.0}, "budget_window_s"),
+        ({"silence": -1.5}, "silence"),
         ({"rating_weight": 1.0}, "rating_weight"),  # unknown field: extra="forbid"
     ],
 )
@@ -148,3 +149,15 @@ def test_spec_is_frozen_and_budget_validates():
         UserBudget(0, 10.0)
     with pytest.raises(ValueError, match="window_s"):
         UserBudget(1, 0.0)
+
+
+def test_silence_after_exposure_is_a_reward_and_no_exposure_is_none():
+    assert signal_reward(SPEC, sig("shown")) == 0.0
+    assert reward(SPEC, [sig("shown")]) == 0.0  # shown, then nothing: silence (0.0 by default)
+    assert reward(SPEC, [sig("shown"), sig("dwell", 15.0)]) == pytest.approx(0.025)  # silence + dwell
+    assert reward(SPEC, [sig("dwell", 15.0)]) is None  # never reported shown: maybe never seen
+    assert reward(SPEC, []) is None
+    ignored = RewardSpec(silence=-0.1)
+    assert reward(ignored, [sig("shown")]) == pytest.approx(-0.1)
+    assert reward(ignored, [sig("shown"), sig("thumb_up")]) == pytest.approx(0.5)  # a reaction: no silence
+    assert reward(ignored, [sig("shown", user="a"), sig("thumb_down", user="b")]) == pytest.approx(-0.5)

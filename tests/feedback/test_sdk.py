@@ -163,6 +163,7 @@ def test_every_call_is_delivered_once_with_its_value(live):
     errors = Errors()
     with FeedbackClient(live.url, batch_size=100, flush_interval_s=60, on_error=errors) as fb:
         keys = [
+            fb.shown(c),
             fb.thumbs_up(c, user="u1"),
             fb.thumbs_down(c),
             fb.rating(c, 4),
@@ -174,12 +175,13 @@ def test_every_call_is_delivered_once_with_its_value(live):
             fb.dwell(c, 12.5),
             fb.send("rating", c, 2, ts=1_700_000_000.0),
         ]
-        assert fb.flush(timeout=10) and fb.sent == 10 and fb.pending == 0
-    assert not errors and len(set(keys)) == 10
+        assert fb.flush(timeout=10) and fb.sent == 11 and fb.pending == 0
+    assert not errors and len(set(keys)) == 11
     got = on_bus(live, [c])
-    assert len(got) == 10 and len({e.event_id for e in got}) == 10
+    assert len(got) == 11 and len({e.event_id for e in got}) == 11
     assert sorted((e.kind, e.value) for e in got) == sorted(
         [
+            ("shown", None),
             ("thumb_up", None),
             ("thumb_down", None),
             ("rating", 4),
