@@ -59,15 +59,17 @@ class Gateway:
         self._keys = _parse_keys(settings.api_keys)
 
     def resolve_model(
-        self, name: str, caller: Caller, user: str | None = None, param: str = "model"
+        self, name: str, caller: Caller, user: str | None = None, param: str = "model", fresh: bool = False
     ) -> tuple[str, str | None]:
         """(version, arm) of a request. The alias gets the promoted (default) version, or during a canary
         the candidate for the users assigned to it (arm `candidate` / `incumbent` / `anonymous`); the
         promoted version by name, anyone; any other version only a key with the `eval` scope (arm
-        `eval`, outside canary statistics), so no completions key gets around the gate."""
+        `eval`, outside canary statistics), so no completions key gets around the gate. `fresh`: the
+        canary's share read from the registry, not the cache (resolving again after a swap retired
+        the version resolved first: `api.routes.openai`)."""
         versions, default = self.engine.versions, self.engine.default_version
         if name == ALIAS and default:
-            routed, arm = self.fleet.route(caller.tenant, user) if self.fleet is not None else (None, None)
+            routed, arm = self.fleet.route(caller.tenant, user, fresh) if self.fleet is not None else (None, None)
             return routed or default, arm
         if name not in versions:
             known = sorted(v for v in versions if v == default or caller.allows("eval")) + [ALIAS]

@@ -81,10 +81,10 @@ class GatewayFleet:
             fleet._threads.append(t)
         return fleet
 
-    def canary(self) -> Canary | None:
-        """The version in canary and its share (cached for `CANARY_TTL_S`)."""
+    def canary(self, fresh: bool = False) -> Canary | None:
+        """The version in canary and its share (cached for `CANARY_TTL_S`; `fresh`: read now)."""
         at, cached = self._canary
-        if time.monotonic() - at < CANARY_TTL_S:
+        if not fresh and time.monotonic() - at < CANARY_TTL_S:
             return cached
         v = self.registry.in_flight()
         share = float((v.gate.get("canary") or {}).get("share", 0.0)) if v is not None else 0.0
@@ -92,9 +92,9 @@ class GatewayFleet:
         self._canary = (time.monotonic(), now)
         return now
 
-    def route(self, tenant: str, user: str | None) -> tuple[str | None, str | None]:
+    def route(self, tenant: str, user: str | None, fresh: bool = False) -> tuple[str | None, str | None]:
         """(version, arm) for a request of the alias: (None, None) outside a canary (the default)."""
-        c = self.canary()
+        c = self.canary(fresh)
         if c is None or c.version not in self.engine.versions:
             return None, None
         arm = assign_arm(c.version, tenant, user, c.share)

@@ -3,6 +3,16 @@
 Thin: validate, resolve the model version, hand prompts to the engine, record every completion
 (durably, before answering or before `data: [DONE]`), shape the response. A stream whose client
 goes away is cancelled in the engine and what was generated is still recorded.
+
+Resolving and submitting across a swap (`_submit`): the model name is resolved to a concrete version
+(`Gateway.resolve_model`), then the prompt is encoded with that version's tokenizer and submitted. A
+swap may retire (or unload) that version in between; the engine then refuses with a `KeyError`. A
+request for the alias asked for whatever is promoted: it is resolved again (the canary's share
+re-read, not cached) and resubmitted, so no request is lost across a swap. An explicitly named
+version is never replaced by another: the caller gets 404 `model_not_found` saying it retired.
+Once submitted, a request is bound to its version until its last event (`serving.versions`); the
+tokenizer it was encoded with is kept for the response, so a version unloaded right after the
+request ended does not fail the answer.
 """
 
 from __future__ import annotations
@@ -13,7 +23,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import asdict
+from dataclasses import replace
 from typing import TypeGuard
 
 from fastapi import APIRouter
@@ -48,38 +58,42 @@ async def list_models(gw: GatewayDep, caller: CompletionsCaller):
 
 @router.post("/completions")
 async def completions(req: CompletionRequest, gw: GatewayDep, caller: CompletionsCaller):
-    (version, arm), tenant = gw.resolve_model(req.model, caller, req.user), caller.tenant
-    tok = gw.engine.tokenizer(version)
-    if isinstance(req.prompt, str):
-        prompts = [tok.encode_prompt(req.prompt)]
-    elif _token_ids(req.prompt):
-        vocab = tok.vocab_size
-        if any(not 0 <= t < vocab for t in req.prompt):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt", "invalid_value")
-        prompts = [list(req.prompt)]
-    else:
+    def encode(tok) -> list[list[int]]:
+        if isinstance(req.prompt, str):
+            return [tok.encode_prompt(req.prompt)]
+        if _token_ids(req.prompt):
+            vocab = tok.vocab_size
+            if any(not 0 <= t < vocab for t in req.prompt):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt", "invalid_value")
+            return [list(req.prompt)]
         if any(not isinstance(p, str) or not p for p in req.prompt):
             raise APIError(
                 400, "prompt must be a string, a list of strings or a list of token ids", "prompt", "invalid_value"
             )
-        prompts = [tok.encode_prompt(p) for p in req.prompt]
+        return [tok.encode_prompt(p) for p in req.prompt]
+
     params = _params(req, req.max_tokens, req.logprobs or 0)
     return await _serve(
-        gw, tenant, version, arm, "completions", prompts, params, req, "prompt", want_logprobs=req.logprobs is not None
+        gw, caller, "completions", encode, params, req, "prompt", want_logprobs=req.logprobs is not None
     )
 
 
 @router.post("/chat/completions")
 async def chat_completions(req: ChatRequest, gw: GatewayDep, caller: CompletionsCaller):
-    (version, arm), tenant = gw.resolve_model(req.model, caller, req.user), caller.tenant
-    tok = gw.engine.tokenizer(version)
     top = (req.top_logprobs or 0) if req.logprobs else 0
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs", "invalid_value")
     params = _params(req, req.token_limit, top)
-    prompts = [tok.encode_prompt(chat_prompt(req.messages))]
+    prompt = chat_prompt(req.messages)
     return await _serve(
-        gw, tenant, version, arm, "chat.completions", prompts, params, req, "messages", want_logprobs=req.logprobs
+        gw,
+        caller,
+        "chat.completions",
+        lambda tok: [tok.encode_prompt(prompt)],
+        params,
+        req,
+        "messages",
+        want_logprobs=req.logprobs,
     )
 
 
@@ -98,8 +112,20 @@ def _params(req, max_tokens: int, logprobs: int) -> SamplingParams:
         raise APIError(400, str(e), None, "invalid_value") from None
 
 
-async def _serve(gw, tenant, version, arm, endpoint, prompts, params, req, prompt_param, want_logprobs: bool):
-    limit = gw.engine.context_length(version)
+RESOLVES = 3  # resolve + submit attempts of an alias request whose version keeps retiring under it
+
+
+def _jobs(prompts: list[list[int]], params: SamplingParams, n: int, base_id: str) -> list:
+    """(completion id, prompt ids, sampling) per choice: each choice is sampled on its own, and a
+    request seed gives every choice its own derived seed."""
+    ids = [base_id if len(prompts) * n == 1 else f"{base_id}-{i}" for i in range(len(prompts) * n)]
+    return [
+        (cid, prompts[i // n], params if params.seed is None or i == 0 else replace(params, seed=params.seed + i))
+        for i, cid in enumerate(ids)
+    ]
+
+
+def _check_context(prompts: list[list[int]], params: SamplingParams, limit: int, prompt_param: str) -> None:
     for p in prompts:
         if len(p) + params.max_tokens > limit:
             raise APIError(
@@ -110,24 +136,70 @@ async def _serve(gw, tenant, version, arm, endpoint, prompts, params, req, promp
                 prompt_param,
                 "context_length_exceeded",
             )
+
+
+def _submit(gw, caller, req, encode, params, prompt_param, base_id):
+    """Resolve the model and submit every choice: (version, arm, tokenizer, handles). A version that
+    retires between the two is resolved again for the alias, never for a named version (see the
+    module's docstring)."""
+    for attempt in range(RESOLVES):
+        version, arm = gw.resolve_model(req.model, caller, req.user, fresh=attempt > 0)
+        handles: list = []
+        try:  # a KeyError below: the engine no longer takes `version` (retired or unloaded since resolved)
+            tok = gw.engine.tokenizer(version)
+            prompts = encode(tok)
+            _check_context(prompts, params, gw.engine.context_length(version), prompt_param)
+            if not gw.engine.alive:
+                raise APIError(503, "The inference engine is not running.", None, "engine_unavailable")
+            for cid, p, sp in _jobs(prompts, params, req.n, base_id):
+                handles.append(gw.engine.submit(p, sp, version, request_id=cid, stream=req.stream))
+            return version, arm, tok, handles
+        except KeyError as e:
+            for h in handles:  # choices already bound to the retired version: nothing was generated for them
+                h.cancel()
+            if req.model != ALIAS:
+                why = e.args[0] if e.args else e
+                raise APIError(
+                    404,
+                    f"The model version '{version}' is retired: it takes no new requests ({why}). "
+                    f"Use '{ALIAS}' for the promoted version.",
+                    "model",
+                    "model_not_found",
+                ) from None
+            log.info(
+                "version %s retired under a request for %s (attempt %d): resolving again", version, ALIAS, attempt + 1
+            )
+        except ValueError as e:
+            for h in handles:
+                h.cancel()
+            raise APIError(400, str(e), prompt_param, "invalid_value") from None
+        except EngineError as e:
+            for h in handles:
+                h.cancel()
+            raise APIError(503, str(e), None, "engine_unavailable") from None
+    raise APIError(
+        503,
+        f"The served version changed {RESOLVES} times while this request was submitted; retry.",
+        None,
+        "engine_unavailable",
+    )
+
+
+async def _serve(gw, caller, endpoint, encode, params, req, prompt_param, want_logprobs: bool):
     base_id = ("chatcmpl-" if endpoint == "chat.completions" else "cmpl-") + uuid.uuid4().hex
-    n = req.n
-    ids = [base_id if len(prompts) * n == 1 else f"{base_id}-{i}" for i in range(len(prompts) * n)]
-    # Each choice is sampled on its own; a request seed gives every choice its own derived seed.
-    jobs = []
-    for i, cid in enumerate(ids):
-        sp = params if params.seed is None or i == 0 else SamplingParams(**{**asdict(params), "seed": params.seed + i})
-        jobs.append((cid, prompts[i // n], sp))
-    if not gw.engine.alive:
-        raise APIError(503, "The inference engine is not running.", None, "engine_unavailable")
-    try:
-        handles = [gw.engine.submit(p, sp, version, request_id=cid, stream=req.stream) for cid, p, sp in jobs]
-    except (ValueError, KeyError) as e:
-        raise APIError(400, str(e), prompt_param, "invalid_value") from None
-    except EngineError as e:
-        raise APIError(503, str(e), None, "engine_unavailable") from None
+    version, arm, tok, handles = _submit(gw, caller, req, encode, params, prompt_param, base_id)
     ctx = _Ctx(
-        gw, tenant, version, endpoint, base_id, req.user, time.perf_counter(), int(time.time()), n, want_logprobs
+        gw,
+        caller.tenant,
+        version,
+        tok,
+        endpoint,
+        base_id,
+        req.user,
+        time.perf_counter(),
+        int(time.time()),
+        req.n,
+        want_logprobs,
     )
     ctx.arm = arm
     if req.stream:
@@ -148,8 +220,9 @@ async def _serve(gw, tenant, version, arm, endpoint, prompts, params, req, promp
 
 
 class _Ctx:
-    def __init__(self, gw, tenant, version, endpoint, base_id, user, t0, created, n, want_logprobs):
+    def __init__(self, gw, tenant, version, tok, endpoint, base_id, user, t0, created, n, want_logprobs):
         self.gw, self.tenant, self.version, self.endpoint = gw, tenant, version, endpoint
+        self.tok = tok  # the version's tokenizer, kept: the version may be unloaded once the request ended
         self.base_id, self.user, self.t0, self.created = base_id, user, t0, created
         self.n, self.want_logprobs = n, want_logprobs
         self.arm: str | None = None  # experiment arm (`Gateway.resolve_model`)
@@ -216,7 +289,7 @@ def _finish(reason: str) -> str:
 
 
 def _completion_body(ctx: _Ctx, results: list[Completion]) -> dict:
-    tok = ctx.gw.engine.tokenizer(ctx.version)
+    tok = ctx.tok
     choices = [
         {
             "index": i,
@@ -239,7 +312,7 @@ def _completion_body(ctx: _Ctx, results: list[Completion]) -> dict:
 
 
 def _chat_body(ctx: _Ctx, results: list[Completion]) -> dict:
-    tok = ctx.gw.engine.tokenizer(ctx.version)
+    tok = ctx.tok
     choices = []
     for i, c in enumerate(results):
         lp = _chat_logprobs(tok, c.output_ids, c.logprobs, c.top_logprobs) if ctx.want_logprobs else None
@@ -297,7 +370,7 @@ async def _record_the_rest(ctx: _Ctx, handles, pumps, results, recorded) -> None
 
 
 async def _stream(ctx: _Ctx, handles, include_usage: bool) -> AsyncIterator[bytes]:
-    tok = ctx.gw.engine.tokenizer(ctx.version)
+    tok = ctx.tok
     chat = ctx.endpoint == "chat.completions"
     obj = "chat.completion.chunk" if chat else "text_completion"
     results: list[Completion | None] = [None] * len(handles)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import queue
 import uuid
 
 import httpx
@@ -12,12 +13,14 @@ import pytest
 import torch
 
 from api.main import create_app
+from core.security import KeyStore
 from core.settings import Settings
 from feedback.bus_embedded import EmbeddedBus
 from feedback.events import TOPICS, CompletionEvent
 from serving.checkpoint import load_checkpoint
 from serving.engine import EmbeddedEngine, score
 from serving.sampling import SamplingParams
+from serving.swap import hot_swap
 from tests.conftest import LiveServer
 
 PROMPT = "# add 3 to x\ndef f(x):\n"
@@ -222,3 +225,65 @@ def test_a_stream_the_client_drops_is_still_recorded(live):
     rec = records_by_id(live)[cid]
     assert rec.finish_reason in ("abort", "length") and len(rec.output_ids) >= 1
     print("dropped stream recorded:", rec.finish_reason, len(rec.output_ids))
+
+
+@pytest.fixture
+def swap_after_resolve(tiny_checkpoint, tmp_path):
+    """A gateway on an engine serving v1 whose route, right after resolving a request's model (before
+    it submits), sees a hot swap to v2 retire v1: the window of the alias/swap race, opened by a hook,
+    not by timing. A request bound to v1 before the swap (`held`) is still in flight on it."""
+    settings = Settings(home=tmp_path, model_dir=tiny_checkpoint, max_batch=8, max_model_len=128)
+    engine = EmbeddedEngine(max_batch=8, max_model_len=128)
+    engine.add_version("v1", tiny_checkpoint, default=True)
+    bus = EmbeddedBus(tmp_path / "bus")
+    app = create_app(settings, engine=engine, bus=bus)
+    with LiveServer(app) as server:
+        gw = app.state.gateway
+        resolve, held = gw.resolve_model, []
+
+        def resolve_then_swap(*args, **kwargs):
+            resolved = resolve(*args, **kwargs)
+            if not held:  # once: bind a long request to v1, then swap (v1 now refuses new requests)
+                ids = engine.tokenizer("v1").encode_prompt(PROMPT)
+                events: queue.SimpleQueue = queue.SimpleQueue()
+                engine.submit(ids, SamplingParams(max_tokens=100, ignore_eos=True), "v1", sink=events.put)
+                held.append(events)
+                hot_swap(engine, "v2", tiny_checkpoint, wait=False)
+            return resolved
+
+        gw.resolve_model = resolve_then_swap
+        server.engine, server.bus, server.held = engine, bus, held
+        server.eval_key = KeyStore(settings.key_store_path).create(["completions", "eval"])[0]
+        yield server
+    engine.shutdown()
+    bus.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_alias_request_whose_version_retires_before_submit_is_resubmitted(swap_after_resolve, stream):
+    live = swap_after_resolve
+    body = {"model": "flywheel", "prompt": PROMPT, "max_tokens": 4, "stream": stream}
+    r = httpx.post(live.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text  # not 400 "retired": re-resolved to v2 and resubmitted
+    assert r.headers["x-flywheel-model-version"] == "v2"
+    if stream:
+        chunks = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+        cid, models = chunks[0]["id"], {c["model"] for c in chunks}
+    else:
+        cid, models = r.json()["id"], {r.json()["model"]}
+    assert models == {"v2"} and records_by_id(live)[cid].model_version == "v2"
+    held = None
+    while held is None:  # the request in flight on v1 when it retired finished there
+        held = live.held[0].get(timeout=30).completion
+    assert held.version == "v1" and len(held.output_ids) == 100
+
+
+def test_an_explicitly_named_version_that_retires_before_submit_is_never_replaced(swap_after_resolve):
+    live = swap_after_resolve
+    body = {"model": "v1", "prompt": PROMPT, "max_tokens": 4}
+    auth = {"Authorization": f"Bearer {live.eval_key}"}
+    r = httpx.post(live.url + "/v1/completions", json=body, headers=auth, timeout=30)
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert (err["code"], err["param"]) == ("model_not_found", "model") and "retired" in err["message"]
+    assert not [c for c in recorded(live) if c.model_version == "v2"]  # nothing was served in its place
