@@ -55,7 +55,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from learner.objective import RunningBaseline
 from learner.replay import Sequence
-from learner.trainer import Shard, Trainer, TrainerConfig, UpdateResult
+from learner.trainer import NonFiniteUpdate, Shard, Trainer, TrainerConfig, UpdateResult
 from serving.model import ModelArgs, Transformer
 
 # learner.objective.policy_loss's statistics: the trainer weights them by each micro-batch's share of
@@ -65,7 +65,12 @@ LOSS_STATS = (
     "ratio_mean",
     "ratio_max",
     "clip_frac",
+    "dual_clip_frac",
+    "clamp_frac",
     "abs_log_ratio_mean",
+    "logp_mean",
+    "behaviour_logp_mean",
+    "entropy",
     "adv_mean",
     "adv_std",
     "kl_k3",
@@ -127,7 +132,15 @@ class DataParallelTrainer:
         """One update; every rank passes the *whole* batch (same sequences, same order). A batch with
         fewer sequences than ranks is trained whole by every rank (the all-reduce then averages equal
         gradients: still the single process's update)."""
+        baseline_before = self.trainer.baseline.state_dict()
         adv = self.trainer.advantages(seqs, group_advantages)  # whole batch: identical on every rank
+        try:
+            return self._update(seqs, adv, behaviour_is_current)
+        except NonFiniteUpdate:  # every rank raises it (the trainer all-reduces the verdict)
+            self.trainer.baseline = RunningBaseline.from_state_dict(baseline_before)
+            raise
+
+    def _update(self, seqs: list[Sequence], adv: torch.Tensor, behaviour_is_current: bool) -> UpdateResult:
         tokens = float(sum(len(s.output_ids) for s in seqs))
         if len(seqs) < self.world_size:
             local = self.trainer.update(

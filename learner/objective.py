@@ -16,7 +16,22 @@ Every choice, stated:
     * "tis" (default): truncated importance sampling, REINFORCE weighted by w_t = min(ρ_t, C),
       w_t treated as a constant: loss_t = -w_t · A · log π_θ(a_t). Unbiased up to the truncation,
       bounded variance; C = `is_cap`.
-    * "ppo": the PPO clipped surrogate, loss_t = -min(ρ_t A, clip(ρ_t, 1-ε, 1+ε) A).
+    * "ppo": the PPO clipped surrogate, loss_t = -min(ρ_t A, clip(ρ_t, 1-ε, 1+ε) A), with the
+      dual clip (Ye et al. 2020, "Mastering complex control in MOBA games with deep RL") for
+      A < 0: loss_t = -max(min(ρ_t A, clip(ρ_t) A), c·A), c = `dual_clip_c` > 1. Without it a
+      stale sample whose token became much likelier (ρ ≫ 1) under a negative advantage gets a
+      surrogate ρ·A unbounded below, and a gradient that grows with ρ; with it, beyond ρ = c the
+      token's objective is the constant c·A (no gradient). "tis" needs no dual clip: its weight
+      min(ρ, C) is already at most C whatever the sign of A, so a token's gradient is at most
+      C·|A|·|∇log π|.
+  **Log-ratio clamp** (both estimators): log ρ_t is clamped to [-L, L], L = `max_log_ratio`, before
+  the exponential, so one wild token (a recorded log-prob of -80, a trainer top-p cut) cannot
+  overflow ρ to inf and the loss to nan. Under "ppo" a clamped token gets no gradient through ρ
+  (the clamp is flat there), under "tis" its weight is the capped one anyway.
+  Statistics: `clip_frac` (tokens whose weight was truncated at C, or whose PPO clip is active),
+  `dual_clip_frac` (tokens where the dual-clip bound c·A is the objective), `clamp_frac` (tokens whose
+  |log ρ| exceeded L), `logp_mean` / `behaviour_logp_mean` (mean log-prob of the sampled tokens under
+  the trainer and as recorded).
 - **KL to the promoted reference** (optional, `kl_coef` > 0): the k3 estimator
   exp(q - p) - (q - p) - 1 with p = log π_θ, q = log π_ref, per token; always ≥ 0, unbiased for
   KL(π_θ || π_ref) under samples from π_θ.
@@ -47,6 +62,12 @@ class LossConfig(BaseModel):
     estimator: Literal["tis", "ppo"] = Field("tis", description="Truncated IS REINFORCE or PPO clipping.")
     is_cap: float = Field(2.0, gt=0, description="C in min(ρ, C) for the 'tis' estimator.")
     clip_eps: float = Field(0.2, gt=0, lt=1, description="ε of the PPO clip range [1-ε, 1+ε].")
+    dual_clip_c: float = Field(
+        3.0, gt=1, description="c of the dual clip (PPO, negative advantages): the objective is at least c·A."
+    )
+    max_log_ratio: float = Field(
+        20.0, gt=0, description="|log ρ| is clamped to this before the exponential (no overflow to inf)."
+    )
     kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL penalty to the reference model.")
     normalize: Literal["token", "sequence"] = Field("sequence", description="How per-token losses are averaged.")
     offline_weight: float = Field(1.0, ge=0, description="Weight of offline group-rollout samples vs online ones.")
@@ -85,9 +106,13 @@ def policy_loss(
         raise ValueError(f"advantages has shape {tuple(advantages_B.shape)}, expected ({logp_BT.shape[0]},)")
     mask = mask_BT.to(logp_BT.dtype)
     weight = torch.ones_like(advantages_B) if weight_B is None else weight_B.to(advantages_B.dtype)
-    log_ratio = logp_BT - behaviour_logp_BT
+    raw_log_ratio = logp_BT - behaviour_logp_BT
+    L = cfg.max_log_ratio
+    log_ratio = torch.clamp(raw_log_ratio, -L, L)
+    clamped = (raw_log_ratio.detach().abs() > L).to(logp_BT.dtype)
     ratio = torch.exp(log_ratio)
     A = advantages_B[:, None]
+    dual = torch.zeros_like(mask)
     if cfg.estimator == "tis":
         w = torch.clamp(ratio.detach(), max=cfg.is_cap)
         per_token = -w * A * logp_BT
@@ -95,8 +120,12 @@ def policy_loss(
     else:
         unclipped = ratio * A
         clipped_obj = torch.clamp(ratio, 1 - cfg.clip_eps, 1 + cfg.clip_eps) * A
-        per_token = -torch.minimum(unclipped, clipped_obj)
+        surrogate = torch.minimum(unclipped, clipped_obj)
         clipped = (clipped_obj < unclipped).to(logp_BT.dtype)
+        floor = (cfg.dual_clip_c * A).expand_as(surrogate)
+        dual_active = (A < 0) & (surrogate < floor)
+        per_token = -torch.where(dual_active, floor, surrogate)
+        dual = dual_active.to(logp_BT.dtype)
     loss = _reduce(per_token, mask, weight, cfg.normalize)
     kl_mean = 0.0
     if ref_logp_BT is not None and cfg.kl_coef > 0:
@@ -111,7 +140,11 @@ def policy_loss(
             "ratio_mean": float((ratio * mask).sum() / n),
             "ratio_max": float(ratio.masked_fill(mask == 0, float("-inf")).max()) if mask.any() else 1.0,
             "clip_frac": float((clipped * mask).sum() / n),
+            "dual_clip_frac": float((dual * mask).sum() / n),
+            "clamp_frac": float((clamped * mask).sum() / n),
             "abs_log_ratio_mean": float((log_ratio.abs() * mask).sum() / n),
+            "logp_mean": float((logp_BT * mask).sum() / n),
+            "behaviour_logp_mean": float((behaviour_logp_BT * mask).sum() / n),
             "adv_mean": float(advantages_B.mean()),
             "adv_std": float(advantages_B.std()) if advantages_B.numel() > 1 else 0.0,
             "kl_k3": kl_mean,

@@ -110,10 +110,11 @@ def make_batch(seqs: list[Sequence], pad_id: int, n_layers: int, top_k: int, rep
     )
 
 
-def trainer_logprobs(
+def sampling_distribution(
     model: torch.nn.Module, batch: Batch, n_vocab: int | None = None, replay: bool = True, batch_invariant: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probabilities of the output tokens [B, T] under the sampling transform, routed experts [B, S, L, K]).
+    """(log-probabilities [B, T, V] of the distribution each output token was sampled from, under the
+    sampling transform, routed experts [B, S, L, K]). Tokens cut by top-p are -inf.
 
     `batch_invariant`: the model's batch-invariant kernels (float32), the ones the engine decodes
     with by default, so the recomputation is bit-identical to the recorded values at the behaviour
@@ -131,10 +132,30 @@ def trainer_logprobs(
     logp = sampling_logprobs(
         logits.reshape(B * T, V), batch.temps_B.repeat_interleave(T), batch.top_p_B.repeat_interleave(T)
     ).view(B, T, V)
-    chosen = logp.gather(-1, batch.targets_BT[..., None]).squeeze(-1)
+    return logp, out.experts
+
+
+def chosen_logprobs(logp_BTV: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """The log-probabilities [B, T] of the output tokens (0 on padding)."""
+    chosen = logp_BTV.gather(-1, batch.targets_BT[..., None]).squeeze(-1)
     # A token cut by the trainer's own top-p has log-probability -inf: keep it finite and out of the loss.
     chosen = torch.where(torch.isfinite(chosen), chosen, torch.full_like(chosen, -30.0))
-    return chosen * batch.mask_BT, out.experts
+    return chosen * batch.mask_BT
+
+
+def token_entropy(logp_BTV: torch.Tensor) -> torch.Tensor:
+    """-Σ p log p per position [B, T] of a (possibly top-p truncated) distribution: cut tokens add 0."""
+    p = logp_BTV.exp()
+    return -torch.where(torch.isfinite(logp_BTV), p * logp_BTV, torch.zeros_like(p)).sum(-1)
+
+
+def trainer_logprobs(
+    model: torch.nn.Module, batch: Batch, n_vocab: int | None = None, replay: bool = True, batch_invariant: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probabilities of the output tokens [B, T] under the sampling transform, routed experts
+    [B, S, L, K]): `chosen_logprobs` of `sampling_distribution`."""
+    logp_BTV, experts = sampling_distribution(model, batch, n_vocab, replay, batch_invariant)
+    return chosen_logprobs(logp_BTV, batch), experts
 
 
 @torch.no_grad()

@@ -33,6 +33,21 @@ def sequence_from_sample(ev: SampleEvent, key: str | None = None) -> Sequence:
     )
 
 
+def drop_reason(ev: SampleEvent, version_index: dict[str, int], current: int, max_staleness: int) -> str | None:
+    """Why `ev` is not trained on ("empty", "greedy", "unknown_version", "stale"), or None."""
+    c = ev.completion
+    if not c.output_ids:
+        return "empty"
+    if float(c.params.get("temperature", 1.0)) <= 0:
+        return "greedy"
+    born = version_index.get(c.model_version)
+    if born is None:
+        return "unknown_version"
+    if current - born > max_staleness:
+        return "stale"
+    return None
+
+
 def select(
     events: list[SampleEvent], version_index: dict[str, int], current: int, max_staleness: int, key_of=None
 ) -> tuple[list[Sequence], Counter[str]]:
@@ -40,19 +55,9 @@ def select(
     dropped: Counter[str] = Counter()
     out = []
     for ev in events:
-        c = ev.completion
-        if not c.output_ids:
-            dropped["empty"] += 1
-            continue
-        if float(c.params.get("temperature", 1.0)) <= 0:
-            dropped["greedy"] += 1
-            continue
-        born = version_index.get(c.model_version)
-        if born is None:
-            dropped["unknown_version"] += 1
-            continue
-        if current - born > max_staleness:
-            dropped["stale"] += 1
+        why = drop_reason(ev, version_index, current, max_staleness)
+        if why is not None:
+            dropped[why] += 1
             continue
         out.append(sequence_from_sample(ev, key_of(ev) if key_of else None))
     return out, dropped

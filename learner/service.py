@@ -17,6 +17,18 @@ Owns the learner's durable state and its exactly-once accounting:
   re-published by the joiner under a new offset is skipped as well).
 - **Registry.** Each new version is registered (`gating.registry`) as `candidate` with its parent,
   the bus positions it covers (`data_range`), its update statistics and its files with hashes.
+- **What a long run meets.** A record that is not a valid `SampleEvent` (invalid JSON, a schema
+  violation) is published on the dead-letter topic (`feedback.dead_letter`: its topic, partition,
+  offset, the error, the raw value) and skipped; its offset is committed with the next update. A
+  batch whose loss or gradient is not finite (`learner.trainer.NonFiniteUpdate`: nothing was
+  changed, no optimizer step) is quarantined: counted (`quarantined_batches`, `quarantined_samples`),
+  its samples dead-lettered, its positions and ids recorded and committed like a trained batch's, so
+  it is never retried; no version is published for it.
+- **KL reference.** With `trainer.loss.kl_coef` > 0 the trainer's frozen reference is the promoted
+  version, loaded from its checkpoint folder (the lineage's, else `<models>/<version>`) and reloaded
+  before an update when the registry promotes another version.
+- **Paths.** `learner.json` names checkpoint folders relative to the models folder, so the folder
+  (FLYWHEEL_HOME) can move.
 
 - **Data-parallel instances split the partitions.** Started once per rank after
   `learner.distributed.init_process_group` (torchrun, or `flywheel learner` with
@@ -49,16 +61,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from core.files import atomic_write
 from feedback.bus import EventBus, Record
+from feedback.dead_letter import dead_letter
 from feedback.events import TOPICS, SampleEvent
 from gating.bootstrap import SHIPPING_DTYPE, publish_base
 from gating.registry import Registry, UnknownVersion
-from learner.samples import select
-from learner.trainer import Trainer, TrainerConfig
-from serving.checkpoint import WEIGHTS, load_checkpoint, save_checkpoint
+from learner.samples import drop_reason, sequence_from_sample
+from learner.trainer import NonFiniteUpdate, Trainer, TrainerConfig
+from serving.checkpoint import CONFIG, WEIGHTS, load_checkpoint, save_checkpoint
+from serving.model import Transformer
 from serving.tokenizer import Tokenizer
 from serving.weight_store import DELTA_SUFFIX, WeightStore, shipping_state
 
@@ -79,6 +93,10 @@ class LearnerConfig(BaseModel):
     topic: str = Field(TOPICS["sample"], description="The topic of `sample` events (the joiner's output).")
     snapshot_every: int = Field(8, ge=1, description="Weight store: a full snapshot every N versions, deltas between.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The update itself.")
+
+
+def _at(rec: Record) -> tuple[str, int, int]:
+    return rec.topic, rec.partition, rec.offset
 
 
 def _sha256(path: Path) -> str:
@@ -115,12 +133,20 @@ class LearnerService:
             dist.barrier()  # rank 0 has created or found learner.json
             if self.rank != 0:
                 self.state = json.loads(self.state_path.read_text())
-        cur_dir = Path(self.state["dirs"][self.state["current"]])
+        cur_dir = self._dir(self.state["current"])
         self.tokenizer = Tokenizer.from_file(cur_dir)
         self.model = load_checkpoint(cur_dir)
         if self.tokenizer.pad_id is None:
             raise ValueError(f"{cur_dir}: the tokenizer has no padding token; the trainer needs one")
-        self.trainer = Trainer(self.model, cfg.trainer, self.tokenizer.vocab_size, self.tokenizer.pad_id)
+        # kl_coef > 0: the KL term's frozen reference is the promoted version (reloaded when it changes).
+        self.reference_id: str | None = None
+        reference = None
+        if cfg.trainer.loss.kl_coef > 0:
+            self.reference_id = self._promoted_id()
+            reference = self._load_version(self.reference_id)
+        self.trainer = Trainer(
+            self.model, cfg.trainer, self.tokenizer.vocab_size, self.tokenizer.pad_id, reference=reference
+        )
         if (cur_dir / OPT_STATE).is_file():
             saved = torch.load(cur_dir / OPT_STATE, weights_only=False)
             self.trainer.opt.load_state_dict(saved["optimizer"])
@@ -153,11 +179,44 @@ class LearnerService:
             self.state = {
                 "current": base.id,
                 "versions": [base.id],
-                "dirs": {base.id: str(folder if folder.is_dir() else base_dir)},
+                "dirs": {base.id: self._rel(folder if folder.is_dir() else Path(base_dir))},
                 "positions": {},
                 "trained_ids": [],
             }
             atomic_write(self.state_path, json.dumps(self.state))
+
+    def _rel(self, folder: Path) -> str:
+        """How `learner.json` names a checkpoint folder: relative to the models folder (which can move)."""
+        return os.path.relpath(folder, self.models_dir)
+
+    def _dir(self, version_id: str) -> Path:
+        return self.models_dir / self.state["dirs"][version_id]
+
+    def _promoted_id(self) -> str:
+        """The promoted version, as rank 0 read it (every rank must call this: a collective)."""
+        box = [self.registry.incumbent().id if self.rank == 0 else None]
+        if self.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        assert box[0] is not None
+        return box[0]
+
+    def _load_version(self, version_id: str) -> Transformer:
+        """A version's weights from its checkpoint folder: the lineage's, else `<models>/<version>`."""
+        folder = self._dir(version_id) if version_id in self.state["dirs"] else self.models_dir / version_id
+        if not (folder / CONFIG).is_file():
+            raise ValueError(f"no checkpoint of version {version_id!r} in {folder} (needed as the KL reference)")
+        return load_checkpoint(folder)
+
+    def _sync_reference(self) -> None:
+        """kl_coef > 0: reload the reference if another version was promoted since it was loaded."""
+        if self.cfg.trainer.loss.kl_coef <= 0:
+            return
+        promoted = self._promoted_id()
+        if promoted != self.reference_id:
+            log.info("learner: KL reference %s -> %s (promoted)", self.reference_id, promoted)
+            self.trainer.set_reference(self._load_version(promoted))
+            self.reference_id = promoted
+            self.counters["reference_reloads"] += 1
 
     def _free_id(self, n: int) -> str:
         """`vNNNN` not yet in the registry (a crash between registering and `learner.json` leaves one used)."""
@@ -196,8 +255,9 @@ class LearnerService:
         """Buffer new samples; returns how many were taken (duplicates and replays are counted, not taken)."""
         taken = 0
         positions = {int(p): o for p, o in self.state["positions"].items()}
-        # An update trains on about this many (ranks: all of them together, as of the last cadence check).
-        room = self.cfg.update_every_samples - max(len(self.buffer), self._group_buffered)
+        # An update trains on about this many (ranks: all of them together, as of the last cadence check);
+        # records that are skipped do not count (a run of them must not stop the polling).
+        room = self.cfg.update_every_samples - max(len(self._buffered_ids), self._group_buffered)
         if room <= 0:
             return 0
         for rec in self.consumer.poll(max_records=room, timeout_s=timeout_s):
@@ -205,10 +265,18 @@ class LearnerService:
             if rec.offset < positions.get(rec.partition, 0):
                 self.counters["skipped_already_trained_offset"] += 1
                 continue
-            ev = SampleEvent.model_validate_json(rec.value)
+            skipped = Record(rec.topic, rec.partition, rec.offset, rec.key, b"")  # advances the position once committed
+            try:
+                ev = SampleEvent.model_validate_json(rec.value)
+            except ValidationError as e:  # invalid JSON or not a SampleEvent: set aside, carry on
+                letter = dead_letter(self.bus, rec, str(e), "learner.decode")
+                log.error("learner: malformed sample at %s/%d@%d dead-lettered (%s)", *_at(rec), letter.event_id)
+                self.counters["dead_lettered_malformed"] += 1
+                self.buffer.append((skipped, None))
+                continue
             if ev.event_id in self._trained_set or ev.event_id in self._buffered_ids:
                 self.counters["skipped_duplicate_id"] += 1
-                self.buffer.append((rec, None))  # still advances the position once committed
+                self.buffer.append((skipped, None))
                 continue
             self.buffer.append((rec, ev))
             self._buffered_ids.add(ev.event_id)
@@ -233,12 +301,12 @@ class LearnerService:
             return True
         return n >= self.cfg.min_samples and elapsed >= self.cfg.update_every_s
 
-    def _whole_batch(self) -> tuple[list[Record], list[SampleEvent], list]:
-        """Every rank's buffered records and events, and rank 0's offline groups: the same lists, in
-        the same order, on every rank (one rank: its own)."""
+    def _whole_batch(self) -> tuple[list[Record], list[tuple[Record, SampleEvent]], list]:
+        """Every rank's buffered records, the (record, event) pairs among them, and rank 0's offline
+        groups: the same lists, in the same order, on every rank (one rank: its own)."""
         mine = [(r, ev.model_dump_json() if ev is not None else None) for r, ev in self.buffer]
         if self.world_size == 1:
-            return [r for r, _ in self.buffer], [ev for _, ev in self.buffer if ev is not None], self.offline
+            return [r for r, _ in self.buffer], [(r, ev) for r, ev in self.buffer if ev is not None], self.offline
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, (mine, self.offline if self.rank == 0 else []))
         by_position: dict[tuple[int, int], tuple[Record, str | None]] = {}
@@ -253,7 +321,7 @@ class LearnerService:
                 ev = SampleEvent.model_validate_json(ev_json)
                 if ev.event_id not in seen:
                     seen.add(ev.event_id)
-                    events.append(ev)
+                    events.append((rec, ev))
         return records, events, gathered[0][1]
 
     def rebase(self) -> bool:
@@ -261,10 +329,10 @@ class LearnerService:
         promoted version (`Registry.base_for_next_candidate`): its weights and optimizer state are
         loaded, and it is appended to the lineage so staleness counts from it. True if it rebased."""
         base = self.registry.base_for_next_candidate(self.current)
-        folder = Path(self.state["dirs"].get(base.id, ""))
         if base.id == self.current:
             return False
-        if not (folder / "config.json").is_file():
+        folder = self._dir(base.id) if base.id in self.state["dirs"] else self.models_dir / base.id
+        if not (folder / CONFIG).is_file():
             log.warning("learner: cannot rebase onto %s: no checkpoint of it in %s", base.id, self.models_dir)
             return False
         self.model.load_state_dict(load_checkpoint(folder).state_dict())
@@ -281,13 +349,23 @@ class LearnerService:
         return True
 
     def update(self) -> str | None:
-        """Train on the buffer, publish the next version; returns its id (None if nothing trainable)."""
+        """Train on the buffer, publish the next version; returns its id (None if nothing trainable,
+        or if the batch was quarantined)."""
         self.rebase()
+        self._sync_reference()
         mine = [r for r, _ in self.buffer]  # committed by this rank once the version is durable
-        records, events, offline_all = self._whole_batch()
+        records, batch, offline_all = self._whole_batch()
         index = {v: i for i, v in enumerate(self.state["versions"])}
         current_idx = index[self.current]
-        seqs, dropped = select(events, index, current_idx, self.cfg.max_staleness)
+        kept: list[tuple[Record, SampleEvent]] = []
+        dropped: Counter[str] = Counter()
+        for rec, ev in batch:
+            why = drop_reason(ev, index, current_idx, self.cfg.max_staleness)
+            if why is None:
+                kept.append((rec, ev))
+            else:
+                dropped[why] += 1
+        seqs = [sequence_from_sample(ev) for _, ev in kept]
         self.counters.update({f"dropped_{k}": v for k, v in dropped.items()})
         positions = {int(p): o for p, o in self.state["positions"].items()}
         for r in records:
@@ -300,15 +378,23 @@ class LearnerService:
         ]
         self.counters["dropped_offline_stale"] += len(offline_all) - len(offline)
         self.offline = []
+        trained = False
         if seqs or offline:
             behaviour_now = all(s.version == self.current for s in seqs) and bool(seqs)
             advs = [None] * len(seqs) + [a for _, a in offline]
             train = self.dp.update if self.dp is not None else self.trainer.update
-            stats: dict[str, Any] = train(
-                seqs + [s for s, _ in offline],
-                group_advantages=advs if offline else None,
-                behaviour_is_current=behaviour_now,
-            ).stats
+            try:
+                stats: dict[str, Any] = train(
+                    seqs + [s for s, _ in offline],
+                    group_advantages=advs if offline else None,
+                    behaviour_is_current=behaviour_now,
+                ).stats
+                trained = True
+            except NonFiniteUpdate as e:  # nothing changed: set the batch aside rather than retry it forever
+                self._quarantine(kept, len(offline), str(e))
+        else:
+            log.warning("learner: nothing trainable in %d buffered samples (dropped: %s)", len(batch), dict(dropped))
+        if trained:
             stats["offline_samples"] = len(offline)
             stats["dropped"] = dict(dropped)
             before = {int(p): o for p, o in self.state["positions"].items()}
@@ -316,9 +402,7 @@ class LearnerService:
             covered = {str(p): (before.get(p, 0), positions[p]) for p in sorted(touched)}
             if self.rank == 0:
                 new_id = self._publish(stats, covered)
-        else:
-            log.warning("learner: nothing trainable in %d buffered samples (dropped: %s)", len(events), dict(dropped))
-        for ev in events:
+        for _, ev in batch:
             self.trained_ids.append(ev.event_id)
         if self.rank == 0:
             self.state.update(positions={str(p): o for p, o in positions.items()}, trained_ids=list(self.trained_ids))
@@ -327,17 +411,32 @@ class LearnerService:
             box = [self.state if self.rank == 0 else None]
             dist.broadcast_object_list(box, src=0)
             self.state = box[0]
-            new_id = self.state["current"] if seqs or offline else None
+            new_id = self.state["current"] if trained else None
         self.consumer.commit(mine)
         self._trained_set = set(self.trained_ids)
         self.buffer.clear()
         self._buffered_ids.clear()
         self._group_buffered = 0
-        self.counters["trained"] += len(seqs)
-        self.counters["trained_offline"] += len(offline)
+        if trained:
+            self.counters["trained"] += len(seqs)
+            self.counters["trained_offline"] += len(offline)
         self.counters["updates"] += 1 if new_id else 0
         self.last_update = self.clock()
         return new_id
+
+    def _quarantine(self, kept: list[tuple[Record, SampleEvent]], n_offline: int, reason: str) -> None:
+        """A batch whose update was not finite: counted, its samples dead-lettered (rank 0), and its
+        positions committed by the caller like any other batch's."""
+        log.error("learner: batch of %d samples quarantined: %s", len(kept), reason)
+        self.counters["quarantined_batches"] += 1
+        self.counters["quarantined_samples"] += len(kept)
+        self.counters["quarantined_offline"] += n_offline
+        if self.rank != 0:
+            return
+        for rec, ev in kept:
+            value = rec.value or ev.model_dump_json().encode()  # data-parallel: other ranks' records travel bare
+            full = Record(rec.topic, rec.partition, rec.offset, rec.key, value)
+            dead_letter(self.bus, full, reason, "learner.quarantine")
 
     def _publish(self, stats: dict, covered: dict[str, tuple[int, int]]) -> str:
         """Checkpoint, register and make current the trained model; `covered`: partition -> [start, end)."""
@@ -370,9 +469,18 @@ class LearnerService:
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(tmp, folder)
         self.state["versions"].append(version.id)
-        self.state["dirs"][version.id] = str(folder)
+        self.state["dirs"][version.id] = self._rel(folder)
         self.state["current"] = version.id
-        log.info("learner: published %s (parent %s)", version.id, self.state["versions"][-2])
+        log.info(
+            "learner: published %s (parent %s): %d samples, reward %.4f, entropy %.4f, logp %.4f, clip %.4f",
+            version.id,
+            self.state["versions"][-2],
+            stats.get("samples", 0),
+            stats.get("reward_mean", float("nan")),
+            stats.get("entropy", float("nan")),
+            stats.get("logp_mean", float("nan")),
+            stats.get("clip_frac", float("nan")),
+        )
         return version.id
 
     def run_once(self, timeout_s: float = 1.0) -> str | None:

@@ -4,22 +4,39 @@ Owns the optimizer state and the running baseline across updates, and the order 
 one update: advantages against the baseline *before* it sees this batch's rewards; trainer
 log-probabilities with router replay; the importance-corrected loss (`learner.objective`);
 gradient clipping; an Adam step; the statistics logged every update (reward, advantage, ratio,
-clip fraction, |Δlog-prob| serving vs trainer at the behaviour version, routing disagreement
-without replay, grad norm, staleness). Called by the learner service and the demo loop.
+clip / dual-clip / clamp fractions, entropy, mean sampled log-prob, |Δlog-prob| serving vs trainer at
+the behaviour version, routing disagreement without replay, grad norm, staleness).
+
+- **A non-finite update changes nothing.** If the loss or the clipped gradient norm of any step is
+  not finite, the update raises `NonFiniteUpdate` *before* `opt.step()`: the parameters, the AdamW
+  state, the running baseline and the update count are as they were (with `steps_per_update` > 1 the
+  parameters and optimizer state are snapshotted first and restored). Data-parallel ranks agree on
+  the verdict (one all-reduce). The learner service quarantines the batch.
+- **KL to a frozen reference.** With `loss.kl_coef` > 0 the trainer needs a reference model (the
+  promoted version, `set_reference`; a ValueError otherwise); its log-probabilities are computed
+  with the same router replay and sampling transform as the policy's, without gradient.
+- **Entropy** (`entropy`): the mean per-token entropy of the trainer's distribution *under the
+  sampling transform* (temperature, then top-p: the distribution the tokens were drawn from), before
+  the step. `logp_mean`: the mean trainer log-prob of the sampled tokens.
+
+Called by the learner service and the demo loop.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
 from learner.objective import LossConfig, RunningBaseline, policy_loss
-from learner.replay import Sequence, make_batch, mismatch_stats, trainer_logprobs
+from learner.replay import Sequence, chosen_logprobs, make_batch, mismatch_stats, sampling_distribution, token_entropy
 from serving.model import Transformer
 
 log = logging.getLogger(__name__)
@@ -43,6 +60,10 @@ class TrainerConfig(BaseModel):
     baseline_decay: float = Field(0.95, gt=0, lt=1, description="EMA decay of the running reward baseline.")
     baseline_min_count: int = Field(20, ge=0, description="Rewards a key needs before its own baseline is used.")
     loss: LossConfig = Field(default_factory=LossConfig, description="The objective's settings.")
+
+
+class NonFiniteUpdate(FloatingPointError):
+    """An update whose loss or gradient norm was not finite; it changed nothing (see the docstring)."""
 
 
 @dataclass
@@ -70,13 +91,21 @@ class Trainer:
         reference: Transformer | None = None,
     ):
         self.model, self.cfg, self.n_vocab, self.pad_id = model, cfg, n_vocab, pad_id
-        self.reference = reference.eval() if reference is not None else None
+        if cfg.loss.kl_coef > 0 and reference is None:
+            raise ValueError(f"kl_coef={cfg.loss.kl_coef} needs a reference model (the promoted version)")
+        self.reference: Transformer | None = None
+        if reference is not None:
+            self.set_reference(reference)
         # The loss's forward goes through this: the model itself, or a DistributedDataParallel wrapper
         # of it (learner.distributed); `self.model` stays the plain Transformer either way.
         self.forward_model: torch.nn.Module = model
         self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         self.baseline = RunningBaseline(cfg.baseline_decay, cfg.baseline_min_count)
         self.updates = 0
+
+    def set_reference(self, reference: Transformer) -> None:
+        """The frozen model the KL term pulls towards (eval mode, no gradients)."""
+        self.reference = reference.eval().requires_grad_(False)
 
     def advantages(self, seqs: list[Sequence], group_advantages: list[float | None] | None = None) -> torch.Tensor:
         """A = r - b(key), with b as it was before this batch; then the baseline learns this batch."""
@@ -104,6 +133,7 @@ class Trainer:
             raise ValueError("an update needs at least one sequence")
         t0 = time.perf_counter()
         args = self.model.args
+        baseline_before = self.baseline.state_dict()
         if advantages is None:
             adv = self.advantages(seqs, group_advantages)
         elif tuple(advantages.shape) == (len(seqs),):
@@ -121,34 +151,47 @@ class Trainer:
         if behaviour_is_current:  # the model still is the behaviour version: measure serving vs trainer
             self.model.eval()
             stats.update(mismatch_stats(self.model, batches[0], self.n_vocab, self.cfg.batch_invariant))
+        # Several steps: the state to restore if a later one is not finite (one step checks before it).
+        snapshot = None
+        if self.cfg.steps_per_update > 1:
+            snapshot = (
+                {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                copy.deepcopy(self.opt.state_dict()),
+            )
         self.forward_model.train()
         agg: dict[str, float] = {}
         total_tokens = sum(float(b.mask_BT.sum()) for b in batches)
         norm_samples, norm_tokens = (shard.samples, shard.tokens) if shard else (len(seqs), total_tokens)
         grad_scale = shard.world_size if shard else 1
         no_sync = getattr(self.forward_model, "no_sync", None)  # DDP: all-reduce on the last micro-batch only
-        for _ in range(self.cfg.steps_per_update):
+        kl = self.cfg.loss.kl_coef > 0
+        if kl and self.reference is None:
+            raise ValueError(f"kl_coef={self.cfg.loss.kl_coef} needs a reference model (Trainer.set_reference)")
+        for step in range(self.cfg.steps_per_update):
             self.opt.zero_grad(set_to_none=True)
+            step_loss = 0.0
             for k_mb, (c, batch) in enumerate(zip(chunks, batches)):
                 sync = nullcontext() if no_sync is None or k_mb == len(batches) - 1 else no_sync()
                 with sync:
-                    logp, _ = trainer_logprobs(
+                    logp_BTV, _ = sampling_distribution(
                         self.forward_model,
                         batch,
                         self.n_vocab,
                         replay=self.cfg.replay,
                         batch_invariant=self.cfg.batch_invariant,
                     )
+                    logp = chosen_logprobs(logp_BTV, batch)
                     ref = None
-                    if self.reference is not None and self.cfg.loss.kl_coef > 0:
+                    if kl and self.reference is not None:
                         with torch.no_grad():
-                            ref, _ = trainer_logprobs(
+                            ref_BTV, _ = sampling_distribution(
                                 self.reference,
                                 batch,
                                 self.n_vocab,
                                 replay=self.cfg.replay,
                                 batch_invariant=self.cfg.batch_invariant,
                             )
+                            ref = chosen_logprobs(ref_BTV, batch)
                     out = policy_loss(logp, batch.behaviour_BT, adv[c], batch.mask_BT, self.cfg.loss, ref, weights[c])
                     # Micro-batches weigh by their share of the (whole) batch: tokens or sequences,
                     # as normalised.
@@ -158,11 +201,27 @@ class Trainer:
                         else len(c) / norm_samples
                     )
                     (out.loss * (share * grad_scale)).backward()
+                with torch.no_grad():
+                    n_tok = batch.mask_BT.sum().clamp(min=1)
+                    out.stats["entropy"] = float((token_entropy(logp_BTV) * batch.mask_BT).sum() / n_tok)
+                step_loss += out.stats["loss"] * share
                 for k, v in out.stats.items():
                     agg[k] = agg.get(k, 0.0) + v * share
             gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-            if not torch.isfinite(gn):
-                raise FloatingPointError(f"non-finite gradient norm {float(gn)} at update {self.updates}")
+            bad = torch.tensor(float(not (math.isfinite(step_loss) and bool(torch.isfinite(gn)))))
+            if shard is not None and shard.world_size > 1:  # every rank takes the same decision
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            if bad.item():
+                self.opt.zero_grad(set_to_none=True)
+                if snapshot is not None:
+                    self.model.load_state_dict(snapshot[0])
+                    self.opt.load_state_dict(snapshot[1])
+                self.baseline = RunningBaseline.from_state_dict(baseline_before)
+                self.forward_model.eval()
+                raise NonFiniteUpdate(
+                    f"non-finite loss {step_loss} or gradient norm {float(gn)} at update {self.updates + 1}, "
+                    f"step {step + 1}: nothing was changed"
+                )
             self.opt.step()
             stats["grad_norm"] = float(gn)
         for k, v in agg.items():

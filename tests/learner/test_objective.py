@@ -107,3 +107,53 @@ def test_running_baseline():
     assert again.value("a") == b.value("a") and again.value() == b.value()
     with pytest.raises(ValueError, match="decay"):
         RunningBaseline(decay=1.0)
+
+
+def one_row(logp, behaviour, adv, cfg):
+    lp = torch.tensor([logp], requires_grad=True)
+    out = policy_loss(lp, torch.tensor([behaviour]), torch.tensor([adv]), torch.ones(1, len(logp)), cfg)
+    out.loss.backward()
+    return out, lp.grad[0]
+
+
+def test_ppo_dual_clip_bounds_negative_advantages():
+    # A = -1, ratios e^1.5 = 4.481689, 1, e^-0.1 = 0.904837; c = 3, ε = 0.2.
+    # tok 0: min(ρA, clip(ρ)A) = min(-4.481689, -1.2) = -4.481689 < cA = -3: the objective is -3, no gradient.
+    # tok 1: -1 (gradient of -ρA w.r.t. logp: -Aρ = 1). tok 2: inside the clip range: -0.904837 (gradient 0.904837).
+    cfg = LossConfig(estimator="ppo", clip_eps=0.2, dual_clip_c=3.0)
+    out, grad = one_row([-0.5, -1.0, -2.0], [-2.0, -1.0, -1.9], -1.0, cfg)
+    assert out.loss.item() == pytest.approx((3.0 + 1.0 + 0.904837) / 3, abs=1e-5)
+    assert grad.tolist() == pytest.approx([0.0, 1 / 3, 0.904837 / 3], abs=1e-6)
+    assert out.stats["dual_clip_frac"] == pytest.approx(1 / 3) and out.stats["clip_frac"] == 0.0
+    # Without the dual clip (c huge) the first token's surrogate is ρA: loss (4.481689 + 1 + 0.904837) / 3.
+    loose, g = one_row([-0.5, -1.0, -2.0], [-2.0, -1.0, -1.9], -1.0, LossConfig(estimator="ppo", dual_clip_c=100.0))
+    assert loose.loss.item() == pytest.approx((4.481689 + 1.0 + 0.904837) / 3, abs=1e-5)
+    assert g[0].item() == pytest.approx(4.481689 / 3, abs=1e-5) and loose.stats["dual_clip_frac"] == 0.0
+    # A positive advantage is never dual-clipped: ρ = e^1.5 is PPO-clipped to 1.2 (loss -1.2, no gradient).
+    pos, g = one_row([-0.5], [-2.0], 1.0, cfg)
+    assert pos.loss.item() == pytest.approx(-1.2) and g[0].item() == 0.0
+    assert pos.stats["dual_clip_frac"] == 0.0 and pos.stats["clip_frac"] == 1.0
+
+
+def test_log_ratio_clamp_keeps_one_wild_token_finite():
+    # log ρ = -1 - (-100) = 99: e^99 overflows float32 (max ~e^88.7). Clamped to 20: ρ = e^20 = 4.851652e8.
+    # PPO, A = -1: surrogate -e^20, dual-clipped to cA = -3: loss (3 + 1) / 2 with the second token at ρ = 1.
+    cfg = LossConfig(estimator="ppo", max_log_ratio=20.0, dual_clip_c=3.0)
+    out, grad = one_row([-1.0, -0.5], [-100.0, -0.5], -1.0, cfg)
+    assert out.loss.item() == pytest.approx(2.0, abs=1e-6) and grad.tolist() == pytest.approx([0.0, 0.5])
+    assert out.stats["clamp_frac"] == 0.5 and out.stats["ratio_max"] == pytest.approx(math.exp(20), rel=1e-5)
+    # What the clamp prevents: ρ = inf, so even the dual-clipped token's gradient is 0 · inf = nan.
+    unclamped, g = one_row([-1.0, -0.5], [-100.0, -0.5], -1.0, LossConfig(estimator="ppo", max_log_ratio=1000.0))
+    assert math.isnan(g[0].item()) and unclamped.stats["ratio_max"] == math.inf
+    # TIS, A = 1, cap 2: the weight is min(e^20, 2) = 2: per token -w·A·logp = 2, 0.5; mean 1.25.
+    out, grad = one_row([-1.0, -0.5], [-40.0, -0.5], 1.0, LossConfig(estimator="tis", is_cap=2.0))
+    assert out.loss.item() == pytest.approx(1.25) and grad.tolist() == pytest.approx([-1.0, -0.5])
+    assert out.stats["clamp_frac"] == 0.5 and out.stats["clip_frac"] == 0.5 and out.stats["dual_clip_frac"] == 0.0
+
+
+def test_sampled_logprob_means():
+    out, _ = run(LossConfig())
+    assert out.stats["logp_mean"] == pytest.approx((-1.0 - 2.0 - 0.5) / 3)
+    assert out.stats["behaviour_logp_mean"] == pytest.approx((-1.2 - 1.5 - 0.5) / 3)
+    with pytest.raises(ValueError, match="dual_clip_c"):
+        LossConfig(dual_clip_c=1.0)

@@ -185,3 +185,125 @@ def test_a_rejected_lineage_rebases_onto_the_promoted_version(tmp_path, tiny_che
     # v0003 is one update away from the base, not from the withdrawn v0002
     assert sum((moved[k] - b[k]).abs().sum() for k in b) < sum((moved[k] - v2[k]).abs().sum() for k in b)
     bus.close()
+
+
+def dead_letters(bus):
+    from feedback.dead_letter import DEAD_LETTER_TOPIC, DeadLetter
+
+    consumer, out = bus.consumer(DEAD_LETTER_TOPIC, "inspect"), []
+    while records := consumer.poll(100, timeout_s=0.1):
+        out += [DeadLetter.model_validate_json(r.value) for r in records]
+    consumer.close()
+    return out
+
+
+def test_malformed_records_are_dead_lettered_and_the_learner_carries_on(tmp_path, tiny_checkpoint, samples):
+    bus = EmbeddedBus(tmp_path / "bus", partitions=1)
+    publish(bus, samples[:5])
+    bus.publish(TOPICS["sample"], "bad-json", b'{"type": "sample", ')  # offset 5
+    bus.publish(TOPICS["sample"], "bad-schema", json.dumps({"type": "sample", "reward": "high"}).encode())
+    bus.publish(TOPICS["sample"], "bad-bytes", b"\xff\xfe")
+    publish(bus, samples[5:12])
+    svc = make(tmp_path, tiny_checkpoint, bus)
+    assert drain(svc) == ["v0001"]  # the 10 good samples, past the 3 bad records
+    assert svc.counters["dead_lettered_malformed"] == 3 and svc.counters["trained"] == 10
+    letters = sorted(dead_letters(bus), key=lambda d: d.offset)
+    assert [(d.key, d.offset, d.stage) for d in letters] == [
+        ("bad-json", 5, "learner.decode"),
+        ("bad-schema", 6, "learner.decode"),
+        ("bad-bytes", 7, "learner.decode"),
+    ]
+    assert letters[0].raw() == b'{"type": "sample", ' and letters[2].encoding == "base64"
+    assert "json" in letters[0].reason.lower() and "reward" in letters[1].reason
+    svc.close()
+    again = make(tmp_path, tiny_checkpoint, bus)  # committed: the bad records are not read again
+    drain(again, rounds=3)
+    assert again.counters["dead_lettered_malformed"] == 0
+    bus.close()
+
+
+def test_a_non_finite_batch_is_quarantined_and_not_retried(tmp_path, tiny_checkpoint, samples):
+    from serving.checkpoint import load_checkpoint
+
+    bus = EmbeddedBus(tmp_path / "bus", partitions=1)
+    poisoned = [s.model_copy(update={"reward": 3e38}) if i == 4 else s for i, s in enumerate(samples[:10])]
+    publish(bus, poisoned)
+    svc = make(tmp_path, tiny_checkpoint, bus)
+    base = {k: v.clone() for k, v in svc.model.state_dict().items()}
+    assert drain(svc, rounds=3) == []
+    assert svc.counters["quarantined_batches"] == 1 and svc.counters["quarantined_samples"] == 10
+    assert svc.counters["trained"] == 0 and svc.current == tiny_checkpoint.name
+    assert all(torch.equal(v, base[k]) for k, v in svc.model.state_dict().items())
+    assert svc.trainer.opt.state_dict()["state"] == {}  # no step was taken
+    letters = dead_letters(bus)
+    assert sorted(d.offset for d in letters) == list(range(10)) and {d.stage for d in letters} == {"learner.quarantine"}
+    assert any("non-finite" in d.reason for d in letters)
+    publish(bus, samples[10:20])
+    assert drain(svc, rounds=3) == ["v0001"]  # the next batch trains; the quarantined one is not retried
+    assert svc.counters["trained"] == 10
+    svc.close()
+    again = make(tmp_path, tiny_checkpoint, bus)
+    assert drain(again, rounds=3) == [] and again.counters["quarantined_batches"] == 0
+    moved = load_checkpoint(tmp_path / "models" / "v0001").state_dict()
+    assert any(not torch.equal(moved[k], base[k]) for k in base)
+    bus.close()
+
+
+def promote(reg, vid):
+    """The gate's happy path and a person's approval."""
+    reg.transition(vid, "evaluating", "gate", "offline eval")
+    verdict = {
+        "passed": True,
+        "incumbent_id": reg.incumbent().id,
+        "artifact_sha256": reg.get(vid).artifact_sha256,
+        "suite_version": "suite-1",
+    }
+    reg.record_gate(vid, "offline", verdict, "gate")
+    reg.transition(vid, "canary", "gate", "passed")
+    reg.transition(vid, "awaiting_approval", "gate", "canary passed")
+    reg.approve(vid, "alice", "ship it")
+
+
+def test_the_kl_reference_is_the_promoted_version(tmp_path, tiny_checkpoint, samples):
+    from learner.objective import LossConfig
+
+    bus = EmbeddedBus(tmp_path / "bus")
+    trainer = TrainerConfig(lr=1e-2, loss=LossConfig(kl_coef=0.5))
+    cfg = LearnerConfig(update_every_samples=10, min_samples=1, max_staleness=10, trainer=trainer)
+    svc = LearnerService(bus, Registry(f"sqlite:///{tmp_path}/registry.db"), tmp_path / "models", tiny_checkpoint, cfg)
+    assert svc.reference_id == tiny_checkpoint.name
+    publish(bus, samples[:20])
+    assert drain(svc) == ["v0001", "v0002"]
+    m1, m2 = svc.registry.get("v0001").metrics, svc.registry.get("v0002").metrics
+    assert m1["kl_k3"] == 0.0 and m2["kl_k3"] > 0  # v0001 was trained from the reference itself
+    promote(svc.registry, "v0001")
+    publish(bus, samples[20:30])
+    assert drain(svc) == ["v0003"]
+    assert svc.reference_id == "v0001" and svc.counters["reference_reloads"] == 1
+    ref = svc.trainer.reference.state_dict()
+    from serving.checkpoint import load_checkpoint
+
+    v1 = load_checkpoint(tmp_path / "models" / "v0001").state_dict()
+    assert all(torch.equal(ref[k], v1[k]) for k in v1)
+    svc.close()
+    bus.close()
+
+
+def test_learner_state_names_folders_relative_to_the_models_folder(tmp_path, tiny_checkpoint, samples):
+    import shutil
+
+    bus = EmbeddedBus(tmp_path / "bus")
+    publish(bus, samples[:20])
+    svc = make(tmp_path, tiny_checkpoint, bus)
+    assert drain(svc) == ["v0001", "v0002"]
+    svc.close()
+    dirs = json.loads((tmp_path / "models" / "learner.json").read_text())["dirs"]
+    assert dirs == {tiny_checkpoint.name: tiny_checkpoint.name, "v0001": "v0001", "v0002": "v0002"}
+    shutil.move(tmp_path / "models", tmp_path / "elsewhere")  # FLYWHEEL_HOME moved
+    cfg = LearnerConfig(update_every_samples=10, min_samples=1, trainer=TrainerConfig(lr=1e-3), max_staleness=10)
+    moved = LearnerService(bus, Registry(f"sqlite:///{tmp_path}/registry.db"), tmp_path / "elsewhere", "/nowhere", cfg)
+    assert moved.current == "v0002"
+    publish(bus, samples[20:30])
+    assert drain(moved) == ["v0003"] and (tmp_path / "elsewhere" / "v0003" / "model.safetensors").is_file()
+    moved.close()
+    bus.close()
