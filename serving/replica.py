@@ -14,6 +14,11 @@
   started on, `serving.versions`). A version that fails to fetch, verify or load is not served: the
   replica keeps what it serves, remembers the error (`last_error`, reported in the heartbeat) and
   tries again at the next change or after `retry_s`.
+- Restarts: a replica starts empty and its first `sync` makes it what the registry says, whatever it
+  was doing when its process died. A `.part` left by an interrupted download is continued from
+  where it ends (`serving.fetch`); one that does not verify is deleted and the artifact downloaded
+  again whole, once, in the same sync. Nothing is loaded before its bytes matched the registry's
+  hash, and the checkpoint folders it serves from are always rewritten from the verified store.
 - `heartbeat()`: `registry.heartbeat(replica_id, gateway_id, host, holds={version: artifact
   SHA-256}, serves={version: share}, error=last_error)`. The default version serves `1 - share` of
   the canary (its `gate["canary"]["share"]`), the canary version that share.
@@ -50,7 +55,7 @@ import torch
 from safetensors.torch import save_file
 
 from serving.checkpoint import CONFIG, TOKENIZER, WEIGHTS, args_to_config, read_config
-from serving.fetch import Fetcher
+from serving.fetch import Fetcher, HashMismatch
 from serving.interface import Engine
 from serving.weight_store import DELTA_SUFFIX, SNAPSHOT_SUFFIX, WeightStore
 
@@ -60,6 +65,7 @@ MIN_POLL_S = 1.0
 TEMPLATE_FILES = (TOKENIZER, "tokenizer_config.json", "generation_config.json")
 SERVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LOADED_DIR = ".loaded"  # inside the store folder (a name WeightStore never lists)
+PART_SUFFIX = ".part"  # a download in progress (`serving.fetch`)
 
 
 # -- what the replica reads from the registry (gating.registry.Registry has all of it) ----------------
@@ -257,7 +263,19 @@ class Replica:
                 raise ReplicaError(f"version {seen[0]!r}: its delta chain loops at {v.id!r}")
             seen.append(v.id)
             a = self._artifact(v)
-            self.fetcher.fetch(a.path, a.sha256, self.store.folder / a.path.rsplit("/", 1)[-1], size=a.bytes)
+            dest = self.store.folder / a.path.rsplit("/", 1)[-1]
+            resumed = dest.with_name(dest.name + PART_SUFFIX).is_file()
+            try:
+                self.fetcher.fetch(a.path, a.sha256, dest, size=a.bytes)
+            except HashMismatch:
+                if not resumed:
+                    raise
+                # The part an interrupted download left was not a prefix of the artifact (the fetcher
+                # deleted it): download the whole file once more, verified like any other.
+                log.warning(
+                    "replica %s: the partial download of %s did not verify; fetching it again", self.replica_id, v.id
+                )
+                self.fetcher.fetch(a.path, a.sha256, dest, size=a.bytes)
             m = self.store.manifest(v.id)
             if m["kind"] == "snapshot":
                 return

@@ -200,6 +200,27 @@ def test_a_replica_that_cannot_fetch_keeps_what_it_serves(world, tmp_path):
     assert r.sync().default == "v2"
 
 
+def test_a_partial_download_left_by_a_crash_is_resumed_or_redone_and_always_verified(world):
+    """A `.part` left by a crash: a true prefix is continued; one whose bytes are not the artifact's
+    (a power loss with the part not yet on disk) fails verification, is deleted and downloaded again
+    in the same sync, so the replica serves the promoted version, and only its verified bytes."""
+    w = world
+    w.reg.bootstrap("v1", files=[w.entry("v1")])
+    w.register("v2", "v1")
+    w.register("v3", "v2")
+    for vid, garbage in (("v2", False), ("v3", True)):
+        r = w.replica(f"r-{vid}")
+        assert r.sync().error is None  # serving the promoted version before `vid`
+        data = (w.models / w.entry(vid)["path"]).read_bytes()
+        part = r.store.folder / f"{vid}{DELTA_SUFFIX}.part"
+        part.write_bytes(bytes(len(data) // 2) if garbage else data[: len(data) // 2])
+        w.advance(vid, "promoted")
+        res = r.sync()
+        assert (res.default, res.error) == (vid, None)
+        assert not part.exists() and _sha(r.store.folder / f"{vid}{DELTA_SUFFIX}") == w.entry(vid)["sha256"]
+        served_exactly(w, r, vid)
+
+
 def test_two_replicas_following_one_registry_pick_up_a_promotion(world):
     w = world
     w.reg.bootstrap("v1", files=[w.entry("v1")])
