@@ -16,9 +16,23 @@ compactly in `gate["canary"]["counts"]` so that a restarted gate resumes where i
 - `abort_inconclusive`: `max_step_s` reached without passing.
 - `wait`: otherwise.
 
-The unit of analysis is the user: each user's mean reward (latency, error rate) in the step is one
-number, so a chatty user does not weigh more nor inflate n. Steps are stratified: only samples of
-completions served since the current step started count towards it (the share changed at that time).
+The unit of analysis is the user: each user's mean reward (latency, error rate, pass rate) in the
+step is one number, so a chatty user does not weigh more nor inflate n. Steps are stratified: only
+samples of completions served since the current step started count towards it (the share changed at
+that time). The denominators are exposures (`denominator="exposures"`, the default): only samples of
+completions the product reported `shown` count, and the joiner emits one for every shown completion
+(silence included, `feedback.rewards`), so a candidate that users ignore scores as ignored instead of
+dropping out of its own metric. `denominator="feedback"` counts every joined sample, for a product that
+does not report exposure (then only completions someone reacted to are compared: say so).
+
+Guardrails are one-sided: latency and error rate (higher is worse) from the completion events, and
+`pass_rate` (lower is worse), a metric the learner does not optimise: the product's verifier
+(`gating.suites.Verifier`) run by the gate on each counted completion it can check (`add(...,
+passed=score)`; completions it cannot check carry no score).
+
+`PostPromotionWatch` keeps the guardrails running after a person approves: the promoted version's users
+since promotion against the incumbent arm's users of the canary's last step, the same one-sided tests;
+harm raises an alert (recorded on the version, logged, counted), it never acts on its own.
 """
 
 from __future__ import annotations
@@ -37,6 +51,7 @@ from gating.stats import (
     DEFAULT_MARGIN,
     DEFAULT_RHO,
     DEFAULT_SRM_THRESHOLD,
+    Direction,
     Interval,
     confidence_sequence,
     guardrail,
@@ -48,10 +63,12 @@ OK_FINISH = frozenset({"stop", "length"})
 """Finish reasons that are no error."""
 COUNTS_FORMAT = 1
 Action = Literal["wait", "next_step", "awaiting_approval", "abort_invalid", "abort_harm", "abort_inconclusive"]
-GuardrailMetric = Literal["latency_ms", "error_rate"]
+GuardrailMetric = Literal["latency_ms", "error_rate", "pass_rate"]
+LOWER_IS_WORSE = frozenset({"pass_rate"})
 
-# Per-user record, one list of numbers (compact JSON): reward n, sum, sum of squares; latency n, sum; errors.
-_N, _SUM, _SQ, _LAT_N, _LAT_SUM, _ERR = range(6)
+# Per-user record, one list of numbers (compact JSON): reward n, sum, sum of squares; latency n, sum;
+# errors; verifier-scored completions n, sum of scores.
+_N, _SUM, _SQ, _LAT_N, _LAT_SUM, _ERR, _PASS_N, _PASS_SUM = range(8)
 
 
 class CanaryConfig(BaseModel):
@@ -74,7 +91,14 @@ class CanaryConfig(BaseModel):
         DEFAULT_SRM_THRESHOLD, gt=0, lt=1, description="Sample ratio mismatch when the SRM p-value is below it."
     )
     guardrails: tuple[GuardrailMetric, ...] = Field(
-        ("latency_ms", "error_rate"), description="Guardrail metrics, one-sided (higher is worse)."
+        ("latency_ms", "error_rate", "pass_rate"),
+        description="Guardrail metrics, one-sided (pass_rate: lower is worse; the others: higher is worse).",
+    )
+    denominator: Literal["exposures", "feedback"] = Field(
+        "exposures", description="Count samples of completions reported shown (exposures), or every joined sample."
+    )
+    watch_s: float = Field(
+        24 * 3600.0, ge=0, description="After promotion, how long the guardrails keep watching (0: not at all)."
     )
     min_users_for_harm: int = Field(
         10, ge=2, description="Users each arm needs before harm is judged (the variances are estimated)."
@@ -104,17 +128,33 @@ class CanaryOutcomes:
     steps: dict[int, dict[str, dict[str, list[float]]]] = field(default_factory=dict)
     positions: dict[str, int] = field(default_factory=dict)
 
-    def add(self, step: int, sample: SampleEvent, candidate_id: str, incumbent_id: str) -> bool:
+    def add(
+        self,
+        step: int,
+        sample: SampleEvent,
+        candidate_id: str,
+        incumbent_id: str,
+        passed: float | None = None,
+        denominator: str = "exposures",
+    ) -> bool:
         """Count one sample in `step`; False (ignored) unless it is a candidate-arm completion of the
-        candidate or an incumbent-arm completion of the incumbent, with a user."""
+        candidate or an incumbent-arm completion of the incumbent, with a user (and, counting
+        exposures, reported shown). `passed`: the verifier's score of the completion, if it has one."""
         c = sample.completion
         want = {"candidate": candidate_id, "incumbent": incumbent_id}
-        if c.arm not in want or c.model_version != want[c.arm] or not c.user_id:
+        if c.arm not in want or c.model_version != want[c.arm]:
             return False
-        if not math.isfinite(sample.reward):
+        return self.count(step, c.arm, sample, passed, denominator)
+
+    def count(
+        self, step: int, arm: str, sample: SampleEvent, passed: float | None = None, denominator: str = "exposures"
+    ) -> bool:
+        """Count one sample for `arm` in `step` (no arm check: `PostPromotionWatch` counts by version)."""
+        c = sample.completion
+        if not c.user_id or not math.isfinite(sample.reward) or (denominator == "exposures" and not sample.exposed):
             return False
-        users = self.steps.setdefault(step, {a: {} for a in ARMS})[c.arm]
-        rec = users.setdefault(c.user_id, [0, 0.0, 0.0, 0, 0.0, 0])
+        users = self.steps.setdefault(step, {a: {} for a in ARMS})[arm]
+        rec = users.setdefault(c.user_id, [0, 0.0, 0.0, 0, 0.0, 0, 0, 0.0])
         r = float(sample.reward)
         rec[_N] += 1
         rec[_SUM] += r
@@ -124,6 +164,9 @@ class CanaryOutcomes:
             rec[_LAT_N] += 1
             rec[_LAT_SUM] += float(lat)
         rec[_ERR] += int(c.finish_reason not in OK_FINISH)
+        if passed is not None and math.isfinite(passed):
+            rec[_PASS_N] += 1
+            rec[_PASS_SUM] += float(passed)
         return True
 
     def seen(self, topic: str, partition: int, offset: int) -> bool:
@@ -138,7 +181,8 @@ class CanaryOutcomes:
         return self.steps.get(step, {}).get(arm, {})
 
     def per_user(self, step: int, arm: str, metric: str) -> list[float]:
-        """One number per user of `arm` in `step`: mean reward, mean latency (users with one), error rate."""
+        """One number per user of `arm` in `step`: mean reward, mean latency (users with one), error
+        rate, pass rate (users with a scored completion)."""
         out = []
         for rec in self.users(step, arm).values():
             if metric == "reward" and rec[_N]:
@@ -147,6 +191,8 @@ class CanaryOutcomes:
                 out.append(rec[_LAT_SUM] / rec[_LAT_N])
             elif metric == "error_rate" and rec[_N]:
                 out.append(rec[_ERR] / rec[_N])
+            elif metric == "pass_rate" and rec[_PASS_N]:
+                out.append(rec[_PASS_SUM] / rec[_PASS_N])
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -185,6 +231,24 @@ def _interval(iv: Interval) -> dict[str, float]:
     return {"lower": iv.lower, "upper": iv.upper, "estimate": iv.estimate, "se": iv.se, "radius": iv.radius}
 
 
+def guardrails(outcomes: CanaryOutcomes, step: int, cfg: CanaryConfig) -> tuple[dict[str, Any], list[str]]:
+    """Every guardrail of `cfg` on `step`'s users, candidate vs incumbent: (numbers, harms in words)."""
+    numbers: dict[str, Any] = {}
+    harms = []
+    for metric in cfg.guardrails:
+        cand, inc = (outcomes.per_user(step, a, metric) for a in ARMS)
+        if min(len(cand), len(inc)) < 2:
+            continue
+        direction: Direction = "lower_is_worse" if metric in LOWER_IS_WORSE else "higher_is_worse"
+        g = guardrail(metric, cand, inc, direction, cfg.alpha, cfg.rho)
+        numbers[metric] = {**_interval(g.interval), "harmed": g.harmed, "direction": direction}
+        if g.harmed and direction == "higher_is_worse":
+            harms.append(f"{metric} (+{g.interval.estimate:.4g}, lower bound {g.interval.lower:.4g} > 0)")
+        elif g.harmed:
+            harms.append(f"{metric} ({g.interval.estimate:+.4g}, upper bound {g.interval.upper:.4g} < 0)")
+    return numbers, harms
+
+
 def decide(progress: CanaryProgress, outcomes: CanaryOutcomes, cfg: CanaryConfig, now: datetime) -> Decision:
     """The decision at this look on the current step's users (module docstring for the rules)."""
     step, share = progress.step, progress.share
@@ -219,16 +283,7 @@ def decide(progress: CanaryProgress, outcomes: CanaryOutcomes, cfg: CanaryConfig
         )
         numbers["reward"] = _interval(reward)
     if min(n.values()) >= cfg.min_users_for_harm:
-        harms = []
-        numbers["guardrails"] = {}
-        for metric in cfg.guardrails:
-            cand, inc = (outcomes.per_user(step, a, metric) for a in ARMS)
-            if min(len(cand), len(inc)) < 2:
-                continue
-            g = guardrail(metric, cand, inc, "higher_is_worse", cfg.alpha, cfg.rho)
-            numbers["guardrails"][metric] = {**_interval(g.interval), "harmed": g.harmed}
-            if g.harmed:
-                harms.append(f"{metric} (+{g.interval.estimate:.4g}, lower bound {g.interval.lower:.4g} > 0)")
+        numbers["guardrails"], harms = guardrails(outcomes, step, cfg)
         if harms:
             return out("abort_harm", "guardrail harm: " + ", ".join(harms))
         if reward is not None and reward.upper < -cfg.margin:

@@ -46,14 +46,15 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import save_file
 
-from feedback.bus import Consumer, EventBus
+from feedback.bus import Consumer, EventBus, Record
 from feedback.events import TOPICS, SampleEvent
-from gating.canary import CanaryConfig, CanaryOutcomes, Decision, decide
+from gating.canary import CanaryConfig, CanaryOutcomes, Decision, decide, guardrails
 from gating.evals import Guardrails, ModelScorer, OfflineResult, evaluate_offline
+from gating.gate_evidence import WATCH_KEY
 from gating.models import WEIGHT_STORE_SUFFIXES, CanaryProgress, ModelVersionPublic, OfflineVerdict, Status
 from gating.registry import Registry, RegistryConflict
 from gating.stats import DEFAULT_ALPHA, DEFAULT_MARGIN
-from gating.suites import EvalSuite
+from gating.suites import EvalSuite, Verifier
 from serving.checkpoint import CONFIG, WEIGHTS, read_config
 from serving.interface import Engine
 from serving.model import Transformer
@@ -66,6 +67,9 @@ LoadedVersion = str | Path | tuple[Transformer, Tokenizer]
 """What `load_version` gives: a checkpoint folder, or a model with its tokenizer (embedded engines only)."""
 VersionLoader = Callable[[ModelVersionPublic], LoadedVersion]
 EngineFactory = Callable[[], Engine]
+SampleScorer = Callable[[list[SampleEvent]], list[float | None]]
+"""The verifier's score of each sample's completion (None: it cannot check that prompt)."""
+Polled = tuple[Record, SampleEvent | None]
 RUN_KEY = "offline_run"
 """`gate[RUN_KEY]`: the current offline attempt (free-form gate record)."""
 
@@ -115,16 +119,29 @@ class Gate:
         cfg: GateConfig | None = None,
         bus: EventBus | None = None,
         clock: Callable[[], datetime] | None = None,
+        score: SampleScorer | None = None,
     ):
         self.registry, self.engine_factory, self.load_version = registry, engine_factory, load_version
         self.suite, self.cfg = suite, cfg or GateConfig()
         self.bus, self.clock = bus, clock or (lambda: datetime.now(UTC))
+        self.score = score
+        self.alerts = 0  # post-promotion guardrail alerts raised by this gate
         self._consumer: Consumer | None = None
 
     def step(self) -> GateStep:
-        """One step of the lifecycle (module docstring). Never promotes."""
-        if self.registry.promoted() is None:
+        """One step of the lifecycle (module docstring). Never promotes. New joined samples are read
+        once per step and go to the canary and to the post-promotion watch; their bus positions are
+        committed after both have recorded them."""
+        promoted = self.registry.promoted()
+        if promoted is None:
             return GateStep("no_incumbent", detail="nothing is promoted: bootstrap the base model first")
+        batch = self._poll()
+        self.watch(promoted, batch)
+        done = self._lifecycle(batch)
+        self._commit(batch)
+        return done
+
+    def _lifecycle(self, batch: list[Polled]) -> GateStep:
         v = self.registry.in_flight()
         if v is None:
             waiting = self.registry.list(Status.candidate)
@@ -142,10 +159,10 @@ class Gate:
         if v.status is Status.evaluating:
             return self._evaluate(v)
         if v.status is Status.canary:
-            return self.canary_step(v)
+            return self.canary_step(v, batch)
         return GateStep("awaiting_approval", v.id)
 
-    def canary_step(self, version: ModelVersionPublic) -> GateStep:
+    def canary_step(self, version: ModelVersionPublic, batch: list[Polled] | None = None) -> GateStep:
         """The online stage, called by `step()` on every step while `version` is in `canary`.
 
         Progress lives in `gate["canary"]` (`CanaryProgress`: ramp step, share, start, and the
@@ -154,10 +171,12 @@ class Gate:
         assigns users with `assign_arm` salted by the candidate's id at `gate["canary"]["share"]`.
 
         1. No `gate["canary"]`: the canary starts at step 0, share `cfg.canary.steps[0]`, now.
-        2. New samples are read from `TOPICS["sample"]` in the group `cfg.canary.consumer_group`;
-           those of the candidate arm served by the candidate and of the incumbent arm served by the
-           incumbent, for completions served since the step started, are counted; the counts are
-           recorded, then the records committed. Without a bus (`bus=None`) the version waits.
+        2. New samples (`batch`, read by `step()`; read here when called on its own) from
+           `TOPICS["sample"]` in the group `cfg.canary.consumer_group`: those of the candidate arm
+           served by the candidate and of the incumbent arm served by the incumbent, for completions
+           served since the step started (and reported shown, counting exposures), are counted, each
+           with its verifier score (`score`) for the pass-rate guardrail; the counts are recorded,
+           then the records committed. Without a bus (`bus=None`) the version waits.
         3. `gating.canary.decide` at this look, acted on: `next_step` records the next share and a new
            start (users already in stay in: `assign_arm` is monotone in share); `awaiting_approval`
            and `abort_*` first record share 0, then `transition` to `awaiting_approval` / `aborted`
@@ -165,9 +184,12 @@ class Gate:
 
         While awaiting approval the candidate serves nobody (share 0, and the gateway routes only a
         version in `canary`): no user sees an unapproved version while a person decides, and nothing
-        unguarded runs meanwhile (the guardrails are no longer looked at once the canary is over)."""
+        unguarded runs meanwhile. Once a person approves it, `watch` keeps its guardrails running."""
         if self.bus is None:
             return GateStep("canary", version.id, detail="no event bus: the canary waits")
+        own = batch is None
+        if batch is None:
+            batch = self._poll()
         c, now = self.cfg.canary, self.clock()
         raw = version.gate.get("canary")
         if raw is None:
@@ -177,39 +199,138 @@ class Gate:
             progress = CanaryProgress.model_validate(raw)
         outcomes = CanaryOutcomes.from_dict(progress.counts)
         incumbent = self.registry.incumbent().id
-        records, counted = self._read_samples(version.id, incumbent, progress, outcomes)
+        counted = self._count(batch, outcomes, progress.started_at.timestamp(), progress.step, version.id, incumbent)
         progress = progress.model_copy(update={"counts": outcomes.to_dict()})
-        if records:
+        if counted:
             self._record_canary(version.id, progress, f"canary step {progress.step}: {counted} new samples")
-            assert self._consumer is not None
-            self._consumer.commit(records)
+        if own:
+            self._commit(batch)
         d = decide(progress, outcomes, c, now)
         return self._act_canary(version, progress, d, now)
 
-    def _read_samples(
-        self, vid: str, incumbent: str, progress: CanaryProgress, outcomes: CanaryOutcomes, max_polls: int = 100
-    ) -> tuple[list[Any], int]:
-        """Drain the sample topic (at most `max_polls` batches) into `outcomes`; (records read, counted)."""
-        assert self.bus is not None
+    def _poll(self, max_polls: int = 100) -> list[Polled]:
+        """New records of the sample topic (at most `max_polls` batches), each with its sample (None:
+        unreadable, skipped). Empty without a bus."""
+        if self.bus is None:
+            return []
         if self._consumer is None:
             self._consumer = self.bus.consumer(TOPICS["sample"], self.cfg.canary.consumer_group)
-        start, records, counted = progress.started_at.timestamp(), [], 0
+        out: list[Polled] = []
         for _ in range(max_polls):
             batch = self._consumer.poll(500, timeout_s=0.0)
             if not batch:
                 break
-            records.extend(batch)
             for r in batch:
-                if outcomes.seen(r.topic, r.partition, r.offset):
-                    continue
                 try:
-                    sample = SampleEvent.model_validate_json(r.value)
+                    out.append((r, SampleEvent.model_validate_json(r.value)))
                 except ValueError:
                     log.warning("gate: unreadable sample at %s/%d@%d skipped", r.topic, r.partition, r.offset)
-                    continue
-                if sample.completion.ts >= start:  # stratified: served under this step's share
-                    counted += outcomes.add(progress.step, sample, vid, incumbent)
-        return records, counted
+                    out.append((r, None))
+        return out
+
+    def _commit(self, batch: list[Polled]) -> None:
+        if batch and self._consumer is not None:
+            self._consumer.commit([r for r, _ in batch])
+
+    def _count(
+        self,
+        batch: list[Polled],
+        outcomes: CanaryOutcomes,
+        since: float,
+        step: int,
+        candidate: str,
+        incumbent: str | None,
+    ) -> int:
+        """Count `batch`'s samples served since `since` into `outcomes` at `step`; returns how many
+        counted. With `incumbent`, the canary's two arms; without, the watch: every non-eval sample of
+        `candidate` (the promoted version) counts for the candidate arm."""
+        new = []
+        for r, sample in batch:
+            if sample is None or outcomes.seen(r.topic, r.partition, r.offset) or sample.completion.ts < since:
+                continue
+            c = sample.completion
+            arms = (("candidate", candidate), ("incumbent", incumbent))
+            if incumbent is not None and (c.arm, c.model_version) in arms:
+                new.append(sample)
+            elif incumbent is None and c.model_version == candidate and c.arm != "eval":
+                new.append(sample)
+        scores = self._scores(new)
+        denominator, counted = self.cfg.canary.denominator, 0
+        for sample, score in zip(new, scores, strict=True):
+            arm = sample.completion.arm if incumbent is not None else "candidate"
+            counted += outcomes.count(step, str(arm), sample, score, denominator)
+        return counted
+
+    def _scores(self, samples: list[SampleEvent]) -> list[float | None]:
+        if self.score is None or not samples:
+            return [None] * len(samples)
+        try:
+            return list(self.score(samples))
+        except Exception:  # the guardrail loses these scores; the canary goes on
+            log.exception("gate: scoring %d canary samples failed", len(samples))
+            return [None] * len(samples)
+
+    # -- the post-promotion watch ----------------------------------------------------------------
+
+    def watch(self, promoted: ModelVersionPublic, batch: list[Polled]) -> dict[str, Any] | None:
+        """Keep the canary's guardrails running on the promoted version for `cfg.canary.watch_s` after
+        its promotion; returns the watch record (None when there is nothing to watch).
+
+        The comparison: the promoted version's users since promotion (the candidate arm) against the
+        incumbent arm of the canary's last step (the previous version's users, just before). It is not
+        concurrent, so it only alerts: a harmed guardrail is logged at ERROR, appended to `alerts`
+        (once per metric) and counted in `self.alerts`; a person decides whether to roll back. A
+        version promoted without a canary (the bootstrap, a rollback target) has no baseline and is
+        not watched."""
+        c = self.cfg.canary
+        canary = CanaryProgress.model_validate(promoted.gate["canary"]) if "canary" in promoted.gate else None
+        if c.watch_s <= 0 or canary is None:
+            return None
+        promoted_at = self._promoted_at(promoted.id)
+        now = self.clock()
+        raw = promoted.gate.get(WATCH_KEY)
+        if raw is None or raw.get("promoted_at") != promoted_at.isoformat():
+            if (now - promoted_at).total_seconds() >= c.watch_s:
+                return None
+            base = CanaryOutcomes.from_dict(canary.counts)
+            before = dict(base.users(canary.step, "incumbent"))
+            watched = CanaryOutcomes(steps={0: {"candidate": {}, "incumbent": before}})
+            raw = {"promoted_at": promoted_at.isoformat(), "done": False, "alerts": [], "counts": watched.to_dict()}
+            self._record_watch(promoted.id, raw, f"watching the guardrails for {c.watch_s:.0f} s after promotion")
+        if raw["done"]:
+            return raw
+        outcomes = CanaryOutcomes.from_dict(raw["counts"])
+        counted = self._count(batch, outcomes, promoted_at.timestamp(), 0, promoted.id, None)
+        raw = {**raw, "counts": outcomes.to_dict()}
+        n = {a: len(outcomes.users(0, a)) for a in ("candidate", "incumbent")}
+        changed, why = counted > 0, f"watch: {counted} new samples"
+        if min(n.values()) >= c.min_users_for_harm:
+            numbers, harms = guardrails(outcomes, 0, c)
+            raw["guardrails"], raw["users"] = numbers, n
+            alerted = {a["metric"] for a in raw["alerts"]}
+            for metric, g in numbers.items():
+                if g["harmed"] and metric not in alerted:
+                    alert = {"metric": metric, "at": now.isoformat(), **g, "users": n}
+                    raw["alerts"] = [*raw["alerts"], alert]
+                    self.alerts += 1
+                    changed, why = True, f"ALERT: {metric} harmed after promotion: " + "; ".join(harms)
+                    log.error("gate: ALERT on promoted %s: %s harmed since promotion (%s)", promoted.id, metric, g)
+        if (now - promoted_at).total_seconds() >= c.watch_s:
+            raw["done"], changed, why = True, True, f"watch over after {c.watch_s:.0f} s"
+        if changed:
+            self._record_watch(promoted.id, raw, why)
+        return raw
+
+    def _promoted_at(self, version_id: str) -> datetime:
+        audit = self.registry.audit(version_id)
+        steps = [a for a in audit if a.to_status is Status.promoted and a.from_status is not Status.promoted]
+        return steps[-1].at if steps else self.clock()
+
+    def _record_watch(self, vid: str, record: dict[str, Any], reason: str) -> None:
+        try:
+            self.registry.record_gate(vid, WATCH_KEY, record, self.cfg.actor, reason)
+        except ValueError as e:  # rolled back meanwhile: nothing left to watch
+            log.info("gate: watch of %s not recorded: %s", vid, e)
 
     def _record_canary(self, vid: str, progress: CanaryProgress, reason: str) -> None:
         self.registry.record_gate(vid, "canary", progress.model_dump(mode="json"), self.cfg.actor, reason)
@@ -400,6 +521,33 @@ def weight_store_loader(models_dir: str | Path, cache_dir: str | Path, keep: int
     return load
 
 
+def verifier_scorer(verifier: Verifier, tokenizer: Tokenizer) -> SampleScorer:
+    """Canary samples scored by the product's verifier: the prompt decoded from the completion event's
+    token ids (all versions share the tokenizer), the completion its text. A prompt the verifier cannot
+    check (not one of the product's tasks) gets None."""
+
+    def prompt_of(ids: list[int]) -> str:
+        if ids and ids[0] == tokenizer.bos_id:
+            ids = ids[1:]
+        return tokenizer.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def score(samples: list[SampleEvent]) -> list[float | None]:
+        prompts = [prompt_of(s.completion.prompt_ids) for s in samples]
+        texts = [s.completion.text for s in samples]
+        try:
+            return list(verifier.verify(prompts, texts))
+        except ValueError:  # some prompt it cannot check: one at a time, None for those
+            out: list[float | None] = []
+            for p, t in zip(prompts, texts, strict=True):
+                try:
+                    out.append(verifier.verify([p], [t])[0])
+                except ValueError:
+                    out.append(None)
+            return out
+
+    return score
+
+
 def run_gate(
     settings: Any,
     stop_event: threading.Event,
@@ -416,7 +564,8 @@ def run_gate(
     The suite is the product's (the demo's: `demo.suite.demo_suite()`), passed in by the caller: gating
     holds no product code. Defaults: a `ProcessEngine` per evaluation, versions from
     `weight_store_loader(<home>/models/learner, <home>/gate/versions)`, the canary's joined samples from
-    `bus` (None: candidates wait in canary)."""
+    `bus` (None: candidates wait in canary), each scored by the suite's verifier for the pass-rate
+    guardrail (`verifier_scorer`, the tokenizer of the served model folder)."""
     cfg = cfg or GateConfig()
     if cfg.nice:
         os.nice(cfg.nice)  # inherited by the engine processes spawned below: live traffic comes first
@@ -433,7 +582,8 @@ def run_gate(
     if load_version is None:
         load_version = weight_store_loader(settings.learner_models_dir, settings.home / "gate" / "versions")
     registry = Registry(settings.db_url)
-    gate = Gate(registry, engine_factory, load_version, suite, cfg, bus=bus)
+    score = None if bus is None else verifier_scorer(suite.verifier, Tokenizer.from_file(settings.served_model_dir))
+    gate = Gate(registry, engine_factory, load_version, suite, cfg, bus=bus, score=score)
     log.info("gate: started on %s with suite %s", settings.db_url, suite.suite_version)
     try:
         while not stop_event.is_set():

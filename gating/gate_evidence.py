@@ -31,6 +31,8 @@ from gating.store import Change, RegistryConflict, RegistryStore, UnknownVersion
 
 S = Status
 _GATE_KEY = re.compile(r"[a-z][a-z0-9_]{0,63}")
+WATCH_KEY = "watch"
+"""`gate[WATCH_KEY]`: the post-promotion guardrails of a promoted version (`gating.gate`)."""
 
 
 class GateEvidence(RegistryStore):
@@ -42,7 +44,8 @@ class GateEvidence(RegistryStore):
         """Store the gate's record `key` on a waiting version (`gate[key] = payload`, replacing it), audited.
 
         `offline` is an `OfflineVerdict` and `canary` a `CanaryProgress` (validated, `format_version`
-        added); other keys any JSON object. Not a status change: the audit row's from and to are equal."""
+        added); other keys any JSON object. `watch` (the post-promotion guardrails) is recorded on the
+        promoted version only. Not a status change: the audit row's from and to are equal."""
         actor = need("actor", actor)
         if not isinstance(key, str) or not _GATE_KEY.fullmatch(key):
             raise ValueError(f"gate key {key!r} must be 1-64 lowercase letters, digits or '_'")
@@ -54,7 +57,9 @@ class GateEvidence(RegistryStore):
             ch = Change(s)
             row = self._row(s, version_id)
             status = S(row.status)
-            if status not in WAITING:
+            if key == WATCH_KEY and status is not S.promoted:
+                raise ValueError(f"cannot record gate {key!r} on {version_id!r}: it is {status.value!r}, not promoted")
+            if key != WATCH_KEY and status not in WAITING:
                 raise ValueError(
                     f"cannot record gate {key!r} on {version_id!r}: it is {status.value!r}; the gate "
                     "records only on a candidate, evaluating, canary or awaiting_approval version"

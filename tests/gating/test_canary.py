@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from feedback.bus_embedded import EmbeddedBus
-from feedback.events import TOPICS, CompletionEvent, RoutedExperts, SampleEvent
+from feedback.events import TOPICS, CompletionEvent, RoutedExperts, SampleEvent, Signal
 from gating.canary import CanaryConfig, CanaryOutcomes, decide
 from gating.gate import Gate, GateConfig
 from gating.models import CanaryProgress
@@ -30,6 +30,7 @@ def sample(
     finish: str = "stop",
     ts: float | None = None,
     n: int = 0,
+    shown: bool = True,
 ) -> SampleEvent:
     version = version or ("cand" if arm == "candidate" else "inc")
     ts = T0.timestamp() + 1 if ts is None else ts
@@ -50,7 +51,8 @@ def sample(
         latency_ms={"queued": 1.0, "first_token": 5.0, "total": latency},
         arm=arm,
     )
-    return SampleEvent(tenant="t1", ts=ts + 60, completion=c, reward=reward, signals=[], reward_spec="default-v1")
+    signals = [Signal(kind="shown", ts=ts + 1, user_id=user)] if shown else []
+    return SampleEvent(tenant="t1", ts=ts + 60, completion=c, reward=reward, signals=signals, reward_spec="default-v1")
 
 
 def outcomes(n_cand: int, n_inc: int, reward=lambda arm, i: 1.0, latency=lambda arm, i: 100.0, step: int = 0):
@@ -130,6 +132,32 @@ def test_only_matching_experiment_arms_count_and_steps_are_stratified():
     assert o.add(1, sample("u2", "incumbent", 0.0), "cand", "inc")
     assert o.per_user(0, "candidate", "error_rate") == [1.0] and o.users(0, "incumbent") == {}
     assert o.per_user(1, "incumbent", "reward") == [0.0]
+
+
+def test_a_drop_in_pass_rate_aborts_even_when_users_are_as_satisfied():
+    """The verifier's pass rate is a guardrail the learner does not optimise: lower is worse."""
+    o = CanaryOutcomes()
+    for arm in ("candidate", "incumbent"):
+        for i in range(40):
+            for k in range(2):
+                passed = float((i + k) % 4 != 0) if arm == "incumbent" else float((i + k) % 4 == 0)
+                assert o.add(0, sample(f"{arm}-u{i}", arm, 0.5, n=k), "cand", "inc", passed=passed)
+    d = decide(progress(), o, CFG, at(10))
+    g = d.numbers["guardrails"]["pass_rate"]
+    assert d.action == "abort_harm" and g["harmed"] and g["direction"] == "lower_is_worse"
+    assert g["estimate"] == pytest.approx(0.25 - 0.75) and "pass_rate" in d.reason
+    assert not d.numbers["guardrails"]["latency_ms"]["harmed"]
+    same = outcomes(40, 40)  # no scores at all: the guardrail has nothing to judge, and does not block
+    assert "pass_rate" not in decide(progress(), same, CFG, at(700)).numbers["guardrails"]
+
+
+def test_denominators_are_exposures_unless_configured_otherwise():
+    o = CanaryOutcomes()
+    assert not o.add(0, sample("u1", "candidate", 1.0, shown=False), "cand", "inc")  # feedback, never shown
+    assert o.add(0, sample("u1", "candidate", 0.0, n=1), "cand", "inc")  # shown (silence: reward 0)
+    assert o.per_user(0, "candidate", "reward") == [0.0]
+    assert o.add(0, sample("u2", "candidate", 1.0, shown=False), "cand", "inc", denominator="feedback")
+    assert CanaryConfig().denominator == "exposures"
 
 
 def test_outcomes_round_trip():
@@ -243,3 +271,49 @@ def test_a_restarted_gate_resumes_and_counts_nothing_twice(world):
     again = CanaryOutcomes.from_dict(reg.get("v1").gate["canary"]["counts"])
     assert len(again.users(0, "candidate")) == 40
     assert sum(r[0] for r in again.users(0, "candidate").values()) == 40
+
+
+# ---- after promotion: the guardrails keep watching -----------------------------------------------
+def test_guardrails_keep_running_after_promotion_and_raise_an_alert(world):
+    reg, bus = world
+    gate = gate_for(reg, bus)
+    gate.step()
+    publish_traffic(bus, 0.5, cand_reward=1.0)
+    assert gate.step().action == "awaiting_approval"
+    verdict = {"passed": True, "incumbent_id": "base", "artifact_sha256": reg.get("v1").artifact_sha256}
+    reg.record_gate("v1", "offline", {**verdict, "suite_version": "s1", "numbers": {}}, "gate")
+    assert gate.watch(reg.promoted(), []) is None  # the bootstrap had no canary: no baseline, no watch
+    reg.approve("v1", "ops", "canary passed")
+    gate.step()
+    w = reg.get("v1").gate["watch"]
+    assert not w["done"] and w["alerts"] == [] and len(w["counts"]["steps"]["0"]["incumbent"]) == 40
+    now = time.time()
+    harmed = [sample(f"after-{i}", None, 1.0, version="v1", latency=300.0 + i % 3, ts=now) for i in range(40)]
+    ignored = [sample("e1", "eval", 1.0, version="v1", latency=9e9, ts=now), sample("b", None, 1.0, ts=now)]
+    bus.publish_many(TOPICS["sample"], [(s.completion.completion_id, s.model_dump_json().encode()) for s in harmed])
+    bus.publish_many(TOPICS["sample"], [(s.completion.completion_id, s.model_dump_json().encode()) for s in ignored])
+    gate.step()
+    w = reg.get("v1").gate["watch"]
+    assert [a["metric"] for a in w["alerts"]] == ["latency_ms"] and gate.alerts == 1
+    assert w["users"] == {"candidate": 40, "incumbent": 40} and not w["guardrails"]["error_rate"]["harmed"]
+    assert reg.audit("v1")[-1].reason.startswith("ALERT: latency_ms")
+    gate.step()  # no new alert for the same metric
+    assert gate.alerts == 1 and reg.promoted().id == "v1"  # it alerts; a person decides on a rollback
+
+
+def test_the_verifier_scores_canary_completions_from_their_token_ids(tiny_checkpoint):
+    from demo.checker import DemoVerifier
+    from demo.tasks import completions_for, sample_tasks
+    from gating.gate import verifier_scorer
+    from serving.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_file(tiny_checkpoint)
+    task = sample_tasks(1, seed=3)[0]
+    good, bad = completions_for(task)["correct_preferred"][0], completions_for(task)["incorrect_other"][0]
+    ids = tok.encode_prompt(task.prompt)
+    samples = [sample("u", "candidate", 1.0, n=i) for i in range(3)]
+    samples = [
+        s.model_copy(update={"completion": s.completion.model_copy(update={"prompt_ids": p, "text": t})})
+        for s, p, t in zip(samples, [ids, ids, tok.encode_prompt("# not a task\n")], [good, bad, good])
+    ]
+    assert verifier_scorer(DemoVerifier(), tok)(samples) == [1.0, 0.0, None]
