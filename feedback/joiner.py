@@ -13,6 +13,7 @@ signals over a user's `UserBudget` are dropped; every case is counted in `stats`
 meets its feedback). A round reads the clock *before* draining both topics, so no window closes on
 feedback still in the bus. After the round's samples are flushed, each partition is committed up to
 its oldest record still held: a restart rebuilds the state, and re-emitted samples keep their id.
+What it consumed and produced is logged and exposed (`core.service_metrics`, `self.metrics`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
+from core.service_metrics import ServiceMetrics
 from feedback.bus import Consumer, EventBus, Record
 from feedback.events import FEEDBACK_KINDS, TOPICS, CompletionEvent, FeedbackEvent, SampleEvent, Signal
 from feedback.rewards import RewardSpec, UserBudget, counted_signals, reward, user_key
@@ -267,8 +269,10 @@ class JoinerService:
         *,
         max_records: int = 500,
         dead_letter_topic: str | None = None,
+        metrics: ServiceMetrics | None = None,
     ):
         self.bus, self.spec, self.clock = bus, spec, clock
+        self.metrics = metrics or ServiceMetrics("joiner")
         self.max_records, self.dead_letter_topic = max_records, dead_letter_topic
         self.core = JoinerCore(spec, window_s, clock)
         self.consumer: Consumer = bus.consumer((TOPICS["completion"], TOPICS["feedback"]), group)
@@ -295,6 +299,9 @@ class JoinerService:
             self.bus.publish(TOPICS["sample"], s.completion.completion_id, s.model_dump_json().encode())
         self.bus.flush()
         self._commit()
+        self.metrics.produce(TOPICS["sample"], len(samples))
+        self.metrics.set_stats({**self.stats, "pending": self.core.pending_count, "orphans": self.core.orphan_count})
+        self.metrics.report()
         return samples
 
     def run(self, stop_event: threading.Event, timeout_s: float = 0.5) -> None:
@@ -334,6 +341,7 @@ class JoinerService:
 
     def _handle(self, records: list[Record]) -> None:
         for r in records:
+            self.metrics.consume(r.topic)
             src: Source = (r.topic, r.partition, r.offset)
             try:
                 if r.topic == TOPICS["completion"]:
@@ -347,6 +355,7 @@ class JoinerService:
                 log.error("malformed record at %s sent to %s: %s", where, self.dead_letter_topic, e)
                 self.stats["malformed"] += 1
                 self.bus.publish(self.dead_letter_topic, r.key, r.value)
+                self.metrics.produce(self.dead_letter_topic)
             self._consumed[r.topic, r.partition] = max(self._consumed.get((r.topic, r.partition), 0), r.offset + 1)
         for late in self.core.drain_late():  # after every batch: the core keeps at most MAX_LATE_KEPT
             ev, where = late.event, "" if late.source is None else _where(late.source)
@@ -354,6 +363,7 @@ class JoinerService:
             log.info("late feedback %s (%s, %s) for completion %s at %s", *what)
             if self.dead_letter_topic is not None:
                 self.bus.publish(self.dead_letter_topic, ev.completion_id, ev.model_dump_json().encode())
+                self.metrics.produce(self.dead_letter_topic)
 
     def _commit(self) -> None:
         held, records = self.core.oldest_held(), []

@@ -46,6 +46,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import save_file
 
+from core.service_metrics import ServiceMetrics
 from feedback.bus import Consumer, EventBus, Record
 from feedback.events import TOPICS, SampleEvent
 from gating.canary import CanaryConfig, CanaryOutcomes, Decision, decide, guardrails
@@ -120,12 +121,14 @@ class Gate:
         bus: EventBus | None = None,
         clock: Callable[[], datetime] | None = None,
         score: SampleScorer | None = None,
+        metrics: ServiceMetrics | None = None,
     ):
         self.registry, self.engine_factory, self.load_version = registry, engine_factory, load_version
         self.suite, self.cfg = suite, cfg or GateConfig()
         self.bus, self.clock = bus, clock or (lambda: datetime.now(UTC))
         self.score = score
         self.alerts = 0  # post-promotion guardrail alerts raised by this gate
+        self.metrics = metrics or ServiceMetrics("gate")
         self._consumer: Consumer | None = None
 
     def step(self) -> GateStep:
@@ -139,6 +142,9 @@ class Gate:
         self.watch(promoted, batch)
         done = self._lifecycle(batch)
         self._commit(batch)
+        self.metrics.consume(TOPICS["sample"], len(batch))
+        self.metrics.set_stats({"alerts": self.alerts, "unreadable_samples": sum(s is None for _, s in batch)})
+        self.metrics.report()
         return done
 
     def _lifecycle(self, batch: list[Polled]) -> GateStep:
@@ -583,7 +589,8 @@ def run_gate(
         load_version = weight_store_loader(settings.learner_models_dir, settings.home / "gate" / "versions")
     registry = Registry(settings.db_url)
     score = None if bus is None else verifier_scorer(suite.verifier, Tokenizer.from_file(settings.served_model_dir))
-    gate = Gate(registry, engine_factory, load_version, suite, cfg, bus=bus, score=score)
+    metrics = ServiceMetrics("gate", settings.home / "metrics")
+    gate = Gate(registry, engine_factory, load_version, suite, cfg, bus=bus, score=score, metrics=metrics)
     log.info("gate: started on %s with suite %s", settings.db_url, suite.suite_version)
     try:
         while not stop_event.is_set():

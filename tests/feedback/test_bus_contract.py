@@ -193,6 +193,17 @@ def test_committed_position_survives_reopening_the_bus(h):
     assert sorted(ids(got)) == sorted(ids(later))
 
 
+def test_a_consumer_started_before_its_topic_exists_gets_what_is_published_later(h):
+    """Services start in any order: a joiner or learner started on a fresh bus must not wait for a
+    restart to see the topic its producer creates later."""
+    topic = new_name("later")
+    c = h.consumer(topic, new_name("g"))
+    assert c.poll(10, timeout_s=0.1) == []
+    sent = publish(h.bus, topic, 12)
+    h.bus.flush()
+    assert sorted(ids(drain(c, 12, h.quiet_s))) == sorted(ids(sent))
+
+
 def test_two_groups_each_see_everything(h):
     topic = new_name("groups")
     sent = publish(h.bus, topic, 50)

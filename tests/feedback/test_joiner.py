@@ -9,6 +9,7 @@ from statistics import mean
 
 import pytest
 
+from core.service_metrics import ServiceMetrics
 from demo.checker import CheckResult
 from demo.tasks import CATEGORIES, completions_for, sample_tasks
 from demo.users import SimulatedUser
@@ -277,7 +278,8 @@ def read_samples(bus, group="learner-test"):
 def test_service_end_to_end_with_safe_commits(tmp_path):
     bus = EmbeddedBus(tmp_path)
     clock = Clock(10.0)
-    svc = JoinerService(bus, SPEC, window_s=WINDOW, clock=clock)
+    metrics = ServiceMetrics("joiner", tmp_path / "metrics", interval_s=0)
+    svc = JoinerService(bus, SPEC, window_s=WINDOW, clock=clock, metrics=metrics)
     publish(bus, feedback("c0", "thumb_up", 1.0))  # feedback before its completion
     for i in range(12):
         publish(bus, completion(f"c{i}", float(i)))
@@ -302,6 +304,10 @@ def test_service_end_to_end_with_safe_commits(tmp_path):
     # Nothing is held any more: everything consumed is committed.
     assert sum(bus.committed(TOPICS["completion"], "joiner").values()) == 12
     assert sum(bus.committed(TOPICS["feedback"], "joiner").values()) == 8
+    assert metrics.consumed == {TOPICS["completion"]: 12, TOPICS["feedback"]: 8}
+    assert metrics.produced == {TOPICS["sample"]: 6} and metrics.stats["late"] == 1
+    text = (tmp_path / "metrics" / "joiner.prom").read_text()
+    assert f'flywheel_service_produced_records_total{{service="joiner",topic="{TOPICS["sample"]}"}} 6.0' in text
     svc.close()
     bus.close()
 
