@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from api import errors
+from api import dashboard, errors
 from api.deps import Gateway, GatewayDep
 from api.fleet import GatewayFleet
 from api.metrics import RequestCounter
@@ -132,6 +132,7 @@ def create_app(
     app.include_router(feedback.router)
     app.include_router(admin.router)
     app.include_router(weights.router)
+    dashboard.install(app, settings)
 
     app.add_middleware(RequestCounter, version_header=openai.VERSION_HEADER)
 

@@ -7,6 +7,7 @@
   flywheel learner                samples -> policy-gradient updates -> candidate versions in the registry
   flywheel gate                   candidates -> offline regression evals -> canary or rejected (never promotes)
   flywheel demo                   the online-RL loop in one process on the demo product (simulated users)
+  flywheel keys create|list|revoke  API keys of this home's key store (shown once, stored hashed)
 
 Each command imports what it runs only when it runs, so e.g. the joiner never loads FastAPI or torch.
 """
@@ -14,6 +15,7 @@ Each command imports what it runs only when it runs, so e.g. the joiner never lo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -21,6 +23,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from core.security import SCOPES
 from core.settings import Settings, get_settings
 
 
@@ -225,6 +228,32 @@ def _demo(args) -> None:
     )
 
 
+def _keys(args) -> None:
+    """`flywheel keys create --scope S [--scope S ...] [--tenant T] [--label L]`: the new token on
+    stdout (shown only now), what it is on stderr; `list`: one JSON object per key; `revoke KEY_ID`."""
+    from core.security import KeyStore
+
+    store = KeyStore(get_settings().key_store_path)
+    try:
+        if args.keys_cmd == "create":
+            token, key = store.create(sorted(set(args.scope)), tenant=args.tenant, label=args.label)
+            print(token, flush=True)
+            print(
+                f"flywheel keys: key {key.key_id} for tenant {key.tenant!r}, scopes {', '.join(key.scopes)}: "
+                "the token above is shown once and stored only as a hash",
+                file=sys.stderr,
+            )
+        elif args.keys_cmd == "list":
+            for key in sorted(store.list(), key=lambda k: k.created):
+                if key.revoked is None or args.all:
+                    print(json.dumps({**dataclasses.asdict(key), "scopes": list(key.scopes)}))
+        else:
+            key = store.revoke(args.key_id)
+            print(f"flywheel keys: revoked {key.key_id} ({key.label or 'no label'}); its sessions end now")
+    except ValueError as e:
+        sys.exit(f"flywheel keys: {e}")
+
+
 def _port(text: str) -> int:
     port = int(text)
     if not 0 <= port <= 65535:
@@ -252,6 +281,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("gate", help="evaluate candidates offline and move them on (a person approves)")
     d = sub.add_parser("demo", help="the online-RL loop in one process with simulated users")
     d.add_argument("--rounds", type=int, default=20, help="learner updates")
+    k = sub.add_parser("keys", help="create, list and revoke API keys (stored hashed in $FLYWHEEL_HOME/keys.json)")
+    ks = k.add_subparsers(dest="keys_cmd", required=True)
+    kc = ks.add_parser("create", help="a new key; its token is printed once")
+    kc.add_argument("--scope", action="append", required=True, choices=SCOPES, help="a scope (repeat for more)")
+    kc.add_argument("--tenant", default="default", help="the tenant its completions and feedback belong to")
+    kc.add_argument("--label", default="", help="who or what it is for (named in the audit log)")
+    kl = ks.add_parser("list", help="live keys, one JSON object each (never a token)")
+    kl.add_argument("--all", action="store_true", help="revoked keys too")
+    kr = ks.add_parser("revoke", help="revoke a key; its dashboard sessions end at once")
+    kr.add_argument("key_id", help="the key's id (from `flywheel keys list`)")
     return p
 
 
@@ -270,6 +309,8 @@ def main(argv: list[str] | None = None) -> None:
         _gate(args)
     elif args.cmd == "demo":
         _demo(args)
+    elif args.cmd == "keys":
+        _keys(args)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -80,6 +80,11 @@ class Settings(BaseSettings):
     weights_token: str | None = Field(
         None, description="Bearer token for an http(s) FLYWHEEL_WEIGHTS_URL: a key with the weights:read scope."
     )
+    session_secret: SecretStr | None = Field(
+        None,
+        description="Signs the dashboard's session cookies and CSRF tokens (32+ characters); required outside "
+        "local mode; in local mode None: one is made per home in <home>/session.secret (mode 0600).",
+    )
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -113,9 +118,26 @@ class Settings(BaseSettings):
     def db_url(self) -> str:
         return self.database_url or f"sqlite:///{self.home / 'registry.db'}"
 
+    @property
+    def session_secret_path(self) -> Path:
+        """Local mode's generated session secret (`core.security.load_or_create_secret`)."""
+        return self.home / "session.secret"
+
     def check_production(self) -> None:
+        """Refuse to start a gateway on defaults that are only safe on one's own machine."""
         if self.env == "production" and not self.api_keys:
             raise ValueError("FLYWHEEL_API_KEYS must be set when FLYWHEEL_ENV=production")
+        if self.env != "local" and self.session_secret is None:
+            raise ValueError(
+                f"FLYWHEEL_SESSION_SECRET must be set when FLYWHEEL_ENV={self.env}: outside local mode "
+                "there is no default secret for the dashboard's sessions"
+            )
+        if self.session_secret is not None and len(self.session_secret.get_secret_value()) < 32:
+            # checked here, not by a field constraint, whose error would print the value
+            raise ValueError(
+                f"FLYWHEEL_SESSION_SECRET has {len(self.session_secret.get_secret_value())} characters; "
+                "a session secret needs at least 32 (e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`)"
+            )
 
 
 @lru_cache

@@ -10,6 +10,17 @@ VENV=${FLYWHEEL_VENV:-.venv}
 pipi() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" \
   2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 
+# The dashboard's browser tests drive Debian's headless Chromium through its chromedriver (never a
+# downloaded browser). Installed when missing and we can (root with apt-get, as on CI); else they skip.
+if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } \
+      || echo "setup-venv: could not install chromium and chromium-driver; the browser tests will skip" >&2
+  else
+    echo "setup-venv: no /usr/bin/chromium or /usr/bin/chromedriver (as root: apt-get install chromium chromium-driver); the browser tests will skip" >&2
+  fi
+fi
+
 stamp="$VENV/.flywheel-stamp"
 want=$(cat requirements.txt requirements-dev.txt pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
@@ -18,7 +29,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   pipi "torch==2.13.0"
   pipi -r requirements.txt -r requirements-dev.txt
   pipi --no-deps -e .
-  "$VENV/bin/python" -c "import torch, transformers, fastapi, tokenizers, safetensors, kafka, scipy, zstandard, pytest"
+  "$VENV/bin/python" -c "import torch, transformers, fastapi, jinja2, tokenizers, safetensors, kafka, scipy, zstandard, pytest, selenium"
   echo "$want" > "$stamp"
   rm -f "$VENV/.flywheel-stamp-vllm"
 fi

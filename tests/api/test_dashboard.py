@@ -1,0 +1,277 @@
+"""The dashboard without a browser, against a live gateway: sign-in and the session cookie's flags,
+who may see and do what (anonymous, viewer, admin, a revoked key), CSRF on every form, actions that
+go through the admin API's code path and are audited with the key's owner, refused actions that
+change nothing, and the pages' content."""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+
+import httpx
+import pytest
+
+from api.dashboard.svg import Series, chart
+from api.main import create_app
+from core.security import KeyStore
+from core.settings import Settings
+from feedback.bus_embedded import EmbeddedBus
+from feedback.completion_index import CompletionIndex
+from gating.canary import CanaryOutcomes
+from gating.registry import Registry
+from serving.engine import EmbeddedEngine
+from tests.api.test_admin_api import files
+from tests.conftest import LiveServer
+
+
+def offline_numbers(cand: float, inc: float, passed: bool = True) -> dict:
+    return {
+        "reward": {"candidate": cand, "incumbent": inc},
+        "non_inferiority": {"mean_diff": cand - inc, "lower_bound": cand - inc - 0.02, "margin": 0.03,
+                            "alpha": 0.05, "passed": passed, "n_prompts": 20},
+        "families": {"add": {"n_prompts": 10, "candidate": cand, "incumbent": inc, "mean_diff": cand - inc,
+                             "lower_bound": -0.01, "p_value": 0.01, "passed": True}},
+        "checks": {"non_inferiority": passed, "families": True, "length": True, "malformed": True,
+                   "repetition": True, "kl": True},
+        "suite": {"n_prompts": 20}, "sampling": {"G": 2},
+    }  # fmt: skip
+
+
+def to_awaiting_approval(reg: Registry, vid: str, cand: float = 0.5) -> None:
+    """As the gate takes a candidate through: offline verdict, canary with counts, awaiting approval."""
+    inc = reg.incumbent().id
+    reg.transition(vid, "evaluating", "gate", "offline eval")
+    verdict = {"passed": True, "incumbent_id": inc, "artifact_sha256": reg.get(vid).artifact_sha256,
+               "suite_version": "s1", "numbers": offline_numbers(cand, 0.4)}  # fmt: skip
+    reg.record_gate(vid, "offline", verdict, "gate")
+    reg.transition(vid, "canary", "gate", "offline passed")
+    counts = CanaryOutcomes(steps={0: {"candidate": {"u1": [2, 1.0, 0.5, 2, 200.0, 0], "u2": [1, 0.5, 0.25, 1, 90.0, 0]},
+                                       "incumbent": {"u3": [1, 0.0, 0.0, 1, 80.0, 0], "u4": [1, 1.0, 1.0, 1, 95.0, 1]}}})  # fmt: skip
+    progress = {"step": 0, "share": 0.5, "started_at": datetime.now(UTC), "counts": counts.to_dict()}
+    reg.record_gate(vid, "canary", progress, "gate")
+    numbers = {"margin": 0.03, "alpha": 0.05, "share": 0.5, "users": {"candidate": 2, "incumbent": 2},
+               "reward": {"lower": -0.01, "upper": 0.5, "estimate": 0.25, "se": 0.1, "radius": 0.26},
+               "srm": {"statistic": 0.0, "p_value": 1.0, "threshold": 0.001}}  # fmt: skip
+    reg.transition(vid, "awaiting_approval", "gate", "canary passed", numbers)
+
+
+@pytest.fixture
+def live(tiny_checkpoint, tmp_path):
+    settings = Settings(home=tmp_path, model_dir=tiny_checkpoint)
+    engine = EmbeddedEngine(max_batch=4, max_model_len=128)
+    engine.add_version(tiny_checkpoint.name, tiny_checkpoint, default=True)
+    bus, reg = EmbeddedBus(tmp_path / "bus"), Registry(settings.db_url)
+    reg.bootstrap("base", files=files("base"))
+    reg.register(version_id="v1", parent_id="base", files=files("v1"), metrics={"reward_mean": 0.25},
+                 data_range={"feedback.samples": {0: (0, 40), 1: (0, 24)}})  # fmt: skip
+    to_awaiting_approval(reg, "v1")
+    keys, index = KeyStore(settings.key_store_path), CompletionIndex(tmp_path / "index.db")
+    with LiveServer(create_app(settings, engine=engine, bus=bus, registry=reg, index=index)) as server:
+        server.reg, server.keys = reg, keys
+        server.admin_token, server.admin_key = keys.create(["admin"], label="alice")
+        server.viewer_token, server.viewer_key = keys.create(["viewer"], label="bob")
+        yield server
+    engine.shutdown()
+    bus.close()
+    reg.close()
+    index.close()
+
+
+def csrf_of(html: str) -> str:
+    return re.search(r'name="csrf" value="([^"]+)"', html).group(1)
+
+
+def sign_in(live, token: str) -> httpx.Client:
+    c = httpx.Client(base_url=live.url, timeout=10)
+    page = c.get("/dashboard/login")
+    r = c.post("/dashboard/login", data={"key": token, "csrf": csrf_of(page.text), "next": "/dashboard/versions"})
+    assert r.status_code == 303 and r.headers["location"] == "/dashboard/versions", r.text
+    return c
+
+
+def test_anonymous_visitors_get_the_sign_in_page_and_no_data(live):
+    for path in ("/dashboard/versions", "/dashboard/versions/v1", "/dashboard/fleet", "/dashboard"):
+        r = httpx.get(live.url + path, follow_redirects=True)
+        assert r.status_code == 200 and r.url.path == "/dashboard/login", path
+        shown = re.sub(r'name="next" value="[^"]*"', "", r.text)  # the page asked for, not data
+        assert "v1" not in shown and "base" not in shown and "promoted" not in shown and 'id="key"' in shown
+    r = httpx.post(live.url + "/dashboard/versions/v1/approve", data={"reason": "x", "csrf": "x"})
+    assert r.status_code == 401 and live.reg.get("v1").status == "awaiting_approval"
+
+
+def test_sign_in_sets_a_strict_httponly_expiring_cookie_and_refuses_bad_keys(live):
+    c = httpx.Client(base_url=live.url)
+    page = c.get("/dashboard/login")
+    assert page.headers["content-security-policy"].startswith("default-src 'self'")
+    assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
+    token = csrf_of(page.text)
+    assert c.post("/dashboard/login", data={"key": "fw_nope", "csrf": token}).status_code == 401
+    completions = live.keys.create(["completions"])[0]
+    r = c.post("/dashboard/login", data={"key": completions, "csrf": csrf_of(page.text)})
+    assert r.status_code == 403 and "viewer" in r.text and "fw_session" not in r.headers.get("set-cookie", "")
+    fresh = httpx.Client(base_url=live.url)  # a form posted without its nonce cookie (another site's form)
+    assert fresh.post("/dashboard/login", data={"key": live.admin_token, "csrf": token}).status_code == 403
+    r = c.post("/dashboard/login", data={"key": live.admin_token, "csrf": csrf_of(c.get("/dashboard/login").text)})
+    assert r.status_code == 303
+    cookie = next(h for h in r.headers.get_list("set-cookie") if h.startswith("fw_session="))
+    flags = {f.strip().split("=")[0].lower(): f.strip() for f in cookie.split(";")[1:]}
+    assert {"httponly", "max-age", "path", "samesite"} <= set(flags) and "secure" not in flags  # local mode
+    assert flags["samesite"].lower() == "samesite=strict" and flags["path"] == "Path=/dashboard"
+    assert flags["max-age"] == "Max-Age=28800"
+    assert live.admin_token not in cookie
+    assert c.get("/dashboard/versions").status_code == 200
+
+
+def test_outside_local_mode_the_cookie_is_secure_and_a_session_secret_is_required(tiny_checkpoint, tmp_path):
+    engine = EmbeddedEngine(max_batch=2, max_model_len=128)
+    engine.add_version(tiny_checkpoint.name, tiny_checkpoint, default=True)
+    base = {"home": tmp_path, "model_dir": tiny_checkpoint, "env": "production", "api_keys": ["t:k"]}
+    with pytest.raises(ValueError, match="FLYWHEEL_SESSION_SECRET"):
+        create_app(Settings(**base), engine=engine)
+    with pytest.raises(ValueError, match="at least 32"):
+        create_app(Settings(**base, session_secret="short"), engine=engine)
+    settings = Settings(**base, session_secret="s" * 40)
+    bus, reg = EmbeddedBus(tmp_path / "bus"), Registry(settings.db_url)
+    reg.bootstrap("base", files=files("base"))
+    token = KeyStore(settings.key_store_path).create(["viewer"])[0]
+    try:
+        with LiveServer(create_app(settings, engine=engine, bus=bus, registry=reg)) as server:
+            c = httpx.Client(base_url=server.url)
+            login = c.get("/dashboard/login")
+            assert "secure" in login.headers["set-cookie"].lower()  # the sign-in nonce too
+            # httpx keeps Secure cookies off plain http, as a browser would: post the nonce by hand
+            nonce = login.cookies["fw_csrf"]
+            r = httpx.post(server.url + "/dashboard/login", data={"key": token, "csrf": csrf_of(login.text)},
+                           cookies={"fw_csrf": nonce})  # fmt: skip
+            assert r.status_code == 303
+            cookie = next(h for h in r.headers.get_list("set-cookie") if h.startswith("fw_session="))
+            assert "secure" in [f.strip().lower() for f in cookie.split(";")]
+    finally:
+        engine.shutdown()
+        bus.close()
+        reg.close()
+    assert not (tmp_path / "session.secret").exists()  # no default secret was made outside local mode
+
+
+def test_a_viewer_sees_everything_and_can_act_on_nothing(live):
+    c = sign_in(live, live.viewer_token)
+    page = c.get("/dashboard/versions/v1")
+    assert page.status_code == 200 and "bob" in page.text and "viewer" in page.text
+    assert re.search(r'<button type="submit" id="approve" class="approve" disabled>', page.text)
+    assert "only an admin key can approve" in page.text
+    r = c.post("/dashboard/versions/v1/approve", data={"reason": "ship it", "csrf": csrf_of(page.text)})
+    assert r.status_code == 403 and "viewer scope" in r.text
+    api = httpx.post(live.url + "/admin/versions/v1/approve", json={"reason": "x"},
+                     headers={"Authorization": f"Bearer {live.viewer_token}"})  # fmt: skip
+    assert api.status_code == 403 and api.json()["error"]["code"] == "insufficient_scope"
+    assert live.reg.get("v1").status == "awaiting_approval"
+    assert (
+        c.get("/dashboard/fleet").status_code == 200 and c.get("/dashboard/versions?status=promoted").status_code == 200
+    )
+
+
+def test_every_form_needs_its_csrf_token(live):
+    c = sign_in(live, live.admin_token)
+    page = c.get("/dashboard/versions/v1")
+    for data in ({"reason": "ship it"}, {"reason": "ship it", "csrf": "forged"}):
+        r = c.post("/dashboard/versions/v1/approve", data=data)
+        assert r.status_code == 403 and "CSRF" in r.text
+    other = sign_in(live, live.admin_token)  # another session's token is not this one's
+    r = c.post(
+        "/dashboard/versions/v1/approve", data={"reason": "x", "csrf": csrf_of(other.get("/dashboard/versions").text)}
+    )
+    assert r.status_code == 403
+    assert c.post("/dashboard/logout", data={}).status_code == 403  # logout is a form too
+    assert (
+        live.reg.get("v1").status == "awaiting_approval"
+        and [a.action for a in live.reg.audit("v1")][-1] == "transition"
+    )
+    assert csrf_of(page.text) != csrf_of(other.get("/dashboard/versions").text)
+
+
+def test_an_admin_approves_and_rolls_back_audited_with_the_key(live):
+    c = sign_in(live, live.admin_token)
+    page = c.get("/dashboard/versions/v1")
+    assert "Promotes v1" in page.text and "base, promoted now, becomes superseded" in page.text
+    csrf = csrf_of(page.text)
+    r = c.post("/dashboard/versions/v1/approve", data={"reason": "  ", "csrf": csrf})
+    assert r.status_code == 400 and "reason" in r.text and live.reg.get("v1").status == "awaiting_approval"
+    r = c.post("/dashboard/versions/v1/approve", data={"reason": "better on every family", "csrf": csrf})
+    assert r.status_code == 303 and r.headers["location"] == "/dashboard/versions/v1?done=approve"
+    assert live.reg.promoted().id == "v1"
+    row = live.reg.audit("v1")[-1]
+    assert (row.action, row.actor, row.reason) == (
+        "approve",
+        f"key:{live.admin_key.key_id} (alice)",
+        "better on every family",
+    )
+    page = c.get("/dashboard/versions/v1?done=approve")
+    assert "Approved" in page.text and "restores base on every replica" in page.text
+    r = c.post("/dashboard/versions/v1/rollback", data={"reason": "users complain", "csrf": csrf})
+    assert r.status_code == 303 and r.headers["location"] == "/dashboard/versions/base?done=rollback"
+    assert live.reg.promoted().id == "base" and live.reg.get("v1").status == "rolled_back"
+    assert live.reg.audit("v1")[-1].actor == f"key:{live.admin_key.key_id} (alice)"
+
+
+def test_a_refused_action_shows_the_error_and_changes_nothing(live):
+    c = sign_in(live, live.admin_token)
+    csrf = csrf_of(c.get("/dashboard/versions/v1").text)
+    before = live.reg.last_seq()
+    r = c.post("/dashboard/versions/base/rollback", data={"reason": "try", "csrf": csrf})  # nothing superseded
+    assert r.status_code == 409 and "rollback refused" in r.text and "Nothing changed" in r.text
+    page = c.get("/dashboard/versions/base")
+    assert re.search(r'id="rollback" class="rollback" disabled', page.text) and "Nothing to restore" in page.text
+    r = c.post("/dashboard/versions/v1/rollback", data={"reason": "try", "csrf": csrf})
+    assert r.status_code == 409 and "not the promoted version" in r.text
+    r = c.post("/dashboard/versions/nope/approve", data={"reason": "try", "csrf": csrf})
+    assert r.status_code == 404
+    # v2 was compared with base; once v1 is promoted its verdict is stale: the button says why, approve refuses
+    live.reg.approve("v1", "test", "promote")
+    live.reg.register(version_id="v2", parent_id="v1", files=files("v2"))
+    live.reg.transition("v2", "evaluating", "gate", "eval")
+    verdict = {"passed": True, "incumbent_id": "base", "artifact_sha256": live.reg.get("v2").artifact_sha256,
+               "suite_version": "s1", "numbers": offline_numbers(0.5, 0.4)}  # fmt: skip
+    live.reg.record_gate("v2", "offline", verdict, "gate")
+    live.reg.transition("v2", "canary", "gate", "ok")
+    live.reg.transition("v2", "awaiting_approval", "gate", "ok")
+    before = live.reg.last_seq()
+    page = c.get("/dashboard/versions/v2")
+    assert re.search(r'id="approve" class="approve" disabled', page.text)
+    assert "compared with base, but v1 is promoted now" in page.text
+    r = c.post("/dashboard/versions/v2/approve", data={"reason": "try", "csrf": csrf})
+    assert r.status_code == 409 and "evaluate it again" in r.text
+    assert live.reg.last_seq() == before and live.reg.get("v2").status == "awaiting_approval"
+
+
+def test_revoking_the_key_ends_its_sessions_and_logout_clears_the_cookie(live):
+    c = sign_in(live, live.viewer_token)
+    assert c.get("/dashboard/versions").status_code == 200
+    live.keys.revoke(live.viewer_key.key_id)
+    assert c.get("/dashboard/versions").status_code == 303
+    a = sign_in(live, live.admin_token)
+    r = a.post("/dashboard/logout", data={"csrf": csrf_of(a.get("/dashboard/versions").text)})
+    assert r.status_code == 303 and r.headers["location"] == "/dashboard/login"
+    assert 'fw_session=""' in r.headers["set-cookie"] or "Max-Age=0" in r.headers["set-cookie"]
+    assert a.get("/dashboard/versions").status_code == 303
+
+
+def test_the_pages_show_the_evidence(live):
+    c = sign_in(live, live.viewer_token)
+    lst = c.get("/dashboard/versions").text
+    assert 'id="row-v1"' in lst and "awaiting approval" in lst and "+0.250" in lst  # reward mean
+    assert "feedback.samples: 64 records from 2 partitions" in lst and "<svg" in lst
+    assert 'id="row-base"' not in c.get("/dashboard/versions?status=awaiting_approval").text
+    assert c.get("/dashboard/versions?status=bogus").status_code == 400
+    page = c.get("/dashboard/versions/v1").text
+    for text in ("compared with base, which is promoted now", "pass rate 0.500 vs 0.400",
+                 "always-valid band [-0.010, +0.500] vs −margin −0.03", "p = 1", "Canary share over time",
+                 "Reward from flagged users", "record_gate canary"):  # fmt: skip
+        assert text in page, text
+    fleet = c.get("/dashboard/fleet").text
+    assert "No replica has sent a heartbeat" in fleet and 'id="fleet-state"' in fleet
+
+
+def test_charts_escape_text_and_say_when_there_is_nothing():
+    svg = chart("<b>t</b>", [Series("a&b", [(0, 1.0), (1, 2.0)], "#000")])
+    assert "<b>" not in svg and "&lt;b&gt;" in svg and "a&amp;b" in svg and "<polyline" in svg
+    assert "no data yet" in chart("empty", [Series("a", [], "#000")])
