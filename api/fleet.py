@@ -4,7 +4,9 @@
 promoted yet (`gating.bootstrap.publish_base`), makes `FLYWHEEL_REPLICAS` engines, each driven by a
 `serving.replica.Replica` that fetches versions from the weight store shared with the learner,
 checks them against the registry's hashes, swaps them in and heartbeats; it waits for their first
-sync, then runs their follower loops on threads. `engine` is the `serving.fleet.Fleet` the routes
+sync, then runs their follower loops on threads. On PostgreSQL each replica LISTENs for the
+registry's NOTIFY (`serving.replica.PgNotifier`), so a change reaches it at once rather than at its
+next poll (at most a second on SQLite). `engine` is the `serving.fleet.Fleet` the routes
 submit to. `route(tenant, user)` says which version and arm a request for the `flywheel` alias gets:
 during a canary, users land in it by `gating.stats.assign_arm` (sticky, salted by the candidate's
 id); completions without a user are their own stratum and get the promoted version.
@@ -28,7 +30,7 @@ from gating.stats import assign_arm
 from serving.fetch import Fetcher
 from serving.fleet import Fleet
 from serving.interface import Engine
-from serving.replica import Replica
+from serving.replica import PgNotifier, Replica
 from serving.weight_store import WeightStore
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,7 @@ class GatewayFleet:
         gateway_id = settings.gateway_id or f"{socket.gethostname()}-{os.getpid()}"
         store = WeightStore(models_dir / STORE)
         fetcher = Fetcher(settings.weights_url or models_dir, token=settings.weights_token)
+        on_postgres = settings.db_url.startswith("postgresql")
         replicas = [
             Replica(
                 f"{gateway_id}-r{i}",
@@ -65,6 +68,7 @@ class GatewayFleet:
                 fetcher,
                 settings.served_model_dir,
                 heartbeat_s=settings.heartbeat_s,
+                notifier=PgNotifier(settings.db_url) if on_postgres else None,
             )  # fmt: skip
             for i in range(settings.replicas)
         ]
@@ -104,4 +108,7 @@ class GatewayFleet:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=30)
+        for r in self.replicas:
+            if isinstance(r.notifier, PgNotifier):
+                r.notifier.close()
         self.engine.shutdown()

@@ -19,6 +19,10 @@
   where it ends (`serving.fetch`); one that does not verify is deleted and the artifact downloaded
   again whole, once, in the same sync. Nothing is loaded before its bytes matched the registry's
   hash, and the checkpoint folders it serves from are always rewritten from the verified store.
+- Each sync that loads, switches or retires something logs one line, `replica <id>: sync {json}`:
+  its `SyncResult.timeline()` (when it began, per loaded version `LoadTimes`: fetch with the bytes
+  downloaded, verify, write, load; when the new default took new requests). `bench/swap_load.py`
+  reads these lines.
 - `heartbeat()`: `registry.heartbeat(replica_id, gateway_id, host, holds={version: artifact
   SHA-256}, serves={version: share}, error=last_error)`. The default version serves `1 - share` of
   the canary (its `gate["canary"]["share"]`), the canary version that share.
@@ -66,6 +70,16 @@ TEMPLATE_FILES = (TOKENIZER, "tokenizer_config.json", "generation_config.json")
 SERVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LOADED_DIR = ".loaded"  # inside the store folder (a name WeightStore never lists)
 PART_SUFFIX = ".part"  # a download in progress (`serving.fetch`)
+
+
+_STORE_LOCKS: dict[Path, threading.Lock] = {}
+_STORE_LOCKS_GUARD = threading.Lock()
+
+
+def _store_lock(folder: Path) -> threading.Lock:
+    """One lock per store folder in this process (the fetcher's `flock` covers other processes)."""
+    with _STORE_LOCKS_GUARD:
+        return _STORE_LOCKS.setdefault(folder.resolve(), threading.Lock())
 
 
 # -- what the replica reads from the registry (gating.registry.Registry has all of it) ----------------
@@ -126,12 +140,40 @@ class ReplicaError(RuntimeError):
 
 
 @dataclass
+class LoadTimes:
+    """Where the time of loading one version went (seconds; bytes actually downloaded by this replica)."""
+
+    version: str
+    fetch_s: float = 0.0  # the artifacts of its chain into the local store, each checked (waits for the lock too)
+    fetched_bytes: int = 0
+    verify_s: float = 0.0  # rebuilt through its chain by the store, every tensor's SHA-256 checked
+    write_s: float = 0.0  # the checkpoint folder written in the served dtype
+    load_s: float = 0.0  # engine.add_version: loaded beside the versions served
+
+
+@dataclass
 class SyncResult:
     default: str | None
     held: dict[str, str]  # version -> artifact SHA-256
     loaded: list[str] = field(default_factory=list)
     retired: list[str] = field(default_factory=list)
     error: str | None = None
+    started_at: float = 0.0  # wall clock (time.time()) when the sync began
+    loads: list[LoadTimes] = field(default_factory=list)
+    switched_at: float | None = None  # wall clock when a new default took new requests
+    ended_at: float = 0.0
+
+    def timeline(self) -> dict[str, Any]:
+        """What a log line or a benchmark reads: the times of this sync's stages."""
+        return {
+            "started_at": self.started_at,
+            "default": self.default,
+            "loads": [vars(t) for t in self.loads],
+            "switched_at": self.switched_at,
+            "retired": self.retired,
+            "ended_at": self.ended_at,
+            "error": self.error,
+        }
 
 
 class Replica:
@@ -186,25 +228,32 @@ class Replica:
     def sync(self) -> SyncResult:
         """Make the engine hold and serve what the registry says (see the module's docstring)."""
         with self._lock:
+            started = time.time()
             errors: list[str] = []
             loaded: list[str] = []
             retired: list[str] = []
+            loads: list[LoadTimes] = []
             try:
                 promoted, cand = self.wanted()
             except Exception as e:
-                return self._done(SyncResult(self.engine.default_version, dict(self._held)), [f"registry: {e}"])
+                result = SyncResult(self.engine.default_version, dict(self._held), started_at=started)
+                return self._done(result, [f"registry: {e}"])
             if promoted is None:
                 errors.append("the registry has no promoted version")
             want = [v for v in (promoted, cand) if v is not None]
             for v in want:
+                times = LoadTimes(v.id)
                 try:
-                    if self._ensure_loaded(v):
+                    if self._ensure_loaded(v, times):
                         loaded.append(v.id)
+                        loads.append(times)
                 except Exception as e:
                     log.warning("replica %s: cannot serve %s: %s", self.replica_id, v.id, e)
                     errors.append(f"{v.id}: {e}")
+            switched = None
             if promoted is not None and promoted.id in self._held and self.engine.default_version != promoted.id:
                 self.engine.set_default(promoted.id)
+                switched = time.time()
             keep = {v.id for v in want} | {self.engine.default_version}
             for name in self.engine.versions:
                 if name in keep or name in self._retiring:
@@ -217,14 +266,20 @@ class Replica:
                     errors.append(f"retiring {name}: {e}")
                 self._held.pop(name, None)
             self._cleanup()
-            return self._done(SyncResult(self.engine.default_version, dict(self._held), loaded, retired), errors)
+            result = SyncResult(self.engine.default_version, dict(self._held), loaded, retired, None, started, loads)
+            result.switched_at = switched
+            result = self._done(result, errors)
+            if loaded or retired or switched:
+                log.info("replica %s: sync %s", self.replica_id, json.dumps(result.timeline()))
+            return result
 
     def _done(self, result: SyncResult, errors: list[str]) -> SyncResult:
         self.last_error = result.error = "; ".join(errors)[:2000] if errors else None
+        result.ended_at = time.time()
         return result
 
-    def _ensure_loaded(self, v: VersionLike) -> bool:
-        """True when `v` was loaded now, False when it was held already."""
+    def _ensure_loaded(self, v: VersionLike, times: LoadTimes) -> bool:
+        """True when `v` was loaded now (`times` says where the time went), False when it was held already."""
         sha = self._artifact(v).sha256
         if v.id in self._held:
             if self._held[v.id] != sha:
@@ -233,10 +288,16 @@ class Replica:
                     f"{sha[:12]}...; kept as it is"
                 )
             return False
-        self._ensure_stored(v)
+        t0 = time.perf_counter()
+        times.fetched_bytes = self._ensure_stored(v)
+        t1 = time.perf_counter()
         state = self.store.get(v.id)  # rebuilt through its chain, every tensor verified
+        t2 = time.perf_counter()
         folder = self._materialize(v.id, state)
+        t3 = time.perf_counter()
         self.engine.add_version(v.id, folder)
+        times.fetch_s, times.verify_s, times.write_s = t1 - t0, t2 - t1, t3 - t2
+        times.load_s = time.perf_counter() - t3
         self._held[v.id] = sha
         self._retiring.discard(v.id)
         log.info("replica %s: loaded %s (%s)", self.replica_id, v.id, sha[:12])
@@ -255,30 +316,33 @@ class Replica:
             )
         return a
 
-    def _ensure_stored(self, v: VersionLike) -> None:
-        """`v`'s artifact and those of its delta chain in the local store, each checked against the registry."""
+    def _ensure_stored(self, v: VersionLike) -> int:
+        """`v`'s artifact and those of its delta chain in the local store, each checked against the registry;
+        returns the bytes of those that were not there yet (downloaded or copied now)."""
         seen: list[str] = []
+        fetched = 0
         while True:
             if v.id in seen:
                 raise ReplicaError(f"version {seen[0]!r}: its delta chain loops at {v.id!r}")
             seen.append(v.id)
             a = self._artifact(v)
             dest = self.store.folder / a.path.rsplit("/", 1)[-1]
-            resumed = dest.with_name(dest.name + PART_SUFFIX).is_file()
-            try:
-                self.fetcher.fetch(a.path, a.sha256, dest, size=a.bytes)
-            except HashMismatch:
-                if not resumed:
-                    raise
-                # The part an interrupted download left was not a prefix of the artifact (the fetcher
-                # deleted it): download the whole file once more, verified like any other.
-                log.warning(
-                    "replica %s: the partial download of %s did not verify; fetching it again", self.replica_id, v.id
-                )
-                self.fetcher.fetch(a.path, a.sha256, dest, size=a.bytes)
+            with _store_lock(self.store.folder):  # replicas of one gateway share its store: one fetches
+                fetched += 0 if dest.is_file() else a.bytes
+                resumed = dest.with_name(dest.name + PART_SUFFIX).is_file()
+                try:
+                    self.fetcher.fetch(a.path, a.sha256, dest, size=a.bytes)
+                except HashMismatch:
+                    if not resumed:
+                        raise
+                    # The part an interrupted download left was not a prefix of the artifact (the fetcher
+                    # deleted it): download the whole file once more, verified like any other.
+                    log.warning("replica %s: the partial download of %s did not verify; fetching it again",
+                                self.replica_id, v.id)  # fmt: skip
+                    self.fetcher.fetch(a.path, a.sha256, dest, size=a.bytes)
             m = self.store.manifest(v.id)
             if m["kind"] == "snapshot":
-                return
+                return fetched
             parent = m["parent"]["version"]
             if v.delta_base_id is not None and v.delta_base_id != parent:
                 raise ReplicaError(

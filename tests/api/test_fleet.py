@@ -22,6 +22,8 @@ from gating.registry import Registry
 from serving.checkpoint import load_checkpoint
 from serving.weight_store import WeightStore, shipping_state
 from tests.conftest import LiveServer
+from tests.gating.test_registry import pg_database  # noqa: F401  (a fixture)
+from tests.serving.test_replica import pg_url  # noqa: F401  (a fixture)
 
 PROMPT = "# add 1 to x\ndef f(x):\n"
 
@@ -43,12 +45,19 @@ def wait_until(check, timeout_s: float = 20.0) -> None:
         time.sleep(0.1)
 
 
-@pytest.fixture
-def gateway(tiny_checkpoint, tmp_path):
-    settings = Settings(home=tmp_path, model_dir=tiny_checkpoint, engine="embedded", replicas=2, heartbeat_s=0.5)
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def gateway(request, tiny_checkpoint, tmp_path):
+    """The registry on SQLite (replicas poll it), or on PostgreSQL (they LISTEN for its NOTIFY)."""
+    db = None if request.param == "sqlite" else request.getfixturevalue("pg_url")
+    settings = Settings(
+        home=tmp_path, model_dir=tiny_checkpoint, engine="embedded", replicas=2, heartbeat_s=0.5, database_url=db
+    )
     reg, bus, index = Registry(settings.db_url), EmbeddedBus(tmp_path / "bus"), CompletionIndex(tmp_path / "i.db")
     admin = {"Authorization": f"Bearer {KeyStore(settings.key_store_path).create(['admin'])[0]}"}
-    with LiveServer(create_app(settings, bus=bus, index=index, registry=reg)) as server:
+    app = create_app(settings, bus=bus, index=index, registry=reg)
+    with LiveServer(app) as server:
+        notifiers = {type(r.notifier).__name__ for r in app.state.gateway.fleet.replicas}
+        assert notifiers == ({"NoneType"} if db is None else {"PgNotifier"})
         server.settings, server.reg, server.index, server.admin = settings, reg, index, admin
         yield server
     bus.close()

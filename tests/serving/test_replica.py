@@ -259,6 +259,32 @@ def test_two_replicas_following_one_registry_pick_up_a_promotion(world):
         served_exactly(w, r, "v2")
 
 
+def test_a_follower_reports_right_after_a_swap_not_at_its_next_heartbeat(world):
+    """Heartbeats every minute; a promotion is still reported within a poll or two of the registry."""
+    w = world
+    w.reg.bootstrap("v1", files=[w.entry("v1")])
+    r = w.replica("r1", heartbeat_s=60.0)
+    stop = threading.Event()
+    t = threading.Thread(target=r.run, args=(stop,), daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not w.reg.fleet().complete:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        w.register("v2", "v1")
+        w.advance("v2", "promoted")
+        promoted = time.monotonic()
+        sha = w.reg.get("v2").artifact_sha256
+        while w.reg.fleet(interval_s=60.0).replicas[0].serves != {"v2": 1.0}:
+            assert time.monotonic() < promoted + 20, "not reported before its next heartbeat (60 s)"
+            time.sleep(0.05)
+        assert w.reg.fleet(interval_s=60.0).replicas[0].holds == {"v2": sha}
+    finally:
+        stop.set()
+        t.join(10)
+
+
 @pytest.fixture
 def pg_url(pg_database):  # noqa: F811
     schema = f"t_{uuid.uuid4().hex[:10]}"
