@@ -40,4 +40,5 @@ def evaluate(
         "satisfaction": sum(sats) / len(sats),
         "pass_rate_by_family": {f: sum(v) / len(v) for f, v in sorted(per_family.items())},
         "mean_output_tokens": sum(len(o.output_ids) for o in outs) / len(outs),
+        "per_task": {"satisfaction": sats, "passed": [int(r.passed) for r in checks]},  # paired comparisons
     }

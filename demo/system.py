@@ -1,0 +1,512 @@
+"""`flywheel demo`: the demo product driven through the whole running system, on a compressed clock.
+
+What runs, each in a process of its own, on embedded defaults under one `FLYWHEEL_HOME`:
+- the **gateway** (`api.main.create_app`, uvicorn) with `replicas` engines following the registry,
+  serving the completion endpoint, the feedback API, the admin API and the dashboard;
+- the **joiner** (`feedback.joiner.JoinerService`, attribution window `window_s`);
+- the **learner** (`learner.service.LearnerService`, an update every `learner_every_samples`);
+- the **gate** (`gating.gate.run_gate`: the offline suite, then a short canary ramp).
+
+This process plays the product's users. Each of `users` simulated users (`demo.users.SimulatedUser`,
+heterogeneous: their own accept probabilities, activity drawn from a heavy-tailed distribution, an
+`adversarial_share` of them rewarding wrong completions) asks for completions of training-split
+tasks through the `openai` client, sees them (`shown`, through the feedback SDK) and reacts sparsely:
+an implicit signal on most completions, explicit ones on a minority, each at a delay spread over the
+attribution window, silence otherwise. A candidate that reaches `awaiting_approval` is approved through
+the admin API with an admin key, as the dashboard would, when `auto_approve` is set (the demo's flag;
+otherwise it waits for a person on the dashboard).
+
+At the end every promoted version, and the base, is evaluated on the report split (never seen by
+pre-training, traffic or the gate) in this process, and the run's numbers are returned: satisfaction
+and pass rate per version, the canary decisions, samples and wall time per promotion, and the
+learner's off-policy statistics. `demo.report` turns runs into `docs/demo/report.{md,json}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import multiprocessing as mp
+import random
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field
+
+log = logging.getLogger(__name__)
+
+
+class DemoSystemConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seed: int = Field(0, description="Seeds the users, their traffic and the services' sampling.")
+    users: int = Field(500, ge=1, description="Simulated users.")
+    adversarial_share: float = Field(0.0, ge=0, le=1, description="Share of users who reward wrong completions.")
+    shuffle_rewards: bool = Field(False, description="Control: users react to another completion's outcome.")
+    traffic_s: float = Field(600.0, gt=0, description="Seconds of user traffic (wall clock).")
+    concurrency: int = Field(16, ge=1, description="Completions in flight at once.")
+    window_s: float = Field(4.0, gt=0, description="The joiner's attribution window (the compressed clock).")
+    p_implicit: float = Field(0.8, ge=0, le=1, description="Share of completions that get an implicit signal.")
+    p_explicit: float = Field(0.25, ge=0, le=1, description="Share of explicit signals (thumbs, ratings) kept.")
+    replicas: int = Field(2, ge=1, description="Engines of the gateway.")
+    learner_every_samples: int = Field(256, ge=1, description="Samples per learner update.")
+    lr: float = Field(3e-4, gt=0, description="The learner's learning rate.")
+    gate_G: int = Field(4, ge=1, description="Offline samples per prompt and version.")
+    gate_prompts: int = Field(64, ge=4, description="Prompts of the offline suite.")
+    canary_steps: tuple[float, ...] = Field((0.2, 0.5), description="Canary shares.")
+    canary_min_users: int = Field(20, ge=2, description="Users per arm a canary step needs.")
+    canary_max_step_s: float = Field(120.0, gt=0, description="A canary step not passed by then is inconclusive.")
+    auto_approve: bool = Field(True, description="Approve through the admin API as soon as a version awaits it.")
+    report_prompts: int = Field(1000, ge=10, description="Report-split prompts per evaluation.")
+    max_tokens: int = Field(48, ge=1)
+
+
+# ---- the services, each in its own process -------------------------------------------------------
+
+
+def _settings(home: str, base: str, **extra: Any):
+    from core.settings import Settings
+
+    return Settings(home=Path(home), model_dir=Path(base), env="local", **extra)
+
+
+def _gateway_main(home: str, base: str, port: int, replicas: int, stop: Any) -> None:
+    import uvicorn
+
+    from api.main import create_app
+
+    settings = _settings(home, base, port=port, replicas=replicas, heartbeat_s=1.0)
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
+
+    async def serve() -> None:
+        task = asyncio.create_task(server.serve())
+        while not stop.is_set() and not task.done():
+            await asyncio.sleep(0.2)
+        server.should_exit = True
+        await task
+
+    asyncio.run(serve())
+
+
+def _joiner_main(home: str, base: str, window_s: float, stop: Any) -> None:
+    from core.service_metrics import ServiceMetrics
+    from feedback.connect import open_bus
+    from feedback.joiner import JoinerService
+    from feedback.rewards import RewardSpec
+
+    settings = _settings(home, base)
+    bus = open_bus(settings)
+    service = JoinerService(bus, RewardSpec(), window_s, metrics=ServiceMetrics("joiner", settings.home / "metrics"))
+    try:
+        while not stop.is_set():
+            service.run_once(timeout_s=0.2)
+    finally:
+        service.close()
+        bus.close()
+
+
+def _learner_main(home: str, base: str, cfg_json: str, stop: Any) -> None:
+    from feedback.connect import open_bus
+    from gating.registry import Registry
+    from learner.service import LearnerConfig, LearnerService
+
+    settings = _settings(home, base)
+    bus = open_bus(settings)
+    registry = Registry(settings.db_url)
+    cfg = LearnerConfig.model_validate_json(cfg_json)
+    service = LearnerService(bus, registry, settings.learner_models_dir, settings.served_model_dir, cfg)
+    try:
+        while not stop.is_set():
+            service.run_once(timeout_s=0.2)
+    finally:
+        service.close()
+        bus.close()
+        registry.close()
+
+
+def _gate_main(home: str, base: str, cfg_json: str, prompts: int, seed: int, stop: Any) -> None:
+    import threading
+
+    from demo.suite import demo_suite
+    from demo.tasks import sample_tasks
+    from feedback.connect import open_bus
+    from gating.gate import GateConfig, run_gate
+
+    settings = _settings(home, base, torch_threads=1)
+    bus = open_bus(settings)
+    done = threading.Event()
+    threading.Thread(target=lambda: (stop.wait(), done.set()), daemon=True).start()
+    tasks = {t.task_id: t for t in sample_tasks(prompts * 4, seed=seed + 7)}  # distinct prompts
+    suite = demo_suite(list(tasks.values())[:prompts])
+    try:
+        run_gate(settings, done, suite, GateConfig.model_validate_json(cfg_json), bus=bus)
+    finally:
+        bus.close()
+
+
+# ---- the users -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _User:
+    sim: Any  # demo.users.SimulatedUser
+    adversarial: bool
+    activity: float
+
+
+@dataclass
+class Traffic:
+    """What the users did: counts, and each completion's served version and outcome."""
+
+    completions: int = 0
+    errors: int = 0
+    feedback: int = 0
+    served: dict[str, int] = field(default_factory=dict)
+    passed: dict[str, list[int]] = field(default_factory=dict)
+
+
+def _users(cfg: DemoSystemConfig) -> list[_User]:
+    from demo.users import SimulatedUser, UserPrefs
+
+    rng = random.Random(f"users:{cfg.seed}")
+    n_adv = round(cfg.users * cfg.adversarial_share)
+    out = []
+    for i in range(cfg.users):
+        prefs = UserPrefs(noise=0.1)  # heterogeneous: each user's accept probabilities jittered by 0.1
+        out.append(_User(SimulatedUser(f"user-{cfg.seed}-{i}", cfg.seed, prefs), i < n_adv, rng.paretovariate(1.5)))
+    rng.shuffle(out)
+    return out
+
+
+def _signals(user: _User, task: Any, text: str, check: Any, cfg: DemoSystemConfig, rng: random.Random) -> list:
+    """The signals this user sends about one completion: sparse, as a product sees them."""
+    from demo.checker import CheckResult
+
+    seen = check
+    if user.adversarial:  # rewards wrong completions, punishes right ones
+        seen = CheckResult(not check.passed, check.n_tests - check.n_passed, check.n_tests, check.error)
+    out = []
+    for s in user.sim.react(task, text, seen):
+        explicit = s.kind in ("thumb_up", "thumb_down", "rating")
+        keep = cfg.p_explicit if explicit else (1.0 if s.kind == "dwell" else cfg.p_implicit)
+        if rng.random() < keep:
+            out.append(s)
+    return out
+
+
+async def _drive_users(
+    cfg: DemoSystemConfig, url: str, deadline: float, progress: Callable[[Traffic], None] | None = None
+) -> Traffic:
+    import openai
+
+    from demo.checker import check_batch
+    from demo.tasks import sample_tasks
+    from feedback.sdk.client import FeedbackClient
+
+    users = _users(cfg)
+    weights = [u.activity for u in users]
+    rng = random.Random(f"traffic:{cfg.seed}")
+    traffic = Traffic()
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="local", max_retries=2, timeout=30)
+    fb = FeedbackClient(url, batch_size=200, flush_interval_s=0.5)
+    pending: list[tuple[_User, Any, str, str]] = []
+    traffic_model: dict[str, str] = {}  # completion id -> the version that served it
+    later: list[asyncio.Task] = []
+    task_seed = [cfg.seed * 1_000_003]
+
+    async def one_user() -> None:
+        while time.monotonic() < deadline:
+            user = rng.choices(users, weights)[0]
+            task_seed[0] += 1
+            task = sample_tasks(1, seed=task_seed[0])[0]
+            try:
+                r = await client.completions.create(
+                    model="flywheel",
+                    prompt=task.prompt,
+                    max_tokens=cfg.max_tokens,
+                    temperature=1.0,
+                    user=user.sim.user_id,
+                    seed=task_seed[0],
+                )
+            except openai.OpenAIError as e:
+                traffic.errors += 1
+                log.warning("demo user: completion failed: %r", e)
+                await asyncio.sleep(0.5)
+                continue
+            traffic.completions += 1
+            traffic.served[r.model] = traffic.served.get(r.model, 0) + 1
+            fb.shown(r.id, user=user.sim.user_id)
+            pending.append((user, task, r.id, r.choices[0].text))
+            traffic_model[r.id] = r.model
+
+    async def react() -> None:
+        while time.monotonic() < deadline or pending:
+            await asyncio.sleep(0.3)
+            batch, pending[:] = pending[:], []
+            if not batch:
+                continue
+            checks = await asyncio.to_thread(check_batch, [t for _, t, _, _ in batch], [x for *_, x in batch])
+            outcomes = list(checks)
+            if cfg.shuffle_rewards:  # control: each user reacts to another completion's outcome
+                rng.shuffle(outcomes)
+            for (user, task, cid, text), check, real in zip(batch, outcomes, checks):
+                model = traffic_model.pop(cid, "?")
+                traffic.passed.setdefault(model, []).append(int(real.passed))
+                for s in _signals(user, task, text, check, cfg, rng):
+                    delay = rng.uniform(0.0, cfg.window_s * 0.8)
+                    later.append(asyncio.create_task(_send_later(fb, s, cid, user.sim.user_id, delay, traffic)))
+            if progress is not None:
+                progress(traffic)
+
+    await asyncio.gather(*(one_user() for _ in range(cfg.concurrency)), react())
+    await asyncio.gather(*later)
+    await asyncio.to_thread(fb.close, 30)
+    await client.close()
+    return traffic
+
+
+async def _send_later(fb: Any, s: Any, cid: str, user: str, delay: float, traffic: Traffic) -> None:
+    await asyncio.sleep(delay)
+    if fb.send(s.kind, cid, s.value, user=user) is not None:
+        traffic.feedback += 1
+
+
+# ---- the run -------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class _Services:
+    procs: dict[str, mp.process.BaseProcess]
+    stop: Any
+
+    def check(self) -> None:
+        dead = [n for n, p in self.procs.items() if not p.is_alive()]
+        if dead:
+            raise RuntimeError(f"demo: service(s) {dead} exited (codes {[self.procs[n].exitcode for n in dead]})")
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self.stop.set()
+        for p in self.procs.values():
+            p.join(timeout_s)
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+
+
+def start_services(cfg: DemoSystemConfig, home: Path, base: Path, port: int) -> _Services:
+    from gating.canary import CanaryConfig
+    from gating.gate import GateConfig
+    from learner.service import LearnerConfig
+    from learner.trainer import TrainerConfig
+
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    learner = LearnerConfig(
+        update_every_samples=cfg.learner_every_samples,
+        update_every_s=max(30.0, cfg.window_s * 10),
+        min_samples=32,
+        trainer=TrainerConfig(lr=cfg.lr),
+    )
+    canary = CanaryConfig(
+        steps=cfg.canary_steps,
+        min_users_per_arm=cfg.canary_min_users,
+        min_step_s=cfg.window_s * 2,
+        max_step_s=cfg.canary_max_step_s,
+        min_users_for_harm=max(2, cfg.canary_min_users // 2),
+        watch_s=cfg.traffic_s,
+    )
+    gate = GateConfig(G=cfg.gate_G, seed=cfg.seed, n_resamples=500, poll_s=1.0, nice=5, canary=canary)
+    h, b = str(home), str(base)
+    specs = {
+        "gateway": (_gateway_main, (h, b, port, cfg.replicas, stop)),
+        "joiner": (_joiner_main, (h, b, cfg.window_s, stop)),
+        "learner": (_learner_main, (h, b, learner.model_dump_json(), stop)),
+        "gate": (_gate_main, (h, b, gate.model_dump_json(), cfg.gate_prompts, cfg.seed, stop)),
+    }
+    procs = {}
+    for name, (target, args) in specs.items():
+        p = ctx.Process(target=target, args=args, name=f"flywheel-{name}", daemon=False)
+        p.start()
+        procs[name] = p
+    return _Services(procs, stop)
+
+
+def _wait_ready(url: str, services: _Services, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        services.check()
+        try:
+            if httpx.get(url + "/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"demo: the gateway at {url} did not come up in {timeout_s:.0f} s")
+
+
+class _Approver:
+    """Approves, through the admin API, every version that awaits approval (the demo's auto-approve)."""
+
+    def __init__(self, url: str, token: str):
+        self.url, self.headers = url, {"Authorization": f"Bearer {token}"}
+        self.approved: list[str] = []
+
+    def step(self) -> None:
+        r = httpx.get(self.url + "/admin/versions", headers=self.headers, timeout=10)
+        r.raise_for_status()
+        for v in r.json():
+            if v["status"] == "awaiting_approval" and v["id"] not in self.approved:
+                reason = {"reason": "demo auto-approve: offline gate and canary passed"}
+                a = httpx.post(f"{self.url}/admin/versions/{v['id']}/approve", json=reason, headers=self.headers)
+                if a.status_code == 200:
+                    self.approved.append(v["id"])
+                    log.info("demo: approved %s", v["id"])
+                else:
+                    log.warning("demo: approving %s: %s %s", v["id"], a.status_code, a.text[:200])
+
+
+def run_system(cfg: DemoSystemConfig, home: Path, base: Path, on_line: Callable[[str], None] = print) -> dict:
+    """One run (module docstring); returns its numbers. `base` is the bootstrapped base checkpoint."""
+    from core.security import KeyStore
+    from gating.registry import Registry
+
+    home.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    token, _ = KeyStore(home / "keys.json").create(["admin"], label="demo auto-approve")
+    t0 = time.monotonic()
+    services = start_services(cfg, home, base, port)
+    registry = Registry(f"sqlite:///{home / 'registry.db'}")
+    try:
+        _wait_ready(url, services)
+        approver = _Approver(url, token)
+        seen: dict[str, str] = {}
+
+        def watch(traffic: Traffic) -> None:
+            services.check()
+            if cfg.auto_approve:
+                approver.step()
+            for v in registry.list():
+                if v.status.value in ("candidate", "evaluating", "canary", "awaiting_approval"):
+                    continue
+                if seen.get(v.id) != v.status.value:
+                    seen[v.id] = v.status.value
+                    if v.parent_id is not None:
+                        on_line(_version_line(v, time.monotonic() - t0, traffic))
+
+        deadline = time.monotonic() + cfg.traffic_s
+        traffic = asyncio.run(_drive_users(cfg, url, deadline, _throttled(watch, 2.0)))
+        watch(traffic)
+        wall = time.monotonic() - t0
+        versions = registry.list()
+        audit = registry.audit()
+    finally:
+        services.close()
+        registry.close()
+    promoted = [a.version_id for a in audit if a.to_status.value == "promoted"]
+    evals = evaluate_versions(home, base, list(dict.fromkeys(promoted)), cfg)
+    return {
+        "config": cfg.model_dump(mode="json"),
+        "wall_s": round(wall, 1),
+        "traffic": {
+            "completions": traffic.completions,
+            "errors": traffic.errors,
+            "feedback": traffic.feedback,
+            "served": traffic.served,
+            "pass_rate_served": {k: sum(v) / len(v) for k, v in traffic.passed.items() if v},
+        },
+        "versions": [_version_record(v, audit) for v in versions],
+        "promotions": promoted,
+        "evaluations": evals,
+    }
+
+
+def _throttled(fn: Callable[[Traffic], None], every_s: float) -> Callable[[Traffic], None]:
+    last = [0.0]
+
+    def call(t: Traffic) -> None:
+        if time.monotonic() - last[0] >= every_s:
+            last[0] = time.monotonic()
+            fn(t)
+
+    return call
+
+
+def _version_line(v: Any, elapsed: float, traffic: Traffic) -> str:
+    offline = (v.gate.get("offline") or {}).get("numbers", {})
+    diff = offline.get("difference") or offline.get("overall", {})
+    what = json.dumps(diff)[:80] if diff else ""
+    return f"[{elapsed:6.0f}s] {v.id} {v.status.value:<12} parent {v.parent_id} {what} ({traffic.completions} served)"
+
+
+def _version_record(v: Any, audit: list) -> dict:
+    steps = [a for a in audit if a.version_id == v.id and a.from_status != a.to_status]
+    return {
+        "id": v.id,
+        "parent": v.parent_id,
+        "status": v.status.value,
+        "created_at": v.created_at.isoformat(),
+        "transitions": [
+            {"to": a.to_status.value, "at": a.at.isoformat(), "actor": a.actor, "reason": a.reason[:300]} for a in steps
+        ],
+        "learner": {
+            k: v.metrics.get(k)
+            for k in ("samples", "ratio_mean", "clip_frac", "staleness_mean", "dropped", "reward_mean", "poisoning")
+            if k in v.metrics
+        },
+        "offline_passed": (v.gate.get("offline") or {}).get("passed"),
+        "canary": {k: (v.gate.get("canary") or {}).get(k) for k in ("step", "share")},
+    }
+
+
+def evaluate_versions(home: Path, base: Path, version_ids: list[str], cfg: DemoSystemConfig) -> dict:
+    """Satisfaction and pass rate of each version on the report split, with 95% CIs (this process)."""
+    from demo.evaluation import evaluate
+    from serving.engine import EmbeddedEngine
+
+    out = {}
+    for vid in version_ids:
+        folder = home / "models" / "learner" / vid
+        if not (folder / "config.json").is_file():
+            folder = base
+        engine = EmbeddedEngine(max_batch=64, max_model_len=256)
+        try:
+            engine.add_version(vid, folder, default=True)
+            r = evaluate(engine, vid, cfg.report_prompts, seed=REPORT_SEED, max_tokens=cfg.max_tokens)
+        finally:
+            engine.shutdown()
+        out[vid] = {
+            "satisfaction": r["satisfaction"],
+            "satisfaction_ci95": mean_ci(r["per_task"]["satisfaction"]),
+            "pass_rate": r["pass_rate"],
+            "pass_rate_ci95": mean_ci(r["per_task"]["passed"]),
+            "satisfaction_ceiling": r["satisfaction_ceiling"],
+            "n": r["n"],
+            "per_task": r["per_task"],
+        }
+    return out
+
+
+REPORT_SEED = 424_242
+
+
+def mean_ci(xs: list[float]) -> list[float]:
+    """Normal 95% interval of the mean of `xs` (paired differences: pass the differences)."""
+    n = len(xs)
+    mean = sum(xs) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1)) if n > 1 else 0.0
+    half = 1.96 * sd / math.sqrt(n)
+    return [round(mean - half, 4), round(mean + half, 4)]
