@@ -112,6 +112,7 @@ def canary_look(progress: CanaryProgress) -> dict[str, Any]:
             "satisfaction": _mean(out.per_user(progress.step, arm, "reward")),
             "latency_ms": _mean(out.per_user(progress.step, arm, "latency_ms")),
             "error_rate": _mean(out.per_user(progress.step, arm, "error_rate")),
+            "pass_rate": _mean(out.per_user(progress.step, arm, "pass_rate")),
         }
     c, i = arms["candidate"]["satisfaction"], arms["incumbent"]["satisfaction"]
     return {"step": progress.step, "share": progress.share, "arms": arms, "diff": None if c is None else c - (i or 0)}
@@ -319,13 +320,16 @@ def verdict(
                 Check("Canary guardrails", "wait", "latency and error rate not judged yet", "too few users per arm")
             )
         for metric, g in (rails or {}).items():
+            lower_worse = g.get("direction") == "lower_is_worse"
             checks.append(
                 Check(
                     f"Canary guardrail: {metric}",
                     "fail" if g["harmed"] else "pass",
                     f"candidate − incumbent {num(g['estimate'], '+.4g')}, band [{num(g['lower'], '+.4g')}, "
-                    f"{num(g['upper'], '+.4g')}] (higher is worse)",
-                    "significantly worse on the candidate: the band lies above 0" if g["harmed"] else "",
+                    f"{num(g['upper'], '+.4g')}] ({'lower' if lower_worse else 'higher'} is worse)",
+                    f"significantly worse on the candidate: the band lies {'below' if lower_worse else 'above'} 0"
+                    if g["harmed"]
+                    else "",
                 )
             )
     elif v.status in (S.canary, S.awaiting_approval):
@@ -342,14 +346,36 @@ def verdict(
         )
     elif offline is not None:
         checks.append(Check("Users and samples", "info", _offline_size(offline).lstrip("; ")))
-    checks.append(
-        Check(
-            "Reward from flagged users",
-            "info",
-            "not recorded: the joiner keeps no per-version share of reward from flagged users yet",
+    checks.append(_flagged(v))
+    watch = v.gate.get("watch")
+    if watch:
+        alerts = watch.get("alerts", [])
+        users = watch.get("users")
+        checks.append(
+            Check(
+                "After promotion",
+                "fail" if alerts else "pass" if watch.get("guardrails") else "wait",
+                f"guardrails watched since {str(watch.get('promoted_at', '?'))[:19]}"
+                + (f", users {users}" if users else "")
+                + (" (watch over)" if watch.get("done") else ""),
+                "alert: " + ", ".join(a["metric"] for a in alerts) + " harmed since promotion: consider rolling back"
+                if alerts
+                else ("" if watch.get("guardrails") else "too few users since promotion to judge"),
+            )
         )
-    )
     return checks
+
+
+def _flagged(v: ModelVersionPublic) -> Check:
+    """The share of the update's reward that came from users the learner flagged (`metrics["poisoning"]`)."""
+    p = v.metrics.get("poisoning")
+    if not p:
+        return Check("Reward from flagged users", "info", "not recorded for the update behind this version")
+    share = p.get("flagged_reward_share", 0.0)
+    text = f"{share:.1%} of the update reward, from {p.get('flagged_users', 0)} of {p.get('users', 0)} users"
+    text += f" ({p.get('flagged_samples', 0)} samples, weighed down)"
+    why = "; ".join(f"user {f.get('user', '?')[:8]}: {', '.join(f.get('reasons', []))}" for f in p.get("flags", [])[:3])
+    return Check("Reward from flagged users", "wait" if p.get("flagged_users") else "info", text, why)
 
 
 def _offline_size(offline: OfflineVerdict | None) -> str:

@@ -45,8 +45,9 @@ def to_awaiting_approval(reg: Registry, vid: str, cand: float = 0.5) -> None:
                "suite_version": "s1", "numbers": offline_numbers(cand, 0.4)}  # fmt: skip
     reg.record_gate(vid, "offline", verdict, "gate")
     reg.transition(vid, "canary", "gate", "offline passed")
-    counts = CanaryOutcomes(steps={0: {"candidate": {"u1": [2, 1.0, 0.5, 2, 200.0, 0], "u2": [1, 0.5, 0.25, 1, 90.0, 0]},
-                                       "incumbent": {"u3": [1, 0.0, 0.0, 1, 80.0, 0], "u4": [1, 1.0, 1.0, 1, 95.0, 1]}}})  # fmt: skip
+    # per user: reward n, sum, sum of squares; latency n, sum; errors; verifier-scored n, sum
+    counts = CanaryOutcomes(steps={0: {"candidate": {"u1": [2, 1.0, 0.5, 2, 200.0, 0, 2, 1.0], "u2": [1, 0.5, 0.25, 1, 90.0, 0, 1, 1.0]},
+                                       "incumbent": {"u3": [1, 0.0, 0.0, 1, 80.0, 0, 1, 0.0], "u4": [1, 1.0, 1.0, 1, 95.0, 1, 1, 1.0]}}})  # fmt: skip
     progress = {"step": 0, "share": 0.5, "started_at": datetime.now(UTC), "counts": counts.to_dict()}
     reg.record_gate(vid, "canary", progress, "gate")
     numbers = {"margin": 0.03, "alpha": 0.05, "share": 0.5, "users": {"candidate": 2, "incumbent": 2},
@@ -62,7 +63,14 @@ def live(tiny_checkpoint, tmp_path):
     engine.add_version(tiny_checkpoint.name, tiny_checkpoint, default=True)
     bus, reg = EmbeddedBus(tmp_path / "bus"), Registry(settings.db_url)
     reg.bootstrap("base", files=files("base"))
-    reg.register(version_id="v1", parent_id="base", files=files("v1"), metrics={"reward_mean": 0.25},
+    poisoning = {
+        "users": 12,
+        "flagged_users": 1,
+        "flagged_samples": 9,
+        "flagged_reward_share": 0.41,
+        "flags": [{"user": "u9abcdef", "reasons": ["share 41.0% of the reward > 20.0%"]}],
+    }
+    reg.register(version_id="v1", parent_id="base", files=files("v1"), metrics={"reward_mean": 0.25, "poisoning": poisoning},
                  data_range={"feedback.samples": {0: (0, 40), 1: (0, 24)}})  # fmt: skip
     to_awaiting_approval(reg, "v1")
     keys, index = KeyStore(settings.key_store_path), CompletionIndex(tmp_path / "index.db")
@@ -82,7 +90,7 @@ def csrf_of(html: str) -> str:
 
 
 def sign_in(live, token: str) -> httpx.Client:
-    c = httpx.Client(base_url=live.url, timeout=10)
+    c = httpx.Client(base_url=live.url, timeout=30)
     page = c.get("/dashboard/login")
     r = c.post("/dashboard/login", data={"key": token, "csrf": csrf_of(page.text), "next": "/dashboard/versions"})
     assert r.status_code == 303 and r.headers["location"] == "/dashboard/versions", r.text
@@ -91,16 +99,16 @@ def sign_in(live, token: str) -> httpx.Client:
 
 def test_anonymous_visitors_get_the_sign_in_page_and_no_data(live):
     for path in ("/dashboard/versions", "/dashboard/versions/v1", "/dashboard/fleet", "/dashboard"):
-        r = httpx.get(live.url + path, follow_redirects=True)
+        r = httpx.get(live.url + path, follow_redirects=True, timeout=30)
         assert r.status_code == 200 and r.url.path == "/dashboard/login", path
         shown = re.sub(r'name="next" value="[^"]*"', "", r.text)  # the page asked for, not data
         assert "v1" not in shown and "base" not in shown and "promoted" not in shown and 'id="key"' in shown
-    r = httpx.post(live.url + "/dashboard/versions/v1/approve", data={"reason": "x", "csrf": "x"})
+    r = httpx.post(live.url + "/dashboard/versions/v1/approve", data={"reason": "x", "csrf": "x"}, timeout=30)
     assert r.status_code == 401 and live.reg.get("v1").status == "awaiting_approval"
 
 
 def test_sign_in_sets_a_strict_httponly_expiring_cookie_and_refuses_bad_keys(live):
-    c = httpx.Client(base_url=live.url)
+    c = httpx.Client(base_url=live.url, timeout=30)
     page = c.get("/dashboard/login")
     assert page.headers["content-security-policy"].startswith("default-src 'self'")
     assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
@@ -109,7 +117,7 @@ def test_sign_in_sets_a_strict_httponly_expiring_cookie_and_refuses_bad_keys(liv
     completions = live.keys.create(["completions"])[0]
     r = c.post("/dashboard/login", data={"key": completions, "csrf": csrf_of(page.text)})
     assert r.status_code == 403 and "viewer" in r.text and "fw_session" not in r.headers.get("set-cookie", "")
-    fresh = httpx.Client(base_url=live.url)  # a form posted without its nonce cookie (another site's form)
+    fresh = httpx.Client(base_url=live.url, timeout=30)  # a form posted without its nonce cookie (another site's form)
     assert fresh.post("/dashboard/login", data={"key": live.admin_token, "csrf": token}).status_code == 403
     r = c.post("/dashboard/login", data={"key": live.admin_token, "csrf": csrf_of(c.get("/dashboard/login").text)})
     assert r.status_code == 303
@@ -136,13 +144,13 @@ def test_outside_local_mode_the_cookie_is_secure_and_a_session_secret_is_require
     token = KeyStore(settings.key_store_path).create(["viewer"])[0]
     try:
         with LiveServer(create_app(settings, engine=engine, bus=bus, registry=reg)) as server:
-            c = httpx.Client(base_url=server.url)
+            c = httpx.Client(base_url=server.url, timeout=30)
             login = c.get("/dashboard/login")
             assert "secure" in login.headers["set-cookie"].lower()  # the sign-in nonce too
             # httpx keeps Secure cookies off plain http, as a browser would: post the nonce by hand
             nonce = login.cookies["fw_csrf"]
             r = httpx.post(server.url + "/dashboard/login", data={"key": token, "csrf": csrf_of(login.text)},
-                           cookies={"fw_csrf": nonce})  # fmt: skip
+                           cookies={"fw_csrf": nonce}, timeout=30)  # fmt: skip
             assert r.status_code == 303
             cookie = next(h for h in r.headers.get_list("set-cookie") if h.startswith("fw_session="))
             assert "secure" in [f.strip().lower() for f in cookie.split(";")]
@@ -162,7 +170,7 @@ def test_a_viewer_sees_everything_and_can_act_on_nothing(live):
     r = c.post("/dashboard/versions/v1/approve", data={"reason": "ship it", "csrf": csrf_of(page.text)})
     assert r.status_code == 403 and "viewer scope" in r.text
     api = httpx.post(live.url + "/admin/versions/v1/approve", json={"reason": "x"},
-                     headers={"Authorization": f"Bearer {live.viewer_token}"})  # fmt: skip
+                     headers={"Authorization": f"Bearer {live.viewer_token}"}, timeout=30)  # fmt: skip
     assert api.status_code == 403 and api.json()["error"]["code"] == "insufficient_scope"
     assert live.reg.get("v1").status == "awaiting_approval"
     assert (
@@ -267,6 +275,14 @@ def test_the_pages_show_the_evidence(live):
                  "always-valid band [-0.010, +0.500] vs −margin −0.03", "p = 1", "Canary share over time",
                  "Reward from flagged users", "record_gate canary"):  # fmt: skip
         assert text in page, text
+    assert "41.0% of the update reward, from 1 of 12 users" in page and "share 41.0% of the reward" in page
+    live.reg.approve("v1", "test", "promote")
+    alert = {"metric": "latency_ms", "harmed": True}
+    watch = {"promoted_at": "2026-01-01T00:00:00+00:00", "done": False, "alerts": [alert], "users": {"candidate": 12},
+             "guardrails": {"latency_ms": {"estimate": 30.0, "lower": 5.0, "upper": 55.0, "harmed": True}}}  # fmt: skip
+    live.reg.record_gate("v1", "watch", watch, "gate")
+    page = c.get("/dashboard/versions/v1").text
+    assert "After promotion" in page and "alert: latency_ms harmed since promotion" in page
     fleet = c.get("/dashboard/fleet").text
     assert "No replica has sent a heartbeat" in fleet and 'id="fleet-state"' in fleet
 

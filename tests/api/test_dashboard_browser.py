@@ -1,0 +1,294 @@
+"""The dashboard in a real browser: Debian's headless Chromium driven by Selenium through
+/usr/bin/chromedriver (never a downloaded browser; Selenium Manager is made unusable so it cannot run).
+
+The world is the whole loop at a tiny size, every part real: a gateway with 2 replicas serves the demo
+product's tasks to simulated users (`demo.users`), their feedback goes through /v1/feedback, the
+joiner turns it into samples, the learner trains and publishes a candidate, the gate evaluates it
+offline (G=2, 20 prompts of the demo suite) and runs its canary (two one-second steps) on live,
+routed traffic until it awaits approval. Then, in the browser: a viewer sees it and can do nothing
+(and the API says 403); a POST without the CSRF token is 403; an admin approves it with a reason and
+the fleet serves it (through /v1/completions); a rollback from the page restores the base.
+
+FLYWHEEL_SCREENSHOTS=<dir> also saves a screenshot of each page there, on the demo model (the
+pre-trained `small_trained_checkpoint`, about a minute more) instead of the random tiny one.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from api.fleet import CANARY_TTL_S
+from api.main import create_app
+from core.security import KeyStore
+from core.settings import Settings
+from demo.checker import check_batch
+from demo.suite import demo_suite
+from demo.tasks import all_tasks, sample_tasks
+from demo.users import SimulatedUser
+from feedback.bus_embedded import EmbeddedBus
+from feedback.completion_index import CompletionIndex
+from feedback.joiner import JoinerService
+from feedback.rewards import RewardSpec
+from gating.canary import CanaryConfig
+from gating.gate import Gate, GateConfig, weight_store_loader
+from gating.registry import Registry
+from learner.service import LearnerConfig, LearnerService
+from serving.engine import EmbeddedEngine
+from tests.conftest import LiveServer
+
+CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+SHOTS = os.environ.get("FLYWHEEL_SCREENSHOTS")
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(
+        not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
+        reason="needs Debian's chromium and chromium-driver (scripts/setup-venv.sh installs them as root)",
+    ),
+]
+CANARY = CanaryConfig(steps=(0.3, 0.6), min_users_per_arm=3, min_step_s=1.0, max_step_s=120.0, margin=1.0,
+                      rho=2.0, min_users_for_harm=3)  # fmt: skip
+"""Tiny but real: two one-second steps; a dozen users cannot resolve a smaller margin than 1 reward point."""
+GATE = GateConfig(G=2, max_tokens=16, n_resamples=200, poll_s=0.1, nice=0, canary=CANARY)
+
+
+def wait_until(check, timeout_s: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while not (got := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+    return got
+
+
+def twenty_tasks() -> list:
+    """20 prompts of the demo suite, every family: 3 of each of the first four, 2 of the others."""
+    by_family: dict[str, list] = {}
+    for t in all_tasks():
+        by_family.setdefault(t.family, []).append(t)
+    return [t for i, (_, ts) in enumerate(sorted(by_family.items())) for t in ts[: 3 if i < 4 else 2]]
+
+
+class Product:
+    """The demo product on the live gateway: users ask for completions of demo tasks and react to them."""
+
+    def __init__(self, url: str, bus: EmbeddedBus, n_users: int = 16):
+        self.url, self.http = url, httpx.Client(base_url=url, timeout=60)
+        self.users = [SimulatedUser(f"user-{i}", seed=i) for i in range(n_users)]
+        self.joiner = JoinerService(bus, RewardSpec(), window_s=0.5)
+        self.round = 0
+
+    def serve(self, per_user: int = 1) -> int:
+        """One round: every user gets `per_user` completions and reacts; returns the samples joined."""
+        self.round += 1
+        tasks = sample_tasks(len(self.users) * per_user, seed=1000 + self.round)
+        asked = [(self.users[i % len(self.users)], t) for i, t in enumerate(tasks)]
+        done = [self.complete(t.prompt, u.user_id) for u, t in asked]
+        checks = check_batch([t for _, t in asked], [c["choices"][0]["text"] for c in done])
+        events = [
+            {
+                "completion_id": c["choices"][0]["completion_id"],
+                "kind": kind,
+                "user": u.user_id,
+                **({"value": value} if value is not None else {}),
+            }
+            for (u, t), c, ch in zip(asked, done, checks)
+            for kind, value in [("shown", None)] + [(s.kind, s.value) for s in u.react(t, c["choices"][0]["text"], ch)]
+        ]  # fmt: skip  (shown: the exposure the canary counts)
+        r = self.http.post("/v1/feedback", json={"events": events})
+        assert r.status_code == 200, r.text
+        time.sleep(0.6)  # the attribution window closes
+        return sum(len(self.joiner.run_once(timeout_s=0.2)) for _ in range(3))
+
+    def complete(self, prompt: str, user: str | None) -> dict:
+        body = {"model": "flywheel", "prompt": prompt, "max_tokens": 12, **({"user": user} if user else {})}
+        r = self.http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def close(self) -> None:
+        self.joiner.close()
+        self.http.close()
+
+
+@pytest.fixture(scope="module")
+def world(request, tmp_path_factory):
+    """A candidate awaiting approval after the learner, the offline gate and a routed canary."""
+    ckpt = request.getfixturevalue("small_trained_checkpoint" if SHOTS else "tiny_checkpoint")
+    home = tmp_path_factory.mktemp("dashboard")
+    settings = Settings(home=home, model_dir=ckpt, engine="embedded", replicas=2, heartbeat_s=0.5)
+    reg, bus, index = Registry(settings.db_url), EmbeddedBus(home / "bus"), CompletionIndex(home / "index.db")
+    keys = KeyStore(settings.key_store_path)
+    t0 = time.monotonic()
+    with LiveServer(create_app(settings, bus=bus, index=index, registry=reg)) as server:
+        base = reg.promoted().id
+        product = Product(server.url, bus)
+        learner = LearnerService(bus, reg, settings.learner_models_dir, settings.served_model_dir,
+                                 LearnerConfig(update_every_samples=16, min_samples=1))  # fmt: skip
+        suite = demo_suite(twenty_tasks())
+        gate = Gate(reg, lambda: EmbeddedEngine(max_batch=64, max_model_len=128),
+                    weight_store_loader(settings.learner_models_dir, home / "gate-cache"), suite, GATE, bus=bus)  # fmt: skip
+        try:
+            while (candidate := learner.run_once(timeout_s=0.2)) is None:
+                product.serve()
+        finally:
+            learner.close()  # one candidate is enough: the canary's samples train nothing
+        assert gate.step().action == "passed", reg.get(candidate).gate
+        wait_until(lambda: all(candidate in r.holds for r in reg.fleet().replicas), what="the replicas to load it")
+        time.sleep(CANARY_TTL_S)  # the gateway's cached view of the canary
+        deadline = time.monotonic() + 120
+        while (step := gate.step()).action != "awaiting_approval":
+            assert step.action in ("canary", "next_step") and time.monotonic() < deadline, step
+            if step.action == "next_step":
+                time.sleep(CANARY_TTL_S)
+            product.serve()
+        server.settings, server.reg, server.product = settings, reg, product
+        server.base, server.candidate, server.setup_s = base, candidate, time.monotonic() - t0
+        server.admin = keys.create(["admin"], label="alice")
+        server.viewer = keys.create(["viewer"], label="bob")
+        yield server
+        product.close()
+    bus.close()
+    index.close()
+    reg.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    os.environ["SE_MANAGER_PATH"] = "/nonexistent/selenium-manager"  # any attempt to download fails loudly
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = str(CHROMIUM)
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--window-size=1400,1000", "--force-device-scale-factor=1"):  # fmt: skip
+        opts.add_argument(flag)
+    driver = webdriver.Chrome(options=opts, service=Service(str(CHROMEDRIVER)))
+    driver.implicitly_wait(2)
+    yield driver
+    driver.quit()
+
+
+def click(driver, element) -> None:
+    """Click, and wait until the page it leads to has replaced this one."""
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.wait import WebDriverWait
+
+    old = driver.find_element("tag name", "html")
+    element.click()
+    WebDriverWait(driver, 15).until(expected_conditions.staleness_of(old))
+
+
+def sign_in(driver, world, token: str) -> None:
+    driver.delete_all_cookies()
+    driver.get(world.url + "/dashboard/versions")
+    assert "/dashboard/login" in driver.current_url  # anonymous: the sign-in page, no data
+    shot(driver, "login")
+    driver.find_element("id", "key").send_keys(token)
+    click(driver, driver.find_element("id", "sign-in"))
+    assert driver.current_url.endswith("/dashboard/versions"), driver.page_source[:2000]
+
+
+def shot(driver, name: str) -> None:
+    """A full-page screenshot into FLYWHEEL_SCREENSHOTS, if set."""
+    if not SHOTS:
+        return
+    Path(SHOTS).mkdir(parents=True, exist_ok=True)
+    height = driver.execute_script("return document.documentElement.scrollHeight")
+    driver.set_window_size(1400, max(900, height))
+    driver.save_screenshot(str(Path(SHOTS) / f"{name}.png"))
+    driver.set_window_size(1400, 1000)
+
+
+def post_from_page(driver, path: str, fields: dict) -> int:
+    """A POST made by script on the page (its cookies go along): the status code it gets."""
+    script = """const [path, fields, done] = arguments;
+    fetch(path, {method: "POST", body: new URLSearchParams(fields), credentials: "same-origin", redirect: "manual"})
+      .then(r => done(r.status), e => done(String(e)));"""
+    return driver.execute_async_script(script, path, fields)
+
+
+def test_the_candidate_went_through_the_learner_the_gate_and_a_canary(world):
+    v = world.reg.get(world.candidate)
+    assert v.parent_id == world.base and "reward_mean" in v.metrics and v.data_range
+    numbers = v.gate["offline"]["numbers"]
+    assert (numbers["suite"]["n_prompts"], numbers["sampling"]["G"]) == (20, 2)
+    steps = [(a.action, a.to_status.value) for a in world.reg.audit(world.candidate)]
+    assert ("transition", "canary") in steps and steps[-1] == ("transition", "awaiting_approval")
+    assert sum(s == ("record_gate", "canary") for s in steps) >= 3  # the canary's history, point by point
+    print(f"the world took {world.setup_s:.1f} s")
+
+
+def test_a_viewer_sees_the_candidate_but_its_buttons_do_nothing(world, browser):
+    sign_in(browser, world, world.viewer[0])
+    assert world.candidate in browser.find_element("id", "versions").text
+    shot(browser, "versions")
+    click(browser, browser.find_element("link text", world.candidate))
+    verdict = browser.find_element("id", "verdict").text
+    assert f"compared with {world.base}, which is promoted now" in verdict and "Canary difference" in verdict
+    approve = browser.find_element("id", "approve")
+    assert not approve.is_enabled() and not browser.find_element("id", "reason-approve").is_enabled()
+    assert "only an admin key can approve" in browser.find_element("id", "actions").text
+    page = browser.current_url
+    browser.execute_script("arguments[0].click()", approve)  # even a click on the disabled button
+    assert browser.current_url == page
+    csrf = browser.find_element("name", "csrf").get_attribute("value")
+    path = f"/dashboard/versions/{world.candidate}/approve"
+    assert post_from_page(browser, path, {"reason": "viewer tries", "csrf": csrf}) == 403
+    r = httpx.post(f"{world.url}/admin/versions/{world.candidate}/approve", json={"reason": "viewer tries"},
+                   headers={"Authorization": f"Bearer {world.viewer[0]}"}, timeout=30)  # fmt: skip
+    assert r.status_code == 403 and r.json()["error"]["code"] == "insufficient_scope"
+    assert world.reg.get(world.candidate).status == "awaiting_approval"
+
+
+def test_a_forged_post_without_the_csrf_token_gets_403(world, browser):
+    sign_in(browser, world, world.admin[0])  # a signed-in admin: the session cookie goes with the POST
+    browser.get(f"{world.url}/dashboard/versions/{world.candidate}")
+    before = world.reg.last_seq()
+    for fields in ({"reason": "forged"}, {"reason": "forged", "csrf": "not-the-token"}):
+        assert post_from_page(browser, f"/dashboard/versions/{world.candidate}/approve", fields) == 403
+    assert world.reg.last_seq() == before and world.reg.get(world.candidate).status == "awaiting_approval"
+
+
+def test_an_admin_approves_with_a_reason_and_the_fleet_serves_it(world, browser):
+    sign_in(browser, world, world.admin[0])
+    click(browser, browser.find_element("link text", world.candidate))
+    shot(browser, "version")
+    assert "Promotes" in browser.find_element("id", "about-approve").text
+    browser.find_element("id", "reason-approve").send_keys("offline and canary both within the margin")
+    click(browser, browser.find_element("id", "approve"))
+    assert "Approved" in browser.find_element("id", "notice").text
+    assert world.reg.promoted().id == world.candidate
+    row = world.reg.audit(world.candidate)[-1]
+    assert (row.action, row.actor) == ("approve", f"key:{world.admin[1].key_id} (alice)")
+    assert row.reason == "offline and canary both within the margin"
+    served = lambda: {world.product.complete("# add 1 to x\ndef f(x):\n", f"user-{i}")["model"] for i in range(6)}  # noqa: E731
+    wait_until(lambda: served() == {world.candidate}, what="the fleet to serve the approved version")
+    wait_until(lambda: world.reg.fleet(interval_s=0.5).complete, what="the fleet to report it")
+    browser.get(world.url + "/dashboard/fleet")
+    assert "Complete" in browser.find_element("id", "fleet-state").text
+    assert len(browser.find_elements("css selector", "table.replicas tbody tr")) == 2
+    shot(browser, "fleet")
+
+
+def test_a_rollback_from_the_page_restores_the_previous_version(world, browser):
+    if world.reg.get(world.candidate).status == "awaiting_approval":  # run on its own: approve first
+        world.reg.approve(world.candidate, "test", "set up the rollback")
+    sign_in(browser, world, world.admin[0])
+    browser.get(f"{world.url}/dashboard/versions/{world.candidate}")
+    assert f"restores {world.base}" in browser.find_element("id", "about-rollback").text
+    browser.find_element("id", "reason-rollback").send_keys("users complain")
+    click(browser, browser.find_element("id", "rollback"))
+    assert "Rolled back" in browser.find_element("id", "notice").text
+    assert browser.current_url.endswith(f"/dashboard/versions/{world.base}?done=rollback")
+    assert world.reg.promoted().id == world.base and world.reg.get(world.candidate).status == "rolled_back"
+    served = lambda: {world.product.complete("# add 1 to x\ndef f(x):\n", f"user-{i}")["model"] for i in range(6)}  # noqa: E731
+    wait_until(lambda: served() == {world.base}, what="the fleet to serve the base again")
+    click(browser, browser.find_element("id", "logout"))
+    assert "/dashboard/login" in browser.current_url
+    browser.get(world.url + "/dashboard/versions")
+    assert "/dashboard/login" in browser.current_url  # signed out
