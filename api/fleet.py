@@ -4,7 +4,8 @@
 promoted yet (`gating.bootstrap.publish_base`), makes `FLYWHEEL_REPLICAS` engines, each driven by a
 `serving.replica.Replica` that fetches versions from the weight store shared with the learner,
 checks them against the registry's hashes, swaps them in and heartbeats; it waits for their first
-sync, then runs their follower loops on threads. On PostgreSQL each replica LISTENs for the
+sync, then runs their follower loops on threads; a replica whose engine dies (its process killed)
+starts a fresh one with `make_engine` and loads what the registry says. On PostgreSQL each replica LISTENs for the
 registry's NOTIFY (`serving.replica.PgNotifier`), so a change reaches it at once rather than at its
 next poll (at most a second on SQLite). `engine` is the `serving.fleet.Fleet` the routes
 submit to. `route(tenant, user)` says which version and arm a request for the `flywheel` alias gets:
@@ -46,7 +47,7 @@ class Canary:
 class GatewayFleet:
     def __init__(self, registry: Registry, replicas: list[Replica], stop: threading.Event):
         self.registry, self.replicas, self._stop = registry, replicas, stop
-        self.engine = Fleet([r.engine for r in replicas])
+        self.engine = Fleet(lambda: [r.engine for r in replicas])  # a replica may replace an engine that died
         self._threads: list[threading.Thread] = []
         self._canary: tuple[float, Canary | None] = (0.0, None)
 
@@ -69,6 +70,7 @@ class GatewayFleet:
                 settings.served_model_dir,
                 heartbeat_s=settings.heartbeat_s,
                 notifier=PgNotifier(settings.db_url) if on_postgres else None,
+                make_engine=make_engine,
             )  # fmt: skip
             for i in range(settings.replicas)
         ]

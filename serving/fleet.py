@@ -2,7 +2,8 @@
 
 `Fleet(engines)` offers what the gateway's routes use of an engine (`versions`, `default_version`,
 `tokenizer`, `context_length`, `alive`, `submit`, `generate`, `shutdown`) over several engines, each
-driven by its own `serving.replica.Replica`. A request goes to the next engine, round robin, that
+driven by its own `serving.replica.Replica`. `engines` is a list, or a callable returning the
+engines of the moment (a replica replaces an engine that died). A request goes to the next engine, round robin, that
 holds its version and takes it (a replica still loading a new version, or retiring an old one,
 refuses it and the next is tried). Called by `api.main` when the gateway runs replicas.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 
 from serving.interface import Engine
 from serving.requests import EngineError, GenerateMixin, RequestHandle
@@ -19,12 +21,16 @@ from serving.tokenizer import Tokenizer
 
 
 class Fleet(GenerateMixin):
-    def __init__(self, engines: list[Engine]):
-        if not engines:
+    def __init__(self, engines: list[Engine] | Callable[[], list[Engine]]):
+        self._engines = engines if callable(engines) else (lambda: list(engines))
+        if not self.engines:
             raise ValueError("a fleet needs at least one engine")
-        self.engines = engines
         self._turn = itertools.count()
         self._lock = threading.Lock()
+
+    @property
+    def engines(self) -> list[Engine]:
+        return self._engines()
 
     @property
     def versions(self) -> list[str]:
@@ -43,9 +49,10 @@ class Fleet(GenerateMixin):
 
     def _holding(self, version: str | None) -> list[Engine]:
         name = version or self.default_version
+        engines = self.engines
         with self._lock:
-            start = next(self._turn) % len(self.engines)
-        order = self.engines[start:] + self.engines[:start]
+            start = next(self._turn) % len(engines)
+        order = engines[start:] + engines[:start]
         return [e for e in order if e.alive and name in e.versions]
 
     def tokenizer(self, version: str | None = None) -> Tokenizer:

@@ -23,6 +23,10 @@
   its `SyncResult.timeline()` (when it began, per loaded version `LoadTimes`: fetch with the bytes
   downloaded, verify, write, load; when the new default took new requests). `bench/swap_load.py`
   reads these lines.
+- A dead engine (its process killed or its loop failed): with `make_engine` the next sync (the
+  follower loop notices within a poll) starts a fresh engine and loads what the registry says, as
+  at a start; without, the replica reports that it holds nothing and why. While the engine is dead
+  the heartbeat never claims versions it cannot serve.
 - `heartbeat()`: `registry.heartbeat(replica_id, gateway_id, host, holds={version: artifact
   SHA-256}, serves={version: share}, error=last_error)`. The default version serves `1 - share` of
   the canary (its `gate["canary"]["share"]`), the canary version that share.
@@ -50,7 +54,7 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -194,6 +198,7 @@ class Replica:
         poll_s: float = MIN_POLL_S,
         retry_s: float = 10.0,
         notifier: Notifier | None = None,
+        make_engine: Callable[[], Engine] | None = None,
     ):
         if not poll_s >= MIN_POLL_S:
             raise ValueError(f"poll_s must be >= {MIN_POLL_S} (changes are not polled more often), got {poll_s!r}")
@@ -210,6 +215,8 @@ class Replica:
         self.work_dir = Path(work_dir) if work_dir is not None else store.folder / LOADED_DIR / replica_id
         self.heartbeat_s, self.poll_s, self.retry_s = heartbeat_s, poll_s, retry_s
         self.notifier = notifier
+        self.make_engine = make_engine  # a fresh engine when this one has died (None: stay down)
+        self.restarts = 0
         self.last_error: str | None = None
         self._held: dict[str, str] = {}  # loaded by this replica and not retired: version -> artifact SHA-256
         self._retiring: set[str] = set()
@@ -233,6 +240,13 @@ class Replica:
             loaded: list[str] = []
             retired: list[str] = []
             loads: list[LoadTimes] = []
+            if not self.engine.alive:
+                if self.make_engine is None:
+                    result = SyncResult(None, {}, started_at=started)
+                    return self._done(
+                        result, [f"the engine is not running ({getattr(self.engine, 'failure', None)!r})"]
+                    )
+                self._restart_engine()
             try:
                 promoted, cand = self.wanted()
             except Exception as e:
@@ -272,6 +286,21 @@ class Replica:
             if loaded or retired or switched:
                 log.info("replica %s: sync %s", self.replica_id, json.dumps(result.timeline()))
             return result
+
+    def _restart_engine(self) -> None:
+        """Replace a dead engine (its process killed, its loop failed) with a fresh, empty one; the sync
+        that called this then loads what the registry says, as at a start."""
+        log.warning("replica %s: its engine died (%r); starting a new one", self.replica_id,
+                    getattr(self.engine, "failure", None))  # fmt: skip
+        try:
+            self.engine.shutdown()
+        except Exception as e:  # it is dead already: nothing more to free
+            log.warning("replica %s: shutting the dead engine down: %r", self.replica_id, e)
+        assert self.make_engine is not None
+        self.engine = self.make_engine()
+        self._held.clear()
+        self._retiring.clear()
+        self.restarts += 1
 
     def _done(self, result: SyncResult, errors: list[str]) -> SyncResult:
         self.last_error = result.error = "; ".join(errors)[:2000] if errors else None
@@ -379,8 +408,10 @@ class Replica:
     # -- reporting --------------------------------------------------------------------------------
 
     def report(self) -> tuple[dict[str, str], dict[str, float]]:
-        """(holds, serves) as the heartbeat reports them."""
+        """(holds, serves) as the heartbeat reports them (nothing while the engine is dead)."""
         with self._lock:
+            if not self.engine.alive:
+                return {}, {}
             holds = dict(self._held)
             default = self.engine.default_version
             serves: dict[str, float] = {}
@@ -427,7 +458,8 @@ class Replica:
             changes = self._safely("reading changes", functools.partial(self.registry.changes_since, seq))
             now = time.monotonic()
             synced = False
-            if changes or (self.last_error is not None and now >= next_retry):
+            dead = not self.engine.alive and self.make_engine is not None
+            if changes or dead or (self.last_error is not None and now >= next_retry):
                 if changes:
                     seq = max(c.seq for c in changes)
                 self.sync()

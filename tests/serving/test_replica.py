@@ -5,6 +5,8 @@ rollbacks, and two replicas following one registry (one of them over HTTP)."""
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
 import threading
 import time
 import uuid
@@ -19,6 +21,7 @@ from gating.db import make_engine
 from gating.registry import Registry
 from serving.checkpoint import load_checkpoint
 from serving.engine import EmbeddedEngine, score
+from serving.engine_process import ProcessEngine
 from serving.fetch import Fetcher
 from serving.replica import PgNotifier, Replica, ReplicaRegistry
 from serving.sampling import SamplingParams
@@ -283,6 +286,51 @@ def test_a_follower_reports_right_after_a_swap_not_at_its_next_heartbeat(world):
     finally:
         stop.set()
         t.join(10)
+
+
+def test_a_replica_whose_engine_process_is_killed_reports_nothing_then_restarts_it(world):
+    """The engine's process SIGKILLed: the heartbeat stops claiming what it cannot serve, and the
+    follower starts a fresh engine, loads the promoted version again (verified) and reports it."""
+    w = world
+    w.reg.bootstrap("v1", files=[w.entry("v1")])
+    engines: list[ProcessEngine] = []
+
+    def make_engine() -> ProcessEngine:
+        engines.append(ProcessEngine(max_batch=4, max_model_len=128, threads=1))
+        return engines[-1]
+
+    r = Replica("r1", "gw-1", make_engine(), WeightStore(w.tmp / "r1" / "store"), w.reg, Fetcher(w.models),
+                w.checkpoint, heartbeat_s=60.0)  # fmt: skip
+    try:
+        assert r.sync().default == "v1"
+        os.kill(engines[0]._proc.pid, signal.SIGKILL)
+        engines[0]._proc.join(10)
+        while engines[0].alive:  # the proxy notices the pipe closing
+            time.sleep(0.01)
+        assert r.report() == ({}, {})
+        r.make_engine = None
+        res = r.sync()
+        assert (res.default, res.held) == (None, {}) and "engine is not running" in res.error
+        r.heartbeat()
+        row = w.reg.fleet(interval_s=60.0).replicas[0]
+        assert (row.holds, row.serves) == ({}, {}) and "engine is not running" in row.error
+        r.make_engine = make_engine
+        stop = threading.Event()
+        t = threading.Thread(target=r.run, args=(stop,), daemon=True)
+        t.start()
+        try:
+            deadline = time.monotonic() + 30
+            while w.reg.fleet(interval_s=60.0).replicas[0].serves != {"v1": 1.0}:
+                assert time.monotonic() < deadline, "the replica never came back"
+                time.sleep(0.05)
+        finally:
+            stop.set()
+            t.join(10)
+        assert r.restarts == 1 and r.engine is engines[1] and r.engine.default_version == "v1"
+        assert w.reg.fleet(interval_s=60.0).replicas[0].error is None
+    finally:
+        for e in engines:
+            e.shutdown()
 
 
 @pytest.fixture
