@@ -75,6 +75,9 @@ LOSS_STATS = (
     "adv_std",
     "kl_k3",
     "tokens",
+    "clipped_tokens",
+    "dual_clipped_tokens",
+    "clamped_tokens",
 )
 
 

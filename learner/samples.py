@@ -2,8 +2,8 @@
 
 Owns the decoding of the recorded routing (uint8 [P + N - 1, L, K], base64 in the event) and the
 filters applied before training: greedy completions (no usable importance ratio), empty outputs,
-and samples whose behaviour version is more than `max_staleness` versions behind the trainer are
-dropped and counted, never silently.
+and samples whose behaviour version is more than `max_staleness` versions behind the trainer (as
+`learner.lineage.staleness` counts) are dropped and counted, never silently.
 """
 
 from __future__ import annotations
@@ -33,17 +33,18 @@ def sequence_from_sample(ev: SampleEvent, key: str | None = None) -> Sequence:
     )
 
 
-def drop_reason(ev: SampleEvent, version_index: dict[str, int], current: int, max_staleness: int) -> str | None:
-    """Why `ev` is not trained on ("empty", "greedy", "unknown_version", "stale"), or None."""
+def drop_reason(ev: SampleEvent, staleness: dict[str, int], max_staleness: int) -> str | None:
+    """Why `ev` is not trained on ("empty", "greedy", "unknown_version", "stale"), or None.
+    `staleness`: how many versions behind the trainer each known version is."""
     c = ev.completion
     if not c.output_ids:
         return "empty"
     if float(c.params.get("temperature", 1.0)) <= 0:
         return "greedy"
-    born = version_index.get(c.model_version)
-    if born is None:
+    behind = staleness.get(c.model_version)
+    if behind is None:
         return "unknown_version"
-    if current - born > max_staleness:
+    if behind > max_staleness:
         return "stale"
     return None
 
@@ -51,11 +52,13 @@ def drop_reason(ev: SampleEvent, version_index: dict[str, int], current: int, ma
 def select(
     events: list[SampleEvent], version_index: dict[str, int], current: int, max_staleness: int, key_of=None
 ) -> tuple[list[Sequence], Counter[str]]:
-    """Trainable sequences and the count of what was dropped, by reason."""
+    """Trainable sequences and the count of what was dropped, by reason (versions at `version_index`,
+    the trainer at `current`)."""
+    staleness = {v: current - i for v, i in version_index.items()}
     dropped: Counter[str] = Counter()
     out = []
     for ev in events:
-        why = drop_reason(ev, version_index, current, max_staleness)
+        why = drop_reason(ev, staleness, max_staleness)
         if why is not None:
             dropped[why] += 1
             continue

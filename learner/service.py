@@ -4,8 +4,29 @@ Owns the learner's durable state and its exactly-once accounting:
 - **Cadence.** An update runs when `update_every_samples` samples are buffered, or when
   `update_every_s` has passed since the last one and at least `min_samples` are buffered (hours in
   production, seconds in the demo).
-- **Bounded staleness.** A sample served by a version more than `max_staleness` versions behind the
-  learner's current one is dropped and counted (`learner.samples.select`).
+- **Bounded staleness, in gate cycles.** A sample served by a version more than `max_staleness`
+  (default 2) *registered* versions behind the learner's anchor (`learner.lineage`) is dropped and
+  counted; what is kept is importance-corrected against its recorded behaviour log-probs, the
+  weight truncated at `is_cap` and |log ρ| clamped (`learner.objective`).
+- **Hold back while the gate is busy** (`hold_back`, default on). While a version is in flight
+  (`Registry.in_flight()`: evaluating, canary, awaiting approval) an update is checkpointed and
+  becomes the lineage's tip as usual, but is not registered; once nothing is in flight (asked every
+  `hold_check_s`, in `run_once`) the tip is registered as the next candidate, a child of the last
+  registered version, covering the held-back updates' samples. Why: the fleet serves the promoted
+  version (and the candidate to a canary share), and a gate cycle (offline eval, three canary steps
+  of at least an attribution window and 30 users per arm, a person's approval) takes hours, in which
+  the learner makes K updates (512 samples or 4 h each). Registering a candidate per update and
+  counting staleness in updates, as before, dropped every sample the promoted version served once
+  the learner was `max_staleness` + 1 updates past it: with K >= 3 the learner stalled 3 updates
+  ahead of the promoted version, living on the canary share, while the gate (oldest candidate
+  first) evaluated one update per cycle and candidates piled up. Now the gate always gets the
+  newest weights and at most one candidate of the lineage per cycle, so a bound in registered
+  versions is a bound in gate cycles: the promoted version's samples are 1 behind (the candidate in
+  flight was registered after it), the canary's 0, the previous promoted version's 2. The cost is
+  policy lag in updates (up to ~2K), which the truncated importance weights absorb; measured by
+  bench/staleness.py (5 cycles, the real service: see bench/results/staleness.md).
+  `hold_back=False, staleness_unit="updates"` is the old behaviour (and what a setup without a gate
+  gets anyway: with nothing in flight every update is registered).
 - **Never twice, never lost.** After an update the new version's checkpoint (HF folder: weights,
   tokenizer, `learner_state.pt` with optimizer and baseline) is written and renamed into place;
   then `learner.json` (current version, version list, the bus positions included in that version,
@@ -15,8 +36,10 @@ Owns the learner's durable state and its exactly-once accounting:
   the bus commit makes the bus redeliver samples the learner already used: their offsets are below
   the positions in `learner.json` and they are skipped (and sample ids are checked too, so a sample
   re-published by the joiner under a new offset is skipped as well).
-- **Registry.** Each new version is registered (`gating.registry`) as `candidate` with its parent,
-  the bus positions it covers (`data_range`), its update statistics and its files with hashes.
+- **Registry.** Each registered version is a `candidate` (`gating.registry`) with its parent, the
+  bus positions it covers (`data_range`), its update statistics (with `held_back_updates` and
+  `samples_since_parent`) and its files with hashes; `learner.json` lists the registered versions,
+  their parents and the held-back ones.
 - **What a long run meets.** A record that is not a valid `SampleEvent` (invalid JSON, a schema
   violation) is published on the dead-letter topic (`feedback.dead_letter`: its topic, partition,
   offset, the error, the raw value) and skipped; its offset is committed with the next update. A
@@ -57,7 +80,7 @@ import shutil
 import time
 from collections import Counter, deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -69,6 +92,7 @@ from feedback.dead_letter import dead_letter
 from feedback.events import TOPICS, SampleEvent
 from gating.bootstrap import SHIPPING_DTYPE, publish_base
 from gating.registry import Registry, UnknownVersion
+from learner.lineage import anchor, merge_covered, staleness, staleness_stats
 from learner.samples import drop_reason, sequence_from_sample
 from learner.trainer import NonFiniteUpdate, Trainer, TrainerConfig
 from serving.checkpoint import CONFIG, WEIGHTS, load_checkpoint, save_checkpoint
@@ -88,7 +112,20 @@ class LearnerConfig(BaseModel):
     update_every_samples: int = Field(512, ge=1, description="Update as soon as this many samples are buffered.")
     update_every_s: float = Field(4 * 3600.0, gt=0, description="...or when this much time has passed.")
     min_samples: int = Field(32, ge=1, description="Fewest samples a time-triggered update uses.")
-    max_staleness: int = Field(2, ge=0, description="Drop samples served more than this many versions ago.")
+    max_staleness: int = Field(
+        2, ge=0, description="Drop samples served more than this many versions ago (in `staleness_unit`)."
+    )
+    staleness_unit: Literal["versions", "updates"] = Field(
+        "versions",
+        description="What staleness counts: registered versions of the lineage (with `hold_back`, at most one "
+        "per gate cycle) or every update, held back or not.",
+    )
+    hold_back: bool = Field(
+        True,
+        description="While a version is in flight at the gate, keep training but register no candidate; the "
+        "tip is registered once the gate is free (so the gate always gets the newest).",
+    )
+    hold_check_s: float = Field(5.0, ge=0, description="How often a held-back tip asks whether the gate is free.")
     group: str = Field("learner", description="Consumer group on the sample topic.")
     topic: str = Field(TOPICS["sample"], description="The topic of `sample` events (the joiner's output).")
     snapshot_every: int = Field(8, ge=1, description="Weight store: a full snapshot every N versions, deltas between.")
@@ -167,6 +204,8 @@ class LearnerService:
         self.partitions_read: set[int] = set()  # sample-topic partitions this instance has read from
         self.counters: Counter = Counter()
         self.last_update = clock()
+        self.last_stats: dict[str, Any] = {}  # the last update's statistics (also in the registry once registered)
+        self._held_checked = float("-inf")
 
     def _init_state(self, base_dir: str | Path) -> None:
         if self.state_path.is_file():
@@ -180,6 +219,9 @@ class LearnerService:
                 "current": base.id,
                 "versions": [base.id],
                 "dirs": {base.id: self._rel(folder if folder.is_dir() else Path(base_dir))},
+                "published": [base.id],
+                "parents": {},
+                "held": {},
                 "positions": {},
                 "trained_ids": [],
             }
@@ -328,8 +370,9 @@ class LearnerService:
         """A lineage whose tip was withdrawn, rejected, aborted or rolled back continues from the
         promoted version (`Registry.base_for_next_candidate`): its weights and optimizer state are
         loaded, and it is appended to the lineage so staleness counts from it. True if it rebased."""
-        base = self.registry.base_for_next_candidate(self.current)
-        if base.id == self.current:
+        tip = anchor(self.state)  # the held-back updates on a failed candidate go with it
+        base = self.registry.base_for_next_candidate(tip)
+        if base.id == tip:
             return False
         folder = self._dir(base.id) if base.id in self.state["dirs"] else self.models_dir / base.id
         if not (folder / CONFIG).is_file():
@@ -340,7 +383,12 @@ class LearnerService:
             saved = torch.load(folder / OPT_STATE, weights_only=False)
             self.trainer.opt.load_state_dict(saved["optimizer"])
             self.trainer.baseline = saved["baseline"]
-        log.info("learner: %s is %s; rebased onto %s", self.current, self.registry.get(self.current).status, base.id)
+        log.info("learner: %s is %s; rebased onto %s", tip, self.registry.get(tip).status, base.id)
+        self.counters["dropped_held_versions"] += len(self.state["held"])
+        self.state["held"] = {}
+        if base.id not in self.state["published"]:
+            self.state["published"].append(base.id)
+        self.state["dirs"].setdefault(base.id, self._rel(folder))
         self.state["versions"].append(base.id)
         self.state["current"] = base.id
         if self.rank == 0:
@@ -355,12 +403,11 @@ class LearnerService:
         self._sync_reference()
         mine = [r for r, _ in self.buffer]  # committed by this rank once the version is durable
         records, batch, offline_all = self._whole_batch()
-        index = {v: i for i, v in enumerate(self.state["versions"])}
-        current_idx = index[self.current]
+        behind = staleness(self.state, self.cfg.staleness_unit)
         kept: list[tuple[Record, SampleEvent]] = []
         dropped: Counter[str] = Counter()
         for rec, ev in batch:
-            why = drop_reason(ev, index, current_idx, self.cfg.max_staleness)
+            why = drop_reason(ev, behind, self.cfg.max_staleness)
             if why is None:
                 kept.append((rec, ev))
             else:
@@ -374,7 +421,7 @@ class LearnerService:
         offline = [
             (s, a)
             for s, a in offline_all
-            if s.version in index and current_idx - index[s.version] <= self.cfg.max_staleness
+            if behind.get(s.version, self.cfg.max_staleness + 1) <= self.cfg.max_staleness
         ]
         self.counters["dropped_offline_stale"] += len(offline_all) - len(offline)
         self.offline = []
@@ -397,6 +444,8 @@ class LearnerService:
         if trained:
             stats["offline_samples"] = len(offline)
             stats["dropped"] = dict(dropped)
+            stats.update(staleness_stats(self.state, [s.version for s in seqs]))
+            self.last_stats = stats
             before = {int(p): o for p, o in self.state["positions"].items()}
             touched = {r.partition for r in records}
             covered = {str(p): (before.get(p, 0), positions[p]) for p in sorted(touched)}
@@ -438,8 +487,13 @@ class LearnerService:
             full = Record(rec.topic, rec.partition, rec.offset, rec.key, value)
             dead_letter(self.bus, full, reason, "learner.quarantine")
 
+    def _gate_busy(self) -> bool:
+        return self.cfg.hold_back and self.registry.in_flight() is not None
+
     def _publish(self, stats: dict, covered: dict[str, tuple[int, int]]) -> str:
-        """Checkpoint, register and make current the trained model; `covered`: partition -> [start, end)."""
+        """Checkpoint the trained model as the lineage's next version and make it current; register it
+        as a candidate, or hold it back while a version is in flight (`hold_back`). `covered`: partition
+        -> [start, end) of the samples it was trained on."""
         tmp = self.models_dir / f".next-{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         save_checkpoint(self.model, tmp, tokenizer=self.tokenizer)
@@ -451,40 +505,94 @@ class LearnerService:
             },
             tmp / OPT_STATE,
         )
-        # Registered before it is renamed into place: a crash in between leaves a registered candidate
-        # whose folder is missing (the registry's file hash tells it apart), never a folder without a row.
         vid = self._free_id(len(set(self.state["versions"])))  # a rebase lists its base twice
-        shipped = self.store.put(vid, shipping_state(self.model, SHIPPING_DTYPE), parent=self.current)
-        stats["shipping"] = {"kind": shipped.kind, "bytes": shipped.nbytes}
-        version = self.registry.register(
-            version_id=vid,
-            parent_id=self.current,
-            metrics=stats,
-            files=[self._file_entry(tmp, "snapshot", vid), self._store_entry(vid)],
-            delta_base_id=self.current if shipped.kind == "delta" else None,
-            data_range={self.cfg.topic: covered},
-            reason=f"learner update {self.trainer.updates}",
-        )
-        folder = self.models_dir / version.id
+        parent = self.current
+        if self._gate_busy():
+            self.state["held"][vid] = {"covered": covered, "stats": stats}
+            self.counters["held_back"] += 1
+        else:
+            # Registered before it is renamed into place: a crash in between leaves a registered candidate
+            # whose folder is missing (the registry's file hash tells it apart), never a folder without a row.
+            self._register(vid, tmp, stats, covered)
+        folder = self.models_dir / vid
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(tmp, folder)
-        self.state["versions"].append(version.id)
-        self.state["dirs"][version.id] = self._rel(folder)
-        self.state["current"] = version.id
+        self.state["versions"].append(vid)
+        self.state["dirs"][vid] = self._rel(folder)
+        self.state["current"] = vid
         log.info(
-            "learner: published %s (parent %s): %d samples, reward %.4f, entropy %.4f, logp %.4f, clip %.4f",
-            version.id,
-            self.state["versions"][-2],
+            "learner: %s %s (parent %s): %d samples, reward %.4f, entropy %.4f, logp %.4f, clip %.4f",
+            "held back" if vid in self.state["held"] else "published",
+            vid,
+            parent,
             stats.get("samples", 0),
             stats.get("reward_mean", float("nan")),
             stats.get("entropy", float("nan")),
             stats.get("logp_mean", float("nan")),
             stats.get("clip_frac", float("nan")),
         )
-        return version.id
+        return vid
+
+    def _register(self, vid: str, folder: Path, stats: dict, covered: dict[str, tuple[int, int]]) -> None:
+        """`vid` (the weights of `self.model`, checkpointed in `folder`) into the weight store and the
+        registry as a candidate child of the anchor, covering the held-back updates' samples too.
+        Idempotent: a crash before `learner.json` was replaced left it stored or registered already."""
+        parent, held = anchor(self.state), self.state["held"]
+        covered = merge_covered([h["covered"] for h in held.values()] + [covered])
+        metrics = {**stats, "held_back_updates": len(held)}
+        metrics["samples_since_parent"] = stats["samples"] + sum(h["stats"]["samples"] for h in held.values())
+        if self.store.path(vid) is None:
+            self.store.put(vid, shipping_state(self.model, SHIPPING_DTYPE), parent=parent)
+        entry = self._store_entry(vid)
+        metrics["shipping"] = {"kind": entry["kind"], "bytes": entry["bytes"]}
+        try:
+            self.registry.get(vid)
+        except UnknownVersion:
+            self.registry.register(
+                version_id=vid,
+                parent_id=parent,
+                metrics=metrics,
+                files=[self._file_entry(folder, "snapshot", vid), entry],
+                delta_base_id=parent if entry["kind"] == "delta" else None,
+                data_range={self.cfg.topic: covered},
+                reason=f"learner update {self.trainer.updates}"
+                + (f" ({len(held)} held-back updates since {parent})" if held else ""),
+            )
+        self.state["published"].append(vid)
+        self.state["parents"][vid] = parent
+        self.state["held"] = {}
+
+    def publish_held(self) -> str | None:
+        """The held-back tip, registered as the candidate once nothing is in flight (asked every
+        `hold_check_s`) and its anchor still goes on (else the next update rebases); its id, or None.
+        Data-parallel ranks: a collective while the tip is held (rank 0 decides and writes)."""
+        if self.current not in self.state["held"]:
+            return None
+        go = [False]
+        if self.rank == 0 and self.clock() - self._held_checked >= self.cfg.hold_check_s:
+            self._held_checked = self.clock()
+            tip = anchor(self.state)
+            go[0] = self.registry.base_for_next_candidate(tip).id == tip and not self._gate_busy()
+            if go[0]:
+                last = self.state["held"].pop(self.current)
+                self._register(self.current, self._dir(self.current), last["stats"], last["covered"])
+                atomic_write(self.state_path, json.dumps(self.state))
+                log.info("learner: gate free: published the held-back tip %s", self.current)
+        if self.world_size > 1:
+            dist.broadcast_object_list(go, src=0)
+            if go[0]:
+                box = [self.state if self.rank == 0 else None]
+                dist.broadcast_object_list(box, src=0)
+                self.state = box[0]
+        if not go[0]:
+            return None
+        self.counters["published_held"] += 1
+        return self.current
 
     def run_once(self, timeout_s: float = 1.0) -> str | None:
+        """Poll, register a held-back tip if the gate is free, update if due; the new version's id."""
         self.poll(timeout_s)
+        self.publish_held()
         return self.update() if self.due() else None
 
     def close(self) -> None:

@@ -62,6 +62,15 @@ class TrainerConfig(BaseModel):
     loss: LossConfig = Field(default_factory=LossConfig, description="The objective's settings.")
 
 
+COUNTED: dict[str, str | None] = {
+    "tokens": None,
+    "clipped_tokens": "clip_frac",
+    "dual_clipped_tokens": "dual_clip_frac",
+    "clamped_tokens": "clamp_frac",
+}
+"""Statistics that are token counts of the whole batch (per step): name -> the fraction it counts (None: all)."""
+
+
 class NonFiniteUpdate(FloatingPointError):
     """An update whose loss or gradient norm was not finite; it changed nothing (see the docstring)."""
 
@@ -160,6 +169,7 @@ class Trainer:
             )
         self.forward_model.train()
         agg: dict[str, float] = {}
+        counts: dict[str, float] = {}
         total_tokens = sum(float(b.mask_BT.sum()) for b in batches)
         norm_samples, norm_tokens = (shard.samples, shard.tokens) if shard else (len(seqs), total_tokens)
         grad_scale = shard.world_size if shard else 1
@@ -207,6 +217,8 @@ class Trainer:
                 step_loss += out.stats["loss"] * share
                 for k, v in out.stats.items():
                     agg[k] = agg.get(k, 0.0) + v * share
+                for k, frac in COUNTED.items():  # exact token counts (a share-weighted `tokens` is not one)
+                    counts[k] = counts.get(k, 0.0) + (out.stats[frac] if frac else 1.0) * out.stats["tokens"]
             gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
             bad = torch.tensor(float(not (math.isfinite(step_loss) and bool(torch.isfinite(gn)))))
             if shard is not None and shard.world_size > 1:  # every rank takes the same decision
@@ -224,7 +236,7 @@ class Trainer:
                 )
             self.opt.step()
             stats["grad_norm"] = float(gn)
-        for k, v in agg.items():
+        for k, v in {**agg, **counts}.items():
             stats[k] = v / self.cfg.steps_per_update
         self.forward_model.eval()
         self.updates += 1

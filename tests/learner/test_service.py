@@ -252,16 +252,7 @@ def test_a_non_finite_batch_is_quarantined_and_not_retried(tmp_path, tiny_checkp
 def promote(reg, vid):
     """The gate's happy path and a person's approval."""
     reg.transition(vid, "evaluating", "gate", "offline eval")
-    verdict = {
-        "passed": True,
-        "incumbent_id": reg.incumbent().id,
-        "artifact_sha256": reg.get(vid).artifact_sha256,
-        "suite_version": "suite-1",
-    }
-    reg.record_gate(vid, "offline", verdict, "gate")
-    reg.transition(vid, "canary", "gate", "passed")
-    reg.transition(vid, "awaiting_approval", "gate", "canary passed")
-    reg.approve(vid, "alice", "ship it")
+    promote_from_evaluating(reg, vid)
 
 
 def test_the_kl_reference_is_the_promoted_version(tmp_path, tiny_checkpoint, samples):
@@ -307,3 +298,64 @@ def test_learner_state_names_folders_relative_to_the_models_folder(tmp_path, tin
     assert drain(moved) == ["v0003"] and (tmp_path / "elsewhere" / "v0003" / "model.safetensors").is_file()
     moved.close()
     bus.close()
+
+
+def test_while_a_version_is_in_flight_updates_are_held_back_and_the_tip_registered_after(
+    tmp_path, tiny_checkpoint, samples
+):
+    from gating.registry import UnknownVersion
+    from serving.checkpoint import load_checkpoint
+    from serving.weight_store import WeightStore, shipping_state
+
+    bus = EmbeddedBus(tmp_path / "bus", partitions=1)
+    cfg = LearnerConfig(update_every_samples=5, min_samples=1, hold_check_s=0.0)  # max_staleness 2 versions
+    svc = LearnerService(bus, Registry(f"sqlite:///{tmp_path}/registry.db"), tmp_path / "models", tiny_checkpoint, cfg)
+    reg, base = svc.registry, tiny_checkpoint.name
+    publish(bus, samples[:5])
+    assert drain(svc, rounds=3) == ["v0001"] and reg.get("v0001").status == "candidate"
+    reg.transition("v0001", "evaluating", "gate", "offline eval")  # in flight: the learner holds back
+    publish(bus, samples[5:15])
+    assert drain(svc, rounds=4) == ["v0002", "v0003"]
+    for vid in ("v0002", "v0003"):
+        with pytest.raises(UnknownVersion):
+            reg.get(vid)
+    # The base's samples are 1 registered version behind (v0001) but 2 updates behind at v0003: kept.
+    assert svc.counters["dropped_stale"] == 0 and svc.counters["held_back"] == 2
+    assert (svc.last_stats["staleness_versions_max"], svc.last_stats["staleness_updates_max"]) == (1, 2)
+    promote_from_evaluating(reg, "v0001")
+    assert drain(svc, rounds=1) == [] and svc.counters["published_held"] == 1  # the gate is free: the tip goes
+    v3 = reg.get("v0003")
+    assert v3.status == "candidate" and v3.parent_id == "v0001" and v3.delta_base_id == "v0001"
+    assert v3.metrics["held_back_updates"] == 1 and v3.metrics["samples_since_parent"] == 10
+    covered = {int(p): tuple(r) for p, r in v3.data_range["flywheel.samples"].items()}
+    assert covered == {0: (5, 15)}  # both updates' samples
+    shipped = WeightStore(tmp_path / "models" / "store").get("v0003")
+    expected = shipping_state(load_checkpoint(tmp_path / "models" / "v0003"), torch.float32)
+    assert all(torch.equal(shipped[k], expected[k]) for k in expected)
+    # A held-back tip on a candidate that fails goes with it: the lineage rebases onto the promoted version.
+    reg.transition("v0003", "evaluating", "gate", "offline eval")
+    publish(bus, samples[15:20])
+    assert drain(svc, rounds=3) == ["v0004"] and svc.state["held"].keys() == {"v0004"}
+    assert svc.last_stats["staleness_versions_max"] == 2  # the base's samples: v0001 and v0003 since
+    reg.reject("v0003", "gate", "worse")
+    assert drain(svc, rounds=1) == []  # not registered: its anchor was rejected
+    publish(bus, samples[20:25])
+    assert drain(svc, rounds=3) == ["v0005"]
+    assert svc.counters["rebased"] == 1 and svc.counters["dropped_held_versions"] == 1
+    assert reg.get("v0005").parent_id == "v0001" and reg.get("v0005").status == "candidate"
+    assert reg.promoted().id == "v0001" and base in svc.state["published"]
+    svc.close()
+    bus.close()
+
+
+def promote_from_evaluating(reg, vid):
+    verdict = {
+        "passed": True,
+        "incumbent_id": reg.incumbent().id,
+        "artifact_sha256": reg.get(vid).artifact_sha256,
+        "suite_version": "suite-1",
+    }
+    reg.record_gate(vid, "offline", verdict, "gate")
+    reg.transition(vid, "canary", "gate", "passed")
+    reg.transition(vid, "awaiting_approval", "gate", "canary passed")
+    reg.approve(vid, "alice", "ship it")
