@@ -20,6 +20,7 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -28,8 +29,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from demo.corpus import CorpusMix, format_example, make_corpus
 from demo.evaluation import evaluate
+from demo.tasks import Task
 from serving.checkpoint import save_checkpoint
 from serving.engine import EmbeddedEngine
+from serving.interface import Engine
 from serving.model import ModelArgs, Transformer
 from serving.tokenizer import Tokenizer, train_tokenizer
 
@@ -122,7 +125,20 @@ def train(model: Transformer, seqs: list[list[int]], cfg: BootstrapConfig, pad_i
     }
 
 
-def bootstrap(out_dir: str | Path, cfg: BootstrapConfig | None = None, force: bool = False) -> dict:
+def bootstrap(
+    out_dir: str | Path,
+    cfg: BootstrapConfig | None = None,
+    force: bool = False,
+    *,
+    corpus: Sequence[tuple[Task, str]] | None = None,
+    evaluation: Callable[[Engine, str], dict] | None = None,
+    spell_quoted_strings: bool = False,
+) -> dict:
+    """Pre-train (or reuse) the base in `out_dir`. The keyword arguments are for another product
+    than `demo.tasks` (`bench/demo_calibration.py`): `corpus` replaces the one `cfg` describes
+    (corpus_size, p_correct and p_preferred are then unused), `evaluation(engine, "base")` replaces
+    `demo.evaluation.evaluate` for the report's "eval", and `spell_quoted_strings` is passed to
+    `train_tokenizer`. By default: this module's own recipe, unchanged."""
     cfg = cfg or BootstrapConfig()
     out_dir = Path(out_dir)
     report_path = out_dir / REPORT
@@ -133,11 +149,13 @@ def bootstrap(out_dir: str | Path, cfg: BootstrapConfig | None = None, force: bo
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     t0 = time.perf_counter()
-    corpus = make_corpus(
-        cfg.corpus_size, seed=cfg.seed, mix=CorpusMix(p_correct=cfg.p_correct, p_preferred=cfg.p_preferred)
-    )
+    custom = corpus is not None
+    if corpus is None:
+        corpus = make_corpus(
+            cfg.corpus_size, seed=cfg.seed, mix=CorpusMix(p_correct=cfg.p_correct, p_preferred=cfg.p_preferred)
+        )
     texts = [format_example(t, c) for t, c in corpus]
-    tok = train_tokenizer(texts, vocab_size=cfg.vocab_size)
+    tok = train_tokenizer(texts, vocab_size=cfg.vocab_size, spell_quoted_strings=spell_quoted_strings)
     assert tok.pad_id is not None  # train_tokenizer always adds PAD
     overrides = {"max_seq_len": cfg.max_seq_len} if cfg.max_seq_len else {}
     args = ModelArgs.from_name(
@@ -150,7 +168,10 @@ def bootstrap(out_dir: str | Path, cfg: BootstrapConfig | None = None, force: bo
     try:
         engine.add_version("base", model, tok)
         torch.manual_seed(cfg.seed)
-        ev = evaluate(engine, "base", cfg.eval_tasks, seed=cfg.seed + 10_000, temperature=cfg.eval_temperature)
+        if evaluation is None:
+            ev = evaluate(engine, "base", cfg.eval_tasks, seed=cfg.seed + 10_000, temperature=cfg.eval_temperature)
+        else:
+            ev = evaluation(engine, "base")
     finally:
         engine.shutdown()
     report = {
@@ -163,6 +184,9 @@ def bootstrap(out_dir: str | Path, cfg: BootstrapConfig | None = None, force: bo
         "total_seconds": time.perf_counter() - t0,
         "torch_threads": torch.get_num_threads(),
     }
+    if custom or spell_quoted_strings:
+        report.update(corpus_source="caller" if custom else "demo.corpus", corpus_examples=len(corpus))
+        report.update(spell_quoted_strings=spell_quoted_strings)
     # Write into a sibling temp folder, then rename: a crash never leaves a half-written model behind.
     tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

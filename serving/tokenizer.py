@@ -13,8 +13,8 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 SPECIALS = (PAD, BOS, EOS)  # ids 0, 1, 2 in a tokenizer we train
@@ -117,16 +117,24 @@ class Tokenizer:
         return cls(inner)
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> Tokenizer:
-    """Train a byte-level BPE on `texts` (deterministic for the same texts and size)."""
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 512, spell_quoted_strings: bool = False) -> Tokenizer:
+    """Train a byte-level BPE on `texts` (deterministic for the same texts and size).
+
+    spell_quoted_strings: lowercase letters in a run that ends at a single quote (the letters of
+    'ab' in `s.count('ab')`) are tokens of their own, as digits always are. A string literal is then
+    spelled with the same 26 letter tokens wherever it appears, so one never seen in training is
+    still made of tokens that were. Off by default (the demo product of `demo.tasks` does without).
+    """
     if vocab_size < 256 + len(SPECIALS):
         raise ValueError(f"vocab_size must be at least {256 + len(SPECIALS)} (bytes + specials), got {vocab_size}")
     inner = HFTokenizer(models.BPE())
     # Digits stand alone, so a number reads the same wherever it appears (copying a constant from the
     # prompt into code is then the same token); then GPT-2's byte-level split.
+    spell = [pre_tokenizers.Split(Regex("[a-z](?=[a-z]*')"), "isolated")] if spell_quoted_strings else []
     inner.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Digits(individual_digits=True),
+            *spell,
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
         ]
     )
