@@ -309,8 +309,8 @@ def verdict(
                 Check(
                     "Sample ratio (SRM)",
                     "pass" if ok else "fail",
-                    f"users {nums.get('users')} at share {nums.get('share', 0):.0%}: p = {srm['p_value']:.3g} "
-                    f"(mismatch below {srm['threshold']:g})",
+                    f"users {_arms(nums.get('users', {}))} at share {nums.get('share', 0):.0%}: "
+                    f"p = {srm['p_value']:.3g} (mismatch below {srm['threshold']:g})",
                     "" if ok else "the split itself is broken: users per arm do not match the share",
                 )
             )
@@ -376,6 +376,10 @@ def _flagged(v: ModelVersionPublic) -> Check:
     text += f" ({p.get('flagged_samples', 0)} samples, weighed down)"
     why = "; ".join(f"user {f.get('user', '?')[:8]}: {', '.join(f.get('reasons', []))}" for f in p.get("flags", [])[:3])
     return Check("Reward from flagged users", "wait" if p.get("flagged_users") else "info", text, why)
+
+
+def _arms(users: dict[str, Any]) -> str:
+    return ", ".join(f"{arm} {n}" for arm, n in users.items()) or "none"
 
 
 def _offline_size(offline: OfflineVerdict | None) -> str:

@@ -9,8 +9,9 @@ routed traffic until it awaits approval. Then, in the browser: a viewer sees it 
 (and the API says 403); a POST without the CSRF token is 403; an admin approves it with a reason and
 the fleet serves it (through /v1/completions); a rollback from the page restores the base.
 
-FLYWHEEL_SCREENSHOTS=<dir> also saves a screenshot of each page there, on the demo model (the
-pre-trained `small_trained_checkpoint`, about a minute more) instead of the random tiny one.
+FLYWHEEL_SCREENSHOTS=<dir> also saves a screenshot of each page there, on the demo model instead of the
+random tiny one: `flywheel bootstrap`'s under FLYWHEEL_HOME if it is there, else the shorter pre-training
+of `small_trained_checkpoint` (a minute or more).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from api.fleet import CANARY_TTL_S
 from api.main import create_app
 from core.security import KeyStore
 from core.settings import Settings
-from demo.checker import check_batch
+from demo.checker import check
 from demo.suite import demo_suite
 from demo.tasks import all_tasks, sample_tasks
 from demo.users import SimulatedUser
@@ -35,10 +36,11 @@ from feedback.completion_index import CompletionIndex
 from feedback.joiner import JoinerService
 from feedback.rewards import RewardSpec
 from gating.canary import CanaryConfig
-from gating.gate import Gate, GateConfig, weight_store_loader
+from gating.gate import Gate, GateConfig, verifier_scorer, weight_store_loader
 from gating.registry import Registry
 from learner.service import LearnerConfig, LearnerService
 from serving.engine import EmbeddedEngine
+from serving.tokenizer import Tokenizer
 from tests.conftest import LiveServer
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
@@ -53,7 +55,8 @@ pytestmark = [
 CANARY = CanaryConfig(steps=(0.3, 0.6), min_users_per_arm=3, min_step_s=1.0, max_step_s=120.0, margin=1.0,
                       rho=2.0, min_users_for_harm=3)  # fmt: skip
 """Tiny but real: two one-second steps; a dozen users cannot resolve a smaller margin than 1 reward point."""
-GATE = GateConfig(G=2, max_tokens=16, n_resamples=200, poll_s=0.1, nice=0, canary=CANARY)
+GATE = GateConfig(G=2, max_tokens=24, margin=0.15, n_resamples=200, poll_s=0.1, nice=0, canary=CANARY)
+"""G=2 on 20 prompts: a pass rate resolves to about ±0.1, so the offline margin is 0.15 here."""
 
 
 def wait_until(check, timeout_s: float = 30.0, what: str = "condition"):
@@ -73,38 +76,34 @@ def twenty_tasks() -> list:
 
 
 class Product:
-    """The demo product on the live gateway: users ask for completions of demo tasks and react to them."""
+    """The demo product on the live gateway: users ask for completions of demo tasks, see them (`shown`,
+    the exposure the canary counts) and react; the product reports it all at once, as a product would."""
+
+    WINDOW_S = 1.0  # the joiner's attribution window
 
     def __init__(self, url: str, bus: EmbeddedBus, n_users: int = 16):
         self.url, self.http = url, httpx.Client(base_url=url, timeout=60)
         self.users = [SimulatedUser(f"user-{i}", seed=i) for i in range(n_users)]
-        self.joiner = JoinerService(bus, RewardSpec(), window_s=0.5)
+        self.joiner = JoinerService(bus, RewardSpec(), window_s=self.WINDOW_S)
         self.round = 0
 
-    def serve(self, per_user: int = 1) -> int:
-        """One round: every user gets `per_user` completions and reacts; returns the samples joined."""
+    def serve(self) -> int:
+        """One round: every user gets a completion and reacts to it; returns the samples joined."""
         self.round += 1
-        tasks = sample_tasks(len(self.users) * per_user, seed=1000 + self.round)
-        asked = [(self.users[i % len(self.users)], t) for i, t in enumerate(tasks)]
-        done = [self.complete(t.prompt, u.user_id) for u, t in asked]
-        checks = check_batch([t for _, t in asked], [c["choices"][0]["text"] for c in done])
-        events = [
-            {
-                "completion_id": c["choices"][0]["completion_id"],
-                "kind": kind,
-                "user": u.user_id,
-                **({"value": value} if value is not None else {}),
-            }
-            for (u, t), c, ch in zip(asked, done, checks)
-            for kind, value in [("shown", None)] + [(s.kind, s.value) for s in u.react(t, c["choices"][0]["text"], ch)]
-        ]  # fmt: skip  (shown: the exposure the canary counts)
-        r = self.http.post("/v1/feedback", json={"events": events})
-        assert r.status_code == 200, r.text
-        time.sleep(0.6)  # the attribution window closes
+        for user, task in zip(self.users, sample_tasks(len(self.users), seed=1000 + self.round)):
+            choice = self.complete(task.prompt, user.user_id)["choices"][0]
+            seen = [("shown", None)] + [
+                (s.kind, s.value) for s in user.react(task, choice["text"], check(task, choice["text"]))
+            ]
+            events = [{"completion_id": choice["completion_id"], "kind": kind, "user": user.user_id,
+                       **({"value": value} if value is not None else {})} for kind, value in seen]  # fmt: skip
+            r = self.http.post("/v1/feedback", json={"events": events})
+            assert r.status_code == 200, r.text
+        time.sleep(self.WINDOW_S + 0.1)  # the last window closes
         return sum(len(self.joiner.run_once(timeout_s=0.2)) for _ in range(3))
 
     def complete(self, prompt: str, user: str | None) -> dict:
-        body = {"model": "flywheel", "prompt": prompt, "max_tokens": 12, **({"user": user} if user else {})}
+        body = {"model": "flywheel", "prompt": prompt, "max_tokens": 24, **({"user": user} if user else {})}
         r = self.http.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
         return r.json()
@@ -114,39 +113,62 @@ class Product:
         self.http.close()
 
 
+def next_candidate(learner: LearnerService, gate: Gate, product: Product, reg: Registry) -> str:
+    """Serve and train until the learner's candidate passes the offline gate (a near copy of its parent
+    can still lose a family by chance: then the lineage rebases and trains on); then run its canary on
+    live traffic until it awaits approval."""
+    for _ in range(4):
+        while (candidate := learner.run_once(timeout_s=0.2)) is None:
+            product.serve()
+        if (offline := gate.step()).action == "passed":
+            break
+        assert offline.action == "rejected", offline
+    assert offline.action == "passed", reg.get(candidate).gate["offline"]["numbers"]["failed"]
+    wait_until(lambda: all(candidate in r.holds for r in reg.fleet().replicas), what="the replicas to load it")
+    time.sleep(CANARY_TTL_S)  # the gateway's cached view of the canary
+    deadline = time.monotonic() + 120
+    while (step := gate.step()).action != "awaiting_approval":
+        assert step.action in ("canary", "next_step") and time.monotonic() < deadline, step
+        if step.action == "next_step":
+            time.sleep(CANARY_TTL_S)
+        product.serve()
+    return candidate
+
+
 @pytest.fixture(scope="module")
 def world(request, tmp_path_factory):
-    """A candidate awaiting approval after the learner, the offline gate and a routed canary."""
-    ckpt = request.getfixturevalue("small_trained_checkpoint" if SHOTS else "tiny_checkpoint")
+    """A candidate awaiting approval after the learner, the offline gate and a routed canary (with
+    screenshots, two earlier cycles too, approved, so the pages have a history to show)."""
+    ckpt = request.getfixturevalue("tiny_checkpoint")
+    if SHOTS:  # the demo model: `flywheel bootstrap`'s under FLYWHEEL_HOME if there is one, else a shorter one
+        demo = Settings().served_model_dir
+        ckpt = demo if (demo / "config.json").is_file() else request.getfixturevalue("small_trained_checkpoint")
     home = tmp_path_factory.mktemp("dashboard")
-    settings = Settings(home=home, model_dir=ckpt, engine="embedded", replicas=2, heartbeat_s=0.5)
+    settings = Settings(
+        home=home, model_dir=ckpt, engine="embedded", replicas=2, heartbeat_s=0.5, gateway_id="gateway-a"
+    )
     reg, bus, index = Registry(settings.db_url), EmbeddedBus(home / "bus"), CompletionIndex(home / "index.db")
     keys = KeyStore(settings.key_store_path)
     t0 = time.monotonic()
     with LiveServer(create_app(settings, bus=bus, index=index, registry=reg)) as server:
-        base = reg.promoted().id
         product = Product(server.url, bus)
         learner = LearnerService(bus, reg, settings.learner_models_dir, settings.served_model_dir,
                                  LearnerConfig(update_every_samples=16, min_samples=1))  # fmt: skip
         suite = demo_suite(twenty_tasks())
         gate = Gate(reg, lambda: EmbeddedEngine(max_batch=64, max_model_len=128),
-                    weight_store_loader(settings.learner_models_dir, home / "gate-cache"), suite, GATE, bus=bus)  # fmt: skip
+                    weight_store_loader(settings.learner_models_dir, home / "gate-cache"), suite, GATE, bus=bus,
+                    score=verifier_scorer(suite.verifier, Tokenizer.from_file(ckpt)))  # fmt: skip
         try:
-            while (candidate := learner.run_once(timeout_s=0.2)) is None:
-                product.serve()
+            for _ in range(2 if SHOTS else 0):
+                earlier = next_candidate(learner, gate, product, reg)
+                reg.approve(earlier, "screenshot run", "an earlier cycle, approved to give the pages a history")
+                wait_until(lambda: reg.fleet(interval_s=0.5).complete, what="the fleet to serve it")
+            incumbent = reg.promoted().id
+            candidate = next_candidate(learner, gate, product, reg)
         finally:
-            learner.close()  # one candidate is enough: the canary's samples train nothing
-        assert gate.step().action == "passed", reg.get(candidate).gate
-        wait_until(lambda: all(candidate in r.holds for r in reg.fleet().replicas), what="the replicas to load it")
-        time.sleep(CANARY_TTL_S)  # the gateway's cached view of the canary
-        deadline = time.monotonic() + 120
-        while (step := gate.step()).action != "awaiting_approval":
-            assert step.action in ("canary", "next_step") and time.monotonic() < deadline, step
-            if step.action == "next_step":
-                time.sleep(CANARY_TTL_S)
-            product.serve()
+            learner.close()
         server.settings, server.reg, server.product = settings, reg, product
-        server.base, server.candidate, server.setup_s = base, candidate, time.monotonic() - t0
+        server.incumbent, server.candidate, server.setup_s = incumbent, candidate, time.monotonic() - t0
         server.admin = keys.create(["admin"], label="alice")
         server.viewer = keys.create(["viewer"], label="bob")
         yield server
@@ -214,7 +236,7 @@ def post_from_page(driver, path: str, fields: dict) -> int:
 
 def test_the_candidate_went_through_the_learner_the_gate_and_a_canary(world):
     v = world.reg.get(world.candidate)
-    assert v.parent_id == world.base and "reward_mean" in v.metrics and v.data_range
+    assert v.parent_id == world.incumbent and "reward_mean" in v.metrics and v.data_range
     numbers = v.gate["offline"]["numbers"]
     assert (numbers["suite"]["n_prompts"], numbers["sampling"]["G"]) == (20, 2)
     steps = [(a.action, a.to_status.value) for a in world.reg.audit(world.candidate)]
@@ -229,7 +251,7 @@ def test_a_viewer_sees_the_candidate_but_its_buttons_do_nothing(world, browser):
     shot(browser, "versions")
     click(browser, browser.find_element("link text", world.candidate))
     verdict = browser.find_element("id", "verdict").text
-    assert f"compared with {world.base}, which is promoted now" in verdict and "Canary difference" in verdict
+    assert f"compared with {world.incumbent}, which is promoted now" in verdict and "Canary difference" in verdict
     approve = browser.find_element("id", "approve")
     assert not approve.is_enabled() and not browser.find_element("id", "reason-approve").is_enabled()
     assert "only an admin key can approve" in browser.find_element("id", "actions").text
@@ -280,14 +302,14 @@ def test_a_rollback_from_the_page_restores_the_previous_version(world, browser):
         world.reg.approve(world.candidate, "test", "set up the rollback")
     sign_in(browser, world, world.admin[0])
     browser.get(f"{world.url}/dashboard/versions/{world.candidate}")
-    assert f"restores {world.base}" in browser.find_element("id", "about-rollback").text
+    assert f"restores {world.incumbent}" in browser.find_element("id", "about-rollback").text
     browser.find_element("id", "reason-rollback").send_keys("users complain")
     click(browser, browser.find_element("id", "rollback"))
     assert "Rolled back" in browser.find_element("id", "notice").text
-    assert browser.current_url.endswith(f"/dashboard/versions/{world.base}?done=rollback")
-    assert world.reg.promoted().id == world.base and world.reg.get(world.candidate).status == "rolled_back"
+    assert browser.current_url.endswith(f"/dashboard/versions/{world.incumbent}?done=rollback")
+    assert world.reg.promoted().id == world.incumbent and world.reg.get(world.candidate).status == "rolled_back"
     served = lambda: {world.product.complete("# add 1 to x\ndef f(x):\n", f"user-{i}")["model"] for i in range(6)}  # noqa: E731
-    wait_until(lambda: served() == {world.base}, what="the fleet to serve the base again")
+    wait_until(lambda: served() == {world.incumbent}, what="the fleet to serve the base again")
     click(browser, browser.find_element("id", "logout"))
     assert "/dashboard/login" in browser.current_url
     browser.get(world.url + "/dashboard/versions")
