@@ -561,6 +561,63 @@ def idle_load_s(model: Path, reps: int = 3) -> float:
         eng.shutdown()
 
 
+def vllm_loop_check(model: Path, off_loop: bool) -> dict:
+    """In-process check of the stall's cause: 4 streams on a `VLLMEngine` while a second version loads
+    beside, with `_make` as it is, or (`off_loop`) with the same `AsyncLLM` built on a worker thread
+    (`VLLMEngine._make` replaced here, for this check only)."""
+    from serving.vllm_engine import VLLMEngine
+
+    if off_loop:
+
+        def _make(self, folder, args):
+            async def make():
+                from vllm.engine.arg_utils import AsyncEngineArgs
+                from vllm.v1.engine.async_llm import AsyncLLM
+
+                kwargs = dict(model=str(folder), max_model_len=min(self.max_model_len, args.max_seq_len),
+                              gpu_memory_utilization=self.gpu_memory_utilization, enforce_eager=True,
+                              logprobs_mode="processed_logprobs", seed=self.seed, dtype=self.dtype,
+                              max_num_seqs=self.max_batch, disable_log_stats=True)  # fmt: skip
+                return await asyncio.to_thread(AsyncLLM.from_engine_args, AsyncEngineArgs(**kwargs))
+
+            return self._call(make())
+
+        VLLMEngine._make = _make  # type: ignore[method-assign]
+    from serving.sampling import SamplingParams
+
+    eng = VLLMEngine(max_model_len=256)
+    eng.add_version("a", model, default=True)
+    ids = eng.tokenizer().encode_prompt("# add 3 to x\ndef f(x):\n")
+    arrivals: list[tuple[float, float]] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        while not stop.is_set():
+            last = None
+            for _ in eng.submit(ids, SamplingParams(max_tokens=64, ignore_eos=True), "a"):
+                now = time.time()
+                if last is not None:
+                    arrivals.append((now, now - last))
+                last = now
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(5)
+    t0 = time.time()
+    eng.add_version("b", model)
+    t1 = time.time()
+    time.sleep(2)
+    stop.set()
+    for t in threads:
+        t.join(30)
+    eng.shutdown()
+    during = [g for at, g in arrivals if t0 <= at <= t1 + 0.5]
+    before = [g for at, g in arrivals if at < t0]
+    return {"off_loop": off_loop, "load_s": t1 - t0, "max_gap_before_ms": max(before) * 1e3,
+            "max_gap_during_load_ms": max(during) * 1e3, "tokens_during_load": len(during)}  # fmt: skip
+
+
 # -- report ---------------------------------------------------------------------------------------
 
 
@@ -606,7 +663,7 @@ VLLM_STALL = (
     "stream on it, waits for the start; the retired engine's `shutdown()` runs on that loop too. Building "
     "it off the loop (`await asyncio.to_thread(AsyncLLM.from_engine_args, ...)`; with no running loop in "
     "that thread vLLM starts the output handler at the first `generate`, on the private loop) and shutting "
-    "engines down the same way would leave serving to the CPU share alone."
+    "engines down the same way should leave serving only the CPU it shares (the check below)."
 )
 
 GPU_PATH = """\
@@ -739,6 +796,17 @@ def write_md(res: dict, path: Path) -> None:
         if stalled:
             L += ["", f"During {' and '.join(stalled)} the longest gap is about as long as the load: the served "
                   "engine's streams stop while the new engine starts. " + VLLM_STALL]  # fmt: skip
+        check = v.get("loop_check")
+        if check:
+            L += ["", f"Checked in process ({check['at']}, load average {check['loadavg']}; "
+                  "`python bench/swap_load.py --vllm-loop-check`: 4 streams on a `VLLMEngine` while a second "
+                  "version loads beside; `_make` replaced for the check only):", "",
+                  "| `AsyncLLM` built | load | max gap before | max gap during the load | tokens during the load |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+            for c in check["runs"]:
+                L.append(f"| {'on a worker thread' if c['off_loop'] else 'on the private loop (as it is)'} | "
+                         f"{c['load_s']:.1f} s | {c['max_gap_before_ms']:.0f} ms | {c['max_gap_during_load_ms']:.0f} ms"
+                         f" | {c['tokens_during_load']} |")  # fmt: skip
     L += ["", GPU_PATH]
     path.write_text("\n".join(L) + "\n")
 
@@ -772,6 +840,9 @@ def main() -> None:
         _, _, url, seconds, clients, out = sys.argv
         loadgen_main(url, float(seconds), int(clients), out)
         return
+    if len(sys.argv) > 1 and sys.argv[1] == "--vllm-loop-check-one":
+        print("LOOP-CHECK " + json.dumps(vllm_loop_check(Path(sys.argv[2]), sys.argv[3] == "1")), flush=True)
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(ROOT / "var" / "models" / "demo-base"))
     ap.add_argument("--runs", type=int, default=3)
@@ -783,7 +854,24 @@ def main() -> None:
     ap.add_argument("--vllm", action="store_true", help="also one swap on a vLLM (CPU) replica (--runs 0: only it)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "swap_load"))
     ap.add_argument("--keep", action="store_true", help="keep the work folder (logs, homes)")
+    ap.add_argument("--vllm-loop-check", action="store_true", help="only the check of the vLLM stall's cause")
     a = ap.parse_args()
+    if a.vllm_loop_check:
+        out = Path(a.out).with_suffix(".json")
+        res = json.loads(out.read_text())
+        checks = []
+        for off in ("0", "1"):
+            done = subprocess.run([sys.executable, __file__, "--vllm-loop-check-one", a.model, off], cwd=ROOT,
+                                  capture_output=True, text=True, timeout=900)  # fmt: skip
+            line = next(x for x in done.stdout.splitlines() if x.startswith("LOOP-CHECK "))
+            checks.append(json.loads(line.removeprefix("LOOP-CHECK ")))
+            print(checks[-1], flush=True)
+        res.setdefault("vllm", {})["loop_check"] = {"at": datetime.now(UTC).isoformat(timespec="seconds"),
+                                                   "loadavg": [round(x, 2) for x in os.getloadavg()],
+                                                   "runs": checks}  # fmt: skip
+        out.write_text(json.dumps(res, indent=2, default=str) + "\n")
+        write_md(res, out.with_suffix(".md"))
+        return
     if a.runs == 0 and not a.vllm:
         ap.error("--runs 0 measures only the vLLM swap: pass --vllm")
     if a.seconds < max(at for _, at in EVENTS) + 6:
