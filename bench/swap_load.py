@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -67,6 +68,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -835,6 +837,48 @@ NOTES = """\
 """
 
 
+def loop_check_main(model: Path, out: Path) -> None:
+    """`vllm_loop_check` as it is and off the loop, each in a fresh process; added to the results in `out`."""
+    res = json.loads(out.read_text())
+    checks = []
+    for off in ("0", "1"):
+        done = subprocess.run([sys.executable, __file__, "--vllm-loop-check-one", str(model), off], cwd=ROOT,
+                              capture_output=True, text=True, timeout=900)  # fmt: skip
+        line = next(x for x in done.stdout.splitlines() if x.startswith("LOOP-CHECK "))
+        checks.append(json.loads(line.removeprefix("LOOP-CHECK ")))
+        print(checks[-1], flush=True)
+    when = datetime.now(UTC).isoformat(timespec="seconds")
+    res.setdefault("vllm", {})["loop_check"] = {"at": when, "loadavg": loadavg(), "runs": checks}
+    out.write_text(json.dumps(res, indent=2, default=str) + "\n")
+    write_md(res, out.with_suffix(".md"))
+
+
+@contextlib.contextmanager
+def registry_url(db: str, work: Path) -> Iterator[str]:
+    """A fresh registry: a schema of the PostgreSQL database `test` (dropped after), or a SQLite file."""
+    if db == "sqlite":
+        yield f"sqlite:///{work / 'registry.db'}"
+        return
+    from sqlalchemy import text
+
+    from gating.db import make_engine
+
+    schema = f"swapload_{uuid.uuid4().hex[:8]}"
+    e = make_engine(PG)
+    with e.begin() as c:
+        c.execute(text(f'CREATE SCHEMA "{schema}"'))
+    try:
+        yield f"{PG}?options=-csearch_path%3D{schema}"
+    finally:
+        with e.begin() as c:
+            c.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        e.dispose()
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--loadgen":
         _, _, url, seconds, clients, out = sys.argv
@@ -857,50 +901,40 @@ def main() -> None:
     ap.add_argument("--vllm-loop-check", action="store_true", help="only the check of the vLLM stall's cause")
     a = ap.parse_args()
     if a.vllm_loop_check:
-        out = Path(a.out).with_suffix(".json")
-        res = json.loads(out.read_text())
-        checks = []
-        for off in ("0", "1"):
-            done = subprocess.run([sys.executable, __file__, "--vllm-loop-check-one", a.model, off], cwd=ROOT,
-                                  capture_output=True, text=True, timeout=900)  # fmt: skip
-            line = next(x for x in done.stdout.splitlines() if x.startswith("LOOP-CHECK "))
-            checks.append(json.loads(line.removeprefix("LOOP-CHECK ")))
-            print(checks[-1], flush=True)
-        res.setdefault("vllm", {})["loop_check"] = {"at": datetime.now(UTC).isoformat(timespec="seconds"),
-                                                   "loadavg": [round(x, 2) for x in os.getloadavg()],
-                                                   "runs": checks}  # fmt: skip
-        out.write_text(json.dumps(res, indent=2, default=str) + "\n")
-        write_md(res, out.with_suffix(".md"))
+        loop_check_main(Path(a.model), Path(a.out).with_suffix(".json"))
         return
     if a.runs == 0 and not a.vllm:
         ap.error("--runs 0 measures only the vLLM swap: pass --vllm")
     if a.seconds < max(at for _, at in EVENTS) + 6:
         ap.error(f"--seconds must leave time after the rollback (>= {max(at for _, at in EVENTS) + 6})")
-
-    from core.security import KeyStore
-    from gating.bootstrap import STORE
-    from gating.registry import Registry
-
     model = Path(a.model)
     if not (model / "config.json").is_file():
         sys.exit(f"no checkpoint at {model}: run `flywheel bootstrap` first")
     work = Path(tempfile.mkdtemp(prefix="swap-load-"))
-    schema = None
-    if a.db == "postgres":
-        from sqlalchemy import text
-
-        from gating.db import make_engine
-
-        schema = f"swapload_{uuid.uuid4().hex[:8]}"
-        e = make_engine(PG)
-        with e.begin() as c:
-            c.execute(text(f'CREATE SCHEMA "{schema}"'))
-        e.dispose()
-        db_url = f"{PG}?options=-csearch_path%3D{schema}"
+    with registry_url(a.db, work) as db_url:
+        result = measure(a, model, work, db_url)
+    out = Path(a.out)
+    if not result["runs"] and out.with_suffix(".json").is_file():  # the vLLM swap alone: added to the last run
+        result = {**json.loads(out.with_suffix(".json").read_text()), "vllm": result["vllm"]}
+    elif result["vllm"] is None and out.with_suffix(".json").is_file():  # keep the last vLLM measurement
+        result["vllm"] = json.loads(out.with_suffix(".json").read_text()).get("vllm")
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    write_md(result, out.with_suffix(".md"))
+    if a.keep:
+        print("work folder:", work)
     else:
-        db_url = f"sqlite:///{work / 'registry.db'}"
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(result.get("summary"), indent=2))
+
+
+def measure(a, model: Path, work: Path, db_url: str) -> dict:
+    """The weight server, the gateway under test, the runs (and the vLLM swap): the results' record."""
+    from core.security import KeyStore
+    from gating.bootstrap import STORE
+    from gating.registry import Registry
+
     load_alone_s = idle_load_s(model)
-    loadavg_before = os.getloadavg()
+    loadavg_before = loadavg()
     started = datetime.now(UTC).isoformat(timespec="seconds")
     print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(), flush=True)
 
@@ -932,10 +966,10 @@ def main() -> None:
             warm = collect(run_load(gw.url, 5.0, a.clients, work))  # warm-up: connections, first batches
             print(f"warm-up: {len(warm)} requests, {len(failures(warm))} failed", flush=True)
         for i in range(1, a.runs + 1):
-            print(f"run {i}: load average {os.getloadavg()}", flush=True)
-            load1 = os.getloadavg()[0]
+            load1 = loadavg()[0]
+            print(f"run {i}: load average {loadavg()}", flush=True)
             res = one_run(i, a, reg, models, gw, beats, work, replicas)
-            res["loadavg_1min"] = round(load1, 2)
+            res["loadavg_1min"] = load1
             runs.append(res)
             print(json.dumps({k: res[k] for k in ("baseline", "swap", "added_p99_stall_ms")}), flush=True)
             print(json.dumps({n: {k: v for k, v in e.items() if k != "stages"} for n, e in res["events"].items()}),
@@ -949,8 +983,8 @@ def main() -> None:
             a.admin_vllm = {"Authorization": f"Bearer {KeyStore(vhome / 'keys.json').create(['admin'])[0]}"}
             vllm_env = {k: v for k, v in serve_env.items() if k not in ("FLYWHEEL_ENGINE", "FLYWHEEL_TORCH_THREADS")}
             vllm_res = vllm_swap(a, reg, models, vllm_env, vhome, beats, work)
-            vllm_res["loadavg_before"] = [round(x, 2) for x in loadavg_before]
-            vllm_res["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+            vllm_res["loadavg_before"] = loadavg_before
+            vllm_res["loadavg_after"] = loadavg()
             vllm_res["started"] = started
             print(json.dumps(vllm_res, default=str)[:3000], flush=True)
     finally:
@@ -959,25 +993,16 @@ def main() -> None:
             gw.stop()
         wgw.stop()
         reg.close()
-        if schema is not None:
-            from sqlalchemy import text
-
-            from gating.db import make_engine
-
-            e = make_engine(PG)
-            with e.begin() as c:
-                c.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-            e.dispose()
     snapshot = next((learner_home / "models" / "learner" / STORE).glob("*.snapshot.fws"))
-    result = {
+    return {
         "benchmark": "swap_load",
         "started": started,
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
-            "loadavg_before": [round(x, 2) for x in loadavg_before],
-            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+            "loadavg_before": loadavg_before,
+            "loadavg_after": loadavg(),
         },  # fmt: skip
         "config": {
             "db": "PostgreSQL (NOTIFY)" if a.db == "postgres" else "SQLite (1 s poll)",
@@ -997,18 +1022,6 @@ def main() -> None:
         "runs": runs,
         "vllm": vllm_res,
     }
-    out = Path(a.out)
-    if not runs and out.with_suffix(".json").is_file():  # a vLLM measurement alone: added to the last full run
-        result = {**json.loads(out.with_suffix(".json").read_text()), "vllm": vllm_res}
-    elif vllm_res is None and out.with_suffix(".json").is_file():  # keep the last vLLM measurement
-        result["vllm"] = json.loads(out.with_suffix(".json").read_text()).get("vllm")
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    write_md(result, out.with_suffix(".md"))
-    if a.keep:
-        print("work folder:", work)
-    else:
-        shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps(result.get("summary"), indent=2))
 
 
 if __name__ == "__main__":
