@@ -15,13 +15,14 @@ of always answering the known correct, house-style completion, minus the base's)
    - two diagnostics of what carries over, built from gate values so that report stays untouched:
      "held-out values" (train phrasings, gate values) and "held-out phrasing" (the held-out
      phrasing, train values); these prompts belong to no split;
-   - "report" only with --report: the published split is measured once, for the chosen attempt,
-     so that no attempt is tuned on it (attempts are compared on gate, which shares report's
-     phrasing and is drawn the same way from disjoint values).
+   - "report" is not measured by an attempt. `--report --tag T` measures it once, on attempt T's
+     cached base, the chosen one: no attempt is tuned on report (attempts are compared on gate,
+     which shares report's phrasing and is drawn the same way from disjoint values).
 3. append the attempt to bench/results/demo_calibration.json and rewrite demo_calibration.md.
 
 Usage: python bench/demo_calibration.py --tag a1 [--p-correct 0.6] [--p-preferred 0.3]
-       [--steps 1500] [--corpus-size 96000] [--n 1000] [--report] [--threads N]
+       [--steps 1500] [--corpus-size 96000] [--n 1000] [--threads N] [--note "why"]
+       python bench/demo_calibration.py --tag a1 --report [--n 1000]   # once, for the chosen base
 The base is cached in var/models/product-<tag> (delete it, or pass --force, to retrain).
 """
 
@@ -34,6 +35,7 @@ import math
 import os
 import platform
 import random
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -50,8 +52,11 @@ from demo.corpus import CorpusMix  # noqa: E402
 from demo.product import FAMILIES, Task, completions_for, is_preferred_style, make_task  # noqa: E402
 from demo.split import HELD_OUT_PHRASING, TRAIN_PHRASINGS, draw_value, make_corpus, split_tasks  # noqa: E402
 from demo.users import satisfaction  # noqa: E402
+from serving.checkpoint import load_checkpoint  # noqa: E402
+from serving.engine import EmbeddedEngine  # noqa: E402
 from serving.interface import Engine  # noqa: E402
 from serving.sampling import SamplingParams  # noqa: E402
+from serving.tokenizer import Tokenizer  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 
@@ -108,16 +113,45 @@ def evaluate_tasks(engine: Engine, version: str, tasks: Sequence[Task], seed: in
     }
 
 
-def eval_sets(n: int, report: bool) -> dict[str, list[Task]]:
-    sets = {
+SEEDS = {"train": 1, "gate": 2, "held-out values": 3, "held-out phrasing": 4, "report": 5}  # x 1e6: sampling seeds
+
+
+def eval_sets(n: int) -> dict[str, list[Task]]:
+    """The sets every attempt is measured on (report is not among them: see `measure_report`)."""
+    return {
         "train": split_tasks("train", n),
         "gate": split_tasks("gate", n),
         "held-out values": probe_tasks(n // 2, TRAIN_PHRASINGS, "gate", seed=1),
         "held-out phrasing": probe_tasks(n // 2, (HELD_OUT_PHRASING,), "train", seed=2),
     }
-    if report:
-        sets["report"] = split_tasks("report", n)
-    return sets
+
+
+def _evaluate_sets(engine: Engine, version: str, sets: dict[str, list[Task]]) -> dict:
+    out = {}
+    for name, tasks in sets.items():
+        t0 = time.perf_counter()
+        out[name] = evaluate_tasks(engine, version, tasks, seed=1_000_000 * SEEDS[name])
+        out[name]["seconds"] = time.perf_counter() - t0
+        print(f"  {name}: pass {out[name]['pass_rate']:.3f} sat {out[name]['satisfaction']:.3f}", flush=True)
+    return out
+
+
+def measure_report(attempt: dict, n: int, threads: int | None) -> dict:
+    """The report split, measured once on an attempt's cached base (the chosen one)."""
+    if threads:
+        torch.set_num_threads(threads)
+    model_dir = ROOT / attempt["checkpoint"]
+    model = load_checkpoint(model_dir)
+    engine = EmbeddedEngine(max_batch=64, max_model_len=model.args.max_seq_len, seed=attempt["config"]["seed"])
+    load_before = os.getloadavg()
+    try:
+        engine.add_version("base", model, Tokenizer.from_file(model_dir))
+        ev = _evaluate_sets(engine, "base", {"report": split_tasks("report", n)})["report"]
+    finally:
+        engine.shutdown()
+    ev["measured"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    ev["loadavg"] = [load_before, os.getloadavg()]
+    return ev
 
 
 def run_attempt(args: argparse.Namespace) -> dict:
@@ -131,25 +165,21 @@ def run_attempt(args: argparse.Namespace) -> dict:
         threads=args.threads,
         eval_tasks=1,  # unused: `evaluation` below replaces the default evaluation
     )
-    sets = eval_sets(args.n, args.report)
-
-    def evaluation(engine: Engine, version: str) -> dict:
-        out = {}
-        for i, (name, tasks) in enumerate(sets.items()):
-            t0 = time.perf_counter()
-            out[name] = evaluate_tasks(engine, version, tasks, seed=1_000_000 * (i + 1))
-            out[name]["seconds"] = time.perf_counter() - t0
-            print(f"  {name}: pass {out[name]['pass_rate']:.3f} sat {out[name]['satisfaction']:.3f}", flush=True)
-        return out
+    sets = eval_sets(args.n)
 
     mix = CorpusMix(p_correct=args.p_correct, p_preferred=args.p_preferred)
     load_before = os.getloadavg()
     t0 = time.time()
     corpus = make_corpus(args.corpus_size, seed=args.seed, mix=mix)
     out_dir = ROOT / "var" / "models" / f"product-{args.tag}"
-    boot = bootstrap(out_dir, cfg, force=args.force, corpus=corpus, evaluation=evaluation, spell_quoted_strings=True)
-    if args.report and "report" not in boot["eval"]:
-        raise SystemExit(f"{out_dir} was bootstrapped without --report; pass --force to measure report too")
+    boot = bootstrap(
+        out_dir,
+        cfg,
+        force=args.force,
+        corpus=corpus,
+        evaluation=lambda engine, version: _evaluate_sets(engine, version, sets),
+        spell_quoted_strings=True,
+    )
     return {
         "tag": args.tag,
         "note": args.note,
@@ -168,6 +198,9 @@ def run_attempt(args: argparse.Namespace) -> dict:
         "torch_threads": boot["torch_threads"],
         "eval": boot["eval"],
         "checkpoint": str(out_dir.relative_to(ROOT)),
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+        ).stdout.strip(),
     }
 
 
@@ -205,7 +238,8 @@ def write_md(attempts: list[dict], path: Path) -> None:
             f"{' / '.join(f'{x:.2f}' for x in a['loadavg_after'])}; {a['torch_threads']} torch threads. "
             f"Training {a['train_seconds']:.0f} s ({a['steps']} steps{early}, "
             f"final loss {a['final_loss']:.3f}), total {a['total_seconds']:.0f} s; {a['parameters']:,} parameters, "
-            f"{a['corpus_tokens']:,} corpus tokens. Checkpoint `{a['checkpoint']}` (not committed).",
+            f"{a['corpus_tokens']:,} corpus tokens. Checkpoint `{a['checkpoint']}` (not committed), "
+            f"product and split as of commit {a.get('commit', '?')}.",
             "",
             "| set | n | pass rate % | satisfaction % | ceiling % | headroom (points) | house style % |",
             "|---|---|---|---|---|---|---|",
@@ -236,18 +270,26 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--corpus-size", type=int, default=96_000)
     ap.add_argument("--n", type=int, default=1000, help="Distinct prompts per set (the diagnostics get n/2).")
-    ap.add_argument("--report", action="store_true", help="Also measure the report split (the chosen attempt only).")
+    ap.add_argument("--report", action="store_true", help="Measure report on attempt --tag's base (the chosen one).")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--time-budget-s", type=float, default=3600.0)
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.manual_seed(args.seed)
-    attempt = run_attempt(args)
     RESULTS.mkdir(parents=True, exist_ok=True)
     json_path = RESULTS / "demo_calibration.json"
     attempts = json.loads(json_path.read_text())["attempts"] if json_path.is_file() else []
-    attempts = [a for a in attempts if a["tag"] != args.tag] + [attempt]
+    if args.report:
+        attempt = next((a for a in attempts if a["tag"] == args.tag), None)
+        if attempt is None:
+            raise SystemExit(f"no attempt {args.tag!r} in {json_path}; run it first (without --report)")
+        if "report" in attempt["eval"] and not args.force:
+            raise SystemExit(f"attempt {args.tag!r} already has its report numbers (measured once)")
+        attempt["eval"]["report"] = measure_report(attempt, args.n, args.threads)
+    else:
+        attempt = run_attempt(args)
+        attempts = [a for a in attempts if a["tag"] != args.tag] + [attempt]
     json_path.write_text(json.dumps({"attempts": attempts}, indent=2) + "\n")
     write_md(attempts, RESULTS / "demo_calibration.md")
     print(json.dumps({k: attempt["eval"][k]["pass_rate"] for k in attempt["eval"]}))

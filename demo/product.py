@@ -6,9 +6,9 @@ A task is still a one-line comment plus a function header, and the model writes 
     completion = "    return x + 47\\n"
 
 What changed from `demo.tasks` (the 8-family product it will replace): multi-digit integers
-(0-999), short strings of 1-3 lowercase letters, and lists of integers as parameters; families
-that take two steps (filter then sum, multiply then add, clamp, map then join); and four
-phrasings of every family's comment. Which prompts are shown to users, pre-trained on, gated on
+(0-999), short strings of 1-3 lowercase letters (1-2 where a family copies two), and lists of
+integers as parameters; families that take two steps (filter then sum, multiply then add, clamp,
+map then join); and four phrasings of every family's comment. Which prompts are shown to users, pre-trained on, gated on
 or reported on is not decided here but in `demo.split`; this module only says what a prompt of the
 product is, how to build and parse one, and which completions of it are known to be right or
 wrong, in which style.
@@ -261,7 +261,7 @@ _FAMILY_LIST = (
             "count '{c}' in s",
             "how many times '{c}' occurs in s",
             "number of '{c}' in s",
-            "the number of times '{c}' occurs in s",
+            "how many times is '{c}' in s",
         ),
         reference=lambda v: lambda s: s.count(v["c"]),
         test_args=lambda v: ["", v["c"], v["c"] + "-" + v["c"], v["C"], "-" + v["c"] + "-" + v["C"] + "-" + v["c"]],
@@ -333,7 +333,7 @@ _FAMILY_LIST = (
     _Family(
         name="replace",
         arg="s",
-        params=(("c", _LETTERS), ("d", _LETTERS)),
+        params=(("c", Letters(2)), ("d", Letters(2))),  # two strings to copy: 1-2 letters each
         valid=lambda p: p["c"] != p["d"],
         phrasings=(
             "replace '{c}' with '{d}' in s",
@@ -410,7 +410,7 @@ _FAMILY_LIST = (
             "sum of the items of xs greater than {k}",
             "add up the items of xs above {k}",
             "total of x in xs with x > {k}",
-            "sum the items of xs above {k}",
+            "add up the items of xs greater than {k}",
         ),
         reference=lambda v: lambda xs: sum(x for x in xs if x > v["k"]),
         test_args=_xs_tests,
