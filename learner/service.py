@@ -9,10 +9,12 @@ Owns the learner's durable state and its exactly-once accounting:
   counted; what is kept is importance-corrected against its recorded behaviour log-probs, the
   weight truncated at `is_cap` and |log ρ| clamped (`learner.objective`).
 - **Hold back while the gate is busy** (`hold_back`, default on). While a version is in flight
-  (`Registry.in_flight()`: evaluating, canary, awaiting approval) an update is checkpointed and
-  becomes the lineage's tip as usual, but is not registered; once nothing is in flight (asked every
+  (`Registry.in_flight()`: evaluating, canary, awaiting approval), or, once a gate has been seen at
+  work, while the last registered candidate still waits for it, an update is checkpointed and
+  becomes the lineage's tip as usual, but is not registered; once the gate is free (asked every
   `hold_check_s`, in `run_once`) the tip is registered as the next candidate, a child of the last
-  registered version, covering the held-back updates' samples. Why: the fleet serves the promoted
+  registered version, covering the held-back updates' samples. (Without a gate nothing is ever in
+  flight and every update is registered.) Why: the fleet serves the promoted
   version (and the candidate to a canary share), and a gate cycle (offline eval, three canary steps
   of at least an attribution window and 30 users per arm, a person's approval) takes hours, in which
   the learner makes K updates (512 samples or 4 h each). Registering a candidate per update and
@@ -206,6 +208,7 @@ class LearnerService:
         self.last_update = clock()
         self.last_stats: dict[str, Any] = {}  # the last update's statistics (also in the registry once registered)
         self._held_checked = float("-inf")
+        self._gate_seen = False  # a gate takes candidates from this registry (one was seen in flight)
 
     def _init_state(self, base_dir: str | Path) -> None:
         if self.state_path.is_file():
@@ -397,8 +400,8 @@ class LearnerService:
         return True
 
     def update(self) -> str | None:
-        """Train on the buffer, publish the next version; returns its id (None if nothing trainable,
-        or if the batch was quarantined)."""
+        """Train on the buffer and make the next version; its id (registered, or held back while the
+        gate is busy: `state["held"]`), or None if nothing was trainable or the batch was quarantined."""
         self.rebase()
         self._sync_reference()
         mine = [r for r, _ in self.buffer]  # committed by this rank once the version is durable
@@ -488,7 +491,14 @@ class LearnerService:
             dead_letter(self.bus, full, reason, "learner.quarantine")
 
     def _gate_busy(self) -> bool:
-        return self.cfg.hold_back and self.registry.in_flight() is not None
+        """Hold back: a version is in flight, or (once a gate was seen taking versions from this
+        registry) the last registered candidate still waits for it."""
+        if not self.cfg.hold_back:
+            return False
+        if self.registry.in_flight() is not None:
+            self._gate_seen = True
+            return True
+        return self._gate_seen and self.registry.get(anchor(self.state)).status == "candidate"
 
     def _publish(self, stats: dict, covered: dict[str, tuple[int, int]]) -> str:
         """Checkpoint the trained model as the lineage's next version and make it current; register it

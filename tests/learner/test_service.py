@@ -332,10 +332,12 @@ def test_while_a_version_is_in_flight_updates_are_held_back_and_the_tip_register
     shipped = WeightStore(tmp_path / "models" / "store").get("v0003")
     expected = shipping_state(load_checkpoint(tmp_path / "models" / "v0003"), torch.float32)
     assert all(torch.equal(shipped[k], expected[k]) for k in expected)
-    # A held-back tip on a candidate that fails goes with it: the lineage rebases onto the promoted version.
-    reg.transition("v0003", "evaluating", "gate", "offline eval")
+    # v0003 waits for the gate, which has been seen at work: the next update is held back too (one
+    # candidate of the lineage at a time, so the gate, oldest first, gets the newest weights).
     publish(bus, samples[15:20])
     assert drain(svc, rounds=3) == ["v0004"] and svc.state["held"].keys() == {"v0004"}
+    # A held-back tip on a candidate that fails goes with it: the lineage rebases onto the promoted version.
+    reg.transition("v0003", "evaluating", "gate", "offline eval")
     assert svc.last_stats["staleness_versions_max"] == 2  # the base's samples: v0001 and v0003 since
     reg.reject("v0003", "gate", "worse")
     assert drain(svc, rounds=1) == []  # not registered: its anchor was rejected
