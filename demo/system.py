@@ -29,8 +29,12 @@ import json
 import logging
 import math
 import multiprocessing as mp
+import os
 import random
+import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -77,22 +81,40 @@ def _settings(home: str, base: str, **extra: Any):
     return Settings(home=Path(home), model_dir=Path(base), env="local", **extra)
 
 
-def _gateway_main(home: str, base: str, port: int, replicas: int, stop: Any) -> None:
-    import uvicorn
+class _Gateway:
+    """`flywheel serve` as a subprocess (the gateway: completions, feedback, admin API, dashboard), with
+    the calls `_Services` makes on a process."""
 
-    from api.main import create_app
+    def __init__(self, home: str, base: str, port: int, replicas: int):
+        env = {
+            **os.environ,
+            "FLYWHEEL_HOME": home,
+            "FLYWHEEL_MODEL_DIR": base,
+            "FLYWHEEL_PORT": str(port),
+            "FLYWHEEL_REPLICAS": str(replicas),
+            "FLYWHEEL_HEARTBEAT_S": "1",
+        }
+        log_file = open(Path(home) / "gateway.log", "ab")  # noqa: SIM115 (kept open for the child's life)
+        cmd = [sys.executable, "-c", "from core.cli import main; main(['serve'])"]
+        self.proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT)
 
-    settings = _settings(home, base, port=port, replicas=replicas, heartbeat_s=1.0)
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
+    @property
+    def exitcode(self) -> int | None:
+        return self.proc.poll()
 
-    async def serve() -> None:
-        task = asyncio.create_task(server.serve())
-        while not stop.is_set() and not task.done():
-            await asyncio.sleep(0.2)
-        server.should_exit = True
-        await task
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
 
-    asyncio.run(serve())
+    def join(self, timeout_s: float) -> None:
+        if self.is_alive():
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def terminate(self) -> None:
+        self.proc.kill()
 
 
 def _joiner_main(home: str, base: str, window_s: float, stop: Any) -> None:
@@ -289,7 +311,7 @@ def _free_port() -> int:
 
 @dataclass
 class _Services:
-    procs: dict[str, mp.process.BaseProcess]
+    procs: dict[str, Any]  # multiprocessing processes, and the gateway
     stop: Any
 
     def check(self) -> None:
@@ -331,12 +353,11 @@ def start_services(cfg: DemoSystemConfig, home: Path, base: Path, port: int) -> 
     gate = GateConfig(G=cfg.gate_G, seed=cfg.seed, n_resamples=500, poll_s=1.0, nice=5, canary=canary)
     h, b = str(home), str(base)
     specs = {
-        "gateway": (_gateway_main, (h, b, port, cfg.replicas, stop)),
         "joiner": (_joiner_main, (h, b, cfg.window_s, stop)),
         "learner": (_learner_main, (h, b, learner.model_dump_json(), stop)),
         "gate": (_gate_main, (h, b, gate.model_dump_json(), cfg.gate_prompts, cfg.seed, stop)),
     }
-    procs = {}
+    procs: dict[str, Any] = {"gateway": _Gateway(h, b, port, cfg.replicas)}
     for name, (target, args) in specs.items():
         p = ctx.Process(target=target, args=args, name=f"flywheel-{name}", daemon=False)
         p.start()

@@ -129,7 +129,7 @@ class VLLMEngine(GenerateMixin):
             await asyncio.sleep(0.05)
         loaded = self._table.drop(name)
         if loaded is not None:
-            loaded.llm.shutdown()
+            await asyncio.to_thread(loaded.llm.shutdown)
 
     def _make(self, folder: Path, args):
         async def make():
@@ -149,7 +149,9 @@ class VLLMEngine(GenerateMixin):
             )
             if self.routed_experts:
                 kwargs["enable_return_routed_experts"] = True
-            return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+            # Off the private loop: the engine start takes seconds (tens on CPU), and that loop drives
+            # every other version's requests meanwhile (bench/results/swap_load.md).
+            return await asyncio.to_thread(AsyncLLM.from_engine_args, AsyncEngineArgs(**kwargs))
 
         return self._call(make())
 
