@@ -93,7 +93,7 @@ def chart(
     if not xs:
         msg = f'<text x="{width / 2}" y="{height / 2}" text-anchor="middle" font-size="12" fill="{COLORS["axis"]}">'
         return Markup(head + msg + "no data yet</text></svg>")
-    left, right, top, bottom = 52, 14, 40, 40
+    left, right, top, bottom = 52, 30, 40, 40
     x0, x1 = min(xs), max(xs)
     if x1 == x0:
         x0, x1 = x0 - 0.5, x1 + 0.5

@@ -52,9 +52,10 @@ pytestmark = [
         reason="needs Debian's chromium and chromium-driver (scripts/setup-venv.sh installs them as root)",
     ),
 ]
-CANARY = CanaryConfig(steps=(0.3, 0.6), min_users_per_arm=3, min_step_s=1.0, max_step_s=120.0, margin=1.0,
+CANARY = CanaryConfig(steps=(0.35, 0.5), min_users_per_arm=3, min_step_s=1.0, max_step_s=120.0, margin=1.0,
                       rho=2.0, min_users_for_harm=3)  # fmt: skip
-"""Tiny but real: two one-second steps; a dozen users cannot resolve a smaller margin than 1 reward point."""
+"""Tiny but real: two one-second steps; 20 users (at 35%, fewer than 3 in an arm has odds of about 1%)
+cannot resolve a smaller margin than 1 reward point."""
 GATE = GateConfig(G=2, max_tokens=24, margin=0.15, n_resamples=200, poll_s=0.1, nice=0, canary=CANARY)
 """G=2 on 20 prompts: a pass rate resolves to about ±0.1, so the offline margin is 0.15 here."""
 
@@ -81,7 +82,7 @@ class Product:
 
     WINDOW_S = 1.0  # the joiner's attribution window
 
-    def __init__(self, url: str, bus: EmbeddedBus, n_users: int = 16):
+    def __init__(self, url: str, bus: EmbeddedBus, n_users: int = 20):
         self.url, self.http = url, httpx.Client(base_url=url, timeout=60)
         self.users = [SimulatedUser(f"user-{i}", seed=i) for i in range(n_users)]
         self.joiner = JoinerService(bus, RewardSpec(), window_s=self.WINDOW_S)
@@ -197,11 +198,18 @@ def browser():
 
 def click(driver, element) -> None:
     """Click, and wait until the page it leads to has replaced this one."""
+    from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
     from selenium.webdriver.support import expected_conditions
     from selenium.webdriver.support.wait import WebDriverWait
 
     old = driver.find_element("tag name", "html")
-    element.click()
+    try:
+        element.click()
+    except StaleElementReferenceException:
+        pass  # the page it submitted already replaced this one
+    except WebDriverException as e:  # chromedriver racing the same unload
+        if "does not belong to the document" not in str(e):
+            raise
     WebDriverWait(driver, 15).until(expected_conditions.staleness_of(old))
 
 
