@@ -122,6 +122,19 @@ class GateEvidence(RegistryStore):
                 ) from e
             return self._public(s, version_id)
 
+    def why_not_approve(self, version_id: str) -> str | None:
+        """The reason `approve` would refuse `version_id` now, or None (read only: the dashboard's
+        Approve button says it before anyone presses it)."""
+        with session(self.engine) as s:
+            row = s.get(ModelVersion, version_id)
+            if row is None:
+                return f"unknown version {version_id!r}"
+            try:
+                self._approvable(s, row)
+            except ValueError as e:
+                return str(e)
+        return None
+
     def _approvable(self, s: Session, row: ModelVersion) -> OfflineVerdict:
         vid = row.id
         if row.status != S.awaiting_approval:

@@ -463,6 +463,11 @@ class Registry(GateEvidence, Heartbeats):
         s.flush()  # the version row before its audit row (no ORM relationship orders them)
         return row
 
+    def last_superseded(self) -> str | None:
+        """The version a one-click rollback (`rollback(None, ...)`) restores, or None."""
+        with session(self.engine) as s:
+            return self._last_superseded(s)
+
     @staticmethod
     def _last_superseded(s: Session) -> str | None:
         q = (

@@ -16,8 +16,8 @@ default). The final numbers in the verdict panel are the gate's own (the details
 canary → awaiting_approval / aborted transition); during a canary they are `gating.canary.decide` on
 the stored counts with the default `CanaryConfig`, marked as such.
 
-Which step the lifecycle allows is asked of `gating` (`Registry._approvable`, `LIFECYCLE`,
-`Registry._last_superseded`), never restated here.
+Which step the lifecycle allows is asked of `gating` (`Registry.why_not_approve`, `LIFECYCLE`,
+`Registry.last_superseded`), never restated here.
 """
 
 from __future__ import annotations
@@ -30,11 +30,9 @@ from typing import Any, Literal
 
 from api.dashboard.svg import COLORS, Band, HLine, Series, chart, share_bar
 from gating.canary import ARMS, CanaryConfig, CanaryOutcomes, decide
-from gating.db import session
 from gating.models import (
     AuditEntryPublic,
     CanaryProgress,
-    ModelVersion,
     ModelVersionPublic,
     OfflineVerdict,
     Status,
@@ -176,22 +174,13 @@ def canary_charts(history: list[tuple[datetime, CanaryProgress]], alpha: float, 
 
 
 def why_not_approve(reg: Registry, version_id: str) -> str | None:
-    """The registry's own reason approval would be refused now, or None: `approve`'s checks, read only."""
-    with session(reg.engine) as s:
-        row = s.get(ModelVersion, version_id)
-        if row is None:
-            return f"unknown version {version_id!r}"
-        try:
-            reg._approvable(s, row)
-        except ValueError as e:
-            return str(e)
-    return None
+    """The registry's own reason approval would be refused now, or None."""
+    return reg.why_not_approve(version_id)
 
 
 def last_superseded(reg: Registry) -> str | None:
     """The version a rollback restores (what `Registry.rollback(None, ...)` picks)."""
-    with session(reg.engine) as s:
-        return reg._last_superseded(s)
+    return reg.last_superseded()
 
 
 def actions(reg: Registry, v: ModelVersionPublic, promoted: ModelVersionPublic | None) -> list[Action]:
