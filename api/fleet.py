@@ -76,6 +76,7 @@ class GatewayFleet:
         ]
         fleet = cls(registry, replicas, threading.Event())
         for r in replicas:
+            r.traffic_source = fleet.engine.traffic  # heartbeats say what each replica served
             result = r.sync()
             if result.default is None:
                 fleet.close()

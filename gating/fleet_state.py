@@ -176,11 +176,19 @@ class Heartbeats(RegistryStore):
         serves: Mapping[str, float],
         error: str | None = None,
         reported_at: datetime | None = None,
+        traffic: Mapping[str, Mapping[str, float]] | None = None,
     ) -> ReplicaHeartbeatPublic:
         """Record a replica's report, replacing its last one: the versions it holds (id → artifact
-        SHA-256), those it serves (id → share), its last error. Not audited, no seq."""
+        SHA-256), those it serves (id → share), its last error, what it served since its previous
+        report (`traffic`). Not audited, no seq."""
         hb = HeartbeatCreate(
-            replica_id=replica_id, gateway_id=gateway_id, host=host, holds=dict(holds), serves=dict(serves), error=error
+            replica_id=replica_id,
+            gateway_id=gateway_id,
+            host=host,
+            holds=dict(holds),
+            serves=dict(serves),
+            error=error,
+            traffic={v: dict(t) for v, t in (traffic or {}).items()},
         )
         return write_heartbeat(self.engine, hb, reported_at or utcnow())
 

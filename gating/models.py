@@ -321,6 +321,12 @@ class HeartbeatBase(SQLModel):
         default_factory=dict, sa_type=JSONType, description="Versions it routes traffic to: version id -> share."
     )
     error: str | None = Field(default=None, description="Last error, or None.")
+    traffic: dict[str, dict[str, float]] = Field(
+        default_factory=dict,
+        sa_type=JSONType,
+        description="Served since the previous heartbeat, per version: requests, errors, tokens, seconds "
+        "(sum of end-to-end latencies) and window_s (the seconds they cover).",
+    )
 
 
 class HeartbeatCreate(HeartbeatBase):

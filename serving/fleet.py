@@ -6,16 +6,22 @@ driven by its own `serving.replica.Replica`. `engines` is a list, or a callable 
 engines of the moment (a replica replaces an engine that died). A request goes to the next engine, round robin, that
 holds its version and takes it (a replica still loading a new version, or retiring an old one,
 refuses it and the next is tried). Called by `api.main` when the gateway runs replicas.
+
+`traffic(engine)`: what each engine served, per version, since it joined: requests, errors, tokens
+and the sum of end-to-end seconds (counted when a request's stream ends). Each replica reports the
+change since its last heartbeat, so the fleet page shows requests/s and latency per version from
+the heartbeats of every gateway (`gating.fleet_state`).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from collections.abc import Callable
 
 from serving.interface import Engine
-from serving.requests import EngineError, GenerateMixin, RequestHandle
+from serving.requests import Completion, EngineError, GenerateMixin, RequestHandle
 from serving.sampling import SamplingParams
 from serving.tokenizer import Tokenizer
 
@@ -27,6 +33,23 @@ class Fleet(GenerateMixin):
             raise ValueError("a fleet needs at least one engine")
         self._turn = itertools.count()
         self._lock = threading.Lock()
+        self._traffic: dict[int, dict[str, list[float]]] = {}  # id(engine) -> version -> [n, errors, tokens, s]
+
+    def traffic(self, engine: Engine) -> dict[str, dict[str, float]]:
+        """Cumulative counts of what `engine` served, per version (module docstring)."""
+        with self._lock:
+            got = {v: list(c) for v, c in self._traffic.get(id(engine), {}).items()}
+        return {v: {"requests": n, "errors": e, "tokens": t, "seconds": s} for v, (n, e, t, s) in got.items()}
+
+    def _count(self, engine: Engine, version: str, c: Completion | None) -> None:
+        with self._lock:
+            rec = self._traffic.setdefault(id(engine), {}).setdefault(version, [0, 0, 0, 0.0])
+            rec[0] += 1
+            if c is None:
+                rec[1] += 1
+            else:
+                rec[2] += len(c.output_ids)
+                rec[3] += c.total_s
 
     @property
     def engines(self) -> list[Engine]:
@@ -81,14 +104,53 @@ class Fleet(GenerateMixin):
                 raise EngineError("no replica is running")
             raise KeyError(f"model version {version or self.default_version!r} is not loaded on any replica")
         refused: Exception | None = None
+        name = str(version or self.default_version)
         for engine in held:
             try:
-                return engine.submit(prompt_ids, params, version, request_id=request_id, stream=stream)
+                handle = engine.submit(prompt_ids, params, version, request_id=request_id, stream=stream)
             except (KeyError, EngineError) as e:  # retiring there, or that replica just died: try the next
                 refused = e
+                continue
+            return _Counted(handle, functools.partial(self._count, engine, name))
         assert refused is not None
         raise refused
 
     def shutdown(self) -> None:
         for e in self.engines:
             e.shutdown()
+
+
+class _Counted(RequestHandle):
+    """A replica's request handle that reports how the request ended (its completion, or None for an
+    error or an abandoned stream) once, to the fleet's traffic counts."""
+
+    def __init__(self, inner: RequestHandle, done: Callable[[Completion | None], None]):
+        self.inner, self._done, self._reported = inner, done, False
+        self.request_id, self.stream, self.cancelled = inner.request_id, inner.stream, False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.inner.cancel()
+
+    def _report(self, c: Completion | None) -> None:
+        if not self._reported:
+            self._reported = True
+            self._done(c)
+
+    def __iter__(self):
+        try:
+            for ev in self.inner:
+                if ev.completion is not None:
+                    self._report(ev.completion)
+                yield ev
+        finally:
+            self._report(None)
+
+    async def __aiter__(self):
+        try:
+            async for ev in self.inner:
+                if ev.completion is not None:
+                    self._report(ev.completion)
+                yield ev
+        finally:
+            self._report(None)

@@ -131,6 +131,7 @@ class ReplicaRegistry(Protocol):
         holds: Mapping[str, str],
         serves: Mapping[str, float],
         error: str | None = None,
+        traffic: Mapping[str, Mapping[str, float]] | None = None,
     ) -> object: ...
 
 
@@ -216,6 +217,9 @@ class Replica:
         self.heartbeat_s, self.poll_s, self.retry_s = heartbeat_s, poll_s, retry_s
         self.notifier = notifier
         self.make_engine = make_engine  # a fresh engine when this one has died (None: stay down)
+        self.traffic_source: Callable[[Any], dict[str, dict[str, float]]] | None = None
+        self._traffic_total: dict[str, dict[str, float]] = {}
+        self._beat_at = time.monotonic()
         self.restarts = 0
         self.last_error: str | None = None
         self._held: dict[str, str] = {}  # loaded by this replica and not retired: version -> artifact SHA-256
@@ -428,6 +432,24 @@ class Replica:
                 serves[default] = 1.0 - share
             return holds, serves
 
+    def traffic_since_last_beat(self) -> dict[str, dict[str, float]]:
+        """What this replica's engine served since the previous heartbeat, per version, with the window
+        (`traffic_source`: the gateway's `serving.fleet.Fleet.traffic`; None: nothing is counted)."""
+        now = time.monotonic()
+        window, self._beat_at = now - self._beat_at, now
+        if self.traffic_source is None:
+            return {}
+        total = self.traffic_source(self.engine)
+        before, self._traffic_total = self._traffic_total, total
+        out = {}
+        for v, t in total.items():
+            d = {k: x - before.get(v, {}).get(k, 0.0) for k, x in t.items()}
+            if d["requests"] < 0:  # a fresh engine (the last one died): its counts start at zero
+                d = dict(t)
+            if d["requests"] > 0:
+                out[v] = {**d, "window_s": window}
+        return out
+
     def heartbeat(self) -> object:
         holds, serves = self.report()
         return self.registry.heartbeat(
@@ -437,6 +459,7 @@ class Replica:
             holds=holds,
             serves=serves,
             error=self.last_error,
+            traffic=self.traffic_since_last_beat(),
         )
 
     # -- the follower loop ------------------------------------------------------------------------

@@ -20,8 +20,6 @@ Secure. Called by `api.dashboard.routes`.
 from __future__ import annotations
 
 import secrets
-import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,8 +81,6 @@ class DashboardState:
         self.secure = settings.env != "local"
         env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True)
         self.templates = Jinja2Templates(env=env)
-        self.started = time.time()
-        self.request_samples: deque[tuple[float, dict[str, float]]] = deque(maxlen=120)  # fleet page rates
 
 
 def state(request: Request) -> DashboardState:

@@ -14,7 +14,6 @@ the registry wrote nothing. Success redirects back to the version's page (post/r
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -182,35 +181,34 @@ async def fleet(request: Request, gw: GatewayDep) -> Response:
     if who is None:
         return to_login(request)
     page = await asyncio.to_thread(views.fleet_page, gw.registry, gw.settings.heartbeat_s)
-    return render(request, "fleet.html", {"who": who, **page, "requests": _request_rates(request, gw)})
+    rates = await asyncio.to_thread(_request_rates, gw.registry, gw.settings.heartbeat_s)
+    return render(request, "fleet.html", {"who": who, **page, "requests": rates})
 
 
-def _request_rates(request: Request, gw: Gateway) -> list[dict[str, Any]]:
-    """Requests, requests/s and mean latency per version, from this gateway's Prometheus histogram
-    (the heartbeats carry no request metrics): the rate over the last minute of fleet-page views, or
-    since this gateway started."""
-    count: dict[str, float] = {}
-    total: dict[str, float] = {}
-    for metric in gw.metrics.latency.collect():
-        for s in metric.samples:
-            vid = s.labels.get("model_version", "")
-            if s.name.endswith("_count"):
-                count[vid] = count.get(vid, 0.0) + s.value
-            elif s.name.endswith("_sum"):
-                total[vid] = total.get(vid, 0.0) + s.value
-    st, now = state(request), time.time()
-    samples = st.request_samples
-    while samples and now - samples[0][0] > 60:
-        samples.popleft()
-    then, before = samples[0] if samples and now - samples[0][0] >= 1 else (st.started, {})
-    samples.append((now, dict(count)))
+def _request_rates(reg: Any, interval_s: float) -> list[dict[str, Any]]:
+    """Requests, requests/s, errors and mean latency per version over every live replica of every
+    gateway, from their last heartbeats (each reports what it served since its previous one)."""
+    fleet = reg.fleet(interval_s=interval_s)
+    per: dict[str, dict[str, float]] = {}
+    for b in fleet.replicas:
+        if b.replica_id not in fleet.up:
+            continue
+        for vid, t in b.traffic.items():
+            acc = per.setdefault(vid, {"requests": 0.0, "errors": 0.0, "seconds": 0.0, "rate": 0.0, "window_s": 0.0})
+            acc["requests"] += t.get("requests", 0.0)
+            acc["errors"] += t.get("errors", 0.0)
+            acc["seconds"] += t.get("seconds", 0.0)
+            window = max(t.get("window_s", interval_s), 1e-9)
+            acc["rate"] += t.get("requests", 0.0) / window  # replicas serve side by side: rates add up
+            acc["window_s"] = max(acc["window_s"], window)
     return [
         {
             "version": vid,
-            "requests": int(n),
-            "rate": (n - before.get(vid, 0.0)) / max(now - then, 1e-9),
-            "window_s": now - then,
-            "latency_ms": 1000 * total.get(vid, 0.0) / n if n else None,
+            "requests": int(a["requests"]),
+            "errors": int(a["errors"]),
+            "rate": a["rate"],
+            "window_s": a["window_s"],
+            "latency_ms": 1000 * a["seconds"] / (a["requests"] - a["errors"]) if a["requests"] > a["errors"] else None,
         }
-        for vid, n in sorted(count.items())
+        for vid, a in sorted(per.items())
     ]

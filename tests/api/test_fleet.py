@@ -114,3 +114,25 @@ def test_the_fleet_follows_the_registry_through_canary_approval_and_rollback(gat
     r = httpx.post(gw.url + "/admin/versions/v2/rollback", json={"reason": "worse"}, headers=gw.admin, timeout=10)
     assert r.status_code == 200, r.text
     wait_until(lambda: complete(gw, "user-1")["model"] == base.id and fleet(gw)["complete"])
+
+
+def test_heartbeats_say_what_each_replica_served_per_version(gateway):
+    gw, reg = gateway, gateway.reg
+    base = reg.promoted().id
+    wait_until(lambda: fleet(gw)["complete"] and len(fleet(gw)["replicas"]) == 2)
+    reported: dict[tuple, dict] = {}  # (replica, reported_at) -> its traffic for the base: each beat once
+
+    def collect() -> float:
+        for b in reg.fleet(interval_s=0.5).replicas:
+            if base in b.traffic:
+                reported[(b.replica_id, b.reported_at)] = b.traffic[base]
+        return sum(t["requests"] for t in reported.values())
+
+    for i in range(10):
+        complete(gw, f"u{i}")
+        collect()
+    wait_until(lambda: collect() >= 10, timeout_s=10)
+    time.sleep(1.2)  # two more heartbeats each: what was reported is not reported again
+    assert collect() == 10 and len({r for r, _ in reported}) >= 1
+    assert all(t["errors"] == 0 and 0 < t["tokens"] <= 3 * t["requests"] for t in reported.values())
+    assert all(0 < t["window_s"] < 5 and t["seconds"] > 0 for t in reported.values())
