@@ -224,7 +224,29 @@ def write_md(attempts: list[dict], path: Path) -> None:
         "diagnostics (prompts of no split, built from gate values): **held-out values** = train phrasings with",
         "gate values, **held-out phrasing** = the held-out phrasing with train values.",
         "",
+        "The split (`demo/split.py`): phrasings 0-2 of every family are train's, phrasing 3 is held out and",
+        "shared by gate and report; integers >= 10 and 2-3 letter strings go to gate / report / train by",
+        "sha256 of their twin class (about 10% / 10% / 80%), smaller values are train. The corpus is one",
+        "pass over `make_corpus(corpus_size)` train examples; its tokenizer spells quoted strings letter by",
+        "letter, as digits always are, so held-out values are new sequences of seen tokens.",
+        "",
     ]
+    for a in attempts:
+        if "report" not in a["eval"]:
+            continue
+        r, t, ev = a["eval"]["report"], a["eval"]["train"], a["eval"]
+        band = "met" if 0.25 <= r["pass_rate"] <= 0.60 else "missed"
+        room = "met" if r["headroom_points"] >= 50 else "missed"
+        carry = ", ".join(f"{name} {_pct(ev[name]['pass_rate'])}%" for name in ev if name != "train")
+        lines += [
+            f"**Chosen base: attempt {a['tag']}.** Report split ({r['n']} prompts, measured once, "
+            f"{r['measured']}): pass rate {_pct(r['pass_rate'])}% ± {_pct(r['pass_rate_ci95'])} (target 25-60%: "
+            f"{band}), satisfaction {_pct(r['satisfaction'])}%, headroom {r['headroom_points']:.1f} points "
+            f"(target >= 50: {room}). What carries over to prompts never seen: against {_pct(t['pass_rate'])}% "
+            f"on train prompts (in-distribution), {carry}. (Issue 17, on the 8-family product: two-digit "
+            "constants, unseen letters and paraphrased comments passed about 0%.)",
+            "",
+        ]
     for a in attempts:
         c = a["config"]
         early = ", stopped early" if a["stopped_early"] else ""
