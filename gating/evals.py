@@ -13,7 +13,8 @@ ProcessEngine` at low priority; never a live replica). It writes no events: it g
   averaged first, so prompts are the unit of analysis (`gating.stats`).
 - **Tests.** `gating.stats.paired_t_non_inferiority` on the per-prompt means (decides), the paired
   bootstrap (`paired_bootstrap_non_inferiority`, a cross-check number, not a check), and one paired t
-  test per task family corrected with Holm (`family_non_inferiority`): every family must pass.
+  harm test per task family corrected with Holm (`family_regressions`): no family may be significantly
+  worse than -margin (an equally good candidate is flagged at most α of the time).
 - **Guardrails against reward hacking** (`Guardrails`): mean output length ratio candidate /
   incumbent (tokens) within [min, max]; the share of malformed outputs (empty, or not
   `suite.well_formed`), and the share of outputs caught in a loop (`has_loop`: a token n-gram repeated
@@ -46,7 +47,7 @@ from gating.stats import (
     DEFAULT_ALPHA,
     DEFAULT_MARGIN,
     NonInferiorityResult,
-    family_non_inferiority,
+    family_regressions,
     paired_bootstrap_non_inferiority,
     paired_t_non_inferiority,
 )
@@ -238,7 +239,7 @@ def evaluate_offline(
     for i, it in enumerate(items):
         fam_idx.setdefault(it.family, []).append(i)
     fam_tests = {f: paired_t_non_inferiority(cand[ix], inc[ix], margin, alpha) for f, ix in sorted(fam_idx.items())}
-    fam_checks = family_non_inferiority(fam_tests, alpha)
+    fam_checks = family_regressions(fam_tests, alpha)
     families = {
         f: {
             "n_prompts": len(fam_idx[f]),
@@ -246,7 +247,9 @@ def evaluate_offline(
             "incumbent": float(inc[fam_idx[f]].mean()),
             "mean_diff": r.mean_diff,
             "lower_bound": r.lower_bound,
+            "upper_bound": r.mean_diff + (r.mean_diff - r.lower_bound),
             "p_value": r.p_value,
+            "p_regression": fam_checks.p_values[f],
             "passed": fam_checks.passed[f],
         }
         for f, r in fam_tests.items()

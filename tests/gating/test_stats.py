@@ -17,6 +17,7 @@ from gating.stats import (
     assignment_unit,
     confidence_sequence,
     family_non_inferiority,
+    family_regressions,
     guardrail,
     holm,
     normal_mixture_radius,
@@ -163,6 +164,24 @@ def test_family_non_inferiority_uses_t_p_values_then_holm():
     # A family that passes alone can fail after correction: p = .03 with m = 2 needs <= .025 first.
     alone = NonInferiorityResult(50, 0.0, 0.01, -0.02, 0.03, 0.05, "paired_t", True, 0.03)
     assert not family_non_inferiority({"a": alone, "b": 0.04}).passed["a"]
+
+
+def test_family_regressions_flag_only_a_family_worse_than_the_margin():
+    # worse: t = (-0.2 + 0.03) / 0.05 = -3.4 on 9 df; equal: t = (0 + 0.03) / 0.05 = 0.6.
+    worse = NonInferiorityResult(10, -0.2, 0.05, -0.29, 0.03, 0.05, "paired_t", False, 1.0)
+    equal = NonInferiorityResult(10, 0.0, 0.05, -0.09, 0.03, 0.05, "paired_t", False, 0.28)
+    flat = NonInferiorityResult(10, -0.05, 0.0, -0.05, 0.03, 0.05, "paired_t", False, 1.0)
+    r = family_regressions({"add": worse, "mul": equal, "max": flat})
+    assert r.p_values["add"] == pytest.approx(sps.t.cdf(-3.4, 9)) and r.p_values["add"] < 0.005
+    assert r.p_values["mul"] == pytest.approx(sps.t.cdf(0.6, 9)) and r.p_values["max"] == 0.0
+    assert r.regressed == {"add": True, "mul": False, "max": True} and not r.all_passed
+    assert r.passed["mul"] and family_regressions({"mul": equal}).all_passed
+    # Holm: p = .03 alone passes at .05, but with a second family it needs <= .025 first.
+    borderline = NonInferiorityResult(10, -0.03 - 2.0 * 0.01, 0.01, 0, 0.03, 0.05, "paired_t", False, 1.0)
+    p = sps.t.cdf(-2.0, 9)
+    assert 0.025 < p < 0.05
+    assert family_regressions({"a": borderline}).regressed["a"]
+    assert not family_regressions({"a": borderline, "b": equal}).regressed["a"]
 
 
 # --- SRM --------------------------------------------------------------------------------------------------
