@@ -25,7 +25,9 @@ completions the product reported `shown` count, and the joiner emits one for eve
 dropping out of its own metric. `denominator="feedback"` counts every joined sample, for a product that
 does not report exposure (then only completions someone reacted to are compared: say so).
 
-Guardrails are one-sided: latency and error rate (higher is worse) from the completion events, and
+Guardrails are one-sided, each at `harm_alpha` (α split over guardrails and steps: peeking at three
+guardrails in three steps at α each aborted 3.7% of equally good candidates for some guardrail in
+bench/results/gate_sim.md): latency and error rate (higher is worse) from the completion events, and
 `pass_rate` (lower is worse), a metric the learner does not optimise: the product's verifier
 (`gating.suites.Verifier`) run by the gate on each counted completion it can check (`add(...,
 passed=score)`; completions it cannot check carry no score).
@@ -94,6 +96,13 @@ class CanaryConfig(BaseModel):
         ("latency_ms", "error_rate", "pass_rate"),
         description="Guardrail metrics, one-sided (pass_rate: lower is worse; the others: higher is worse).",
     )
+    guardrail_alpha: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="Level of each guardrail's harm test at each step; None: alpha / (guardrails x steps), so "
+        "that an equally good candidate is aborted for some guardrail at most about alpha of the time.",
+    )
     denominator: Literal["exposures", "feedback"] = Field(
         "exposures", description="Count samples of completions reported shown (exposures), or every joined sample."
     )
@@ -104,6 +113,11 @@ class CanaryConfig(BaseModel):
         10, ge=2, description="Users each arm needs before harm is judged (the variances are estimated)."
     )
     consumer_group: str = Field("gate.canary", min_length=1, description="The gate's group on the sample topic.")
+
+    @property
+    def harm_alpha(self) -> float:
+        """The level of one guardrail's harm test at one step (Bonferroni over guardrails and steps)."""
+        return self.guardrail_alpha or self.alpha / max(1, len(self.guardrails) * len(self.steps))
 
     @field_validator("steps")
     @classmethod
@@ -240,7 +254,7 @@ def guardrails(outcomes: CanaryOutcomes, step: int, cfg: CanaryConfig) -> tuple[
         if min(len(cand), len(inc)) < 2:
             continue
         direction: Direction = "lower_is_worse" if metric in LOWER_IS_WORSE else "higher_is_worse"
-        g = guardrail(metric, cand, inc, direction, cfg.alpha, cfg.rho)
+        g = guardrail(metric, cand, inc, direction, cfg.harm_alpha, cfg.rho)
         numbers[metric] = {**_interval(g.interval), "harmed": g.harmed, "direction": direction}
         if g.harmed and direction == "higher_is_worse":
             harms.append(f"{metric} (+{g.interval.estimate:.4g}, lower bound {g.interval.lower:.4g} > 0)")

@@ -317,3 +317,9 @@ def test_the_verifier_scores_canary_completions_from_their_token_ids(tiny_checkp
         for s, p, t in zip(samples, [ids, ids, tok.encode_prompt("# not a task\n")], [good, bad, good])
     ]
     assert verifier_scorer(DemoVerifier(), tok)(samples) == [1.0, 0.0, None]
+
+
+def test_guardrail_harm_tests_split_alpha_over_guardrails_and_steps():
+    assert CanaryConfig().harm_alpha == pytest.approx(0.05 / 9)  # 3 guardrails x 3 steps
+    assert CanaryConfig(steps=(0.5,), guardrails=("latency_ms",)).harm_alpha == pytest.approx(0.05)
+    assert CanaryConfig(guardrail_alpha=0.01).harm_alpha == 0.01
