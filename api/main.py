@@ -24,6 +24,7 @@ from api.fleet import GatewayFleet
 from api.metrics import RequestCounter
 from api.routes import admin, feedback, openai, weights
 from core.security import KeyStore
+from core.service_metrics import read_folder
 from core.settings import Settings, get_settings
 from feedback.bus import EventBus
 from feedback.completion_index import CompletionIndex
@@ -149,7 +150,8 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics(gw: GatewayDep):
-        return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        services = await asyncio.to_thread(read_folder, gw.settings.home / "metrics")  # joiner, learner, gate
+        return Response(gw.metrics.render() + services, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
 

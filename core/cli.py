@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from core.security import SCOPES
+from core.service_metrics import ServiceMetrics
 from core.settings import Settings, get_settings
 
 
@@ -132,7 +133,8 @@ def joiner_service(settings: Settings, window_s: float) -> Iterator:
 
     bus = open_bus(settings)
     try:
-        service = JoinerService(bus, RewardSpec(), window_s=window_s)
+        metrics = ServiceMetrics("joiner", settings.home / "metrics")
+        service = JoinerService(bus, RewardSpec(), window_s=window_s, metrics=metrics)
         try:
             yield service
         finally:
@@ -168,8 +170,9 @@ def _learner(args) -> None:
         init_process_group()
     bus = open_bus(settings)
     cfg = LearnerConfig(update_every_samples=args.every_samples, update_every_s=args.every_s)
+    metrics = ServiceMetrics("learner", settings.home / "metrics")
     service = LearnerService(
-        bus, Registry(settings.db_url), settings.learner_models_dir, settings.served_model_dir, cfg
+        bus, Registry(settings.db_url), settings.learner_models_dir, settings.served_model_dir, cfg, metrics=metrics
     )
     try:
         while True:

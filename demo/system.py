@@ -135,6 +135,7 @@ def _joiner_main(home: str, base: str, window_s: float, stop: Any) -> None:
 
 
 def _learner_main(home: str, base: str, cfg_json: str, stop: Any) -> None:
+    from core.service_metrics import ServiceMetrics
     from feedback.connect import open_bus
     from gating.registry import Registry
     from learner.service import LearnerConfig, LearnerService
@@ -143,7 +144,9 @@ def _learner_main(home: str, base: str, cfg_json: str, stop: Any) -> None:
     bus = open_bus(settings)
     registry = Registry(settings.db_url)
     cfg = LearnerConfig.model_validate_json(cfg_json)
-    service = LearnerService(bus, registry, settings.learner_models_dir, settings.served_model_dir, cfg)
+    metrics = ServiceMetrics("learner", settings.home / "metrics")
+    models, base_dir = settings.learner_models_dir, settings.served_model_dir
+    service = LearnerService(bus, registry, models, base_dir, cfg, metrics=metrics)
     try:
         while not stop.is_set():
             service.run_once(timeout_s=0.2)

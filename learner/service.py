@@ -74,6 +74,7 @@ memory.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -89,12 +90,14 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from core.files import atomic_write
+from core.service_metrics import ServiceMetrics
 from feedback.bus import EventBus, Record
 from feedback.dead_letter import dead_letter
 from feedback.events import TOPICS, SampleEvent
 from gating.bootstrap import SHIPPING_DTYPE, publish_base
 from gating.registry import Registry, UnknownVersion
 from learner.lineage import anchor, merge_covered, staleness, staleness_stats
+from learner.poisoning import PoisoningConfig, screen
 from learner.samples import drop_reason, sequence_from_sample
 from learner.trainer import NonFiniteUpdate, Trainer, TrainerConfig
 from serving.checkpoint import CONFIG, WEIGHTS, load_checkpoint, save_checkpoint
@@ -132,6 +135,9 @@ class LearnerConfig(BaseModel):
     topic: str = Field(TOPICS["sample"], description="The topic of `sample` events (the joiner's output).")
     snapshot_every: int = Field(8, ge=1, description="Weight store: a full snapshot every N versions, deltas between.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The update itself.")
+    poisoning: PoisoningConfig = Field(
+        default_factory=PoisoningConfig, description="Flag and weigh down users who dominate an update's reward."
+    )
 
 
 def _at(rec: Record) -> tuple[str, int, int]:
@@ -155,6 +161,7 @@ class LearnerService:
         base_dir: str | Path,
         cfg: LearnerConfig | None = None,
         clock=time.time,
+        metrics: ServiceMetrics | None = None,
     ):
         cfg = cfg or LearnerConfig()
         self.bus, self.registry, self.cfg, self.clock = bus, registry, cfg, clock
@@ -205,6 +212,7 @@ class LearnerService:
         self._group_buffered = 0  # samples buffered by all ranks at the last cadence check
         self.partitions_read: set[int] = set()  # sample-topic partitions this instance has read from
         self.counters: Counter = Counter()
+        self.metrics = metrics or ServiceMetrics("learner")
         self.last_update = clock()
         self.last_stats: dict[str, Any] = {}  # the last update's statistics (also in the registry once registered)
         self._held_checked = float("-inf")
@@ -415,7 +423,15 @@ class LearnerService:
                 kept.append((rec, ev))
             else:
                 dropped[why] += 1
-        seqs = [sequence_from_sample(ev) for _, ev in kept]
+        screening = screen([ev for _, ev in kept], self.cfg.poisoning)
+        seqs = [
+            dataclasses.replace(sequence_from_sample(ev), weight=w)
+            for (_, ev), w in zip(kept, screening.weights, strict=True)
+        ]
+        if screening.flags:
+            self.counters["flagged_users"] += len(screening.flags)
+            self.counters["flagged_samples"] += sum(f.samples for f in screening.flags)
+            log.warning("learner: flagged %s", [f.as_dict() for f in screening.flags])
         self.counters.update({f"dropped_{k}": v for k, v in dropped.items()})
         positions = {int(p): o for p, o in self.state["positions"].items()}
         for r in records:
@@ -447,6 +463,7 @@ class LearnerService:
         if trained:
             stats["offline_samples"] = len(offline)
             stats["dropped"] = dict(dropped)
+            stats["poisoning"] = screening.summary()
             stats.update(staleness_stats(self.state, [s.version for s in seqs]))
             self.last_stats = stats
             before = {int(p): o for p, o in self.state["positions"].items()}
@@ -601,9 +618,14 @@ class LearnerService:
 
     def run_once(self, timeout_s: float = 1.0) -> str | None:
         """Poll, register a held-back tip if the gate is free, update if due; the new version's id."""
+        before = len(self.buffer)
         self.poll(timeout_s)
+        self.metrics.consume(self.cfg.topic, len(self.buffer) - before)
         self.publish_held()
-        return self.update() if self.due() else None
+        new = self.update() if self.due() else None
+        self.metrics.set_stats(dict(self.counters))
+        self.metrics.report()
+        return new
 
     def close(self) -> None:
         self.consumer.close()

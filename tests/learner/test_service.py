@@ -361,3 +361,23 @@ def promote_from_evaluating(reg, vid):
     reg.transition(vid, "canary", "gate", "passed")
     reg.transition(vid, "awaiting_approval", "gate", "canary passed")
     reg.approve(vid, "alice", "ship it")
+
+
+def test_a_user_dominating_an_update_is_flagged_in_the_versions_metrics(tmp_path, tiny_checkpoint, samples):
+    def as_user(ev, user):
+        return ev.model_copy(update={"completion": ev.completion.model_copy(update={"user_id": user})})
+
+    batch = [as_user(ev, f"user-{i}") for i, ev in enumerate(samples[:25])]
+    batch += [as_user(ev, "spammer") for ev in samples[25:40]]  # 15 of 40 samples
+    bus = EmbeddedBus(tmp_path / "bus")
+    publish(bus, batch)
+    cfg = LearnerConfig(update_every_samples=40, min_samples=1, trainer=TrainerConfig(lr=1e-3), max_staleness=10)
+    svc = LearnerService(bus, Registry(f"sqlite:///{tmp_path}/registry.db"), tmp_path / "models", tiny_checkpoint, cfg)
+    assert drain(svc, rounds=5) == ["v0001"]
+    p = svc.registry.get("v0001").metrics["poisoning"]
+    assert (p["users"], p["flagged_users"], p["flagged_samples"]) == (26, 1, 15)
+    [flag] = p["flags"]
+    assert flag["user"] == "spammer" and 0 < flag["weight"] < 1 and svc.counters["flagged_users"] == 1
+    assert svc.metrics.consumed == {TOPICS["sample"]: 40} and svc.metrics.stats["flagged_samples"] == 15
+    svc.close()
+    bus.close()
