@@ -12,6 +12,12 @@ served. Held-out tasks measure pass rate and the simulated users' satisfaction a
 What it leaves out on purpose (each has its own component elsewhere): HTTP and the event bus
 (events are handed over in memory, in the same types), gating, and weight shipping (the engine
 serves the trained model object directly).
+
+Hooks for experiments on what the learner is fed (`bench/damaged_candidates.py` trains damaged
+candidates with them): `users` replaces the honest simulated users (anything with a `user_id` and
+`react(task, completion, check)`, e.g. users who reward wrong completions), `rewards` rewrites each
+round's joined samples before the learner sees them (shuffled or inverted rewards), and `save_to`
+writes the final weights as a checkpoint folder.
 """
 
 from __future__ import annotations
@@ -19,22 +25,23 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from demo.checker import check_batch
+from demo.checker import CheckResult, check_batch
 from demo.evaluation import evaluate
 from demo.tasks import Task, sample_tasks
-from demo.users import SimulatedUser
-from feedback.events import CompletionEvent, FeedbackEvent
+from demo.users import FeedbackSignal, SimulatedUser
+from feedback.events import CompletionEvent, FeedbackEvent, SampleEvent
 from feedback.joiner import JoinerCore
 from feedback.rewards import RewardSpec
 from learner.samples import select
 from learner.trainer import Trainer, TrainerConfig
-from serving.checkpoint import load_checkpoint
+from serving.checkpoint import load_checkpoint, save_checkpoint
 from serving.engine import EmbeddedEngine
 from serving.sampling import SamplingParams
 from serving.tokenizer import Tokenizer
@@ -55,15 +62,41 @@ class DemoLoopConfig(BaseModel):
     eval_every: int = Field(5, ge=1, description="Evaluate every this many rounds (and at the end).")
     max_tokens: int = Field(48, ge=1, description="Completion length limit.")
     seed: int = Field(0, description="Seeds tasks, users and sampling.")
+    families: tuple[str, ...] | None = Field(
+        None,
+        description="Families of the served tasks, drawn uniformly from this tuple (repeat one to weight it); "
+        "None: all, uniformly.",
+    )
     trainer: TrainerConfig = Field(
         default_factory=lambda: TrainerConfig(lr=3e-4), description="Learner settings (lr 3e-4 for the demo)."
     )
     reward: RewardSpec = Field(default_factory=RewardSpec, description="How signals become rewards.")
 
 
+class User(Protocol):
+    """What the loop shows completions to (`demo.users.SimulatedUser` by default)."""
+
+    user_id: str
+
+    def react(self, task: Task, completion: str, check: CheckResult) -> list[FeedbackSignal]: ...
+
+
+RewardHook = Callable[[int, list[SampleEvent], Mapping[str, Task]], list[SampleEvent]]
+"""`rewards(round, samples, task_of)`: the round's joined samples as the learner gets them (`task_of`:
+completion id -> its task)."""
+
+
 def run_demo_loop(
-    model_dir: str | Path, cfg: DemoLoopConfig | None = None, report_path: str | Path | None = None
+    model_dir: str | Path,
+    cfg: DemoLoopConfig | None = None,
+    report_path: str | Path | None = None,
+    *,
+    users: Sequence[User] | None = None,
+    rewards: RewardHook | None = None,
+    save_to: str | Path | None = None,
 ) -> dict:
+    """The loop (module docstring); `users`, `rewards` and `save_to` are the experiment hooks (default:
+    `cfg.users` honest simulated users, rewards as joined, nothing saved)."""
     cfg = cfg or DemoLoopConfig()
     torch.manual_seed(cfg.seed)
     model = load_checkpoint(model_dir)
@@ -74,7 +107,10 @@ def run_demo_loop(
     if tok.pad_id is None:
         raise ValueError(f"{model_dir}: the tokenizer has no padding token; the trainer needs one")
     trainer = Trainer(model, cfg.trainer, tok.vocab_size, tok.pad_id)
-    users = [SimulatedUser(f"user-{i}", seed=cfg.seed * 1000 + i) for i in range(cfg.users)]
+    if users is None:
+        users = [SimulatedUser(f"user-{i}", seed=cfg.seed * 1000 + i) for i in range(cfg.users)]
+    if not users:
+        raise ValueError("users must not be empty")
     task_of: dict[str, Task] = {}
     versions: dict[str, int] = {"v0": 0}
     history = []
@@ -87,7 +123,7 @@ def run_demo_loop(
         for r in range(cfg.rounds):
             version = f"v{r}"
             round_seed = cfg.seed * 100_003 + r
-            tasks = sample_tasks(cfg.samples_per_round, seed=round_seed)
+            tasks = sample_tasks(cfg.samples_per_round, seed=round_seed, families=cfg.families)
             # One seed per completion, as `evaluate` does: what is served (and so learned) does not
             # depend on how the engine's thread happens to batch the requests.
             first = round_seed * cfg.samples_per_round
@@ -98,7 +134,7 @@ def run_demo_loop(
             )
             checks = check_batch(tasks, [o.text for o in outs])
             for i, (t, o, c) in enumerate(zip(tasks, outs, checks)):
-                user = users[(r * cfg.samples_per_round + i) % cfg.users]
+                user = users[(r * cfg.samples_per_round + i) % len(users)]
                 ev = CompletionEvent.from_completion(o, tenant="demo", user=user.user_id, endpoint="completions")
                 ev = ev.model_copy(update={"ts": clock[0]})
                 joiner.on_completion(ev)
@@ -116,6 +152,8 @@ def run_demo_loop(
                     )
             clock[0] += cfg.window_s + 1.0
             samples = joiner.tick(clock[0])
+            if rewards is not None:
+                samples = rewards(r, samples, task_of)
             seqs, dropped = select(
                 samples,
                 versions,
@@ -158,6 +196,8 @@ def run_demo_loop(
                 r + 1,
                 {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()},
             )
+        if save_to is not None:
+            save_checkpoint(model, save_to, tokenizer=tok)
     finally:
         engine.shutdown()
     final = next(h for h in reversed(history) if "satisfaction" in h)
