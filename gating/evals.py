@@ -170,6 +170,32 @@ def _share(flags: Sequence[bool]) -> float:
     return float(sum(flags)) / max(1, len(flags))
 
 
+EXAMPLES = 6  # sampled outputs kept with the verdict, side by side, for the dashboard
+EXAMPLE_CHARS = 400
+
+
+def _examples(items, G, outs, scores, cand, inc, candidate: str, incumbent: str) -> list[dict[str, Any]]:
+    """The prompts where the versions differ most (per-prompt mean), with each version's first sample."""
+    order = sorted(range(len(items)), key=lambda i: (-abs(float(cand[i] - inc[i])), i))[:EXAMPLES]
+    return [
+        {
+            "prompt": items[i].prompt[:EXAMPLE_CHARS],
+            "family": items[i].family,
+            "candidate": {
+                "text": outs[candidate][i * G].text[:EXAMPLE_CHARS],
+                "score": float(scores[candidate][i * G]),
+                "mean": float(cand[i]),
+            },
+            "incumbent": {
+                "text": outs[incumbent][i * G].text[:EXAMPLE_CHARS],
+                "score": float(scores[incumbent][i * G]),
+                "mean": float(inc[i]),
+            },
+        }
+        for i in order
+    ]
+
+
 def _scores(suite: EvalSuite, prompts: list[str], outs: list[Completion], version: str) -> np.ndarray:
     raw = suite.verifier.verify(prompts, [o.text for o in outs])
     scores = np.asarray([float(s) for s in raw], dtype=np.float64)
@@ -312,6 +338,7 @@ def evaluate_offline(
         "non_inferiority": _test(overall),
         "bootstrap": {**_test(boot), "n_resamples": n_resamples},
         "families": families,
+        "examples": _examples(items, G, outs, scores, cand, inc, candidate, incumbent),
         "guardrails": {
             "length": {
                 "candidate_mean_tokens": c_arm["mean_tokens"],

@@ -266,8 +266,8 @@ def verdict(
                 Check(
                     "Offline families",
                     "fail" if bad else "pass",
-                    f"{len(fams) - len(bad)} of {len(fams)} families non-inferior (Holm-corrected)",
-                    f"worse beyond the margin in: {', '.join(bad)}" if bad else "",
+                    f"{len(fams) - len(bad)} of {len(fams)} families without a regression beyond the margin (Holm)",
+                    f"significantly worse than −margin in: {', '.join(bad)}" if bad else "",
                 )
             )
         checks += _offline_guardrails(n)

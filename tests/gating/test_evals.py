@@ -138,6 +138,10 @@ def test_one_family_regressing_fails_holm_while_overall_passes(engine, scorer):
     fam = n["families"]
     assert not fam["add"]["passed"] and fam["add"]["mean_diff"] == -0.5
     assert all(fam[f]["passed"] for f in ("mul", "count", "max"))
+    examples = n["examples"]  # the prompts where the versions differ most, side by side
+    assert len(examples) == 6 and {e["family"] for e in examples} <= {"add", "mul"}
+    bad = next(e for e in examples if e["family"] == "add")
+    assert bad["candidate"]["text"] == "BAD" and bad["candidate"]["mean"] < bad["incumbent"]["mean"]
 
 
 def test_guardrail_empty_outputs(engine, scorer):
