@@ -2,7 +2,7 @@
 stops a good one, and how many users the canary needs.
 
 Every verdict below comes from the gate's own functions: the offline tests of `gating.stats`
-(`paired_t_non_inferiority`, `family_non_inferiority` with Holm) as `gating.evals.evaluate_offline`
+(`paired_t_non_inferiority`, `family_regressions` with Holm) as `gating.evals.evaluate_offline`
 combines them, and the online `gating.canary.decide` at its default `CanaryConfig`, called after every
 batch of simulated traffic. Nothing here re-implements a test.
 
@@ -89,7 +89,7 @@ from gating.stats import (  # noqa: E402
     DEFAULT_MARGIN,
     assign_arm,
     assignment_unit,
-    family_non_inferiority,
+    family_regressions,
     paired_t_non_inferiority,
 )
 from serving.engine import Completion, EmbeddedEngine  # noqa: E402
@@ -276,7 +276,7 @@ def offline_checks(
     ratio = c["mean_tokens"] / i["mean_tokens"]
     checks = {
         "non_inferiority": paired_t_non_inferiority(cand, inc, margin, alpha).passed,
-        "families": family_non_inferiority(tests, alpha).all_passed,
+        "families": family_regressions(tests, alpha).all_passed,
         "length": rails.min_length_ratio <= ratio <= rails.max_length_ratio,
         "malformed": c["malformed"] - i["malformed"] <= rails.max_malformed_increase,
         "repetition": c["looping"] - i["looping"] <= rails.max_repetition_increase,

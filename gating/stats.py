@@ -222,32 +222,6 @@ def holm(pvalues: Mapping[str, float], alpha: float = DEFAULT_ALPHA) -> dict[str
 
 
 @dataclass(frozen=True)
-class FamilyChecks:
-    """Per-family non-inferiority after Holm: `passed[name]` iff that family's null was rejected."""
-
-    p_values: dict[str, float]
-    passed: dict[str, bool]
-    alpha: float
-
-    @property
-    def all_passed(self) -> bool:
-        return all(self.passed.values())
-
-
-def family_non_inferiority(
-    families: Mapping[str, NonInferiorityResult | float], alpha: float = DEFAULT_ALPHA
-) -> FamilyChecks:
-    """Non-inferiority per task family (e.g. math, code, tool use), corrected with Holm at level α.
-
-    Each value is either a `NonInferiorityResult` (its one-sided p-value for H0: diff <= -margin is
-    used; for the t test that is 1 - T_{n-1}((mean + margin) / se)) or such a p-value directly. A
-    family passes iff Holm rejects its null, which can be stricter than the family's own `passed`.
-    """
-    p_values = {name: (f.p_value if isinstance(f, NonInferiorityResult) else f) for name, f in families.items()}
-    return FamilyChecks(p_values, holm(p_values, alpha), float(alpha))
-
-
-@dataclass(frozen=True)
 class FamilyRegressions:
     """Per-family harm tests after Holm: `regressed[name]` iff that family is significantly worse than
     -margin (H0: diff >= -margin rejected); `passed[name]` is its negation."""

@@ -16,7 +16,6 @@ from gating.stats import (
     assign_arm,
     assignment_unit,
     confidence_sequence,
-    family_non_inferiority,
     family_regressions,
     guardrail,
     holm,
@@ -147,23 +146,6 @@ def test_holm_hand_examples():
     # m = 3: .01 <= .0167, .02 <= .025, .04 <= .05, so all three (Bonferroni would reject only a).
     assert holm({"a": 0.01, "b": 0.02, "c": 0.04}) == {"a": True, "b": True, "c": True}
     assert holm({"a": 0.05}) == {"a": True} and holm({"a": 0.0501}) == {"a": False}
-
-
-def test_family_non_inferiority_uses_t_p_values_then_holm():
-    rng = np.random.default_rng(5)
-    inc = rng.integers(0, 9, size=200) / 8
-    strong = paired_t_non_inferiority(np.clip(inc + 0.125, 0, 1), inc)
-    noisy = np.clip(inc + rng.choice([-0.25, 0, 0.25], size=200), 0, 1)
-    borderline = paired_t_non_inferiority(noisy, inc)
-    for r in (strong, borderline):
-        assert r.p_value == pytest.approx(1 - sps.t.cdf((r.mean_diff + r.margin) / r.se, r.n_prompts - 1))
-    checks = family_non_inferiority({"math": strong, "code": borderline, "tools": 0.2})
-    assert checks.p_values["tools"] == 0.2 and checks.p_values["math"] == strong.p_value
-    assert checks.passed == holm(checks.p_values, 0.05)
-    assert checks.passed["math"] and not checks.passed["tools"] and not checks.all_passed
-    # A family that passes alone can fail after correction: p = .03 with m = 2 needs <= .025 first.
-    alone = NonInferiorityResult(50, 0.0, 0.01, -0.02, 0.03, 0.05, "paired_t", True, 0.03)
-    assert not family_non_inferiority({"a": alone, "b": 0.04}).passed["a"]
 
 
 def test_family_regressions_flag_only_a_family_worse_than_the_margin():
