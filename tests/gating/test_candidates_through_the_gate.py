@@ -1,0 +1,66 @@
+"""Trained candidates through the real offline gate: a one-family regression is rejected, naming the
+family, and a better candidate passes.
+
+Both are trained from the small demo base (`small_trained_checkpoint`) with the demo's own loop
+(`demo.loop.run_demo_loop`: served completions, simulated users' signals, the joiner, policy-gradient
+updates) on three families, `add`, `mul` and `max`, on the same budget: the better one with honest
+users, the regression with `max`'s rewards negated (`bench.damaged_candidates.invert_family`). Each is
+registered as the learner registers a version (weight-store delta on the published base) and goes through
+one `Gate.step` (embedded engine, `weight_store_loader`, the demo suite on those families: 26 prompts,
+G = 8). Everything is seeded: the loop, the engine's samples, the gate's samples and bootstrap.
+(bench/damaged_candidates.py does the same on the whole suite, with shuffled rewards and adversarial
+users too.)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.damaged_candidates import gate_one, invert_family
+from demo.loop import DemoLoopConfig, run_demo_loop
+from demo.suite import demo_suite
+from demo.tasks import all_tasks
+from gating.gate import GateConfig
+from learner.trainer import TrainerConfig
+
+FAMILIES = ("add", "mul", "max")
+BROKEN = "max"
+LOOP = DemoLoopConfig(
+    rounds=8, samples_per_round=64, eval_tasks=8, eval_every=8, families=FAMILIES, trainer=TrainerConfig(lr=5e-4)
+)
+GATE = GateConfig(G=8, n_resamples=200, max_tokens=32)
+SUITE = demo_suite(all_tasks(FAMILIES))
+
+
+@pytest.fixture(scope="module")
+def verdicts(small_trained_checkpoint, tmp_path_factory):
+    """One gate step on each candidate, each in a registry of its own."""
+    root = tmp_path_factory.mktemp("candidates")
+    out = {}
+    for name, rewards in (("better", None), ("regression", invert_family(BROKEN))):
+        folder = root / name
+        run_demo_loop(small_trained_checkpoint, LOOP, rewards=rewards, save_to=folder)
+        work = root / f"gate-{name}"
+        work.mkdir()
+        out[name] = gate_one(small_trained_checkpoint, folder, f"cand-{name}", SUITE, GATE, work)
+    return out
+
+
+def test_a_one_family_regression_is_rejected_by_its_family(verdicts):
+    step, recorded = verdicts["regression"]
+    assert step.action == "rejected" and step.result is not None
+    assert (recorded.action, recorded.to_status) == ("reject", "rejected") and "families" in recorded.reason
+    assert "families" in recorded.details["failed"], recorded.details["checks"]
+    fams = recorded.details["families"]  # the numbers stored with the rejection: the family is named there
+    assert not fams[BROKEN]["passed"] and fams[BROKEN]["mean_diff"] < -0.15, fams[BROKEN]
+    assert fams[BROKEN]["p_regression"] < 0.05 / len(FAMILIES), fams[BROKEN]  # shown worse, not merely unproven
+    assert all(fams[f]["passed"] and fams[f]["mean_diff"] > 0 for f in FAMILIES if f != BROKEN), fams
+
+
+def test_a_better_candidate_passes_offline(verdicts):
+    step, recorded = verdicts["better"]
+    assert step.action == "passed" and step.result is not None, recorded.reason
+    assert (recorded.action, recorded.to_status) == ("transition", "canary")
+    n = step.result.numbers
+    assert n["non_inferiority"]["lower_bound"] > 0.0  # better, not merely non-inferior
+    assert all(f["passed"] and f["mean_diff"] > 0 for f in n["families"].values()), n["families"]
