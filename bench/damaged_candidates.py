@@ -576,6 +576,7 @@ def family_config(cfg: DemoLoopConfig, family: str, weight: int) -> DemoLoopConf
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     t_start = time.perf_counter()
     boot = bootstrap(args.base, BootstrapConfig())  # reused when the folder holds a finished bootstrap
     base_info = {
@@ -636,7 +637,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     recheck_cfg = gate_cfg.model_copy(update={"G": args.recheck_g})
     rechecked = {k: gate(k, recheck_cfg) for k in unexpected} if args.recheck_g else {}
     report: dict[str, Any] = {
-        "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "when": started,
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
@@ -647,6 +648,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "note": "a 2-core VM shared with other jobs",
         },
         "command": "python -m bench.damaged_candidates " + " ".join(args.argv),
+        "commit": _git_head(),
         "base": base_info,
         "kinds": {
             "honest": "every user honest (the better candidate)",
@@ -706,6 +708,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def _git_head() -> str | None:
+    """The commit this ran on (the gate's code changes under it), None outside a git checkout."""
+    import subprocess
+
+    done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() or None
+
+
 def _pts(x: float) -> str:
     return f"{100 * x:+.1f}"
 
@@ -720,8 +730,11 @@ def markdown(r: dict[str, Any]) -> str:
         "# Damaged candidates through the offline gate",
         "",
         f"{r['when']}, {m['platform']}, {m['cpus']} CPUs ({m['note']}), torch {m['torch']} with "
-        f"{m['torch_threads']} threads; load average {m['loadavg_before'][0]:.2f} before, "
-        f"{m['loadavg_after'][0]:.2f} after. `{r['command']}`: {r['seconds']:.0f} s in all.",
+        f"{m['torch_threads']} intra-op threads at the end (the embedded engine's loop sets one, process-wide); "
+        f"load average {m['loadavg_before'][0]:.2f} before, "
+        f"{m['loadavg_after'][0]:.2f} after. `{r['command']}`"
+        + (f" at commit {r['commit']}" if r.get("commit") else "")
+        + f": {r['seconds']:.0f} s in all.",
         "",
         f"Base: `{b['folder']}`, {b['config']}; its bootstrap took {b['total_seconds']:.0f} s "
         f"({b['train_seconds']:.0f} s of training; reused if already there). Pass rate at its bootstrap "
@@ -766,8 +779,8 @@ def markdown(r: dict[str, Any]) -> str:
         f"alpha {gc['alpha']}, seed {gc['seed']}; suite `{g['suite']}`, in-distribution)",
         "",
         "Overall: the paired t test on per-prompt means (decides) with its one-sided 95 % lower bound, and the "
-        "paired bootstrap's lower bound (a cross-check). Families: the per-family paired t tests, Holm-corrected; "
-        "the failed ones are listed with their difference and p value.",
+        "paired bootstrap's lower bound (a cross-check). Families: the per-family harm tests (is the family worse "
+        "than -margin?), Holm-corrected; the flagged ones are listed with their difference and p value.",
         "",
     ]
     out += verdict_tables(verdicts, fams)
@@ -800,7 +813,9 @@ def verdict_tables(verdicts: dict[str, Any], fams: list[str]) -> list[str]:
         v = verdicts[k]
         ni, bs, gr = v["non_inferiority"], v["bootstrap"], v["guardrails"]
         failed_f = [
-            f"{f} {_pts(x['mean_diff'])} (p {x['p_value']:.2g})" for f, x in v["families"].items() if not x["passed"]
+            f"{f} {_pts(x['mean_diff'])} (p {x.get('p_regression', x['p_value']):.2g})"
+            for f, x in v["families"].items()
+            if not x["passed"]
         ]
         out.append(
             f"| {k} | **{'passed' if v['passed'] else 'rejected'}** | {', '.join(v['failed']) or '-'} | "
@@ -813,7 +828,8 @@ def verdict_tables(verdicts: dict[str, Any], fams: list[str]) -> list[str]:
         )
     out += [
         "",
-        "Per family at the gate: difference in points [one-sided 95 % lower bound] and Holm verdict.",
+        "Per family at the gate: difference in points [one-sided 95 % lower, upper bound], the harm test's p "
+        "(H0: no worse than -margin) and its Holm verdict.",
         "",
         "| family | prompts | " + " | ".join(kinds) + " |",
         "|---|---:|" + "---|" * len(kinds),
@@ -822,7 +838,10 @@ def verdict_tables(verdicts: dict[str, Any], fams: list[str]) -> list[str]:
         cells = []
         for k in kinds:
             x = verdicts[k]["families"][f]
-            cells.append(f"{_pts(x['mean_diff'])} [{_pts(x['lower_bound'])}] {'ok' if x['passed'] else '**fail**'}")
+            up = x.get("upper_bound", 2 * x["mean_diff"] - x["lower_bound"])
+            p_reg = f" p {x['p_regression']:.2g}" if "p_regression" in x else ""
+            verdict = "ok" if x["passed"] else "**regressed**"
+            cells.append(f"{_pts(x['mean_diff'])} [{_pts(x['lower_bound'])}, {_pts(up)}]{p_reg} {verdict}")
         out.append(f"| {f} | {verdicts[kinds[0]]['families'][f]['n_prompts']} | " + " | ".join(cells) + " |")
     timing = {k: verdicts[k]["timing_s"] for k in kinds}
     out += [
@@ -864,16 +883,8 @@ def findings(r: dict[str, Any]) -> list[str]:
         f"- Resolution of the overall test at G = {r['gate']['config']['G']} on {r['gate']['n_prompts']} prompts: the "
         f"lower bound lies {gap:.1f} points (median; {gaps[0]:.1f} to {gaps[-1]:.1f}) below the "
         f"estimate, so a candidate only passes it when it measures at least {gap - margin:+.1f} points; "
-        "the per-family tests, on 5 to 9 prompts each at alpha / 8 .. alpha (Holm), are wider still."
+        "a candidate equal to the base overall is not shown non-inferior."
     )
-    if any(not verdicts[k]["passed"] and verdicts[k]["failed"] == ["families"] for k in EXPECT_PASS if k in verdicts):
-        out.append(
-            "- Proposed (gating/, the lead's): a better candidate must not fail for want of per-family evidence. "
-            "Either the per-family checks test for harm (reject a family only when it is shown worse than a "
-            "per-family margin, Holm-corrected) while the overall test carries non-inferiority, or they get a wider "
-            "per-family margin and more samples (G) or prompts per family; and the KL scorer batches its forwards, "
-            "which dominate the gate's time at larger G."
-        )
     if "family" in versions:
         fam = r["training"]["family"]["config"]["families"]
         broken = max(set(fam), key=fam.count)
@@ -884,6 +895,12 @@ def findings(r: dict[str, Any]) -> list[str]:
             + ("meets" if meets else "**does not meet**")
             + " its definition (>= 15 down on one family, < 2 overall)."
         )
+        if "family" in verdicts and broken not in verdicts["family"]["registry"]["reason"]:
+            out.append(
+                f"- The registry's reason for rejecting it names the failed checks but not {broken}, the family "
+                "that regressed (that is in the numbers stored with it). Proposed (gating/evals.py "
+                "`OfflineResult.summary`, the lead's): name the flagged families in the summary."
+            )
     return out
 
 
