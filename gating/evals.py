@@ -107,6 +107,13 @@ class OfflineResult:
     def summary(self) -> str:
         ni = self.numbers["non_inferiority"]
         what = "passed" if self.passed else f"failed ({', '.join(self.failed)})"
+        flagged = [
+            f"{f} {r['mean_diff'] * 100:+.1f} pts (p {r['p_regression']:.2g})"
+            for f, r in self.numbers["families"].items()
+            if not r["passed"]
+        ]
+        if flagged:
+            what += "; families worse than -margin: " + ", ".join(flagged)
         return (
             f"offline {what}: pass rate {self.numbers['reward']['candidate']:.3f} vs "
             f"{self.numbers['reward']['incumbent']:.3f}, lower bound {ni['lower_bound']:+.3f} "
