@@ -72,7 +72,8 @@ from feedback.sdk.client import FeedbackClient  # noqa: E402
 from gating.bootstrap import SHIPPING_DTYPE, STORE, file_entry, publish_base  # noqa: E402
 from gating.canary import CanaryConfig, CanaryOutcomes, decide  # noqa: E402
 from gating.evals import sample_seed  # noqa: E402
-from gating.gate import Gate, GateConfig, GateStep, verifier_scorer, weight_store_loader  # noqa: E402
+from gating.gate import Gate, GateConfig, GateStep  # noqa: E402
+from gating.gate_process import verifier_scorer, weight_store_loader  # noqa: E402
 from gating.models import AuditEntryPublic, CanaryProgress  # noqa: E402
 from gating.registry import Registry  # noqa: E402
 from gating.suites import EvalSuite  # noqa: E402

@@ -192,7 +192,7 @@ def _gate(args) -> None:
 
     from demo.suite import demo_suite
     from feedback.connect import open_bus
-    from gating.gate import run_gate
+    from gating.gate_process import run_gate
 
     settings, stop = get_settings(), threading.Event()
     bus = open_bus(settings)  # the canary reads the joined samples from it

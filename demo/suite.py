@@ -7,7 +7,7 @@ completion parses as Python. Until the demo has a held-out split (docs/design.md
 these are the product's own prompts, which users are served and the learner trains on: the suite says
 `in_distribution=True`, and so does every verdict reached on it.
 
-Passed to `gating.gate.run_gate` by whoever starts the gate for the demo (`flywheel gate`, to be wired).
+Passed to `gating.gate_process.run_gate` by whoever starts the gate for the demo (`flywheel gate`, to be wired).
 """
 
 from __future__ import annotations

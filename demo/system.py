@@ -5,7 +5,7 @@ What runs, each in a process of its own, on embedded defaults under one `FLYWHEE
   serving the completion endpoint, the feedback API, the admin API and the dashboard;
 - the **joiner** (`feedback.joiner.JoinerService`, attribution window `window_s`);
 - the **learner** (`learner.service.LearnerService`, an update every `learner_every_samples`);
-- the **gate** (`gating.gate.run_gate`: the offline suite, then a short canary ramp).
+- the **gate** (`gating.gate_process.run_gate`: the offline suite, then a short canary ramp).
 
 This process plays the product's users. Each of `users` simulated users (`demo.users.SimulatedUser`,
 heterogeneous: their own accept probabilities, activity drawn from a heavy-tailed distribution, an
@@ -162,7 +162,8 @@ def _gate_main(home: str, base: str, cfg_json: str, prompts: int, seed: int, sto
     from demo.suite import demo_suite
     from demo.tasks import sample_tasks
     from feedback.connect import open_bus
-    from gating.gate import GateConfig, run_gate
+    from gating.gate import GateConfig
+    from gating.gate_process import run_gate
 
     settings = _settings(home, base, torch_threads=1)
     bus = open_bus(settings)

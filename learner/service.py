@@ -75,7 +75,6 @@ memory.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -83,23 +82,24 @@ import shutil
 import time
 from collections import Counter, deque
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from core.files import atomic_write
 from core.service_metrics import ServiceMetrics
 from feedback.bus import EventBus, Record
 from feedback.dead_letter import dead_letter
-from feedback.events import TOPICS, SampleEvent
-from gating.bootstrap import SHIPPING_DTYPE, publish_base
+from feedback.events import SampleEvent
+from gating.bootstrap import SHIPPING_DTYPE, publish_base, sha256_of
 from gating.registry import Registry, UnknownVersion
+from learner.config import LearnerConfig
 from learner.lineage import anchor, merge_covered, staleness, staleness_stats
-from learner.poisoning import PoisoningConfig, screen
+from learner.poisoning import screen
 from learner.samples import drop_reason, sequence_from_sample
-from learner.trainer import NonFiniteUpdate, Trainer, TrainerConfig
+from learner.trainer import NonFiniteUpdate, Trainer
 from serving.checkpoint import CONFIG, WEIGHTS, load_checkpoint, save_checkpoint
 from serving.model import Transformer
 from serving.tokenizer import Tokenizer
@@ -111,45 +111,8 @@ OPT_STATE = "learner_state.pt"
 MAX_REMEMBERED_IDS = 100_000
 
 
-class LearnerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    update_every_samples: int = Field(512, ge=1, description="Update as soon as this many samples are buffered.")
-    update_every_s: float = Field(4 * 3600.0, gt=0, description="...or when this much time has passed.")
-    min_samples: int = Field(32, ge=1, description="Fewest samples a time-triggered update uses.")
-    max_staleness: int = Field(
-        2, ge=0, description="Drop samples served more than this many versions ago (in `staleness_unit`)."
-    )
-    staleness_unit: Literal["versions", "updates"] = Field(
-        "versions",
-        description="What staleness counts: registered versions of the lineage (with `hold_back`, at most one "
-        "per gate cycle) or every update, held back or not.",
-    )
-    hold_back: bool = Field(
-        True,
-        description="While a version is in flight at the gate, keep training but register no candidate; the "
-        "tip is registered once the gate is free (so the gate always gets the newest).",
-    )
-    hold_check_s: float = Field(5.0, ge=0, description="How often a held-back tip asks whether the gate is free.")
-    group: str = Field("learner", description="Consumer group on the sample topic.")
-    topic: str = Field(TOPICS["sample"], description="The topic of `sample` events (the joiner's output).")
-    snapshot_every: int = Field(8, ge=1, description="Weight store: a full snapshot every N versions, deltas between.")
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The update itself.")
-    poisoning: PoisoningConfig = Field(
-        default_factory=PoisoningConfig, description="Flag and weigh down users who dominate an update's reward."
-    )
-
-
 def _at(rec: Record) -> tuple[str, int, int]:
     return rec.topic, rec.partition, rec.offset
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class LearnerService:
@@ -289,7 +252,7 @@ class LearnerService:
         kind = "delta" if path.name.endswith(DELTA_SUFFIX) else "snapshot"
         return {
             "path": str(path.relative_to(self.models_dir)),
-            "sha256": _sha256(path),
+            "sha256": sha256_of(path),
             "bytes": path.stat().st_size,
             "kind": kind,
         }
@@ -298,7 +261,7 @@ class LearnerService:
     def _file_entry(folder: Path, kind: str, version_id: str) -> dict:
         """Paths are relative to the models folder (the weight store root): `<version>/model.safetensors`."""
         w = folder / WEIGHTS
-        return {"path": f"{version_id}/{WEIGHTS}", "sha256": _sha256(w), "bytes": w.stat().st_size, "kind": kind}
+        return {"path": f"{version_id}/{WEIGHTS}", "sha256": sha256_of(w), "bytes": w.stat().st_size, "kind": kind}
 
     @property
     def current(self) -> str:

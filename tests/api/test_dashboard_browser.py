@@ -36,7 +36,8 @@ from feedback.completion_index import CompletionIndex
 from feedback.joiner import JoinerService
 from feedback.rewards import RewardSpec
 from gating.canary import CanaryConfig
-from gating.gate import Gate, GateConfig, verifier_scorer, weight_store_loader
+from gating.gate import Gate, GateConfig
+from gating.gate_process import verifier_scorer, weight_store_loader
 from gating.registry import Registry
 from learner.service import LearnerConfig, LearnerService
 from serving.engine import EmbeddedEngine

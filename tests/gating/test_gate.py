@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gating.gate import RUN_KEY, Gate, GateConfig, run_gate, weight_store_loader
+from gating.gate import RUN_KEY, Gate, GateConfig
+from gating.gate_process import run_gate, weight_store_loader
 from gating.registry import Registry
 from serving.checkpoint import WEIGHTS, load_checkpoint
 from serving.engine import EmbeddedEngine

@@ -1,0 +1,43 @@
+"""The learner service's settings: cadence, staleness, hold-back while the gate works, and its parts' configs.
+
+The reasoning behind each default is in `learner.service`'s docstring.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from feedback.events import TOPICS
+from learner.poisoning import PoisoningConfig
+from learner.trainer import TrainerConfig
+
+
+class LearnerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    update_every_samples: int = Field(512, ge=1, description="Update as soon as this many samples are buffered.")
+    update_every_s: float = Field(4 * 3600.0, gt=0, description="...or when this much time has passed.")
+    min_samples: int = Field(32, ge=1, description="Fewest samples a time-triggered update uses.")
+    max_staleness: int = Field(
+        2, ge=0, description="Drop samples served more than this many versions ago (in `staleness_unit`)."
+    )
+    staleness_unit: Literal["versions", "updates"] = Field(
+        "versions",
+        description="What staleness counts: registered versions of the lineage (with `hold_back`, at most one "
+        "per gate cycle) or every update, held back or not.",
+    )
+    hold_back: bool = Field(
+        True,
+        description="While a version is in flight at the gate, keep training but register no candidate; the "
+        "tip is registered once the gate is free (so the gate always gets the newest).",
+    )
+    hold_check_s: float = Field(5.0, ge=0, description="How often a held-back tip asks whether the gate is free.")
+    group: str = Field("learner", description="Consumer group on the sample topic.")
+    topic: str = Field(TOPICS["sample"], description="The topic of `sample` events (the joiner's output).")
+    snapshot_every: int = Field(8, ge=1, description="Weight store: a full snapshot every N versions, deltas between.")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The update itself.")
+    poisoning: PoisoningConfig = Field(
+        default_factory=PoisoningConfig, description="Flag and weigh down users who dominate an update's reward."
+    )
