@@ -1,17 +1,19 @@
 """Damaged candidates through the real offline gate, and a better one all the way to every replica.
 
-From one base (the demo bootstrap, `var/models/demo-base`), four candidates are trained in-process with
-the demo's own loop (`demo.loop.run_demo_loop`: served completions, simulated users' signals, the
-joiner's rewards, policy-gradient updates), each on the same training budget:
+From one base (the demo bootstrap; by default the shipped one, `models/demo-base`: `SHIPPED_BASE`), four
+candidates are trained in-process with the demo's own loop (`demo.loop.run_demo_loop`: served completions,
+simulated users' signals, the joiner's rewards, policy-gradient updates), each on the same training budget:
 
 - `honest`: every user is an honest simulated user (the better candidate);
 - `shuffled`: the rewards of each round are permuted across the batch (`shuffle_rewards`);
 - `adversarial`: every second user is adversarial: it reacts as if wrong completions were right and
   right ones wrong (`AdversarialUser`), so half the traffic rewards bugs;
 - `family`: honest everywhere except one family, whose rewards are negated (`invert_family`), tuned
-  (rounds, lr) so that this family drops by >= 15 points while the overall pass rate moves < 2 points.
+  (rounds, lr) so that this family drops by >= 15 points while the overall pass rate moves < 2 points
+  (tuned on the old 8-family product, family `max`; its successor here is `max_default`).
 
-Each candidate is measured (`measure`: the suite's 62 prompts, `--measure-g` samples each at
+Each candidate is measured (`measure`: the suite's prompts, the gate split's 512 (the old 8-family
+product's suite, of bench/results/damaged_candidates.*, had 62), `--measure-g` samples each at
 temperature 1, with seeds of its own, so the numbers are not the gate's) and then goes through the real
 offline gate: registered with its weights in the weight store as the learner publishes them, the base
 published and promoted by `gating.bootstrap.publish_base`, `gating.gate.Gate.step` with an embedded
@@ -57,11 +59,12 @@ from api.fleet import CANARY_TTL_S  # noqa: E402
 from api.main import create_app  # noqa: E402
 from core.security import KeyStore  # noqa: E402
 from core.settings import Settings  # noqa: E402
-from demo.bootstrap import BootstrapConfig, bootstrap  # noqa: E402
+from demo.bootstrap import SHIPPED_BASE, BootstrapConfig, bootstrap  # noqa: E402
 from demo.checker import CheckResult, check_batch  # noqa: E402
 from demo.loop import DemoLoopConfig, RewardHook, User, run_demo_loop  # noqa: E402
+from demo.split import sample_tasks  # noqa: E402
 from demo.suite import demo_suite  # noqa: E402
-from demo.tasks import Task, sample_tasks  # noqa: E402
+from demo.tasks import Task  # noqa: E402
 from demo.users import FeedbackSignal, SimulatedUser  # noqa: E402
 from feedback.bus_embedded import EmbeddedBus  # noqa: E402
 from feedback.completion_index import CompletionIndex  # noqa: E402
@@ -86,7 +89,7 @@ from serving.weight_store import WeightStore, shipping_state  # noqa: E402
 
 log = logging.getLogger(__name__)
 RESULTS = ROOT / "bench" / "results"
-BASE_DIR = ROOT / "var" / "models" / "demo-base"
+BASE_DIR = SHIPPED_BASE
 KINDS = ("honest", "shuffled", "adversarial", "family", "honest_short")
 EXPECT_PASS = ("honest", "honest_short")  # better than the base in every family (measured below)
 MEASURE_SEED = 7_777  # the measurement's sample seeds: never the gate's (GateConfig.seed)
@@ -579,10 +582,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     t_start = time.perf_counter()
-    boot = bootstrap(args.base, BootstrapConfig())  # reused when the folder holds a finished bootstrap
+    recipe = BootstrapConfig()
+    boot = bootstrap(args.base, recipe)  # reused when the folder holds a finished bootstrap
     base_info = {
         "folder": str(args.base),
-        "config": "BootstrapConfig() defaults (seed 0, 1500 steps of 64 sequences, 20000-example corpus)",
+        "config": f"BootstrapConfig() defaults (seed {recipe.seed}, {recipe.steps} steps of {recipe.batch_size} "
+        f"sequences, {recipe.corpus_size}-example corpus)",
         "train_seconds": boot["train_seconds"],
         "total_seconds": boot["total_seconds"],
         "eval": boot["eval"],
@@ -721,6 +726,11 @@ def _pts(x: float) -> str:
     return f"{100 * x:+.1f}"
 
 
+def _eval_set(ev: dict[str, Any]) -> str:
+    """What the bootstrap's evaluation ran on (reports of the old 8-family product: 256 sampled tasks)."""
+    return f"{ev['n']} {ev['split']}-split prompts" if "split" in ev else "256 sampled tasks"
+
+
 def markdown(r: dict[str, Any]) -> str:
     """The report as tables (bench/results/damaged_candidates.md)."""
     m, g, kinds = r["machine"], r["gate"], list(r["training"])
@@ -739,7 +749,7 @@ def markdown(r: dict[str, Any]) -> str:
         "",
         f"Base: `{b['folder']}`, {b['config']}; its bootstrap took {b['total_seconds']:.0f} s "
         f"({b['train_seconds']:.0f} s of training; reused if already there). Pass rate at its bootstrap "
-        f"evaluation {100 * b['eval']['pass_rate']:.1f} % (256 sampled tasks).",
+        f"evaluation {100 * b['eval']['pass_rate']:.1f} % ({_eval_set(b['eval'])}).",
         "",
         "## The candidates",
         "",
@@ -969,7 +979,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=20, help="loop rounds of 128 completions, every candidate")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--short-rounds", type=int, default=8, help="honest_short: the honest candidate's smaller budget")
-    p.add_argument("--family", default="max", help="the family the one-family regression breaks")
+    p.add_argument("--family", default="max_default", help="the family the one-family regression breaks")
     p.add_argument("--family-weight", type=int, default=24, help="its traffic, relative to each other family")
     p.add_argument("--seed", type=int, default=0, help="the loop's seed (tasks, users, sampling)")
     p.add_argument("--measure-g", type=int, default=32, help="samples per suite prompt for the measurement")

@@ -1,7 +1,9 @@
 """Weight-delta benchmark: how small and how fast lossless deltas are on real updates of the demo model.
 
 What is measured (one run, one machine, numbers as they come):
-- Parent: `var/models/demo-base` (float32 master weights), shipped as bf16 (`shipping_state`).
+- Parent: the shipped demo base, `models/demo-base` (`demo.bootstrap.SHIPPED_BASE`; float32 master
+  weights), shipped as bf16 (`shipping_state`). bench/results/deltas.* were measured on the old
+  8-family product's base.
 - Update: a trainer copy keeps the float32 masters and a fresh AdamW with the demo's recipe
   (betas (0.9, 0.95), weight decay 0.01 on matrices, gradient clipping at 1.0) and takes k
   optimizer steps at learning rate lr on the demo's LM objective: next-token cross-entropy on
@@ -50,7 +52,7 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
 
 
-from demo.bootstrap import encode_example  # noqa: E402
+from demo.bootstrap import SHIPPED_BASE, encode_example  # noqa: E402
 from demo.corpus import make_corpus  # noqa: E402
 from serving.checkpoint import load_checkpoint  # noqa: E402
 from serving.codec import Codec, apply_delta, encode_delta, encode_snapshot, read_manifest  # noqa: E402
@@ -59,7 +61,7 @@ from serving.weight_store import shipping_state  # noqa: E402
 
 LRS = (1e-6, 1e-5, 1e-4, 3e-3)
 STEPS = (1, 4)
-CORPUS_SEED = 4242  # the bootstrap trained on seed 0
+CORPUS_SEED = 4242  # the bootstrap trained on seed 0 (train-split prompts, as these)
 
 
 def update(master, seqs, lr: float, steps: int, batch: int, seed: int):
@@ -137,7 +139,7 @@ def measure(parent, child, parent_hashes, codec: Codec, reps: int, snapshot_byte
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(ROOT / "var" / "models" / "demo-base"))
+    ap.add_argument("--model", default=str(SHIPPED_BASE), help="Default: the shipped demo base (models/demo-base).")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))

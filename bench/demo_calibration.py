@@ -1,12 +1,13 @@
-"""Calibrates the base model of the richer demo product (`demo.product`, split by `demo.split`).
+"""Calibrates the base model of the richer demo product (`demo.tasks`, split by `demo.split`).
 
 The issue asks for a base that is "good already, but improvable": a verifiable pass rate of
 25-60% on the report split and at least 50 points of satisfaction headroom (the mean satisfaction
 of always answering the known correct, house-style completion, minus the base's). One attempt:
 
-1. pre-train a base with `demo.bootstrap.bootstrap` on the train split's corpus
-   (`demo.split.make_corpus`, the given correct / house-style shares) and a tokenizer that spells
-   quoted strings letter by letter (`spell_quoted_strings=True`);
+1. pre-train a base with `demo.bootstrap.bootstrap`, its default recipe with the given
+   `BootstrapConfig` fields: the train split's corpus (`demo.bootstrap.corpus_of`, i.e.
+   `demo.corpus.make_corpus` with the given correct / house-style shares) and a tokenizer that spells
+   quoted strings letter by letter (`demo.bootstrap.make_tokenizer`);
 2. sample one completion per prompt at temperature 1 (as the product serves; one seed per prompt)
    on fixed sets of distinct prompts, check each with its tests and score it with the simulated
    users' satisfaction (`demo.users.satisfaction`, default preferences):
@@ -20,8 +21,10 @@ of always answering the known correct, house-style completion, minus the base's)
      which shares report's phrasing and is drawn the same way from disjoint values).
 3. append the attempt to bench/results/demo_calibration.json and rewrite demo_calibration.md.
 
-Usage: python bench/demo_calibration.py --tag a1 [--p-correct 0.6] [--p-preferred 0.3]
+Usage: python bench/demo_calibration.py --tag a1 [--p-correct 0.5] [--p-preferred 0.3]
        [--steps 1500] [--corpus-size 96000] [--n 1000] [--threads N] [--note "why"]
+(the defaults are `BootstrapConfig`'s, the shipped recipe: attempt a3, chosen, made it; attempts a1
+and a2 ran with --p-correct 0.6)
        python bench/demo_calibration.py --tag a1 --report [--n 1000]   # once, for the chosen base
 The base is cached in var/models/product-<tag> (delete it, or pass --force, to retrain).
 """
@@ -48,9 +51,8 @@ sys.path.insert(0, str(ROOT))
 
 from demo.bootstrap import BootstrapConfig, bootstrap  # noqa: E402
 from demo.checker import check_batch  # noqa: E402
-from demo.corpus import CorpusMix  # noqa: E402
-from demo.product import FAMILIES, Task, completions_for, is_preferred_style, make_task  # noqa: E402
-from demo.split import HELD_OUT_PHRASING, TRAIN_PHRASINGS, draw_value, make_corpus, split_tasks  # noqa: E402
+from demo.split import HELD_OUT_PHRASING, TRAIN_PHRASINGS, draw_value, split_tasks  # noqa: E402
+from demo.tasks import FAMILIES, Task, completions_for, is_preferred_style, make_task  # noqa: E402
 from demo.users import satisfaction  # noqa: E402
 from serving.checkpoint import load_checkpoint  # noqa: E402
 from serving.engine import EmbeddedEngine  # noqa: E402
@@ -167,18 +169,16 @@ def run_attempt(args: argparse.Namespace) -> dict:
     )
     sets = eval_sets(args.n)
 
-    mix = CorpusMix(p_correct=args.p_correct, p_preferred=args.p_preferred)
     load_before = os.getloadavg()
     t0 = time.time()
-    corpus = make_corpus(args.corpus_size, seed=args.seed, mix=mix)
+    # The corpus is the recipe's own (`demo.bootstrap.corpus_of(cfg)`: seed, corpus_size, p_correct,
+    # p_preferred above), as is the tokenizer (quoted strings spelled letter by letter).
     out_dir = ROOT / "var" / "models" / f"product-{args.tag}"
     boot = bootstrap(
         out_dir,
         cfg,
         force=args.force,
-        corpus=corpus,
         evaluation=lambda engine, version: _evaluate_sets(engine, version, sets),
-        spell_quoted_strings=True,
     )
     return {
         "tag": args.tag,
@@ -284,17 +284,18 @@ def write_md(attempts: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    recipe = BootstrapConfig()  # the defaults are the shipped recipe's
     ap.add_argument("--tag", required=True)
     ap.add_argument("--note", default="", help="One line on why this attempt, for the md.")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--p-correct", type=float, default=0.6)
-    ap.add_argument("--p-preferred", type=float, default=0.3)
-    ap.add_argument("--steps", type=int, default=1500)
-    ap.add_argument("--corpus-size", type=int, default=96_000)
+    ap.add_argument("--seed", type=int, default=recipe.seed)
+    ap.add_argument("--p-correct", type=float, default=recipe.p_correct)
+    ap.add_argument("--p-preferred", type=float, default=recipe.p_preferred)
+    ap.add_argument("--steps", type=int, default=recipe.steps)
+    ap.add_argument("--corpus-size", type=int, default=recipe.corpus_size)
     ap.add_argument("--n", type=int, default=1000, help="Distinct prompts per set (the diagnostics get n/2).")
     ap.add_argument("--report", action="store_true", help="Measure report on attempt --tag's base (the chosen one).")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--time-budget-s", type=float, default=3600.0)
+    ap.add_argument("--time-budget-s", type=float, default=recipe.time_budget_s)
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

@@ -6,8 +6,9 @@ Every verdict below comes from the gate's own functions: the offline tests of `g
 combines them, and the online `gating.canary.decide` at its default `CanaryConfig`, called after every
 batch of simulated traffic. Nothing here re-implements a test.
 
-**Measured rates.** The demo base model (`var/models/demo-base`, the `flywheel bootstrap` recipe; made
-if missing) is sampled once on the gate's suite (`demo.suite.demo_suite`: 62 prompts, 8 families), `M`
+**Measured rates.** The demo base model (`models/demo-base`, `demo.bootstrap.SHIPPED_BASE`: the shipped
+`flywheel bootstrap` recipe; made if missing) is sampled once on the gate's suite (`demo.suite.demo_suite`:
+the gate split, 512 prompts of 18 families; the results of the old 8-family product's run were on its 62), `M`
 samples per prompt at the gate's settings (temperature 1, 48 tokens, seeds `sample_seed(seed, prompt, g)`),
 scored by `DemoVerifier`; each sample also keeps what the guardrails look at (malformed, in a loop,
 length) and the demo users' expected satisfaction (`demo.users.satisfaction`). Saved in the JSON.
@@ -80,6 +81,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from demo.bootstrap import SHIPPED_BASE  # noqa: E402
 from feedback.events import CompletionEvent, RoutedExperts, SampleEvent, Signal  # noqa: E402
 from gating.canary import ARMS, CanaryConfig, CanaryOutcomes, decide  # noqa: E402
 from gating.evals import Guardrails, ModelScorer, evaluate_offline, has_loop, sample_seed  # noqa: E402
@@ -293,8 +295,9 @@ def simulate_offline(
     rows = np.arange(n)[None, :, None]
     counts: Counter[str] = Counter()
     lower = []
-    for start in range(0, reps, 100):  # bounded memory
-        r = min(100, reps - start)
+    chunk = max(1, min(100, 2_000_000 // (n * G)))  # bounded memory: about 2M draws per array
+    for start in range(0, reps, chunk):
+        r = min(chunk, reps - start)
         draws = {v: rng.integers(0, m, size=(r, n, G)) for v in ARMS}
         passed = {v: pool.passed[rows, d] for v, d in draws.items()}
         if flip is not None:
@@ -765,7 +768,8 @@ def machine() -> dict[str, Any]:
 
 
 OFFLINE_GRID = ((8, 1), (16, 1), (32, 1), (64, 1), (128, 1), (256, 1), (8, 2), (8, 4), (8, 8), (8, 16))
-"""(G, r): samples per prompt, and the suite repeated r times (62 r prompts). (8, 1) is the gate's default."""
+"""(G, r): samples per prompt, and the suite repeated r times (512 r prompts on the default suite). (8, 1) is
+the gate's default."""
 
 
 def run_offline(pool: Pool, reps: int, seed: int) -> dict[str, Any]:
@@ -993,6 +997,8 @@ def findings(res: dict[str, Any]) -> list[str]:
     n0 = off["n_prompts_default"]
     c8, c64, big = cells[(8, n0)], cells[(64, n0)], cells[(8, 8 * n0)]
     r = np.asarray(m["per_prompt_pass_rate"])
+    fam_sizes = Counter(q["family"] for q in m["prompts"]).values()
+    nf, fam_range = len(fam_sizes), f"{min(fam_sizes)}-{max(fam_sizes)}"
     pc = lambda x: f"{100 * x['rate']:.1f}%"  # noqa: E731
     wm, aa, d5 = sc["worse_by_margin"], sc["aa"], sc["drop_5pt"]
     act, harm_by, at = aa["actions"], aa["abort_harm_by"], aa["aborts_at_step"]
@@ -1027,6 +1033,10 @@ def findings(res: dict[str, Any]) -> list[str]:
     return [
         "## Findings",
         "",
+        "(The prose of these findings was written for the run on the old 8-family product's 62-prompt suite, "
+        "`demo-tasks@1`, before the families check became the harm test `family_regressions` and the gate suite "
+        "the 512-prompt gate split; the numbers it quotes are this run's.)",
+        "",
         f"**(i) {c8['worse_uniform']['verdict']['verdict']} offline, {wm['passed']['verdict']} online.** Offline the "
         f"verdict passed {pc(c8['worse_uniform']['verdict'])} (uniform) and {pc(c8['worse_proportional']['verdict'])} "
         f"(proportional) of the candidates worse by the margin. Its non-inferiority test alone passed "
@@ -1036,9 +1046,9 @@ def findings(res: dict[str, Any]) -> list[str]:
         f"awaiting_approval: {wm['aborts_at_step']} (action@step).",
         "",
         f"**(ii) {c8['equal']['verdict']['verdict']}, by design, for two reasons.** (1) The families check: "
-        "`family_non_inferiority` asks each of the 8 families (5-9 prompts) to show non-inferiority at the same "
-        "3-point margin, Holm-adjusted, and the verdict needs all 8. An equally good candidate passes one family's "
-        "test well under half the time, so all 8 ~never: "
+        f"`family_non_inferiority` asked each of the {nf} families ({fam_range} prompts) to show non-inferiority at "
+        f"the same 3-point margin, Holm-adjusted, and the verdict needed all {nf}. An equally good candidate passes "
+        f"one family's test well under half the time, so all {nf} ~never: "
         f"{pc(c8['equal']['families'])} at the default size, {pc(cells[(256, n0)]['equal']['families'])} even at "
         f"G 256 and {pc(cells[(8, 16 * n0)]['equal']['families'])} at {16 * n0} prompts, with or without Holm "
         '(column `families (no Holm)`). Holm is not needed for this decision anyway: "pass iff every family '
@@ -1093,7 +1103,7 @@ def findings(res: dict[str, Any]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=1000)
-    ap.add_argument("--model", default=str(ROOT / "var" / "models" / "demo-base"))
+    ap.add_argument("--model", default=str(SHIPPED_BASE), help="Default: the shipped demo base (models/demo-base).")
     ap.add_argument("--samples", type=int, default=64, help="Measured samples per prompt.")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-spot", action="store_true", help="Skip the real evaluate_offline spot check.")

@@ -1,7 +1,8 @@
 """Learner benchmark: serving-vs-trainer mismatch at the behaviour version, and update throughput.
 
-Completions come from the embedded engine serving the demo checkpoint: demo tasks
-(`demo.tasks.sample_tasks`), temperature 1, top_p 1, max_tokens 48, one seed per request; rewards
+Completions come from the embedded engine serving the demo checkpoint (by default the shipped demo base,
+`models/demo-base`): train-split demo tasks (`demo.split.sample_tasks`; bench/results/learner.* were
+measured on the old 8-family product), temperature 1, top_p 1, max_tokens 48, one seed per request; rewards
 are the checker's pass/fail (they only matter for the throughput part, which needs a real loss).
 
 1. Mismatch. For each (serving dtype, trainer dtype) pair the trainer re-scores every completion
@@ -58,8 +59,9 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
 
 
+from demo.bootstrap import SHIPPED_BASE  # noqa: E402
 from demo.checker import check_batch  # noqa: E402
-from demo.tasks import sample_tasks  # noqa: E402
+from demo.split import sample_tasks  # noqa: E402
 from learner.replay import Sequence, make_batch, mismatch_stats, trainer_logprobs  # noqa: E402
 from learner.trainer import Trainer, TrainerConfig  # noqa: E402
 from serving.checkpoint import load_checkpoint  # noqa: E402
@@ -291,7 +293,7 @@ def markdown(res: dict) -> str:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=str(ROOT / "var" / "models" / "demo-base"))
+    ap.add_argument("--model", default=str(SHIPPED_BASE), help="Default: the shipped demo base (models/demo-base).")
     ap.add_argument("--n", type=int, default=512, help="completions served per serving dtype")
     ap.add_argument("--repeats", type=int, default=5, help="timed updates per throughput row")
     ap.add_argument("--seed", type=int, default=0)

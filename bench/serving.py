@@ -1,7 +1,8 @@
 """Serving benchmark: the embedded engine vs transformers `generate` vs vLLM (CPU build), and HTTP.
 
-Same checkpoint, same prompts (demo tasks), same sampling (temperature 1, top_p 1, exactly
-`--new-tokens` generated tokens: EOS ignored / min_new_tokens), batch sizes 1, 16, 64. For each
+Same checkpoint (by default the shipped demo base, `models/demo-base`), same prompts (64 train-split demo
+tasks; bench/results/serving.* were measured on the old 8-family product), same sampling (temperature 1,
+top_p 1, exactly `--new-tokens` generated tokens: EOS ignored / min_new_tokens), batch sizes 1, 16, 64. For each
 backend and batch size, `rounds` batches are timed after one warm-up batch:
   throughput = generated tokens / wall time of the batch; latency = time from submission to the
   request's last token (for `generate`, every request of a batch ends together).
@@ -37,7 +38,8 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
 
 
-from demo.tasks import sample_tasks  # noqa: E402
+from demo.bootstrap import SHIPPED_BASE  # noqa: E402
+from demo.split import sample_tasks  # noqa: E402
 from serving.sampling import SamplingParams  # noqa: E402
 from serving.tokenizer import Tokenizer  # noqa: E402
 
@@ -274,7 +276,7 @@ def run_one(name, model_dir, prompts, texts, new_tokens, pad_id, out):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=str(ROOT / "var" / "models" / "demo-base"))
+    ap.add_argument("--model", default=str(SHIPPED_BASE), help="Default: the shipped demo base (models/demo-base).")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument(

@@ -29,10 +29,11 @@ importance weights still hold (they do not need to be exact: the cap bounds the 
 
 **The simulation.** The REAL `LearnerService` (default `LearnerConfig`: 512 samples / 4 h, lr 1e-4,
 truncated IS with cap 2, |log ρ| clamp 20) on an embedded bus and a SQLite registry, the demo base
-model (`var/models/demo-base`, the `flywheel bootstrap` recipe; made if missing) served by the
-embedded engine to whatever the registry says the fleet serves: the promoted version, and the
-in-flight candidate to users `gating.stats.assign_arm` puts in the canary at the recorded share.
-Demo tasks, simulated users (`demo.users`) and the real joiner core (`feedback.joiner.JoinerCore`,
+model (`models/demo-base`, `demo.bootstrap.SHIPPED_BASE`: the shipped `flywheel bootstrap` recipe; made
+if missing) served by the embedded engine to whatever the registry says the fleet serves: the promoted
+version, and the in-flight candidate to users `gating.stats.assign_arm` puts in the canary at the
+recorded share (bench/results/staleness.* were measured on the old 8-family product). Demo tasks,
+simulated users (`demo.users`) and the real joiner core (`feedback.joiner.JoinerCore`,
 default reward spec, 600 s window) make the samples. Time is a compressed clock: each tick serves
 the requests of `tick_s` simulated seconds at the scenario's traffic; the learner's time trigger and
 the joiner's window run on it. The gate is simulated on the registry with its own transitions
@@ -74,8 +75,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from demo.bootstrap import SHIPPED_BASE  # noqa: E402
 from demo.checker import check_batch  # noqa: E402
-from demo.tasks import sample_tasks  # noqa: E402
+from demo.split import sample_tasks  # noqa: E402
 from demo.users import SimulatedUser  # noqa: E402
 from feedback.bus_embedded import EmbeddedBus  # noqa: E402
 from feedback.events import TOPICS, CompletionEvent, FeedbackEvent  # noqa: E402
@@ -432,7 +434,7 @@ def markdown(res: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=str(ROOT / "var" / "models" / "demo-base"))
+    ap.add_argument("--model", default=str(SHIPPED_BASE), help="Default: the shipped demo base (models/demo-base).")
     ap.add_argument("--scenario", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     ap.add_argument("--design", nargs="+", default=list(DESIGNS), choices=list(DESIGNS))
     ap.add_argument("--cycles", type=int, default=5)

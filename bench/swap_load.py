@@ -152,7 +152,7 @@ async def _load(url: str, seconds: float, clients: int, prompts: list[str]) -> l
 
 
 def loadgen_main(url: str, seconds: float, clients: int, out: str) -> None:
-    from demo.tasks import sample_tasks
+    from demo.split import sample_tasks
 
     # The measuring instrument runs ahead of the other jobs on this shared machine, so that the time a
     # token is seen is the time it arrived, not the time the load generator next got a core.
@@ -905,8 +905,10 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--vllm-loop-check-one":
         print("LOOP-CHECK " + json.dumps(vllm_loop_check(Path(sys.argv[2]), sys.argv[3] == "1")), flush=True)
         return
+    from demo.bootstrap import SHIPPED_BASE
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(ROOT / "var" / "models" / "demo-base"))
+    ap.add_argument("--model", default=str(SHIPPED_BASE), help="Default: the shipped demo base (models/demo-base).")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--clients", type=int, default=64)
@@ -927,7 +929,7 @@ def main() -> None:
         ap.error(f"--seconds must leave time after the rollback (>= {max(at for _, at in EVENTS) + 6})")
     model = Path(a.model)
     if not (model / "config.json").is_file():
-        sys.exit(f"no checkpoint at {model}: run `flywheel bootstrap` first")
+        sys.exit(f"no checkpoint at {model}: pass --model, a bootstrapped base (`flywheel bootstrap`)")
     work = Path(tempfile.mkdtemp(prefix="swap-load-"))
     with registry_url(a.db, work) as db_url:
         result = measure(a, model, work, db_url)
