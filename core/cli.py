@@ -1,12 +1,12 @@
 """`flywheel`: one entry point per process.
 
-  flywheel bootstrap [--force]    pre-train the demo base model (cached under FLYWHEEL_HOME)
-  flywheel serve [--host --port]  the gateway on the served checkpoint (bootstraps it first if absent)
+  flywheel bootstrap [--force]    pre-train the demo base (cached under FLYWHEEL_HOME; reproduces models/demo-base)
+  flywheel serve [--host --port]  the gateway on the served checkpoint (copies the shipped demo base first if absent)
   flywheel up [--host --port]     the main job on embedded defaults: the gateway, the joiner, the learner, the gate
   flywheel joiner                 feedback + completions -> rewarded samples (consumes and publishes on the bus)
   flywheel learner                samples -> policy-gradient updates -> candidate versions in the registry
   flywheel gate                   candidates -> offline regression evals -> canary or rejected (never promotes)
-  flywheel demo                   the online-RL loop in one process on the demo product (simulated users)
+  flywheel demo [--report DIR]    the demo product through the whole system: simulated users over HTTP and the SDK
   flywheel keys create|list|revoke  API keys of this home's key store (shown once, stored hashed)
 
 Each command imports what it runs only when it runs, so e.g. the joiner never loads FastAPI or torch.
@@ -22,6 +22,7 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from core.security import SCOPES
 from core.service_metrics import ServiceMetrics
@@ -52,6 +53,28 @@ def _bootstrap(args, settings: Settings | None = None) -> dict:
     return report
 
 
+def ensure_base(settings: Settings) -> None:
+    """A home without its served checkpoint gets the shipped demo base (a copy: seconds), or, where
+    the checkout has none, a fresh bootstrap (10-15 minutes)."""
+    import shutil
+
+    from demo.bootstrap import REPORT, SHIPPED_BASE
+
+    target = settings.served_model_dir
+    if (target / "config.json").is_file():
+        return
+    if settings.model_dir is not None:
+        sys.exit(f"flywheel: no checkpoint at FLYWHEEL_MODEL_DIR={settings.model_dir}")
+    if (SHIPPED_BASE / REPORT).is_file():
+        tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(SHIPPED_BASE, tmp)
+        os.replace(tmp, target)
+        print(f"flywheel: serving the shipped demo base, copied to {target}", file=sys.stderr, flush=True)
+        return
+    _bootstrap(argparse.Namespace(force=False, steps=None), settings)
+
+
 def serve_settings(args) -> Settings:
     """The deployment's settings with the command line's --host / --port in place of theirs."""
     overrides = {name: getattr(args, name) for name in ("host", "port") if getattr(args, name) is not None}
@@ -62,11 +85,7 @@ def _serve(args) -> None:
     from api.main import serve
 
     settings = serve_settings(args)
-    if not (settings.served_model_dir / "config.json").is_file():
-        if settings.model_dir is not None:
-            sys.exit(f"flywheel: no checkpoint at FLYWHEEL_MODEL_DIR={settings.model_dir}")
-        args.force, args.steps = False, None
-        _bootstrap(args, settings)
+    ensure_base(settings)
     if args.cmd != "up":
         serve(settings)
         return
@@ -205,30 +224,59 @@ def _gate(args) -> None:
 
 
 def _demo(args) -> None:
-    from demo.loop import DemoLoopConfig, run_demo_loop
+    """One run of the demo through the whole system (`demo.system`), or with --report the published
+    set of runs (seeds and the two controls) and `<dir>/report.{md,json,png}` (`demo.report`)."""
+    import shutil
+    import time
+
+    from demo import report as demo_report
+    from demo.system import DemoSystemConfig, run_system
 
     settings = get_settings()
-    if not (settings.served_model_dir / "config.json").is_file():
-        args.force, args.steps = False, None
-        _bootstrap(args)
-    report = run_demo_loop(
-        settings.served_model_dir,
-        DemoLoopConfig(rounds=args.rounds, seed=settings.seed),
-        settings.home / "demo-loop.json",
-    )
-    base = {k: report["base"][k] for k in ("pass_rate", "satisfaction")}
-    print(
-        json.dumps(
-            {
-                "base": base,
-                "final": report["final"],
-                "satisfaction_gain_points": round(report["satisfaction_gain_points"], 1),
-                "seconds": round(report["seconds"], 1),
-                "report": str(settings.home / "demo-loop.json"),
-            },
-            indent=2,
+    ensure_base(settings)
+    base = settings.served_model_dir
+    runs_dir = settings.home / "demo"
+    overrides = {k: v for k, v in (("users", args.users), ("traffic_s", args.minutes and args.minutes * 60)) if v}
+    common = DemoSystemConfig.quick() if args.quick else DemoSystemConfig()
+    common = common.model_copy(update={**overrides, "auto_approve": not args.no_auto_approve})
+    seed = settings.seed if args.seed is None else args.seed
+
+    def one(name: str, cfg: DemoSystemConfig, keep: bool) -> dict:
+        home = runs_dir / name
+        shutil.rmtree(home, ignore_errors=True)
+        print(f"flywheel demo: run {name!r} in {home}", flush=True)
+        result = run_system(cfg, home, base, keep_serving=_wait_for_ctrl_c if keep else None)
+        (runs_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
+        gain = demo_report.run_gain(result) if len(result["promotions"]) > 1 else None
+        print(json.dumps({"run": name, "promotions": result["promotions"], "gain": gain, "wall_s": result["wall_s"]}))
+        return result
+
+    if args.report is None:
+        cfg = common.model_copy(
+            update={"seed": seed, "adversarial_share": args.adversarial_share, "shuffle_rewards": args.shuffle_rewards}
         )
-    )
+        one(f"seed{seed}", cfg, keep=not args.exit)
+        return
+    t0 = time.monotonic()
+    seeds = [one(f"seed{s}", common.model_copy(update={"seed": s}), False) for s in range(args.seeds)]
+    shuffled = one("seed0-shuffled", common.model_copy(update={"seed": 0, "shuffle_rewards": True}), False)
+    adversarial = one("seed0-adversarial5", common.model_copy(update={"seed": 0, "adversarial_share": 0.05}), False)
+    summary = demo_report.summarize(seeds, shuffled, adversarial)
+    summary["total_wall_s"] = round(time.monotonic() - t0, 1)
+    command = "flywheel demo " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "flywheel demo --report docs/demo"
+    for path in demo_report.write(summary, Path(args.report), command):
+        print(f"flywheel demo: wrote {path}")
+
+
+def _wait_for_ctrl_c(url: str, token: str) -> None:
+    import time
+
+    print(f"flywheel demo: the dashboard stays up at {url}/dashboard (admin key {token}); Ctrl-C ends it", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
 
 
 def _keys(args) -> None:
@@ -282,8 +330,19 @@ def build_parser() -> argparse.ArgumentParser:
     le.add_argument("--every-samples", type=int, default=512, help="update after this many samples")
     le.add_argument("--every-s", type=float, default=4 * 3600.0, help="...or after this many seconds")
     sub.add_parser("gate", help="evaluate candidates offline and move them on (a person approves)")
-    d = sub.add_parser("demo", help="the online-RL loop in one process with simulated users")
-    d.add_argument("--rounds", type=int, default=20, help="learner updates")
+    d = sub.add_parser("demo", help="the demo product through the whole running system, with simulated users")
+    d.add_argument("--seed", type=int, default=None, help="the run's seed (default: FLYWHEEL_SEED)")
+    d.add_argument("--minutes", type=float, default=None, help="minutes of user traffic (default 10; --quick 3)")
+    d.add_argument("--users", type=int, default=None, help="simulated users (default 500)")
+    d.add_argument("--adversarial-share", type=float, default=0.0, help="share of users who reward wrong code")
+    d.add_argument("--shuffle-rewards", action="store_true", help="control: feedback about another completion")
+    d.add_argument("--no-auto-approve", action="store_true", help="leave approvals to a person on the dashboard")
+    d.add_argument("--exit", action="store_true", help="end when the run ends instead of leaving the dashboard up")
+    d.add_argument("--quick", action="store_true", help="the short variant CI runs (fewer users and minutes)")
+    d.add_argument(
+        "--report", metavar="DIR", default=None, help="run --seeds seeds and both controls; write DIR/report.*"
+    )
+    d.add_argument("--seeds", type=int, default=3, help="seeds of --report (default 3)")
     k = sub.add_parser("keys", help="create, list and revoke API keys (stored hashed in $FLYWHEEL_HOME/keys.json)")
     ks = k.add_subparsers(dest="keys_cmd", required=True)
     kc = ks.add_parser("create", help="a new key; its token is printed once")

@@ -1,11 +1,18 @@
 """`flywheel bootstrap`: pre-train the demo product's base model from scratch, deterministically.
 
-Owns the base model's recipe: a synthetic corpus of the product (demo.corpus, mixing correct and
-incorrect, house-style and other completions on purpose), a byte-level BPE tokenizer trained on
-it, a short next-token pre-training run of the `demo` preset, and a measured evaluation of the
-result (verifiable pass rate and simulated users' satisfaction, sampled at temperature 1 as the
-product serves). The checkpoint is written in the HF Mixtral format and cached: a folder that
-already holds a finished bootstrap (`bootstrap.json`) is reused.
+Owns the base model's recipe: a synthetic corpus of the product's train split (demo.corpus,
+mixing correct and incorrect, house-style and other completions on purpose), a byte-level BPE
+tokenizer trained on it (digits and quoted letters kept as single tokens, so held-out values are
+new sequences of seen tokens), a next-token pre-training run of the `demo` preset, and a measured
+evaluation of the result on the report split (verifiable pass rate and simulated users'
+satisfaction, sampled at temperature 1 as the product serves). The checkpoint is written in the HF
+Mixtral format and cached: a folder that already holds a finished bootstrap (`bootstrap.json`) is
+reused.
+
+The result of the default recipe is shipped in the repository (`models/demo-base`, `SHIPPED_BASE`),
+so a first start copies it instead of training for 10-15 minutes; `bootstrap.json` records what
+makes it checkable: the corpus's and the tokenizer's hashes and the loss of the first steps
+(`tests/demo/test_shipped_base.py` replays them).
 
 Why a mixed corpus: online RL can only sharpen what the base already does sometimes. A base that
 is right about half the time and in the house style only now and then is useful but clearly
@@ -14,6 +21,7 @@ improvable, which is the situation Flywheel is for.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -29,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from demo.corpus import CorpusMix, format_example, make_corpus
 from demo.evaluation import evaluate
+from demo.split import split_tasks
 from demo.tasks import Task
 from serving.checkpoint import save_checkpoint
 from serving.engine import EmbeddedEngine
@@ -39,6 +48,9 @@ from serving.tokenizer import Tokenizer, train_tokenizer
 log = logging.getLogger(__name__)
 
 REPORT = "bootstrap.json"
+SHIPPED_BASE = Path(__file__).resolve().parents[1] / "models" / "demo-base"
+"""The default recipe's checkpoint, committed (about 8 MB): what a first start serves."""
+LOSS_TRACE_STEPS = 20
 
 
 class BootstrapConfig(BaseModel):
@@ -47,22 +59,22 @@ class BootstrapConfig(BaseModel):
     seed: int = Field(0, description="Seeds the corpus, tokenizer data order, weights and batches.")
     preset: str = Field("demo", description="ModelArgs preset (vocabulary size comes from the tokenizer).")
     max_seq_len: int | None = Field(None, ge=64, description="Override the preset's context length.")
-    corpus_size: int = Field(20000, ge=100, description="Examples in the synthetic pre-training corpus.")
-    p_correct: float = Field(0.45, ge=0, le=1, description="Share of corpus completions that are correct.")
+    corpus_size: int = Field(96000, ge=100, description="Examples in the synthetic pre-training corpus.")
+    p_correct: float = Field(0.5, ge=0, le=1, description="Share of corpus completions that are correct.")
     p_preferred: float = Field(0.3, ge=0, le=1, description="Share of corpus completions in the house style.")
     vocab_size: int = Field(512, ge=259, description="Tokenizer vocabulary size (bytes + merges + specials).")
-    steps: int = Field(1500, ge=1, description="Optimizer steps (about 4-5 minutes on 2 CPU cores).")
+    steps: int = Field(1500, ge=1, description="Optimizer steps (10-15 minutes on 2 CPU cores).")
     batch_size: int = Field(64, ge=1, description="Sequences per step.")
     lr: float = Field(3e-3, gt=0, description="Peak AdamW learning rate (cosine decay to 10%).")
     warmup: int = Field(50, ge=0, description="Linear warm-up steps.")
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay on matrices.")
     time_budget_s: float = Field(
-        540.0,
+        3600.0,
         gt=0,
         description="Safety guard: training stops early past this wall time (reported as stopped_early; the "
         "result then depends on machine speed).",
     )
-    eval_tasks: int = Field(256, ge=1, description="Held-out tasks sampled for the evaluation.")
+    eval_tasks: int = Field(1000, ge=1, description="Report-split prompts of the evaluation (demo.split).")
     eval_temperature: float = Field(1.0, ge=0, le=2, description="Sampling temperature of the evaluation.")
     threads: int | None = Field(None, ge=1, description="torch threads (None: torch's default).")
 
@@ -73,7 +85,11 @@ def encode_example(tok: Tokenizer, prompt: str, completion: str) -> list[int]:
     return tok.encode_prompt(prompt) + tok.encode(completion) + [tok.eos_id]
 
 
-def train(model: Transformer, seqs: list[list[int]], cfg: BootstrapConfig, pad_id: int) -> dict:
+def train(
+    model: Transformer, seqs: list[list[int]], cfg: BootstrapConfig, pad_id: int, stop_after: int | None = None
+) -> dict:
+    """`cfg.steps` optimizer steps (the schedule's length); `stop_after` ends the run sooner, on the
+    same schedule (the shipped base's test replays its first steps)."""
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -84,7 +100,7 @@ def train(model: Transformer, seqs: list[list[int]], cfg: BootstrapConfig, pad_i
     )
     model.train()
     t0, losses, step = time.perf_counter(), [], 0
-    for step in range(1, cfg.steps + 1):
+    for step in range(1, min(cfg.steps, stop_after or cfg.steps) + 1):
         lr = cfg.lr * (
             step / cfg.warmup
             if step <= cfg.warmup
@@ -122,7 +138,37 @@ def train(model: Transformer, seqs: list[list[int]], cfg: BootstrapConfig, pad_i
         "stopped_early": step < cfg.steps,
         "final_loss": sum(tail) / len(tail),
         "train_seconds": time.perf_counter() - t0,
+        "loss_trace": losses[:LOSS_TRACE_STEPS],
     }
+
+
+def corpus_of(cfg: BootstrapConfig) -> list[tuple[Task, str]]:
+    """The pre-training examples of `cfg`, in order: (train task, known completion)."""
+    return make_corpus(
+        cfg.corpus_size, seed=cfg.seed, mix=CorpusMix(p_correct=cfg.p_correct, p_preferred=cfg.p_preferred)
+    )
+
+
+def texts_sha256(texts: Sequence[str]) -> str:
+    h = hashlib.sha256()
+    for text in texts:
+        h.update(text.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def make_tokenizer(texts: Sequence[str], cfg: BootstrapConfig) -> Tokenizer:
+    return train_tokenizer(list(texts), vocab_size=cfg.vocab_size, spell_quoted_strings=True)
+
+
+def make_model(tok: Tokenizer, cfg: BootstrapConfig) -> Transformer:
+    """The untrained model of `cfg`, weights seeded."""
+    assert tok.pad_id is not None  # train_tokenizer always adds PAD
+    overrides = {"max_seq_len": cfg.max_seq_len} if cfg.max_seq_len else {}
+    args = ModelArgs.from_name(
+        cfg.preset, vocab_size=tok.vocab_size, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id, **overrides
+    )
+    return Transformer(args).init_weights(seed=cfg.seed)
 
 
 def bootstrap(
@@ -130,15 +176,11 @@ def bootstrap(
     cfg: BootstrapConfig | None = None,
     force: bool = False,
     *,
-    corpus: Sequence[tuple[Task, str]] | None = None,
     evaluation: Callable[[Engine, str], dict] | None = None,
-    spell_quoted_strings: bool = False,
 ) -> dict:
-    """Pre-train (or reuse) the base in `out_dir`. The keyword arguments are for another product
-    than `demo.tasks` (`bench/demo_calibration.py`): `corpus` replaces the one `cfg` describes
-    (corpus_size, p_correct and p_preferred are then unused), `evaluation(engine, "base")` replaces
-    `demo.evaluation.evaluate` for the report's "eval", and `spell_quoted_strings` is passed to
-    `train_tokenizer`. By default: this module's own recipe, unchanged."""
+    """Pre-train (or reuse) the base in `out_dir`. `evaluation(engine, "base")` replaces the default
+    evaluation (`demo.evaluation.evaluate` on `cfg.eval_tasks` report prompts) for the report's "eval"
+    (`bench/demo_calibration.py` measures more sets)."""
     cfg = cfg or BootstrapConfig()
     out_dir = Path(out_dir)
     report_path = out_dir / REPORT
@@ -149,19 +191,12 @@ def bootstrap(
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     t0 = time.perf_counter()
-    custom = corpus is not None
-    if corpus is None:
-        corpus = make_corpus(
-            cfg.corpus_size, seed=cfg.seed, mix=CorpusMix(p_correct=cfg.p_correct, p_preferred=cfg.p_preferred)
-        )
+    corpus = corpus_of(cfg)
     texts = [format_example(t, c) for t, c in corpus]
-    tok = train_tokenizer(texts, vocab_size=cfg.vocab_size, spell_quoted_strings=spell_quoted_strings)
-    assert tok.pad_id is not None  # train_tokenizer always adds PAD
-    overrides = {"max_seq_len": cfg.max_seq_len} if cfg.max_seq_len else {}
-    args = ModelArgs.from_name(
-        cfg.preset, vocab_size=tok.vocab_size, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id, **overrides
-    )
-    model = Transformer(args).init_weights(seed=cfg.seed)
+    tok = make_tokenizer(texts, cfg)
+    assert tok.pad_id is not None
+    model = make_model(tok, cfg)
+    args = model.args
     seqs = [encode_example(tok, t.prompt, c) for t, c in corpus]
     stats = train(model, seqs, cfg, tok.pad_id)
     engine = EmbeddedEngine(max_batch=64, max_model_len=args.max_seq_len, seed=cfg.seed)
@@ -169,7 +204,9 @@ def bootstrap(
         engine.add_version("base", model, tok)
         torch.manual_seed(cfg.seed)
         if evaluation is None:
-            ev = evaluate(engine, "base", cfg.eval_tasks, seed=cfg.seed + 10_000, temperature=cfg.eval_temperature)
+            tasks = split_tasks("report", cfg.eval_tasks)
+            ev = evaluate(engine, "base", tasks, seed=cfg.seed + 10_000, temperature=cfg.eval_temperature)
+            ev["split"] = "report"
         else:
             ev = evaluation(engine, "base")
     finally:
@@ -178,15 +215,14 @@ def bootstrap(
         "config": cfg.model_dump(),
         "model": args.to_dict(),
         "parameters": sum(p.numel() for p in model.parameters()),
+        "corpus_examples": len(texts),
         "corpus_tokens": sum(len(s) for s in seqs),
+        "corpus_sha256": texts_sha256(texts),
         **stats,
         "eval": ev,
         "total_seconds": time.perf_counter() - t0,
         "torch_threads": torch.get_num_threads(),
     }
-    if custom or spell_quoted_strings:
-        report.update(corpus_source="caller" if custom else "demo.corpus", corpus_examples=len(corpus))
-        report.update(spell_quoted_strings=spell_quoted_strings)
     # Write into a sibling temp folder, then rename: a crash never leaves a half-written model behind.
     tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -1,25 +1,29 @@
-"""Held-out evaluation of a served version on the demo product: pass rate and users' satisfaction.
+"""Evaluation of a served version on fixed demo tasks: pass rate and users' satisfaction.
 
-One completion per held-out task, sampled as the product serves it, checked by the task's tests
-and scored by the simulated users. Called by `flywheel bootstrap` (the base model's report) and by
-`flywheel demo` (the loop's progress).
+One completion per task, sampled as the product serves it, checked by the task's tests and scored
+by the simulated users. The published numbers use the report split (`demo.split.split_tasks
+("report", n)`); called by `flywheel bootstrap` (the base model's report) and by `flywheel demo`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from demo.checker import check_batch
-from demo.tasks import completions_for, sample_tasks
+from demo.tasks import Task, completions_for
 from demo.users import satisfaction
 from serving.interface import Engine
 from serving.sampling import SamplingParams
 
 
 def evaluate(
-    engine: Engine, version: str, n_tasks: int, seed: int, temperature: float = 1.0, max_tokens: int = 48
+    engine: Engine, version: str, tasks: Sequence[Task], seed: int, temperature: float = 1.0, max_tokens: int = 48
 ) -> dict:
-    """Sample one completion per held-out task as the product would; check it; ask the simulated users."""
+    """Sample one completion per task as the product would; check it; ask the simulated users."""
+    if not tasks:
+        raise ValueError("evaluate needs at least one task")
     tok = engine.tokenizer(version)
-    tasks = sample_tasks(n_tasks, seed=seed)
+    tasks = list(tasks)
     # One seed per task: the evaluation does not depend on how the engine happens to batch.
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i) for i in range(len(tasks))]
     outs = engine.generate([tok.encode_prompt(t.prompt) for t in tasks], params, version=version)

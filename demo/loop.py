@@ -1,4 +1,7 @@
-"""`flywheel demo`: the online-RL loop end to end in one process, on the demo product.
+"""The online-RL loop end to end in one process, on the demo product (no HTTP, bus or services).
+
+`flywheel demo` runs the real system (`demo.system`); this loop is its fast, in-memory twin, for
+experiments and for training candidates in tests and benchmarks in seconds.
 
 Every round: the served version completes a fresh batch of demo tasks (sampled at temperature 1,
 as the product serves); each completion becomes the `completion` event the gateway would record;
@@ -6,8 +9,8 @@ a simulated user reacts with the signals the product would report (`feedback` ev
 (`feedback.joiner.JoinerCore`, the reward spec, per-user caps) turns them into `sample` events once
 the attribution window closes; the learner keeps samples at most `max_staleness` versions old,
 runs one policy-gradient update with router replay (`learner.trainer`), and the next version is
-served. Held-out tasks measure pass rate and the simulated users' satisfaction along the way
-(`demo.evaluation`).
+served. Gate-split prompts measure pass rate and the simulated users' satisfaction along the way
+(`demo.evaluation`); the report split is left to the published numbers.
 
 What it leaves out on purpose (each has its own component elsewhere): HTTP and the event bus
 (events are handed over in memory, in the same types), gating, and weight shipping (the engine
@@ -34,7 +37,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from demo.checker import CheckResult, check_batch
 from demo.evaluation import evaluate
-from demo.tasks import Task, sample_tasks
+from demo.split import sample_tasks, split_tasks
+from demo.tasks import Task
 from demo.users import FeedbackSignal, SimulatedUser
 from feedback.events import CompletionEvent, FeedbackEvent, SampleEvent
 from feedback.joiner import JoinerCore
@@ -47,7 +51,7 @@ from serving.sampling import SamplingParams
 from serving.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-EVAL_SEED = 99_999  # offset of the held-out tasks' seed: no round draws its tasks from it
+EVAL_SEED = 99_999  # offset of the evaluation's sampling seed
 
 
 class DemoLoopConfig(BaseModel):
@@ -58,7 +62,9 @@ class DemoLoopConfig(BaseModel):
     users: int = Field(50, ge=1, description="Simulated users; completions go to them round-robin.")
     window_s: float = Field(300.0, gt=0, description="Joiner attribution window (simulated seconds).")
     max_staleness: int = Field(2, ge=0, description="Samples older than this many versions are dropped.")
-    eval_tasks: int = Field(256, ge=1, description="Held-out tasks per evaluation.")
+    eval_tasks: int = Field(
+        256, ge=1, description="Gate-split prompts per evaluation (the loop's progress; never report)."
+    )
     eval_every: int = Field(5, ge=1, description="Evaluate every this many rounds (and at the end).")
     max_tokens: int = Field(48, ge=1, description="Completion length limit.")
     seed: int = Field(0, description="Seeds tasks, users and sampling.")
@@ -112,12 +118,13 @@ def run_demo_loop(
     if not users:
         raise ValueError("users must not be empty")
     task_of: dict[str, Task] = {}
+    eval_set = split_tasks("gate", cfg.eval_tasks)
     versions: dict[str, int] = {"v0": 0}
     history = []
     t0 = time.perf_counter()
     try:
         engine.add_version("v0", model, tok)
-        base = evaluate(engine, "v0", cfg.eval_tasks, cfg.seed + EVAL_SEED, max_tokens=cfg.max_tokens)
+        base = evaluate(engine, "v0", eval_set, cfg.seed + EVAL_SEED, max_tokens=cfg.max_tokens)
         history.append({"round": 0, **base})
         log.info("demo loop: base %s", base)
         for r in range(cfg.rounds):
@@ -189,7 +196,7 @@ def run_demo_loop(
                 },
             }
             if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:
-                row.update(evaluate(engine, nxt, cfg.eval_tasks, cfg.seed + EVAL_SEED, max_tokens=cfg.max_tokens))
+                row.update(evaluate(engine, nxt, eval_set, cfg.seed + EVAL_SEED, max_tokens=cfg.max_tokens))
             history.append(row)
             log.info(
                 "demo loop round %d: %s",

@@ -7,7 +7,7 @@
 
 The rule, on two axes, is a pure function of the prompt; nothing is stored or random:
 
-1. **Phrasings.** Every family has four comment templates (`demo.product`): 0, 1 and 2 are
+1. **Phrasings.** Every family has four comment templates (`demo.tasks`): 0, 1 and 2 are
    train's; 3 is held out, and gate and report share it. Shared, because gate and report should
    measure the same thing: with its own phrasing each, a family whose gate phrasing happens to be
    easy and whose report phrasing happens to be hard would make the gate's verdicts a biased guess
@@ -17,7 +17,7 @@ The rule, on two axes, is a pure function of the prompt; nothing is stored or ra
    `serving.tokenizer.train_tokenizer(spell_quoted_strings=True)`) that every larger value is
    written with, and the templates' own constants. A larger value goes by a hash of its twin
    class `min(v, twin(v))` (46 and 47 together; 'aa' and 'ab' together), so that the off-by-one
-   bugs of the corpus (`demo.product.twin`) stay in the value's split:
+   bugs of the corpus (`demo.tasks.twin`) stay in the value's split:
    `sha256("int:46") % 10` (or `"str:aa"`): 0 -> gate, 1 -> report, 2..9 -> train. About 10% of
    the multi-digit integers go to each held-out split, and of the 2-3 letter strings, except that
    strings spelling a word of the templates ('in', 'of', 'sum', ...) are train. A list is in the
@@ -33,7 +33,7 @@ logged) for anything of gate or report: a prompt, a held-out value as it is writ
 run, a whole letter run; digits and quoted letters are single tokens, so this is also the token
 sequence), or a comment in the held-out phrasing.
 
-Called by the pre-training corpus (`make_corpus`), the demo's traffic (`sample_tasks(split="train")`),
+Called by the pre-training corpus (`demo.corpus.make_corpus`), the demo's traffic (`sample_tasks(split="train")`),
 the gate's suite and the published evaluation (`split_tasks("gate" | "report", n)`).
 """
 
@@ -46,8 +46,7 @@ import random
 import re
 from collections.abc import Iterable, Sequence
 
-from demo.corpus import CorpusMix
-from demo.product import (
+from demo.tasks import (
     FAMILIES,
     Domain,
     IntLists,
@@ -55,7 +54,6 @@ from demo.product import (
     Letters,
     Task,
     comment_regex,
-    completions_for,
     domains,
     make_task,
     task_from_prompt,
@@ -67,7 +65,6 @@ SPLITS = ("train", "gate", "report")
 TRAIN_PHRASINGS = (0, 1, 2)
 HELD_OUT_PHRASING = 3
 _BUCKETS = {0: "gate", 1: "report"}  # of sha256 % 10; every other bucket is train
-_DEFAULT_MIX = CorpusMix()
 _RESERVED = frozenset(min(w, str(twin(w))) for w in template_words() if 2 <= len(w) <= 3)
 
 
@@ -218,19 +215,6 @@ def n_prompts(split: str) -> dict[str, int]:
             combos = sizes[0] * (sizes[0] - 1)  # c != d
         counts[family] = combos * len(phrasings_of(split))
     return counts
-
-
-def make_corpus(n: int, seed: int, mix: CorpusMix = _DEFAULT_MIX) -> list[tuple[Task, str]]:
-    """The pre-training corpus: `n` (train task, known completion) pairs, correctness and house
-    style drawn independently with the shares of `mix` (as `demo.corpus.make_corpus` does)."""
-    tasks = sample_tasks(n, seed, split="train")
-    rng = random.Random(f"corpus:{seed}")
-    examples = []
-    for task in tasks:
-        correct = "correct" if rng.random() < mix.p_correct else "incorrect"
-        style = "preferred" if rng.random() < mix.p_preferred else "other"
-        examples.append((task, rng.choice(completions_for(task)[f"{correct}_{style}"])))
-    return examples
 
 
 _NUMBER_RE = re.compile(r"\d+")

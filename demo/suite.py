@@ -1,13 +1,16 @@
-"""The demo product's offline eval suite for the gate: every demo task, scored by its tests.
+"""The demo product's offline eval suite for the gate: the gate split, scored by each task's tests.
 
-`demo_suite()` is `gating.suites.EvalSuite` "demo-tasks": one prompt per task (`demo.tasks.all_tasks`:
-every family, every parameter value, in a fixed order), family = the task's family, verifier
-`demo.checker.DemoVerifier` (the task's tests in the sandbox), and `well_formed` = the prompt plus the
-completion parses as Python. Until the demo has a held-out split (docs/design.md, "The demo product")
-these are the product's own prompts, which users are served and the learner trains on: the suite says
-`in_distribution=True`, and so does every verdict reached on it.
+`demo_suite()` is `gating.suites.EvalSuite` "demo-gate": `GATE_PROMPTS` distinct prompts of the gate
+split (`demo.split.split_tasks("gate", n)`: the held-out phrasing with values of its own, never in
+the pre-training corpus, the users' traffic or the report split), family = the task's family,
+verifier `demo.checker.DemoVerifier` (the task's tests in the sandbox), and `well_formed` = the
+prompt plus the completion parses as Python. The suite is held out (`in_distribution=False`).
 
-Passed to `gating.gate_process.run_gate` by whoever starts the gate for the demo (`flywheel gate`, to be wired).
+Why 512 prompts: an equally good candidate must pass the gate's non-inferiority test (margin 3
+points, alpha 0.05) most of the time. At G 8 the test's power is about 26% on 62 prompts and about
+86% on 500 (bench/gate_sim.py); see docs/gating.md.
+
+Passed to `gating.gate_process.run_gate` by `flywheel gate` and by `flywheel demo`.
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ import ast
 from collections.abc import Sequence
 
 from demo.checker import DemoVerifier
-from demo.tasks import Task, all_tasks
+from demo.split import split_of, split_tasks
+from demo.tasks import Task
 from gating.suites import EvalSuite, SuiteItem
 
-DEMO_SUITE_NAME = "demo-tasks"
-DEMO_SUITE_VERSION = "1"
+DEMO_SUITE_NAME = "demo-gate"
+DEMO_SUITE_VERSION = "2"
 """Bump when the task set or its checks change meaning (the content hash in `suite_version` changes anyway)."""
+GATE_PROMPTS = 512
 
 
 def python_parses(prompt: str, completion: str) -> bool:
@@ -33,14 +38,17 @@ def python_parses(prompt: str, completion: str) -> bool:
     return True
 
 
-def demo_suite(tasks: Sequence[Task] | None = None, timeout_s: float = 1.0) -> EvalSuite:
-    """The gate's suite on demo tasks (default: all of them); in-distribution until a held-out split exists."""
-    chosen = list(all_tasks() if tasks is None else tasks)
+def demo_suite(tasks: Sequence[Task] | None = None, timeout_s: float = 1.0, n: int = GATE_PROMPTS) -> EvalSuite:
+    """The gate's suite: `n` gate-split prompts, or the given `tasks` (then marked in-distribution
+    unless every one of them is a gate prompt)."""
+    chosen = list(split_tasks("gate", n) if tasks is None else tasks)
+    if not chosen:
+        raise ValueError("demo_suite needs at least one task")
     return EvalSuite(
         DEMO_SUITE_NAME,
         DEMO_SUITE_VERSION,
         tuple(SuiteItem(t.prompt, t.family) for t in chosen),
         DemoVerifier(timeout_s),
-        in_distribution=True,
+        in_distribution=any(split_of(t) != "gate" for t in chosen),
         well_formed=python_parses,
     )

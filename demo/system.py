@@ -71,6 +71,11 @@ class DemoSystemConfig(BaseModel):
     report_prompts: int = Field(1000, ge=10, description="Report-split prompts per evaluation.")
     max_tokens: int = Field(48, ge=1)
 
+    @classmethod
+    def quick(cls) -> DemoSystemConfig:
+        """The short variant CI runs: fewer users and minutes, the same system."""
+        return cls(users=100, traffic_s=180.0, report_prompts=200)
+
 
 # ---- the services, each in its own process -------------------------------------------------------
 
@@ -93,6 +98,7 @@ class _Gateway:
             "FLYWHEEL_PORT": str(port),
             "FLYWHEEL_REPLICAS": str(replicas),
             "FLYWHEEL_HEARTBEAT_S": "1",
+            "FLYWHEEL_TORCH_THREADS": "1",  # every process of the demo shares 2 cores: no oversubscribed thread pools
         }
         log_file = open(Path(home) / "gateway.log", "ab")  # noqa: SIM115 (kept open for the child's life)
         cmd = [sys.executable, "-c", "from core.cli import main; main(['serve'])"]
@@ -140,6 +146,9 @@ def _learner_main(home: str, base: str, cfg_json: str, stop: Any) -> None:
     from gating.registry import Registry
     from learner.service import LearnerConfig, LearnerService
 
+    import torch
+
+    torch.set_num_threads(1)
     settings = _settings(home, base)
     bus = open_bus(settings)
     registry = Registry(settings.db_url)
@@ -156,11 +165,10 @@ def _learner_main(home: str, base: str, cfg_json: str, stop: Any) -> None:
         registry.close()
 
 
-def _gate_main(home: str, base: str, cfg_json: str, prompts: int, seed: int, stop: Any) -> None:
+def _gate_main(home: str, base: str, cfg_json: str, prompts: int, stop: Any) -> None:
     import threading
 
     from demo.suite import demo_suite
-    from demo.tasks import sample_tasks
     from feedback.connect import open_bus
     from gating.gate import GateConfig
     from gating.gate_process import run_gate
@@ -168,11 +176,14 @@ def _gate_main(home: str, base: str, cfg_json: str, prompts: int, seed: int, sto
     settings = _settings(home, base, torch_threads=1)
     bus = open_bus(settings)
     done = threading.Event()
-    threading.Thread(target=lambda: (stop.wait(), done.set()), daemon=True).start()
-    tasks = {t.task_id: t for t in sample_tasks(prompts * 4, seed=seed + 7)}  # distinct prompts
-    suite = demo_suite(list(tasks.values())[:prompts])
+
+    def relay() -> None:  # run_gate waits on a threading.Event; the demo stops it with a process Event
+        stop.wait()
+        done.set()
+
+    threading.Thread(target=relay, daemon=True).start()
     try:
-        run_gate(settings, done, suite, GateConfig.model_validate_json(cfg_json), bus=bus)
+        run_gate(settings, done, demo_suite(n=prompts), GateConfig.model_validate_json(cfg_json), bus=bus)
     finally:
         bus.close()
 
@@ -233,7 +244,7 @@ async def _drive_users(
     import openai
 
     from demo.checker import check_batch
-    from demo.tasks import sample_tasks
+    from demo.split import sample_tasks
     from feedback.sdk.client import FeedbackClient
 
     users = _users(cfg)
@@ -323,13 +334,17 @@ class _Services:
         if dead:
             raise RuntimeError(f"demo: service(s) {dead} exited (codes {[self.procs[n].exitcode for n in dead]})")
 
-    def close(self, timeout_s: float = 30.0) -> None:
+    def close(self, timeout_s: float = 30.0, keep: tuple[str, ...] = ()) -> None:
+        """Stop every service but those in `keep` (the gateway, to leave the dashboard up)."""
         self.stop.set()
-        for p in self.procs.values():
+        for name, p in list(self.procs.items()):
+            if name in keep:
+                continue
             p.join(timeout_s)
             if p.is_alive():
                 p.terminate()
                 p.join(5)
+            del self.procs[name]
 
 
 def start_services(cfg: DemoSystemConfig, home: Path, base: Path, port: int) -> _Services:
@@ -356,10 +371,10 @@ def start_services(cfg: DemoSystemConfig, home: Path, base: Path, port: int) -> 
     )
     gate = GateConfig(G=cfg.gate_G, seed=cfg.seed, n_resamples=500, poll_s=1.0, nice=5, canary=canary)
     h, b = str(home), str(base)
-    specs = {
+    specs: dict[str, tuple[Callable[..., None], tuple]] = {
         "joiner": (_joiner_main, (h, b, cfg.window_s, stop)),
         "learner": (_learner_main, (h, b, learner.model_dump_json(), stop)),
-        "gate": (_gate_main, (h, b, gate.model_dump_json(), cfg.gate_prompts, cfg.seed, stop)),
+        "gate": (_gate_main, (h, b, gate.model_dump_json(), cfg.gate_prompts, stop)),
     }
     procs: dict[str, Any] = {"gateway": _Gateway(h, b, port, cfg.replicas)}
     for name, (target, args) in specs.items():
@@ -403,8 +418,17 @@ class _Approver:
                     log.warning("demo: approving %s: %s %s", v["id"], a.status_code, a.text[:200])
 
 
-def run_system(cfg: DemoSystemConfig, home: Path, base: Path, on_line: Callable[[str], None] = print) -> dict:
-    """One run (module docstring); returns its numbers. `base` is the bootstrapped base checkpoint."""
+def run_system(
+    cfg: DemoSystemConfig,
+    home: Path,
+    base: Path,
+    on_line: Callable[[str], None] = print,
+    *,
+    keep_serving: Callable[[str, str], None] | None = None,
+) -> dict:
+    """One run (module docstring); returns its numbers. `base` is the base checkpoint. With
+    `keep_serving`, the gateway (and its dashboard) stays up after the run until
+    `keep_serving(url, admin_token)` returns."""
     from core.security import KeyStore
     from gating.registry import Registry
 
@@ -415,10 +439,15 @@ def run_system(cfg: DemoSystemConfig, home: Path, base: Path, on_line: Callable[
     t0 = time.monotonic()
     services = start_services(cfg, home, base, port)
     registry = Registry(f"sqlite:///{home / 'registry.db'}")
+    bar = _progress(cfg.traffic_s, "users")
     try:
         _wait_ready(url, services)
+        on_line(
+            f"[{time.monotonic() - t0:6.0f}s] gateway up at {url} ({cfg.replicas} replicas); dashboard {url}/dashboard"
+        )
         approver = _Approver(url, token)
         seen: dict[str, str] = {}
+        start = time.monotonic()
 
         def watch(traffic: Traffic) -> None:
             services.check()
@@ -430,33 +459,72 @@ def run_system(cfg: DemoSystemConfig, home: Path, base: Path, on_line: Callable[
                 if seen.get(v.id) != v.status.value:
                     seen[v.id] = v.status.value
                     if v.parent_id is not None:
-                        on_line(_version_line(v, time.monotonic() - t0, traffic))
+                        bar.write(_version_line(v, time.monotonic() - t0, traffic), on_line)
+            bar.update(min(cfg.traffic_s, time.monotonic() - start), traffic)
 
         deadline = time.monotonic() + cfg.traffic_s
         traffic = asyncio.run(_drive_users(cfg, url, deadline, _throttled(watch, 2.0)))
         watch(traffic)
+        bar.close()
         wall = time.monotonic() - t0
         versions = registry.list()
         audit = registry.audit()
     finally:
-        services.close()
+        bar.close()
+        services.close(keep=("gateway",) if keep_serving else ())
         registry.close()
-    promoted = [a.version_id for a in audit if a.to_status.value == "promoted"]
-    evals = evaluate_versions(home, base, list(dict.fromkeys(promoted)), cfg)
-    return {
-        "config": cfg.model_dump(mode="json"),
-        "wall_s": round(wall, 1),
-        "traffic": {
-            "completions": traffic.completions,
-            "errors": traffic.errors,
-            "feedback": traffic.feedback,
-            "served": traffic.served,
-            "pass_rate_served": {k: sum(v) / len(v) for k, v in traffic.passed.items() if v},
-        },
-        "versions": [_version_record(v, audit) for v in versions],
-        "promotions": promoted,
-        "evaluations": evals,
-    }
+    try:
+        promoted = list(dict.fromkeys(a.version_id for a in audit if a.to_status.value == "promoted"))
+        on_line(
+            f"[{time.monotonic() - t0:6.0f}s] traffic over; evaluating {len(promoted)} versions on the report split"
+        )
+        evals = evaluate_versions(home, base, promoted, cfg)
+        leaks = logged_prompt_leaks(home, base)
+        result = {
+            "config": cfg.model_dump(mode="json"),
+            "wall_s": round(wall, 1),
+            "evaluation_s": round(time.monotonic() - t0 - wall, 1),
+            "traffic": {
+                "completions": traffic.completions,
+                "errors": traffic.errors,
+                "feedback": traffic.feedback,
+                "served": traffic.served,
+                "pass_rate_served": {k: sum(v) / len(v) for k, v in traffic.passed.items() if v},
+            },
+            "versions": [_version_record(v, audit) for v in versions],
+            "promotions": promoted,
+            "evaluations": {vid: evals[vid] for vid in promoted},
+            "logged_prompts": leaks,
+        }
+        if keep_serving is not None:
+            keep_serving(url, token)
+    finally:
+        services.close()
+    return result
+
+
+class _progress:
+    """A tqdm bar over the traffic's seconds (what the users did as its postfix); lines printed above it."""
+
+    def __init__(self, total_s: float, what: str):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=round(total_s), desc=what, unit="s", dynamic_ncols=True, leave=False)
+        self.done = 0
+
+    def update(self, elapsed_s: float, traffic: Traffic) -> None:
+        step = int(elapsed_s) - self.done
+        if step > 0:
+            self.bar.update(step)
+            self.done += step
+        self.bar.set_postfix(completions=traffic.completions, feedback=traffic.feedback, refresh=False)
+
+    def write(self, line: str, on_line: Callable[[str], None]) -> None:
+        with self.bar.external_write_mode():
+            on_line(line)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _throttled(fn: Callable[[Traffic], None], every_s: float) -> Callable[[Traffic], None]:
@@ -497,11 +565,34 @@ def _version_record(v: Any, audit: list) -> dict:
     }
 
 
+def logged_prompt_leaks(home: Path, base: Path) -> dict:
+    """Every completion event the run logged, its prompt decoded, checked for gate or report content."""
+    from demo.split import find_leaks
+    from feedback.connect import open_bus
+    from feedback.events import TOPICS, CompletionEvent
+    from serving.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_file(base)
+    bus = open_bus(_settings(str(home), str(base)))
+    consumer = bus.consumer(TOPICS["completion"], group="demo-leak-check")
+    prompts: list[str] = []
+    try:
+        while records := consumer.poll(max_records=2000, timeout_s=1.0):
+            prompts += [tok.decode(CompletionEvent.model_validate_json(r.value).prompt_ids) for r in records]
+    finally:
+        consumer.close()
+        bus.close()
+    leaks = find_leaks(prompts)
+    return {"completions_logged": len(prompts), "distinct_prompts": len(set(prompts)), "leaks": leaks[:20]}
+
+
 def evaluate_versions(home: Path, base: Path, version_ids: list[str], cfg: DemoSystemConfig) -> dict:
     """Satisfaction and pass rate of each version on the report split, with 95% CIs (this process)."""
     from demo.evaluation import evaluate
+    from demo.split import split_tasks
     from serving.engine import EmbeddedEngine
 
+    tasks = split_tasks("report", cfg.report_prompts)
     out = {}
     for vid in version_ids:
         folder = home / "models" / "learner" / vid
@@ -510,7 +601,7 @@ def evaluate_versions(home: Path, base: Path, version_ids: list[str], cfg: DemoS
         engine = EmbeddedEngine(max_batch=64, max_model_len=256)
         try:
             engine.add_version(vid, folder, default=True)
-            r = evaluate(engine, vid, cfg.report_prompts, seed=REPORT_SEED, max_tokens=cfg.max_tokens)
+            r = evaluate(engine, vid, tasks, seed=REPORT_SEED, max_tokens=cfg.max_tokens)
         finally:
             engine.shutdown()
         out[vid] = {

@@ -1,30 +1,43 @@
-"""Task families of the demo code-completion product, and their known completions.
+"""The demo product's tasks: 18 families, 4 phrasings each, parameters from wide ranges.
 
-A task is a one-line comment plus a function header; the model completes the function body:
+A task is still a one-line comment plus a function header, and the model writes the body:
 
-    prompt     = "# add 3 to x\\ndef f(x):\\n"
-    completion = "    return x + 3\\n"
+    prompt     = "# add 47 to x\\ndef f(x):\\n"
+    completion = "    return x + 47\\n"
 
-Each family is a small table: a comment template, one parameter drawn from a small range, a
-pure-python reference implementation (the source of the expected test results), and four sets of
-completion templates (correct/incorrect x house style/other style). The corpus builder
-(`demo.corpus`) samples those completions, the checker (`demo.checker`) runs the tests, and the
-simulated users (`demo.users`) use `is_preferred_style` to judge style.
+Parameters are multi-digit integers (0-999), short strings of 1-3 lowercase letters (1-2 where a
+family copies two) and lists of integers; some families take two steps (filter then sum, multiply
+then add, clamp, map then join); every family's comment has four phrasings. Which prompts are
+shown to users, pre-trained on, gated on or reported on is not decided here but in `demo.split`;
+this module only says what a prompt of the product is, how to build and parse one, and which
+completions of it are known to be right or wrong, in which style.
 
-The house style is a single concise `    return <expr>` line; everything longer is "other".
-Template fields: {k} the integer parameter, {k1} = k + 1, {km1} = k - 1, {c} the letter
-parameter, {o} another letter (used for wrong-letter bugs and in the tests).
+Each family is a small table: its argument, its parameters (`Ints`, `Letters` or `IntLists`
+domains, plus an optional constraint such as lo < hi), four comment templates, a pure-python
+reference implementation (the source of the expected test results), test arguments that catch
+every known bug, and four sets of completion templates (correct/incorrect x house style/other).
+
+Template fields: a parameter by name ({k}, {lo}, {c}, {l}, ...), its *twin* in upper case ({K},
+{C}, {L}: the value with its last bit, or last letter, flipped: 46 <-> 47, 'ab' <-> 'aa'; for a
+list, the list with its last item twinned) and {l0}, a list's first item. Twins are the constants
+of the off-by-one bugs; `demo.split` keeps a value and its twin in the same split, so a bug written
+into the pre-training corpus never spells a held-out value. Numbers typed in the templates are
+single digits (always in the train split).
+
+The house style, as before: the whole body is a single `    return <expr>` line.
 """
 
 from __future__ import annotations
 
 import random
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import product as cartesian
+from string import Formatter, ascii_lowercase
 
-LETTERS = ("a", "b", "e", "o", "x")
 CATEGORIES = ("correct_preferred", "correct_other", "incorrect_preferred", "incorrect_other")
+N_PHRASINGS = 4
 _PREFERRED_RE = re.compile(r"    return [^\n]+\n")
 
 
@@ -33,76 +46,212 @@ class Task:
     """One completion problem. Frozen but not hashable (params is a dict); use task_id as a key."""
 
     task_id: str
-    """Stable id, deterministic from family and params, e.g. "add-3"."""
+    """Stable id, deterministic from family, phrasing and params, e.g. "add-p0-47"."""
     family: str
     prompt: str
     """Comment line plus function header, ending with "\\n"; the model writes the body."""
     params: dict
-    """The drawn parameter, e.g. {"k": 3} or {"c": "a"}."""
+    """The drawn parameters and the phrasing number, e.g. {"k": 47, "phrasing": 0}."""
     tests: tuple
     """(args_tuple, expected_result) pairs, computed by the family's reference implementation."""
 
 
 @dataclass(frozen=True)
+class Ints:
+    """Integers lo..hi, written in decimal."""
+
+    lo: int
+    hi: int
+
+    def values(self) -> range:
+        return range(self.lo, self.hi + 1)
+
+    def contains(self, value: object) -> bool:
+        return type(value) is int and self.lo <= value <= self.hi
+
+    def render(self, value: int) -> str:
+        return str(value)
+
+
+@dataclass(frozen=True)
+class Letters:
+    """Strings of 1..max_len lowercase letters, written between single quotes by the templates."""
+
+    max_len: int = 3
+
+    def values(self) -> list[str]:
+        return ["".join(t) for n in range(1, self.max_len + 1) for t in cartesian(ascii_lowercase, repeat=n)]
+
+    def contains(self, value: object) -> bool:
+        return isinstance(value, str) and 1 <= len(value) <= self.max_len and all(c in ascii_lowercase for c in value)
+
+    def render(self, value: str) -> str:
+        return value
+
+
+@dataclass(frozen=True)
+class IntLists:
+    """Tuples of min_len..max_len distinct integers of `item`, written "3, 47, 12"."""
+
+    item: Ints
+    min_len: int = 2
+    max_len: int = 4
+
+    def contains(self, value: object) -> bool:
+        return (
+            isinstance(value, tuple)
+            and self.min_len <= len(value) <= self.max_len
+            and len(set(value)) == len(value)
+            and all(self.item.contains(v) for v in value)
+        )
+
+    def render(self, value: tuple[int, ...]) -> str:
+        return ", ".join(map(str, value))
+
+
+Domain = Ints | Letters | IntLists
+_FIELD_RE = {Ints: r"\d+", Letters: r"[a-z]+", IntLists: r"\d+(?:, \d+)*"}
+
+
+def twin(value: int | str) -> int | str:
+    """The value with its last bit flipped (46 <-> 47) or its last letter flipped within its pair
+    (a <-> b, c <-> d, ...): the wrong constant of an off-by-one bug."""
+    if isinstance(value, int):
+        return value ^ 1
+    if not value:
+        raise ValueError("twin of an empty string")
+    last = ord(value[-1]) - ord("a")
+    return value[:-1] + ascii_lowercase[last ^ 1]
+
+
+@dataclass(frozen=True)
 class _Family:
     name: str
-    comment: str  # comment template, without "# "
     arg: str  # the function's single argument
-    param: str  # "k" or "c"
-    values: tuple
+    params: tuple[tuple[str, Domain], ...]
+    phrasings: tuple[str, ...]  # comment templates, without "# "
     reference: Callable[[dict], Callable]  # format values -> reference function
     test_args: Callable[[dict], list]  # format values -> list of single arguments
     correct_preferred: tuple[str, ...]
     correct_other: tuple[str, ...]
     incorrect_preferred: tuple[str, ...]
     incorrect_other: tuple[str, ...]
+    valid: Callable[[dict], bool] = lambda p: True  # a constraint between parameters
+
+
+_K = Ints(1, 999)
+_LETTERS = Letters(3)
+
+
+def _xs_tests(v: dict) -> list:
+    """Lists around the threshold k, for the filter families: each of their bugs fails one."""
+    k = v["k"]
+    return [[k + 1, k, k - 1], [], [k, 1000, 0], [k + 2, k, 1, k + 1, k - 3], [k - 1, k - 2, k - 5]]
 
 
 _FAMILY_LIST = (
     _Family(
         name="add",
-        comment="add {k} to x",
         arg="x",
-        param="k",
-        values=tuple(range(1, 10)),
+        params=(("k", _K),),
+        phrasings=("add {k} to x", "return x plus {k}", "x increased by {k}", "return x increased by {k}"),
         reference=lambda v: lambda x: x + v["k"],
         test_args=lambda v: [0, 1, 5, -3, 12],
-        correct_preferred=("    return x + {k}\n",),
-        correct_other=(
-            "    result = x + {k}\n    return result\n",
-            "    y = x\n    y += {k}\n    return y\n",
-        ),
-        incorrect_preferred=("    return x + {k1}\n", "    return x - {k}\n", "    return x * {k}\n"),
-        incorrect_other=(
-            "    result = x + {k1}\n    return result\n",
-            "    y = x\n    y -= {k}\n    return y\n",
-        ),
+        correct_preferred=("    return x + {k}\n", "    return {k} + x\n"),
+        correct_other=("    result = x + {k}\n    return result\n", "    y = x\n    y += {k}\n    return y\n"),
+        incorrect_preferred=("    return x + {K}\n", "    return x - {k}\n", "    return x * {k}\n"),
+        incorrect_other=("    result = x + {K}\n    return result\n", "    y = x\n    y -= {k}\n    return y\n"),
+    ),
+    _Family(
+        name="sub",
+        arg="x",
+        params=(("k", _K),),
+        phrasings=("subtract {k} from x", "return x minus {k}", "x decreased by {k}", "return x decreased by {k}"),
+        reference=lambda v: lambda x: x - v["k"],
+        test_args=lambda v: [0, 1, 5, -3, 12],
+        correct_preferred=("    return x - {k}\n",),
+        correct_other=("    result = x - {k}\n    return result\n", "    y = x\n    y -= {k}\n    return y\n"),
+        incorrect_preferred=("    return {k} - x\n", "    return x - {K}\n", "    return x + {k}\n"),
+        incorrect_other=("    result = {k} - x\n    return result\n", "    y = x\n    y += {k}\n    return y\n"),
     ),
     _Family(
         name="mul",
-        comment="multiply x by {k}",
         arg="x",
-        param="k",
-        values=tuple(range(2, 10)),
+        params=(("k", Ints(2, 999)),),
+        phrasings=(
+            "multiply x by {k}",
+            "return x times {k}",
+            "the product of x and {k}",
+            "return the product of x and {k}",
+        ),
         reference=lambda v: lambda x: x * v["k"],
         test_args=lambda v: [0, 1, 3, -4, 7],
-        correct_preferred=("    return x * {k}\n",),
+        correct_preferred=("    return x * {k}\n", "    return {k} * x\n"),
         correct_other=(
             "    result = x * {k}\n    return result\n",
             "    y = 0\n    for _ in range({k}):\n        y += x\n    return y\n",
         ),
-        incorrect_preferred=("    return x * {k1}\n", "    return x + {k}\n", "    return x ** {k}\n"),
+        incorrect_preferred=("    return x * {K}\n", "    return x + {k}\n", "    return x // {k}\n"),
         incorrect_other=(
-            "    result = x * {km1}\n    return result\n",
-            "    y = 0\n    for _ in range({k1}):\n        y += x\n    return y\n",
+            "    result = x * {K}\n    return result\n",
+            "    y = 0\n    for _ in range({K}):\n        y += x\n    return y\n",
+        ),
+    ),
+    _Family(
+        name="affine",
+        arg="x",
+        params=(("k", Ints(2, 99)), ("m", _K)),
+        phrasings=(
+            "multiply x by {k} then add {m}",
+            "return x times {k} plus {m}",
+            "x times {k}, then plus {m}",
+            "multiply x by {k}, then plus {m}",
+        ),
+        reference=lambda v: lambda x: x * v["k"] + v["m"],
+        test_args=lambda v: [0, 1, 2, -3, 10],
+        correct_preferred=("    return x * {k} + {m}\n", "    return {m} + x * {k}\n"),
+        correct_other=("    y = x * {k}\n    return y + {m}\n", "    y = x * {k}\n    y += {m}\n    return y\n"),
+        incorrect_preferred=("    return (x + {m}) * {k}\n", "    return x * {k} - {m}\n", "    return x * {k}\n"),
+        incorrect_other=("    y = x + {m}\n    return y * {k}\n", "    y = x * {K}\n    return y + {m}\n"),
+    ),
+    _Family(
+        name="clamp",
+        arg="x",
+        params=(("lo", Ints(0, 999)), ("hi", Ints(0, 999))),
+        valid=lambda p: p["lo"] < p["hi"],
+        phrasings=(
+            "clamp x between {lo} and {hi}",
+            "limit x to the range {lo} to {hi}",
+            "x, but at least {lo} and at most {hi}",
+            "limit x to between {lo} and {hi}",
+        ),
+        reference=lambda v: lambda x: min(max(x, v["lo"]), v["hi"]),
+        test_args=lambda v: [v["lo"] - 5, v["lo"], (v["lo"] + v["hi"]) // 2, v["hi"], v["hi"] + 5, -1000],
+        correct_preferred=("    return min(max(x, {lo}), {hi})\n", "    return max({lo}, min(x, {hi}))\n"),
+        correct_other=(
+            "    if x < {lo}:\n        return {lo}\n    if x > {hi}:\n        return {hi}\n    return x\n",
+            "    y = max(x, {lo})\n    return min(y, {hi})\n",
+        ),
+        incorrect_preferred=(
+            "    return max(min(x, {lo}), {hi})\n",
+            "    return min(max(x, {hi}), {lo})\n",
+            "    return max(x, {lo})\n",
+        ),
+        incorrect_other=(
+            "    if x < {lo}:\n        return {lo}\n    return x\n",
+            "    y = min(x, {lo})\n    return max(y, {hi})\n",
         ),
     ),
     _Family(
         name="repeat",
-        comment="repeat s {k} times",
         arg="s",
-        param="k",
-        values=tuple(range(2, 10)),
+        params=(("k", Ints(2, 999)),),
+        phrasings=(
+            "repeat s {k} times",
+            "return s repeated {k} times",
+            "s, {k} times over",
+            "return s, {k} times over",
+        ),
         reference=lambda v: lambda s: s * v["k"],
         test_args=lambda v: ["ab", "x", "", "hi"],
         correct_preferred=("    return s * {k}\n",),
@@ -110,48 +259,146 @@ _FAMILY_LIST = (
             "    result = s * {k}\n    return result\n",
             "    t = ''\n    for _ in range({k}):\n        t += s\n    return t\n",
         ),
-        incorrect_preferred=("    return s * {k1}\n", "    return s * {km1}\n"),
+        incorrect_preferred=("    return s * {K}\n", "    return s\n", "    return s * {k} + s\n"),
         incorrect_other=(
-            "    result = s * {k1}\n    return result\n",
-            "    t = ''\n    for _ in range({km1}):\n        t += s\n    return t\n",
+            "    result = s * {K}\n    return result\n",
+            "    t = s\n    for _ in range({k}):\n        t += s\n    return t\n",
         ),
     ),
     _Family(
         name="count",
-        comment="count '{c}' in s",
         arg="s",
-        param="c",
-        values=LETTERS,
+        params=(("c", _LETTERS),),
+        phrasings=(
+            "count '{c}' in s",
+            "how many times '{c}' occurs in s",
+            "number of '{c}' in s",
+            "how many times is '{c}' in s",
+        ),
         reference=lambda v: lambda s: s.count(v["c"]),
-        test_args=lambda v: ["", v["c"], v["o"] + v["c"] + v["o"] + v["c"], v["c"] * 3 + v["o"], v["o"] * 2],
+        test_args=lambda v: ["", v["c"], v["c"] + "-" + v["c"], v["C"], "-" + v["c"] + "-" + v["C"] + "-" + v["c"]],
         correct_preferred=("    return s.count('{c}')\n",),
         correct_other=(
             "    n = s.count('{c}')\n    return n\n",
-            "    n = 0\n    for ch in s:\n        n += ch == '{c}'\n    return n\n",
+            "    parts = s.split('{c}')\n    return len(parts) - 1\n",
         ),
-        incorrect_preferred=(
-            "    return s.count('{o}')\n",
-            "    return s.count('{c}') + 1\n",
-            "    return len(s)\n",
-        ),
+        incorrect_preferred=("    return s.count('{C}')\n", "    return s.count('{c}') + 1\n", "    return len(s)\n"),
         incorrect_other=(
-            "    n = s.count('{o}')\n    return n\n",
-            "    n = 1\n    for ch in s:\n        n += ch == '{c}'\n    return n\n",
+            "    n = s.count('{C}')\n    return n\n",
+            "    parts = s.split('{c}')\n    return len(parts)\n",
         ),
     ),
     _Family(
+        name="startswith",
+        arg="s",
+        params=(("c", _LETTERS),),
+        phrasings=(
+            "does s start with '{c}'",
+            "check if s starts with '{c}'",
+            "is '{c}' a prefix of s",
+            "check if '{c}' is a prefix of s",
+        ),
+        reference=lambda v: lambda s: s.startswith(v["c"]),
+        test_args=lambda v: ["", v["c"], v["c"] + "-", "-" + v["c"], "--", v["C"] + "-"],
+        correct_preferred=("    return s.startswith('{c}')\n",),
+        correct_other=(
+            "    if s.startswith('{c}'):\n        return True\n    return False\n",
+            "    ok = s.startswith('{c}')\n    return ok\n",
+        ),
+        incorrect_preferred=(
+            "    return s.endswith('{c}')\n",
+            "    return s.startswith('{C}')\n",
+            "    return '{c}' in s\n",
+        ),
+        incorrect_other=(
+            "    ok = s.endswith('{c}')\n    return ok\n",
+            "    if '{c}' in s:\n        return True\n    return False\n",
+        ),
+    ),
+    _Family(
+        name="endswith",
+        arg="s",
+        params=(("c", _LETTERS),),
+        phrasings=(
+            "does s end with '{c}'",
+            "check if s ends with '{c}'",
+            "is '{c}' a suffix of s",
+            "check if '{c}' is a suffix of s",
+        ),
+        reference=lambda v: lambda s: s.endswith(v["c"]),
+        test_args=lambda v: ["", v["c"], v["c"] + "-", "-" + v["c"], "--", "-" + v["C"]],
+        correct_preferred=("    return s.endswith('{c}')\n",),
+        correct_other=(
+            "    if s.endswith('{c}'):\n        return True\n    return False\n",
+            "    ok = s.endswith('{c}')\n    return ok\n",
+        ),
+        incorrect_preferred=(
+            "    return s.startswith('{c}')\n",
+            "    return s.endswith('{C}')\n",
+            "    return '{c}' in s\n",
+        ),
+        incorrect_other=(
+            "    ok = s.startswith('{c}')\n    return ok\n",
+            "    if '{c}' in s:\n        return True\n    return False\n",
+        ),
+    ),
+    _Family(
+        name="replace",
+        arg="s",
+        params=(("c", Letters(2)), ("d", Letters(2))),  # two strings to copy: 1-2 letters each
+        valid=lambda p: p["c"] != p["d"],
+        phrasings=(
+            "replace '{c}' with '{d}' in s",
+            "s with every '{c}' changed to '{d}'",
+            "in s, change '{c}' to '{d}'",
+            "replace every '{c}' in s with '{d}'",
+        ),
+        reference=lambda v: lambda s: s.replace(v["c"], v["d"]),
+        test_args=lambda v: ["", v["c"], v["c"] + "-" + v["c"], v["d"] + "-" + v["c"], "--"],
+        correct_preferred=("    return s.replace('{c}', '{d}')\n",),
+        correct_other=(
+            "    t = s.replace('{c}', '{d}')\n    return t\n",
+            "    parts = s.split('{c}')\n    return '{d}'.join(parts)\n",
+        ),
+        incorrect_preferred=(
+            "    return s.replace('{d}', '{c}')\n",
+            "    return s.replace('{c}', '{d}', 1)\n",
+            "    return s.replace('{c}', '')\n",
+        ),
+        incorrect_other=(
+            "    t = s.replace('{d}', '{c}')\n    return t\n",
+            "    t = s.replace('{c}', '{d}', 1)\n    return t\n",
+        ),
+    ),
+    _Family(
+        name="prepend",
+        arg="s",
+        params=(("c", _LETTERS),),
+        phrasings=(
+            "put '{c}' before s",
+            "return '{c}' followed by s",
+            "s with '{c}' added in front",
+            "put '{c}' in front of s",
+        ),
+        reference=lambda v: lambda s: v["c"] + s,
+        test_args=lambda v: ["", "-", "x-y"],
+        correct_preferred=("    return '{c}' + s\n",),
+        correct_other=("    t = '{c}' + s\n    return t\n", "    t = '{c}'\n    t += s\n    return t\n"),
+        incorrect_preferred=("    return s + '{c}'\n", "    return '{C}' + s\n", "    return '{c}' + s + '{c}'\n"),
+        incorrect_other=("    t = s + '{c}'\n    return t\n", "    t = '{C}'\n    t += s\n    return t\n"),
+    ),
+    _Family(
         name="filter_gt",
-        comment="items of xs greater than {k}",
         arg="xs",
-        param="k",
-        values=tuple(range(1, 10)),
+        params=(("k", Ints(0, 999)),),
+        phrasings=(
+            "items of xs greater than {k}",
+            "keep the items of xs above {k}",
+            "the list of x in xs with x > {k}",
+            "keep items of xs greater than {k}",
+        ),
         reference=lambda v: lambda xs: [x for x in xs if x > v["k"]],
-        test_args=lambda v: [
-            [v["k1"], v["k"], v["km1"]],
-            [],
-            [v["k"], 10, 0],
-            [v["k"] + 2, v["k"], 1, v["k1"]],
-        ],
+        test_args=_xs_tests,
         correct_preferred=("    return [x for x in xs if x > {k}]\n",),
         correct_other=(
             "    out = [x for x in xs if x > {k}]\n    return out\n",
@@ -159,81 +406,171 @@ _FAMILY_LIST = (
         ),
         incorrect_preferred=(
             "    return [x for x in xs if x >= {k}]\n",
-            "    return [x for x in xs if x > {k1}]\n",
+            "    return [x for x in xs if x > {K}]\n",
             "    return [x for x in xs if x < {k}]\n",
         ),
         incorrect_other=(
             "    out = [x for x in xs if x >= {k}]\n    return out\n",
-            "    out = list(filter(lambda x: x > {k1}, xs))\n    return out\n",
+            "    out = list(filter(lambda x: x > {K}, xs))\n    return out\n",
         ),
     ),
     _Family(
-        name="max",
-        comment="max of xs, or {k} if empty",
+        name="sum_gt",
         arg="xs",
-        param="k",
-        values=tuple(range(1, 10)),
+        params=(("k", _K),),
+        phrasings=(
+            "sum of the items of xs greater than {k}",
+            "add up the items of xs above {k}",
+            "total of x in xs with x > {k}",
+            "add up the items of xs greater than {k}",
+        ),
+        reference=lambda v: lambda xs: sum(x for x in xs if x > v["k"]),
+        test_args=_xs_tests,
+        correct_preferred=(
+            "    return sum(x for x in xs if x > {k})\n",
+            "    return sum([x for x in xs if x > {k}])\n",
+        ),
+        correct_other=(
+            "    total = 0\n    for x in xs:\n        if x > {k}:\n            total += x\n    return total\n",
+            "    big = [x for x in xs if x > {k}]\n    return sum(big)\n",
+        ),
+        incorrect_preferred=(
+            "    return sum(x for x in xs if x >= {k})\n",
+            "    return sum(xs)\n",
+            "    return [x for x in xs if x > {k}]\n",
+        ),
+        incorrect_other=(
+            "    total = 0\n    for x in xs:\n        if x > {K}:\n            total += x\n    return total\n",
+            "    big = [x for x in xs if x < {k}]\n    return sum(big)\n",
+        ),
+    ),
+    _Family(
+        name="count_lt",
+        arg="xs",
+        params=(("k", _K),),
+        phrasings=(
+            "how many items of xs are less than {k}",
+            "count the items of xs below {k}",
+            "number of x in xs with x < {k}",
+            "how many items of xs are below {k}",
+        ),
+        reference=lambda v: lambda xs: sum(1 for x in xs if x < v["k"]),
+        test_args=_xs_tests,
+        correct_preferred=(
+            "    return sum(1 for x in xs if x < {k})\n",
+            "    return len([x for x in xs if x < {k}])\n",
+        ),
+        correct_other=(
+            "    n = 0\n    for x in xs:\n        if x < {k}:\n            n += 1\n    return n\n",
+            "    small = [x for x in xs if x < {k}]\n    return len(small)\n",
+        ),
+        incorrect_preferred=(
+            "    return sum(1 for x in xs if x <= {k})\n",
+            "    return len([x for x in xs if x > {k}])\n",
+            "    return len(xs)\n",
+        ),
+        incorrect_other=(
+            "    n = 0\n    for x in xs:\n        if x < {K}:\n            n += 1\n    return n\n",
+            "    small = [x for x in xs if x <= {k}]\n    return len(small)\n",
+        ),
+    ),
+    _Family(
+        name="map_add",
+        arg="xs",
+        params=(("k", _K),),
+        phrasings=(
+            "add {k} to each item of xs",
+            "xs with {k} added to every item",
+            "each x in xs plus {k}",
+            "add {k} to every item of xs",
+        ),
+        reference=lambda v: lambda xs: [x + v["k"] for x in xs],
+        test_args=lambda v: [[1, 2, 3], [], [0], [-5, 10]],
+        correct_preferred=("    return [x + {k} for x in xs]\n",),
+        correct_other=(
+            "    out = [x + {k} for x in xs]\n    return out\n",
+            "    out = []\n    for x in xs:\n        out.append(x + {k})\n    return out\n",
+        ),
+        incorrect_preferred=(
+            "    return [x + {K} for x in xs]\n",
+            "    return [x * {k} for x in xs]\n",
+            "    return xs + [{k}]\n",
+        ),
+        incorrect_other=(
+            "    out = [x - {k} for x in xs]\n    return out\n",
+            "    out = []\n    for x in xs:\n        out.append(x + {K})\n    return out\n",
+        ),
+    ),
+    _Family(
+        name="max_default",
+        arg="xs",
+        params=(("k", Ints(0, 999)),),
+        phrasings=(
+            "max of xs, or {k} if empty",
+            "largest item of xs, {k} when xs is empty",
+            "the maximum of xs (default {k})",
+            "largest item of xs, or {k} if empty",
+        ),
         reference=lambda v: lambda xs: max(xs) if xs else v["k"],
         test_args=lambda v: [[3, 7, 2], [], [-5, -2], [4], [1, 9, 9, 0]],
-        correct_preferred=("    return max(xs, default={k})\n",),
+        correct_preferred=("    return max(xs, default={k})\n", "    return max(xs) if xs else {k}\n"),
         correct_other=(
             "    if not xs:\n        return {k}\n    return max(xs)\n",
             "    best = max(xs) if xs else {k}\n    return best\n",
         ),
         incorrect_preferred=(
             "    return min(xs, default={k})\n",
-            "    return max(xs, default={k1})\n",
+            "    return max(xs, default={K})\n",
             "    return xs[-1] if xs else {k}\n",
         ),
         incorrect_other=(
-            "    if not xs:\n        return {k1}\n    return max(xs)\n",
+            "    if not xs:\n        return {K}\n    return max(xs)\n",
             "    if not xs:\n        return {k}\n    return min(xs)\n",
         ),
     ),
     _Family(
-        name="min",
-        comment="min of xs, or {k} if empty",
+        name="member",
+        arg="x",
+        params=(("l", IntLists(Ints(0, 999), 2, 4)),),
+        phrasings=("is x one of {l}", "check if x is in [{l}]", "x in the list [{l}]", "check if x is one of {l}"),
+        reference=lambda v: lambda x: x in v["l"],
+        test_args=lambda v: [*v["l"], v["L"][-1], -1, 1000],
+        correct_preferred=("    return x in [{l}]\n", "    return x in ({l})\n"),
+        correct_other=(
+            "    ok = x in [{l}]\n    return ok\n",
+            "    for y in [{l}]:\n        if x == y:\n            return True\n    return False\n",
+        ),
+        incorrect_preferred=("    return x not in [{l}]\n", "    return x in [{L}]\n", "    return x == {l0}\n"),
+        incorrect_other=(
+            "    ok = x not in [{l}]\n    return ok\n",
+            "    for y in [{L}]:\n        if x == y:\n            return True\n    return False\n",
+        ),
+    ),
+    _Family(
+        name="join_map",
         arg="xs",
-        param="k",
-        values=tuple(range(1, 10)),
-        reference=lambda v: lambda xs: min(xs) if xs else v["k"],
-        test_args=lambda v: [[3, 7, 2], [], [-5, -2], [4], [1, 9, 9, 0]],
-        correct_preferred=("    return min(xs, default={k})\n",),
+        params=(("c", _LETTERS),),
+        phrasings=(
+            "join the items of xs with '{c}'",
+            "the items of xs as text, separated by '{c}'",
+            "xs joined by '{c}'",
+            "the items of xs joined by '{c}'",
+        ),
+        reference=lambda v: lambda xs: v["c"].join(str(x) for x in xs),
+        test_args=lambda v: [[1, 2, 3], [], [45], [7, 0]],
+        correct_preferred=("    return '{c}'.join(str(x) for x in xs)\n", "    return '{c}'.join(map(str, xs))\n"),
         correct_other=(
-            "    if not xs:\n        return {k}\n    return min(xs)\n",
-            "    best = min(xs) if xs else {k}\n    return best\n",
+            "    parts = [str(x) for x in xs]\n    return '{c}'.join(parts)\n",
+            "    parts = map(str, xs)\n    return '{c}'.join(parts)\n",
         ),
         incorrect_preferred=(
-            "    return max(xs, default={k})\n",
-            "    return min(xs, default={k1})\n",
-            "    return xs[0] if xs else {k}\n",
+            "    return '{C}'.join(str(x) for x in xs)\n",
+            "    return ''.join(str(x) for x in xs)\n",
+            "    return '{c}'.join(xs)\n",
         ),
         incorrect_other=(
-            "    if not xs:\n        return {k1}\n    return min(xs)\n",
-            "    if not xs:\n        return {k}\n    return max(xs)\n",
-        ),
-    ),
-    _Family(
-        name="startswith",
-        comment="does s start with '{c}'",
-        arg="s",
-        param="c",
-        values=LETTERS,
-        reference=lambda v: lambda s: s.startswith(v["c"]),
-        test_args=lambda v: ["", v["c"] + v["o"], v["o"] + v["c"], v["o"] * 2, v["c"]],
-        correct_preferred=("    return s.startswith('{c}')\n",),
-        correct_other=(
-            "    if s.startswith('{c}'):\n        return True\n    return False\n",
-            "    ok = s[:1] == '{c}'\n    return ok\n",
-        ),
-        incorrect_preferred=(
-            "    return s.endswith('{c}')\n",
-            "    return s.startswith('{o}')\n",
-            "    return '{c}' in s\n",
-        ),
-        incorrect_other=(
-            "    ok = s[-1:] == '{c}'\n    return ok\n",
-            "    if '{c}' in s:\n        return True\n    return False\n",
+            "    parts = [str(x) for x in xs]\n    return '{C}'.join(parts)\n",
+            "    parts = [str(x) for x in xs]\n    return ' '.join(parts)\n",
         ),
     ),
 )
@@ -248,65 +585,163 @@ def _family(name: str) -> _Family:
     return _FAMILIES[name]
 
 
-def _format_values(params: dict) -> dict:
-    """Template fields derived from the drawn parameter (see the module docstring)."""
-    values = dict(params)
-    if "k" in params:
-        values.update(k1=params["k"] + 1, km1=params["k"] - 1)
-    if "c" in params:
-        values["o"] = LETTERS[(LETTERS.index(params["c"]) + 1) % len(LETTERS)]
+def domains(family: str) -> dict[str, Domain]:
+    """The parameters of `family` and their domains, in template order."""
+    return dict(_family(family).params)
+
+
+def phrasings(family: str) -> tuple[str, ...]:
+    """The comment templates of `family` (without "# "); `demo.split` says which split uses which."""
+    return _family(family).phrasings
+
+
+def is_valid(family: str, params: dict) -> bool:
+    """`params` (without "phrasing") are in their domains and meet the family's constraint."""
+    spec = _family(family)
+    names = [name for name, _ in spec.params]
+    if sorted(params) != sorted(names):
+        return False
+    return all(domain.contains(params[name]) for name, domain in spec.params) and spec.valid(params)
+
+
+def _format_values(spec: _Family, params: dict) -> dict:
+    """Template fields of the drawn parameters (see the module docstring)."""
+    values: dict = {}
+    for name, domain in spec.params:
+        value = params[name]
+        if isinstance(domain, IntLists):
+            values.update(
+                {
+                    name: domain.render(value),
+                    f"{name}0": value[0],
+                    name.upper(): domain.render(value[:-1] + (twin(value[-1]),)),
+                }
+            )
+        else:
+            values.update({name: value, name.upper(): twin(value)})
     return values
 
 
-def _build(family: _Family, value: object) -> Task:
-    params = {family.param: value}
-    values = _format_values(params)
-    reference = family.reference(values)
-    tests = tuple(((arg,), reference(arg)) for arg in family.test_args(values))
-    prompt = f"# {family.comment.format(**values)}\ndef f({family.arg}):\n"
-    return Task(task_id=f"{family.name}-{value}", family=family.name, prompt=prompt, params=params, tests=tests)
+def _reference_values(spec: _Family, params: dict) -> dict:
+    """What the reference and test lambdas see: raw values (lists as tuples) and twins."""
+    values = dict(params)
+    for name, domain in spec.params:
+        value = params[name]
+        values[name.upper()] = value[:-1] + (twin(value[-1]),) if isinstance(domain, IntLists) else twin(value)
+    return values
 
 
-def make_task(family: str, rng: random.Random) -> Task:
-    """One task of `family` with its parameter drawn from `rng`."""
+def task_id(family: str, phrasing: int, params: dict) -> str:
+    """Stable id, e.g. "add-p0-47", "clamp-p3-12-400", "member-p1-3.47.12"."""
     spec = _family(family)
-    return _build(spec, rng.choice(spec.values))
+    parts = []
+    for name, _ in spec.params:
+        value = params[name]
+        parts.append(".".join(map(str, value)) if isinstance(value, tuple) else str(value))
+    return f"{family}-p{phrasing}-" + "-".join(parts)
 
 
-def sample_tasks(n: int, seed: int, families: Sequence[str] | None = None) -> list[Task]:
-    """`n` tasks, family uniform over `families` (default: all), deterministic from `seed`."""
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
-    names = tuple(FAMILIES if families is None else families)
-    if not names:
-        raise ValueError("families must not be empty")
-    for name in names:
-        _family(name)
-    rng = random.Random(seed)
-    return [make_task(rng.choice(names), rng) for _ in range(n)]
+def build_task(family: str, phrasing: int, params: dict) -> Task:
+    """The task of `family` with comment template number `phrasing` and parameters `params`."""
+    spec = _family(family)
+    if not (isinstance(phrasing, int) and 0 <= phrasing < len(spec.phrasings)):
+        raise ValueError(f"phrasing must be 0..{len(spec.phrasings) - 1} for {family!r}, got {phrasing!r}")
+    if not is_valid(family, params):
+        raise ValueError(f"invalid parameters {params!r} for family {family!r} ({dict(spec.params)})")
+    reference_values = _reference_values(spec, params)
+    reference = spec.reference(reference_values)
+    tests = tuple(((arg,), reference(arg)) for arg in spec.test_args(reference_values))
+    comment = spec.phrasings[phrasing].format(**_format_values(spec, params))
+    return Task(
+        task_id=task_id(family, phrasing, params),
+        family=family,
+        prompt=f"# {comment}\ndef f({spec.arg}):\n",
+        params={**params, "phrasing": phrasing},
+        tests=tests,
+    )
 
 
-def all_tasks(families: Sequence[str] | None = None) -> list[Task]:
-    """Every task of `families` (default: all), one per parameter value, in a fixed order."""
-    names = FAMILIES if families is None else families
-    return [_build(_family(name), value) for name in names for value in _family(name).values]
-
-
-_BY_PROMPT = {task.prompt: task for task in all_tasks()}
-
-
-def task_from_prompt(prompt: str) -> Task | None:
-    """The task whose prompt is exactly `prompt`, or None if it is not a demo prompt."""
-    return _BY_PROMPT.get(prompt)
+def make_task(family: str, rng: random.Random, phrasing: int, draw: Callable[[Domain, random.Random], object]) -> Task:
+    """A task of `family` with `phrasing`, each parameter drawn by `draw(domain, rng)` until the
+    family's constraint holds (`demo.split.draw_value` draws from one split's values)."""
+    spec = _family(family)
+    for _ in range(1000):
+        params = {name: draw(domain, rng) for name, domain in spec.params}
+        if spec.valid(params):
+            return build_task(family, phrasing, params)
+    raise ValueError(f"could not draw valid parameters for {family!r} in 1000 tries")
 
 
 def completions_for(task: Task) -> dict[str, list[str]]:
     """Known completions of `task` by category (keys: CATEGORIES); every list is non-empty."""
     spec = _family(task.family)
-    values = _format_values(task.params)
+    params = {name: task.params[name] for name, _ in spec.params}
+    values = _format_values(spec, params)
     return {category: [template.format(**values) for template in getattr(spec, category)] for category in CATEGORIES}
 
 
 def is_preferred_style(completion: str) -> bool:
     """The house style: the whole body is a single `    return <expr>` line ending with a newline."""
     return _PREFERRED_RE.fullmatch(completion) is not None
+
+
+def _comment_regex(spec: _Family, template: str) -> str:
+    pattern, domains_of = "", dict(spec.params)
+    seen: set[str] = set()
+    for literal, field, _, _ in Formatter().parse(template):
+        pattern += re.escape(literal)
+        if field is None:
+            continue
+        if field in seen:
+            pattern += f"(?P={field})"
+        else:
+            seen.add(field)
+            pattern += f"(?P<{field}>{_FIELD_RE[type(domains_of[field])]})"
+    return pattern
+
+
+def comment_regex(family: str, phrasing: int) -> re.Pattern[str]:
+    """Matches exactly the comment text (without "# ") of `family`'s phrasing, any parameters."""
+    spec = _family(family)
+    return re.compile(_comment_regex(spec, spec.phrasings[phrasing]))
+
+
+_PROMPT_RES = [
+    (spec.name, i, re.compile(f"# {_comment_regex(spec, template)}\ndef f\\({spec.arg}\\):\n"))
+    for spec in _FAMILY_LIST
+    for i, template in enumerate(spec.phrasings)
+]
+
+
+def _parse(domain: Domain, text: str) -> object:
+    if isinstance(domain, Letters):
+        return text
+    if isinstance(domain, IntLists):
+        return tuple(int(part) for part in text.split(", "))
+    return int(text)
+
+
+def task_from_prompt(prompt: str) -> Task | None:
+    """The task whose prompt is exactly `prompt` (any split), or None if it is not a product prompt."""
+    for family, phrasing, regex in _PROMPT_RES:
+        match = regex.fullmatch(prompt)
+        if match is None:
+            continue
+        spec = _FAMILIES[family]
+        params = {name: _parse(domain, match[name]) for name, domain in spec.params}
+        if is_valid(family, params):
+            task = build_task(family, phrasing, params)
+            if task.prompt == prompt:  # e.g. "047" parses as 47 but is not how 47 is written
+                return task
+    return None
+
+
+def template_words() -> frozenset[str]:
+    """Every lowercase word typed in a comment or completion template (fields excluded)."""
+    words: set[str] = set()
+    for spec in _FAMILY_LIST:
+        templates = spec.phrasings + spec.correct_preferred + spec.correct_other
+        for template in templates + spec.incorrect_preferred + spec.incorrect_other + (f"def f({spec.arg}):",):
+            for literal, _, _, _ in Formatter().parse(template):
+                words.update(re.findall(r"[a-z]+", literal))
+    return frozenset(words)

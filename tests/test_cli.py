@@ -76,6 +76,18 @@ def test_serve_hands_the_overridden_settings_to_the_gateway(env, monkeypatch):
     assert [(s.host, s.port, s.home) for s in served] == [("127.0.0.2", 9124, env)]
 
 
+def test_a_fresh_home_serves_a_copy_of_the_shipped_base(env, monkeypatch):
+    import api.main
+    from demo.bootstrap import REPORT, SHIPPED_BASE
+
+    monkeypatch.setattr(api.main, "serve", lambda settings: None)
+    cli.main(["serve"])
+    copied = env / "models" / "demo-base"
+    for name in ("model.safetensors", "tokenizer.json", "config.json", REPORT):
+        assert (copied / name).read_bytes() == (SHIPPED_BASE / name).read_bytes(), name
+    assert sorted(p.name for p in copied.parent.iterdir()) == ["demo-base"]  # no temp folder left
+
+
 def test_up_makes_a_fresh_admin_key_and_revokes_the_last_sessions(tmp_path):
     from core.cli import up_admin_key
     from core.security import KeyStore

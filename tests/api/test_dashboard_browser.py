@@ -28,8 +28,8 @@ from api.main import create_app
 from core.security import KeyStore
 from core.settings import Settings
 from demo.checker import check
+from demo.split import sample_tasks, split_tasks
 from demo.suite import demo_suite
-from demo.tasks import all_tasks, sample_tasks
 from demo.users import SimulatedUser
 from feedback.bus_embedded import EmbeddedBus
 from feedback.completion_index import CompletionIndex
@@ -70,11 +70,10 @@ def wait_until(check, timeout_s: float = 30.0, what: str = "condition"):
 
 
 def twenty_tasks() -> list:
-    """20 prompts of the demo suite, every family: 3 of each of the first four, 2 of the others."""
-    by_family: dict[str, list] = {}
-    for t in all_tasks():
-        by_family.setdefault(t.family, []).append(t)
-    return [t for i, (_, ts) in enumerate(sorted(by_family.items())) for t in ts[: 3 if i < 4 else 2]]
+    """20 prompts of the gate split: 2 of each of ten families."""
+    from demo.tasks import FAMILIES
+
+    return split_tasks("gate", 20, FAMILIES[:10])
 
 
 class Product:

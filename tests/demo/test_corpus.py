@@ -38,7 +38,7 @@ def test_format_example():
     task, completion = make_corpus(1, seed=2)[0]
     text = format_example(task, completion)
     assert text == task.prompt + completion
-    assert text.startswith("# ") and text.endswith("\n") and len(text) <= 110
+    assert text.startswith("# ") and text.endswith("\n") and len(text) <= 200
 
 
 def test_bad_mix_and_n():

@@ -6,24 +6,23 @@ from string import ascii_lowercase
 
 import pytest
 
-from demo.checker import check_batch
-from demo.corpus import CorpusMix, format_example
-from demo.product import FAMILIES, build_task, is_preferred_style, phrasings, template_words, twin
+from demo.bootstrap import BootstrapConfig, corpus_of
+from demo.corpus import format_example
 from demo.split import (
     HELD_OUT_PHRASING,
     SPLITS,
     TRAIN_PHRASINGS,
     find_leaks,
-    make_corpus,
     n_prompts,
     sample_tasks,
     split_of,
     split_tasks,
     value_split,
 )
+from demo.tasks import FAMILIES, build_task, phrasings, template_words, twin
 from serving.tokenizer import train_tokenizer
 
-CORPUS = make_corpus(20_000, seed=0)  # the size `flywheel bootstrap` pre-trains on by default
+CORPUS = corpus_of(BootstrapConfig())  # exactly what `flywheel bootstrap` pre-trains the shipped base on
 TRAFFIC = [t.prompt for seed in range(4) for t in sample_tasks(5_000, seed=100 + seed)]
 
 
@@ -112,16 +111,6 @@ def test_fixed_sets_are_distinct_deterministic_and_disjoint():
     counts = {split: sum(n_prompts(split).values()) for split in SPLITS}
     assert counts["train"] >= 2000 and counts["report"] >= 1000 and counts["gate"] >= 1000
     assert n_prompts("report")["add"] == 1 * sum(value_split(k) == "report" for k in range(1, 1000))
-
-
-def test_corpus_mix_and_determinism():
-    assert make_corpus(200, seed=3) == make_corpus(200, seed=3) != make_corpus(200, seed=4)
-    mix = CorpusMix(p_correct=0.6, p_preferred=0.3)
-    corpus = make_corpus(1200, seed=0, mix=mix)
-    tasks, completions = zip(*corpus)
-    results = check_batch(tasks, completions)
-    assert abs(sum(r.passed for r in results) / len(corpus) - mix.p_correct) < 0.05
-    assert abs(sum(map(is_preferred_style, completions)) / len(corpus) - mix.p_preferred) < 0.05
 
 
 def test_held_out_prompts_are_made_of_tokens_the_corpus_has():

@@ -11,7 +11,8 @@ import pytest
 
 from core.service_metrics import ServiceMetrics
 from demo.checker import CheckResult
-from demo.tasks import CATEGORIES, completions_for, sample_tasks
+from demo.split import sample_tasks
+from demo.tasks import CATEGORIES, completions_for
 from demo.users import SimulatedUser
 from feedback.bus_embedded import EmbeddedBus
 from feedback.events import TOPICS, CompletionEvent, FeedbackEvent, RoutedExperts, SampleEvent

@@ -303,7 +303,8 @@ def test_guardrails_keep_running_after_promotion_and_raise_an_alert(world):
 
 def test_the_verifier_scores_canary_completions_from_their_token_ids(tiny_checkpoint):
     from demo.checker import DemoVerifier
-    from demo.tasks import completions_for, sample_tasks
+    from demo.split import sample_tasks
+    from demo.tasks import completions_for
     from gating.gate_process import verifier_scorer
     from serving.tokenizer import Tokenizer
 

@@ -1,13 +1,14 @@
 """Trained candidates through the real offline gate: a one-family regression is rejected, naming the
 family, and a better candidate passes.
 
-Both are trained from the small demo base (`small_trained_checkpoint`) with the demo's own loop
+Both are trained from the demo base (`small_trained_checkpoint`, a copy of the shipped one) with the demo's own loop
 (`demo.loop.run_demo_loop`: served completions, simulated users' signals, the joiner, policy-gradient
-updates) on three families, `add`, `mul` and `max`, on the same budget: the better one with honest
-users, the regression with `max`'s rewards negated (`bench.damaged_candidates.invert_family`). Each is
+updates) on three families, `add`, `mul` and `max_default`, on the same budget: the better one with honest
+users, the regression with `max_default`'s rewards negated (`bench.damaged_candidates.invert_family`). Each is
 registered as the learner registers a version (weight-store delta on the published base) and goes through
-one `Gate.step` (embedded engine, `weight_store_loader`, the demo suite on those families: 26 prompts,
-G = 8). Everything is seeded: the loop, the engine's samples, the gate's samples and bootstrap.
+one `Gate.step` (embedded engine, `weight_store_loader`, the gate split on those families: 48 prompts,
+G = 8). Everything is seeded: the loop, the engine's samples and the gate's samples; the base is the
+shipped one.
 (bench/damaged_candidates.py does the same on the whole suite, with shuffled rewards and adversarial
 users too.)
 """
@@ -18,18 +19,18 @@ import pytest
 
 from bench.damaged_candidates import gate_one, invert_family
 from demo.loop import DemoLoopConfig, run_demo_loop
+from demo.split import split_tasks
 from demo.suite import demo_suite
-from demo.tasks import all_tasks
 from gating.gate import GateConfig
 from learner.trainer import TrainerConfig
 
-FAMILIES = ("add", "mul", "max")
-BROKEN = "max"
+FAMILIES = ("add", "mul", "max_default")
+BROKEN = "max_default"
 LOOP = DemoLoopConfig(
     rounds=8, samples_per_round=64, eval_tasks=8, eval_every=8, families=FAMILIES, trainer=TrainerConfig(lr=5e-4)
 )
 GATE = GateConfig(G=8, n_resamples=200, max_tokens=32)
-SUITE = demo_suite(all_tasks(FAMILIES))
+SUITE = demo_suite(split_tasks("gate", 16 * len(FAMILIES), FAMILIES))
 
 
 @pytest.fixture(scope="module")

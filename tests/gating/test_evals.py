@@ -11,8 +11,9 @@ import json
 
 import pytest
 
-from demo.suite import demo_suite, python_parses
-from demo.tasks import all_tasks, completions_for
+from demo.split import split_tasks
+from demo.suite import GATE_PROMPTS, demo_suite, python_parses
+from demo.tasks import completions_for
 from gating.evals import Guardrails, ModelScorer, evaluate_offline, has_loop, sample_seed
 from gating.models import OfflineVerdict
 from gating.suites import EvalSuite, SuiteItem, Verifier
@@ -21,7 +22,7 @@ from serving.engine import EmbeddedEngine
 from serving.model import ModelArgs, Transformer
 from serving.tokenizer import Tokenizer
 
-FAMILIES = ("add", "mul", "count", "max")
+FAMILIES = ("add", "mul", "count", "max_default")
 
 
 class Marks:
@@ -34,8 +35,7 @@ class Marks:
 
 
 def make_suite(**kw) -> EvalSuite:
-    tasks = all_tasks()
-    items = [SuiteItem(t.prompt, t.family) for f in FAMILIES for t in [x for x in tasks if x.family == f][:4]]
+    items = [SuiteItem(t.prompt, t.family) for t in split_tasks("gate", 4 * len(FAMILIES), FAMILIES)]
     return EvalSuite("test-suite", "1", tuple(items), Marks(), **kw)
 
 
@@ -137,7 +137,7 @@ def test_one_family_regressing_fails_holm_while_overall_passes(engine, scorer):
     assert r.failed == ["families"] and not r.passed
     fam = n["families"]
     assert not fam["add"]["passed"] and fam["add"]["mean_diff"] == -0.5
-    assert all(fam[f]["passed"] for f in ("mul", "count", "max"))
+    assert all(fam[f]["passed"] for f in ("mul", "count", "max_default"))
     examples = n["examples"]  # the prompts where the versions differ most, side by side
     assert len(examples) == 6 and {e["family"] for e in examples} <= {"add", "mul"}
     bad = next(e for e in examples if e["family"] == "add")
@@ -223,17 +223,20 @@ def test_suites_are_checked_versioned_and_round_trip(tmp_path):
     loaded = EvalSuite.load(SUITE.save(tmp_path / "suite.json"), Marks())
     assert loaded == SUITE and loaded.suite_version == SUITE.suite_version
     assert SUITE.suite_version.startswith("test-suite@1#")
-    edited = EvalSuite.of("test-suite", "1", [*SUITE.items[:-1], ("# other\n", "max")], Marks())
+    edited = EvalSuite.of("test-suite", "1", [*SUITE.items[:-1], ("# other\n", "max_default")], Marks())
     assert edited.suite_version != SUITE.suite_version  # same name and version, other prompts: another hash
     with pytest.raises(ValueError, match="format"):
         EvalSuite.from_json({"items": []}, Marks())
 
 
-def test_demo_suite_is_in_distribution_and_checks_python():
+def test_demo_suite_is_the_held_out_gate_split_and_checks_python():
     suite = demo_suite()
-    assert suite.in_distribution and len(suite.items) == len(all_tasks()) and suite.well_formed is python_parses
-    assert suite.suite_version.startswith("demo-tasks@1#") and suite.suite_version == demo_suite().suite_version
-    task = all_tasks()[0]
+    gate = split_tasks("gate", GATE_PROMPTS)
+    assert [it.prompt for it in suite.items] == [t.prompt for t in gate] and len(gate) == 512
+    assert not suite.in_distribution and suite.well_formed is python_parses
+    assert suite.suite_version.startswith("demo-gate@2#") and suite.suite_version == demo_suite().suite_version
+    assert demo_suite(split_tasks("train", 4, ("add", "mul"))).in_distribution  # train prompts: labelled so
+    task = gate[0]
     good, bad = completions_for(task)["correct_preferred"][0], completions_for(task)["incorrect_preferred"][0]
     assert suite.verifier.verify([task.prompt] * 2, [good, bad]) == [1.0, 0.0]
     assert (

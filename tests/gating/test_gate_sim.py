@@ -1,7 +1,7 @@
 """The gate's error rates, reduced: `bench/gate_sim.py` (its docstring has the design) at 200 replicates.
 
-Offline on a synthetic pool shaped like the measured one (the real demo suite's 62 prompts and 8
-families, pass rates spread over [0.25, 0.65] as the demo base model's are, 64 samples per prompt);
+Offline on a synthetic pool shaped like the real demo suite (the gate split: 512 prompts, 18
+families; pass rates spread over [0.25, 0.65] as the demo base model's are, 64 samples per prompt);
 online in a small world (3,000 active users, one 50% step of at most 30 minutes, a look every 5
 simulated minutes) with the default statistics. Every bound is checked against a binomial tolerance: a
 count that a rate exactly at the bound reaches with probability below 1e-6, so a failure means the gate is
@@ -68,12 +68,9 @@ def test_the_non_inferiority_test_has_power_when_samples_suffice():
     assert r["non_inferiority"] >= binomial_floor(REPS, 0.8), r
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="suite size (bench/results/gate_sim.md): the overall non-inferiority test has ~26% power at G 8 on the "
-    "demo's 62 prompts; ~85% needs G 64 or ~500 prompts (the larger demo product's gate split)",
-)
 def test_an_equally_good_candidate_passes_offline_at_the_default_size():
+    """At G 8 on the old product's 62 prompts this passed about 0% (26% power overall); the gate split's
+    512 prompts are what brings it above 80% (bench/gate_sim.py)."""
     r = simulate_offline(POOL, None, GateConfig().G, REPS, np.random.default_rng(3))["passed"]
     assert r["verdict"] >= binomial_floor(REPS, 0.8), r
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from demo.checker import DemoVerifier
-from demo.tasks import sample_tasks
+from demo.split import sample_tasks
 from gating.suites import Verifier
 from learner.offline import rollout_groups
 from learner.replay import Sequence

@@ -131,7 +131,7 @@ def test_crash_and_resume_trains_every_sample_exactly_once(tmp_path, tiny_checkp
 
 
 def test_offline_groups_are_mixed_into_the_next_update(tmp_path, tiny_checkpoint, samples):
-    from demo.tasks import sample_tasks
+    from demo.split import sample_tasks
     from learner.offline import rollout_groups
 
     class Parity:  # a verifier the untrained test model can pass

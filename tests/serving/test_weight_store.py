@@ -3,14 +3,13 @@ corruption refused with nothing applied."""
 
 import hashlib
 import json
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 import zstandard
 
-from demo.bootstrap import encode_example
+from demo.bootstrap import SHIPPED_BASE, encode_example
 from demo.corpus import make_corpus
 from serving.checkpoint import load_checkpoint
 from serving.codec import (
@@ -27,7 +26,7 @@ from serving.codec import (
 from serving.tokenizer import Tokenizer
 from serving.weight_store import MissingVersionError, WeightStore, shipping_state
 
-DEMO = Path(__file__).resolve().parents[2] / "var" / "models" / "demo-base"
+DEMO = SHIPPED_BASE
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -188,8 +187,6 @@ def _real_update(folder, lr):
 
 @pytest.mark.parametrize("which", ["tiny", "demo"])
 def test_real_adamw_update_round_trips_and_beats_naive_xor(which, tiny_checkpoint):
-    if which == "demo" and not (DEMO / "model.safetensors").is_file():
-        pytest.skip(f"{DEMO} not built (flywheel bootstrap)")
     folder = tiny_checkpoint if which == "tiny" else DEMO
     parent, child = _real_update(folder, lr=1e-6 if which == "demo" else 1e-5)
     snapshot = sum(t.numel() * 2 for t in parent.values())
