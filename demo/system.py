@@ -123,7 +123,15 @@ class _Gateway:
         self.proc.kill()
 
 
+def _log_to_file(home: str, name: str) -> None:
+    """A service process of the demo logs to <home>/<name>.log, as the gateway does."""
+    handler = logging.FileHandler(Path(home) / f"{name}.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+
+
 def _joiner_main(home: str, base: str, window_s: float, stop: Any) -> None:
+    _log_to_file(home, "joiner")
     from core.service_metrics import ServiceMetrics
     from feedback.connect import open_bus
     from feedback.joiner import JoinerService
@@ -141,6 +149,7 @@ def _joiner_main(home: str, base: str, window_s: float, stop: Any) -> None:
 
 
 def _learner_main(home: str, base: str, cfg_json: str, stop: Any) -> None:
+    _log_to_file(home, "learner")
     from core.service_metrics import ServiceMetrics
     from feedback.connect import open_bus
     from gating.registry import Registry
@@ -166,6 +175,7 @@ def _learner_main(home: str, base: str, cfg_json: str, stop: Any) -> None:
 
 
 def _gate_main(home: str, base: str, cfg_json: str, prompts: int, stop: Any) -> None:
+    _log_to_file(home, "gate")
     import threading
 
     from demo.suite import demo_suite

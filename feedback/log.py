@@ -6,6 +6,11 @@ once its records are written and fsynced (one write, one fsync, under a lock), s
 acknowledge them. A crash mid-write leaves a torn last frame, which reopening cuts (it was never
 acknowledged); a bad checksum anywhere else is an error, never skipped. `read()` does not block writers.
 
+Processes share a log through its files: `read()` and `append()` first catch up with what other
+processes appended (frames past the end this process knows, and segments they rolled to), so the
+gateway, the joiner and the learner of `flywheel up` see each other's records. Each topic has one
+writing process there; appends are O_APPEND, one write per batch.
+
 Called by `feedback.bus_embedded` and `feedback.spool`.
 """
 
@@ -15,6 +20,7 @@ import logging
 import os
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -120,7 +126,16 @@ class DurableLog:
 
     def _open_segment(self, base: int) -> None:
         path = self.folder / f"{base:020d}.log"
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:  # another process made it a moment ago: its header is on the way
+            for _ in range(100):
+                if path.stat().st_size >= len(HEADER):
+                    break
+                time.sleep(0.01)
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+            self._seg_base, self._seg_size = base, len(HEADER)
+            return
         os.write(self._fd, HEADER)
         if self.fsync:
             os.fsync(self._fd)
@@ -138,12 +153,43 @@ class DurableLog:
         segs = segments(self.folder)
         return segs[0][0] if segs else self._next
 
+    def _catch_up(self) -> None:
+        """Count the whole frames other processes appended past the known end (lock held)."""
+        path = self.folder / f"{self._seg_base:020d}.log"
+        try:
+            grown = path.stat().st_size > self._seg_size
+        except FileNotFoundError:
+            grown = False
+        later = [seg for seg in segments(self.folder) if seg[0] > self._seg_base]
+        if not grown and not later:
+            return
+        for base, seg_path in [(self._seg_base, path), *later]:
+            if base != self._seg_base:
+                if base != self._next:  # a segment starts where the previous one's records end
+                    raise LogCorrupted(f"{seg_path}: starts at offset {base}, expected {self._next}")
+                os.close(self._fd)
+                self._fd = os.open(seg_path, os.O_WRONLY | os.O_APPEND)
+                self._seg_base, self._seg_size = base, len(HEADER)
+            reader = SegmentReader(seg_path, self._seg_size, self._next)
+            try:
+                while True:
+                    try:
+                        if reader.next() is None:
+                            break
+                    except LogCorrupted:
+                        break  # the tail of a write still in progress: counted on a later call
+                    self._next += 1
+                self._seg_size = reader.pos
+            finally:
+                reader.close()
+
     def append(self, payloads: list[bytes]) -> int:
         """Write and fsync `payloads` in order; their first offset once they are durable."""
         data = b"".join(_FRAME.pack(len(p), _crc(p)) + p for p in payloads)
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"log {self.folder} is closed")
+            self._catch_up()
             if self._seg_size >= self.segment_bytes:
                 os.close(self._fd)
                 self._open_segment(self._next)
@@ -160,6 +206,9 @@ class DurableLog:
     def read(self, start: int = 0, limit: int | None = None) -> Iterator[tuple[int, bytes]]:
         """(offset, payload) of the durable records from `start` on, at most `limit` of them. A reader
         that continues where its last read ended resumes at the remembered byte position."""
+        with self._lock:
+            if not self._closed:
+                self._catch_up()
         end = self._next if limit is None else min(self._next, start + limit)
         if start >= end:
             return

@@ -72,3 +72,33 @@ def test_a_bus_folder_of_another_format_version_is_refused(tmp_path):
     (tmp_path / "bus.json").write_text(json.dumps({"version": 0, "partitions": 4}))
     with pytest.raises(ValueError, match="version 0"):
         EmbeddedBus(tmp_path)
+
+
+def test_a_consumer_sees_what_another_process_publishes_later(tmp_path):
+    """`flywheel up` runs the gateway, the joiner and the learner as processes on one embedded bus:
+    a consumer opened first (before the topic exists) gets what a second process publishes, also
+    after that process rolls to a new segment."""
+    import subprocess
+    import sys
+
+    bus = EmbeddedBus(tmp_path / "bus", partitions=1)
+    consumer = bus.consumer("t", group="g")
+    assert consumer.poll(timeout_s=0.1) == []
+    code = (  # the bus's record format written straight to the partition's log, rolling segments often
+        "import sys; from feedback.log import DurableLog\n"
+        f"log = DurableLog({str(tmp_path / 'bus' / 't' / 'p0')!r}, segment_bytes=100)\n"
+        "for i in range(int(sys.argv[1])): log.append([b'\\x01\\x00k' + b'%03d' % i])\n"
+        "log.close()\n"
+    )
+    subprocess.run([sys.executable, "-c", code, "25"], check=True, timeout=60)
+    got = []
+    while len(got) < 25 and (records := consumer.poll(timeout_s=1.0)):
+        got += records
+    assert [r.value for r in got] == [b"%03d" % i for i in range(25)]
+    assert [r.offset for r in got] == list(range(25))
+    consumer.commit(got)
+    subprocess.run([sys.executable, "-c", code, "3"], check=True, timeout=60)  # appends after the others
+    more = consumer.poll(timeout_s=2.0)
+    assert [(r.offset, r.value) for r in more] == [(25, b"000"), (26, b"001"), (27, b"002")]
+    consumer.close()
+    bus.close()
