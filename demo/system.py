@@ -62,6 +62,9 @@ class DemoSystemConfig(BaseModel):
     replicas: int = Field(2, ge=1, description="Engines of the gateway.")
     learner_every_samples: int = Field(256, ge=1, description="Samples per learner update.")
     lr: float = Field(3e-4, gt=0, description="The learner's learning rate.")
+    updates_per_candidate: int = Field(
+        8, ge=1, description="Learner updates a candidate holds beyond its parent (LearnerConfig.min_updates_per_candidate)."
+    )
     gate_G: int = Field(4, ge=1, description="Offline samples per prompt and version.")
     gate_prompts: int = Field(64, ge=4, description="Prompts of the offline suite.")
     canary_steps: tuple[float, ...] = Field((0.2, 0.5), description="Canary shares.")
@@ -369,6 +372,7 @@ def start_services(cfg: DemoSystemConfig, home: Path, base: Path, port: int) -> 
         update_every_samples=cfg.learner_every_samples,
         update_every_s=max(30.0, cfg.window_s * 10),
         min_samples=32,
+        min_updates_per_candidate=cfg.updates_per_candidate,
         trainer=TrainerConfig(lr=cfg.lr),
     )
     canary = CanaryConfig(
@@ -379,7 +383,8 @@ def start_services(cfg: DemoSystemConfig, home: Path, base: Path, port: int) -> 
         min_users_for_harm=max(2, cfg.canary_min_users // 2),
         watch_s=cfg.traffic_s,
     )
-    gate = GateConfig(G=cfg.gate_G, seed=cfg.seed, n_resamples=500, poll_s=1.0, nice=5, canary=canary)
+    # nice 0: on a machine saturated by the simulated users a niced gate would starve (minutes per candidate)
+    gate = GateConfig(G=cfg.gate_G, seed=cfg.seed, n_resamples=500, poll_s=1.0, nice=0, canary=canary)
     h, b = str(home), str(base)
     specs: dict[str, tuple[Callable[..., None], tuple]] = {
         "joiner": (_joiner_main, (h, b, cfg.window_s, stop)),

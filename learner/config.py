@@ -33,6 +33,12 @@ class LearnerConfig(BaseModel):
         description="While a version is in flight at the gate, keep training but register no candidate; the "
         "tip is registered once the gate is free (so the gate always gets the newest).",
     )
+    min_updates_per_candidate: int = Field(
+        1,
+        ge=1,
+        description="Updates a candidate must hold beyond its parent: fewer are held back (as while the gate "
+        "is busy), so the gate and the canary get a version that differs enough to tell apart.",
+    )
     hold_check_s: float = Field(5.0, ge=0, description="How often a held-back tip asks whether the gate is free.")
     group: str = Field("learner", description="Consumer group on the sample topic.")
     topic: str = Field(TOPICS["sample"], description="The topic of `sample` events (the joiner's output).")

@@ -470,6 +470,11 @@ class LearnerService:
             full = Record(rec.topic, rec.partition, rec.offset, rec.key, value)
             dead_letter(self.bus, full, reason, "learner.quarantine")
 
+    def _enough_updates(self, pending: int) -> bool:
+        """The tip holds `min_updates_per_candidate` updates beyond the last registered version
+        (`pending`: the update being published, not yet in `held`)."""
+        return len(self.state["held"]) + pending >= self.cfg.min_updates_per_candidate
+
     def _gate_busy(self) -> bool:
         """Hold back: a version is in flight, or (once a gate was seen taking versions from this
         registry) the last registered candidate still waits for it."""
@@ -497,7 +502,7 @@ class LearnerService:
         )
         vid = self._free_id(len(set(self.state["versions"])))  # a rebase lists its base twice
         parent = self.current
-        if self._gate_busy():
+        if self._gate_busy() or not self._enough_updates(pending=1):
             self.state["held"][vid] = {"covered": covered, "stats": stats}
             self.counters["held_back"] += 1
         else:
@@ -562,7 +567,11 @@ class LearnerService:
         if self.rank == 0 and self.clock() - self._held_checked >= self.cfg.hold_check_s:
             self._held_checked = self.clock()
             tip = anchor(self.state)
-            go[0] = self.registry.base_for_next_candidate(tip).id == tip and not self._gate_busy()
+            go[0] = (
+                self.registry.base_for_next_candidate(tip).id == tip
+                and self._enough_updates(pending=0)
+                and not self._gate_busy()
+            )
             if go[0]:
                 last = self.state["held"].pop(self.current)
                 self._register(self.current, self._dir(self.current), last["stats"], last["covered"])

@@ -77,6 +77,26 @@ def test_updates_on_cadence_and_registers_candidates(tmp_path, tiny_checkpoint, 
     bus.close()
 
 
+def test_a_candidate_holds_at_least_min_updates_per_candidate(tmp_path, tiny_checkpoint, samples):
+    """With no gate about, 4 updates of 10 samples and min 3: one candidate after update 3 (its
+    parent the base, covering 30 samples); update 4 is the next tip, held until it has 3 of its own."""
+    bus = EmbeddedBus(tmp_path / "bus")
+    publish(bus, samples)
+    svc = make(tmp_path, tiny_checkpoint, bus, min_updates_per_candidate=3)
+    assert drain(svc) == ["v0001", "v0002", "v0003", "v0004"]  # every update makes a version...
+    registered = [v.id for v in svc.registry.list() if v.parent_id is not None]
+    assert registered == ["v0003"], (registered, svc.counters)  # ...and only the third is a candidate
+    assert svc.trainer.updates == 4 and svc.counters["held_back"] == 3, svc.counters
+    v3 = svc.registry.get("v0003")
+    assert v3.status == "candidate" and v3.parent_id == tiny_checkpoint.name
+    assert sum(end - start for start, end in v3.data_range["flywheel.samples"].values()) == 30
+    assert svc.current == "v0004" and list(svc.state["held"]) == ["v0004"]
+    svc.publish_held()  # the gate is free, but v0004 is one update past v0003: still held
+    assert svc.registry.get("v0003").status == "candidate" and "v0004" in svc.state["held"]
+    svc.close()
+    bus.close()
+
+
 def test_stale_samples_are_dropped_and_counted(tmp_path, tiny_checkpoint, samples):
     bus = EmbeddedBus(tmp_path / "bus")
     svc = make(tmp_path, tiny_checkpoint, bus, max_staleness=1)
