@@ -112,6 +112,13 @@ class CanaryConfig(BaseModel):
     min_users_for_harm: int = Field(
         10, ge=2, description="Users each arm needs before harm is judged (the variances are estimated)."
     )
+    route_lag_s: float = Field(
+        3.0,
+        ge=0,
+        description="Completions that end within this long after a step starts are not counted in it: gateways "
+        "cache the share (api.fleet.CANARY_TTL_S, 1 s) and a request runs a while, so they may have been routed "
+        "at the previous share, and counting them skews the split toward the old one (a false SRM abort).",
+    )
     consumer_group: str = Field("gate.canary", min_length=1, description="The gate's group on the sample topic.")
 
     @property

@@ -198,7 +198,8 @@ class Gate:
             progress = CanaryProgress.model_validate(raw)
         outcomes = CanaryOutcomes.from_dict(progress.counts)
         incumbent = self.registry.incumbent().id
-        counted = self._count(batch, outcomes, progress.started_at.timestamp(), progress.step, version.id, incumbent)
+        since = progress.started_at.timestamp() + self.cfg.canary.route_lag_s  # routed at this step's share
+        counted = self._count(batch, outcomes, since, progress.step, version.id, incumbent)
         progress = progress.model_copy(update={"counts": outcomes.to_dict()})
         if counted:
             self._record_canary(version.id, progress, f"canary step {progress.step}: {counted} new samples")

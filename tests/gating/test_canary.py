@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from datetime import datetime
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -197,10 +198,13 @@ def world(tmp_path):
     reg.close()
 
 
-def publish_traffic(bus: EmbeddedBus, share: float, cand_reward: float, per_arm: int = 40) -> None:
-    """Users assigned as the gateway does (salt = the candidate's id) until each arm has `per_arm`."""
+def publish_traffic(
+    bus: EmbeddedBus, share: float, cand_reward: float, per_arm: int = 40, ts: float | None = None
+) -> None:
+    """Users assigned as the gateway does (salt = the candidate's id) until each arm has `per_arm`;
+    their completions end at `ts` (default: now)."""
     got = {"candidate": 0, "incumbent": 0}
-    records, i, now = [], 0, time.time()
+    records, i, now = [], 0, time.time() if ts is None else ts
     while min(got.values()) < per_arm:
         user = f"user-{i}"
         i += 1
@@ -215,8 +219,9 @@ def publish_traffic(bus: EmbeddedBus, share: float, cand_reward: float, per_arm:
     bus.publish_many(TOPICS["sample"], records)
 
 
-def gate_for(reg, bus) -> Gate:
-    cfg = GateConfig(canary=CanaryConfig(steps=(0.5,), min_step_s=0, max_step_s=3600))
+def gate_for(reg, bus, route_lag_s: float = 0.0) -> Gate:
+    """route_lag_s 0: these samples are made here after the step started, none routed at an older share."""
+    cfg = GateConfig(canary=CanaryConfig(steps=(0.5,), min_step_s=0, max_step_s=3600, route_lag_s=route_lag_s))
     return Gate(reg, lambda: pytest.fail("no engine"), lambda v: pytest.fail("no load"), None, cfg, bus=bus)  # type: ignore[arg-type]
 
 
@@ -244,6 +249,22 @@ def test_equal_arms_reach_awaiting_approval_with_share_zero(world):
     assert gate.step().action == "awaiting_approval"  # nothing more: a person decides
 
 
+def test_completions_ending_right_after_a_step_starts_are_not_counted_in_it(world):
+    """They may have been routed at the previous share (gateways cache it): counted, a ramp's first look
+    saw the old split and aborted on SRM (the demo, before route_lag_s)."""
+    reg, bus = world
+    gate = gate_for(reg, bus, route_lag_s=3.0)
+    gate.step()
+    started = reg.get("v1").gate["canary"]["started_at"]
+    t0 = datetime.fromisoformat(started).timestamp() if isinstance(started, str) else started.timestamp()
+    publish_traffic(bus, 0.2, cand_reward=1.0, per_arm=10, ts=t0 + 1.0)  # routed at an older share
+    gate.step()
+    counts = CanaryOutcomes.from_dict(reg.get("v1").gate["canary"]["counts"])
+    assert counts.users(0, "candidate") == {} and counts.users(0, "incumbent") == {}
+    publish_traffic(bus, 0.5, cand_reward=1.0, ts=t0 + 3.5)
+    assert gate.step().action == "awaiting_approval"
+
+
 def test_a_much_worse_candidate_is_aborted(world):
     reg, bus = world
     gate = gate_for(reg, bus)
@@ -260,7 +281,9 @@ def test_a_restarted_gate_resumes_and_counts_nothing_twice(world):
     reg, bus = world
 
     def mk(group: str = "gate.canary") -> Gate:
-        c = CanaryConfig(steps=(0.5,), min_step_s=0, max_step_s=3600, min_users_per_arm=60, consumer_group=group)
+        c = CanaryConfig(
+            steps=(0.5,), min_step_s=0, max_step_s=3600, min_users_per_arm=60, consumer_group=group, route_lag_s=0
+        )
         return Gate(reg, lambda: None, lambda v: None, None, GateConfig(canary=c), bus=bus)  # type: ignore[arg-type, return-value]
 
     mk().step()
