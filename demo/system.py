@@ -63,7 +63,7 @@ class DemoSystemConfig(BaseModel):
     learner_every_samples: int = Field(256, ge=1, description="Samples per learner update.")
     lr: float = Field(3e-4, gt=0, description="The learner's learning rate.")
     updates_per_candidate: int = Field(
-        8, ge=1, description="Learner updates a candidate holds beyond its parent (LearnerConfig.min_updates_per_candidate)."
+        8, ge=1, description="Updates a candidate holds beyond its parent (min_updates_per_candidate)."
     )
     gate_G: int = Field(4, ge=1, description="Offline samples per prompt and version.")
     gate_prompts: int = Field(64, ge=4, description="Prompts of the offline suite.")
@@ -153,12 +153,12 @@ def _joiner_main(home: str, base: str, window_s: float, stop: Any) -> None:
 
 def _learner_main(home: str, base: str, cfg_json: str, stop: Any) -> None:
     _log_to_file(home, "learner")
+    import torch
+
     from core.service_metrics import ServiceMetrics
     from feedback.connect import open_bus
     from gating.registry import Registry
     from learner.service import LearnerConfig, LearnerService
-
-    import torch
 
     torch.set_num_threads(1)
     settings = _settings(home, base)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-from datetime import datetime
 from datetime import UTC, datetime, timedelta
 
 import pytest
