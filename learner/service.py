@@ -235,14 +235,17 @@ class LearnerService:
             self.counters["reference_reloads"] += 1
 
     def _free_id(self, n: int) -> str:
-        """`vNNNN` not yet in the registry (a crash between registering and `learner.json` leaves one used)."""
+        """`vNNNN` not yet used: not in this lineage (held-back tips are in no registry), the registry
+        (a crash between registering and `learner.json` leaves one used) or the weight store."""
+        used = set(self.state["versions"])
         while True:
             vid = f"v{n:04d}"
-            try:
-                self.registry.get(vid)
-            except UnknownVersion:
-                if vid not in self.store.versions():
-                    return vid
+            if vid not in used:
+                try:
+                    self.registry.get(vid)
+                except UnknownVersion:
+                    if vid not in self.store.versions():
+                        return vid
             n += 1
 
     def _store_entry(self, version_id: str) -> dict:

@@ -97,6 +97,19 @@ def test_a_candidate_holds_at_least_min_updates_per_candidate(tmp_path, tiny_che
     bus.close()
 
 
+def test_held_back_tips_never_reuse_an_id(tmp_path, tiny_checkpoint, samples):
+    """An id taken elsewhere (here v0001, registered by someone else) leaves a gap; the held-back tips
+    after it must still get new ids (they once all became v0002, each its own parent)."""
+    bus = EmbeddedBus(tmp_path / "bus")
+    publish(bus, samples)
+    svc = make(tmp_path, tiny_checkpoint, bus, min_updates_per_candidate=5)
+    svc.registry.register(version_id="v0001", parent_id=tiny_checkpoint.name, files=[])
+    assert drain(svc) == ["v0002", "v0003", "v0004", "v0005"]
+    assert svc.state["versions"][1:] == ["v0002", "v0003", "v0004", "v0005"] and svc.current == "v0005"
+    svc.close()
+    bus.close()
+
+
 def test_stale_samples_are_dropped_and_counted(tmp_path, tiny_checkpoint, samples):
     bus = EmbeddedBus(tmp_path / "bus")
     svc = make(tmp_path, tiny_checkpoint, bus, max_staleness=1)
