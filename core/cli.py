@@ -232,6 +232,8 @@ def _demo(args) -> None:
     from demo import report as demo_report
     from demo.system import DemoSystemConfig, run_system
 
+    for noisy in ("httpx", "openai"):  # one line per request otherwise
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     settings = get_settings()
     ensure_base(settings)
     base = settings.served_model_dir

@@ -70,6 +70,7 @@ class DemoSystemConfig(BaseModel):
     canary_steps: tuple[float, ...] = Field((0.2, 0.5), description="Canary shares.")
     canary_min_users: int = Field(20, ge=2, description="Users per arm a canary step needs.")
     canary_max_step_s: float = Field(120.0, gt=0, description="A canary step not passed by then is inconclusive.")
+    canary_margin: float = Field(0.03, ge=0, description="The canary's non-inferiority margin (reward scale).")
     auto_approve: bool = Field(True, description="Approve through the admin API as soon as a version awaits it.")
     report_prompts: int = Field(1000, ge=10, description="Report-split prompts per evaluation.")
     max_tokens: int = Field(48, ge=1)
@@ -77,7 +78,17 @@ class DemoSystemConfig(BaseModel):
     @classmethod
     def quick(cls) -> DemoSystemConfig:
         """The short variant CI runs: fewer users and minutes, the same system."""
-        return cls(users=100, traffic_s=180.0, report_prompts=200)
+        return cls(
+            users=150,
+            traffic_s=200.0,
+            report_prompts=200,
+            learner_every_samples=128,
+            updates_per_candidate=6,
+            gate_prompts=36,
+            canary_steps=(0.5,),
+            canary_min_users=10,
+            canary_margin=0.1,  # its few users decide within a minute or two; the real runs keep 0.03
+        )
 
 
 # ---- the services, each in its own process -------------------------------------------------------
@@ -379,6 +390,7 @@ def start_services(cfg: DemoSystemConfig, home: Path, base: Path, port: int) -> 
         steps=cfg.canary_steps,
         min_users_per_arm=cfg.canary_min_users,
         min_step_s=cfg.window_s * 2,
+        margin=cfg.canary_margin,
         max_step_s=cfg.canary_max_step_s,
         min_users_for_harm=max(2, cfg.canary_min_users // 2),
         watch_s=cfg.traffic_s,
