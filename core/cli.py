@@ -232,7 +232,7 @@ def _demo(args) -> None:
     from demo import report as demo_report
     from demo.system import DemoSystemConfig, run_system
 
-    for noisy in ("httpx", "openai"):  # one line per request otherwise
+    for noisy in ("httpx", "httpx2", "openai"):  # one line per request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
     settings = get_settings()
     ensure_base(settings)
