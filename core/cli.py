@@ -244,6 +244,12 @@ def _demo(args) -> None:
     seed = settings.seed if args.seed is None else args.seed
 
     def one(name: str, cfg: DemoSystemConfig, keep: bool) -> dict:
+        saved = runs_dir / f"{name}.json"
+        if args.resume and saved.is_file():
+            result = json.loads(saved.read_text())
+            if result["config"] == cfg.model_dump(mode="json"):
+                print(f"flywheel demo: run {name!r} reused from {saved} (same config)", flush=True)
+                return result
         home = runs_dir / name
         shutil.rmtree(home, ignore_errors=True)
         print(f"flywheel demo: run {name!r} in {home}", flush=True)
@@ -257,7 +263,9 @@ def _demo(args) -> None:
         cfg = common.model_copy(
             update={"seed": seed, "adversarial_share": args.adversarial_share, "shuffle_rewards": args.shuffle_rewards}
         )
-        one(f"seed{seed}", cfg, keep=not args.exit)
+        name = f"seed{seed}" + ("-shuffled" if cfg.shuffle_rewards else "")
+        name += f"-adversarial{round(cfg.adversarial_share * 100)}" if cfg.adversarial_share else ""
+        one(name, cfg, keep=not args.exit)
         return
     t0 = time.monotonic()
     seeds = [one(f"seed{s}", common.model_copy(update={"seed": s}), False) for s in range(args.seeds)]
@@ -345,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--report", metavar="DIR", default=None, help="run --seeds seeds and both controls; write DIR/report.*"
     )
     d.add_argument("--seeds", type=int, default=3, help="seeds of --report (default 3)")
+    d.add_argument("--resume", action="store_true", help="--report: reuse runs already saved with the same config")
     k = sub.add_parser("keys", help="create, list and revoke API keys (stored hashed in $FLYWHEEL_HOME/keys.json)")
     ks = k.add_subparsers(dest="keys_cmd", required=True)
     kc = ks.add_parser("create", help="a new key; its token is printed once")

@@ -53,7 +53,10 @@ class DemoSystemConfig(BaseModel):
     seed: int = Field(0, description="Seeds the users, their traffic and the services' sampling.")
     users: int = Field(500, ge=1, description="Simulated users.")
     adversarial_share: float = Field(0.0, ge=0, le=1, description="Share of users who reward wrong completions.")
-    shuffle_rewards: bool = Field(False, description="Control: users react to another completion's outcome.")
+    shuffle_rewards: bool = Field(
+        False,
+        description="Control: each reaction is about another completion (its text and outcome), so it says nothing.",
+    )
     traffic_s: float = Field(600.0, gt=0, description="Seconds of user traffic (wall clock).")
     concurrency: int = Field(16, ge=1, description="Completions in flight at once.")
     window_s: float = Field(4.0, gt=0, description="The joiner's attribution window (the compressed clock).")
@@ -314,13 +317,14 @@ async def _drive_users(
             if not batch:
                 continue
             checks = await asyncio.to_thread(check_batch, [t for _, t, _, _ in batch], [x for *_, x in batch])
-            outcomes = list(checks)
-            if cfg.shuffle_rewards:  # control: each user reacts to another completion's outcome
-                rng.shuffle(outcomes)
-            for (user, task, cid, text), check, real in zip(batch, outcomes, checks):
+            seen = list(range(len(batch)))  # what each reaction is about: its own completion...
+            if cfg.shuffle_rewards:  # ...or, in the control, another one (its task, text and outcome)
+                rng.shuffle(seen)
+            for (user, _, cid, _), real, j in zip(batch, checks, seen):
                 model = traffic_model.pop(cid, "?")
                 traffic.passed.setdefault(model, []).append(int(real.passed))
-                for s in _signals(user, task, text, check, cfg, rng):
+                _, task, _, text = batch[j]
+                for s in _signals(user, task, text, checks[j], cfg, rng):
                     delay = rng.uniform(0.0, cfg.window_s * 0.8)
                     later.append(asyncio.create_task(_send_later(fb, s, cid, user.sim.user_id, delay, traffic)))
             if progress is not None:
