@@ -475,6 +475,7 @@ def run_system(
         _wait_ready(url, services)
         on_line(
             f"[{time.monotonic() - t0:6.0f}s] gateway up at {url} ({cfg.replicas} replicas); dashboard {url}/dashboard"
+            + ("" if cfg.auto_approve else f" (sign in with the admin key {token} to approve)")
         )
         approver = _Approver(url, token)
         seen: dict[str, str] = {}
