@@ -55,7 +55,7 @@ def _bootstrap(args, settings: Settings | None = None) -> dict:
 
 def ensure_base(settings: Settings) -> None:
     """A home without its served checkpoint gets the shipped demo base (a copy: seconds), or, where
-    the checkout has none, a fresh bootstrap (10-15 minutes)."""
+    the checkout has none, a fresh bootstrap (10-40 minutes)."""
     import shutil
 
     from demo.bootstrap import REPORT, SHIPPED_BASE

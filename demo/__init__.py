@@ -11,7 +11,8 @@ train / gate / report split of the prompts, and the leak check), `sandbox` (runs
 untrusted code), `checker` (pass/fail per task; the learner's verifier), `users` (simulated
 users), `corpus` (the pre-training corpus mixing good and bad completions): standard library
 only. Built on them, with torch: `evaluation` (held-out pass rate and satisfaction), `bootstrap`
-(`flywheel bootstrap`) and `loop` (`flywheel demo`).
+(`flywheel bootstrap`), `system` (`flywheel demo`: the whole running system), `report`, and
+`loop` (its fast in-process twin).
 """
 
 from demo.checker import CheckResult, DemoVerifier, check, check_batch

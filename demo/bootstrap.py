@@ -10,7 +10,7 @@ Mixtral format and cached: a folder that already holds a finished bootstrap (`bo
 reused.
 
 The result of the default recipe is shipped in the repository (`models/demo-base`, `SHIPPED_BASE`),
-so a first start copies it instead of training for 10-15 minutes; `bootstrap.json` records what
+so a first start copies it instead of training for 10-40 minutes; `bootstrap.json` records what
 makes it checkable: the corpus's and the tokenizer's hashes and the loss of the first steps
 (`tests/demo/test_shipped_base.py` replays them).
 
@@ -63,7 +63,7 @@ class BootstrapConfig(BaseModel):
     p_correct: float = Field(0.5, ge=0, le=1, description="Share of corpus completions that are correct.")
     p_preferred: float = Field(0.3, ge=0, le=1, description="Share of corpus completions in the house style.")
     vocab_size: int = Field(512, ge=259, description="Tokenizer vocabulary size (bytes + merges + specials).")
-    steps: int = Field(1500, ge=1, description="Optimizer steps (10-15 minutes on 2 CPU cores).")
+    steps: int = Field(1500, ge=1, description="Optimizer steps (10-40 minutes on 2 CPU cores).")
     batch_size: int = Field(64, ge=1, description="Sequences per step.")
     lr: float = Field(3e-3, gt=0, description="Peak AdamW learning rate (cosine decay to 10%).")
     warmup: int = Field(50, ge=0, description="Linear warm-up steps.")

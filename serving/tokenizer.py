@@ -123,7 +123,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512, spell_quoted_st
     spell_quoted_strings: lowercase letters in a run that ends at a single quote (the letters of
     'ab' in `s.count('ab')`) are tokens of their own, as digits always are. A string literal is then
     spelled with the same 26 letter tokens wherever it appears, so one never seen in training is
-    still made of tokens that were. Off by default (the demo product of `demo.tasks` does without).
+    still made of tokens that were. Off by default; the demo's bootstrap turns it on.
     """
     if vocab_size < 256 + len(SPECIALS):
         raise ValueError(f"vocab_size must be at least {256 + len(SPECIALS)} (bytes + specials), got {vocab_size}")
