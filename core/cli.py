@@ -230,7 +230,7 @@ def _demo(args) -> None:
     import time
 
     from demo import report as demo_report
-    from demo.system import DemoSystemConfig, run_system
+    from demo.system import DemoSystemConfig, run_system, version_records
 
     for noisy in ("httpx", "httpx2", "openai"):  # one line per request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -249,6 +249,9 @@ def _demo(args) -> None:
             result = json.loads(saved.read_text())
             if result["config"] == cfg.model_dump(mode="json"):
                 print(f"flywheel demo: run {name!r} reused from {saved} (same config)", flush=True)
+                if (runs_dir / name / "registry.db").is_file():  # its versions as this code records them
+                    result["versions"] = version_records(runs_dir / name)
+                    saved.write_text(json.dumps(result, indent=2))
                 return result
         home = runs_dir / name
         shutil.rmtree(home, ignore_errors=True)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +106,9 @@ def _run_summary(run: dict[str, Any]) -> dict[str, Any]:
         "adversarial_share": run["config"]["adversarial_share"],
         "shuffle_rewards": run["config"]["shuffle_rewards"],
         "wall_s": run["wall_s"],
+        "evaluation_s": run.get("evaluation_s"),
         "traffic": run["traffic"],
+        "logged": run.get("logged_prompts"),
         "evaluations": evals,
         "versions": run["versions"],
     }
@@ -155,23 +159,89 @@ def markdown(s: dict[str, Any], command: str) -> str:
                   f"(95% CI {a['satisfaction_cost_ci95']}), paired against seed 0's final version."]  # fmt: skip
     lines += ["", "![satisfaction per version](report.png)", "", "## Runs", ""]
     for run in s["runs"]:
-        what = "shuffled control" if run["shuffle_rewards"] else f"{run['adversarial_share']:.0%} adversarial"
-        lines += [
-            f"### seed {run['seed']} ({what}); {run['wall_s']:.0f} s; {run['traffic']['completions']} completions, "
-            f"{run['traffic']['feedback']} feedback events",
-            "",
-            "| version | status | satisfaction | pass rate | canary | learner (ratio mean, clip frac, dropped) |",
-            "|---|---|---|---|---|---|",
-        ]
-        for v in run["versions"]:
-            e = run["evaluations"].get(v["id"])
-            sat = f"{e['satisfaction']:.3f} {e['satisfaction_ci95']}" if e else ""
-            pr = f"{e['pass_rate']:.3f} {e['pass_rate_ci95']}" if e else ""
-            le = v.get("learner", {})
-            learner = ", ".join(str(le.get(k, "")) for k in ("ratio_mean", "clip_frac", "dropped"))
-            lines.append(f"| {v['id']} | {v['status']} | {sat} | {pr} | {v['canary']} | {learner} |")
-        lines.append("")
+        lines += _run_section(run)
     return "\n".join(lines) + "\n"
+
+
+def _at(t: str) -> datetime:
+    return datetime.fromisoformat(t)
+
+
+def _first(v: dict[str, Any], to: str) -> dict[str, Any] | None:
+    return next((t for t in v["transitions"] if t["to"] == to), None)
+
+
+def _run_section(run: dict[str, Any]) -> list[str]:
+    what = "shuffled-reward control" if run["shuffle_rewards"] else f"{run['adversarial_share']:.0%} adversarial users"
+    t = run["traffic"]
+    lines = [
+        f"### seed {run['seed']}, {what}",
+        "",
+        f"{run['wall_s']:.0f} s of running system ({t['completions']} completions, {t.get('errors', 0)} failed, "
+        f"{t['feedback']} feedback events), then the report-split evaluation. "
+        + (
+            f"Logged completions checked for gate or report content: {run['logged']['completions_logged']} "
+            f"({run['logged']['distinct_prompts']} distinct prompts), leaks found: {len(run['logged']['leaks'])}."
+            if run.get("logged")
+            else ""
+        ),
+        "",
+    ]
+    versions = run["versions"]
+    base = next((v for v in versions if v["parent"] is None), None)
+    start = _at(base["transitions"][0]["at"]) if base and base["transitions"] else None
+    lines += [
+        "| version | fate | learner updates | offline gate | canary | promoted after | report satisfaction "
+        "| report pass rate |",
+        "|---|---|---:|---|---|---:|---|---|",
+    ]
+    for v in versions:
+        e = run["evaluations"].get(v["id"])
+        sat = _pct(e["satisfaction"], e["satisfaction_ci95"]) if e else ""
+        pr = _pct(e["pass_rate"], e["pass_rate_ci95"]) if e else ""
+        cand, canary, waiting, promoted = (
+            _first(v, k) for k in ("candidate", "canary", "awaiting_approval", "promoted")
+        )
+        ended = next((x for x in v["transitions"] if x["to"] in ("rejected", "aborted")), None)
+        m = re.search(r"learner update (\d+)", cand["reason"]) if cand else None
+        offline = canary["reason"] if canary else (ended["reason"] if ended and not canary else "")
+        online = waiting["reason"] if waiting else (ended["reason"] if ended and canary else "")
+        after = f"{(_at(promoted['at']) - start).total_seconds():.0f} s" if promoted and start and v["parent"] else ""
+        fate = v["status"] if v["parent"] else "base"
+        cells = [v["id"], fate, m[1] if m else "", _short(offline), _short(online), after, sat, pr]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Off-policy statistics of each candidate's last update (importance ratio against the behaviour "
+        "log-probs the gateway recorded; staleness in registered versions and in updates):",
+        "",
+        "| version | ratio mean | ratio max | mean abs log ratio | clipped tokens | staleness (versions) "
+        "| staleness (updates) | dropped | held-back updates |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for v in versions:
+        le = v.get("learner") or {}
+        if not le:
+            continue
+        cells = [v["id"]] + [_num(le.get(k)) for k in ("ratio_mean", "ratio_max", "abs_log_ratio_mean")]
+        cells.append(f"{100 * le['clip_frac']:.2f} %" if "clip_frac" in le else "")
+        cells += [_num(le.get("staleness_versions_mean")), _num(le.get("staleness_updates_mean"))]
+        cells += [str(le.get("dropped", "")), str(le.get("held_back_updates", ""))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def _pct(x: float, ci: list[float]) -> str:
+    return f"{100 * x:.1f} [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
+
+
+def _num(x: Any) -> str:
+    return "" if x is None else f"{x:.3g}"
+
+
+def _short(reason: str, n: int = 110) -> str:
+    reason = reason.replace("|", "/").split(" on demo-gate@")[0]
+    return reason if len(reason) <= n else reason[: n - 1] + "…"
 
 
 def plot(s: dict[str, Any], path: Path) -> None:

@@ -577,6 +577,37 @@ def _version_line(v: Any, elapsed: float, traffic: Traffic) -> str:
     return f"[{elapsed:6.0f}s] {v.id} {v.status.value:<12} parent {v.parent_id} {what} ({traffic.completions} served)"
 
 
+LEARNER_KEYS = (
+    "samples",
+    "samples_since_parent",
+    "held_back_updates",
+    "reward_mean",
+    "ratio_mean",
+    "ratio_max",
+    "abs_log_ratio_mean",
+    "clip_frac",
+    "staleness_versions_mean",
+    "staleness_updates_mean",
+    "dropped",
+    "kl_k3",
+    "entropy",
+    "poisoning",
+)
+"""The learner's numbers of a version that a run's record keeps (the off-policy ones among them)."""
+
+
+def version_records(home: Path) -> list[dict]:
+    """Every version of a run's registry, as `run_system` records it (also for a finished run)."""
+    from gating.registry import Registry
+
+    registry = Registry(f"sqlite:///{home / 'registry.db'}")
+    try:
+        audit = registry.audit()
+        return [_version_record(v, audit) for v in registry.list()]
+    finally:
+        registry.close()
+
+
 def _version_record(v: Any, audit: list) -> dict:
     steps = [a for a in audit if a.version_id == v.id and a.from_status != a.to_status]
     return {
@@ -587,11 +618,7 @@ def _version_record(v: Any, audit: list) -> dict:
         "transitions": [
             {"to": a.to_status.value, "at": a.at.isoformat(), "actor": a.actor, "reason": a.reason[:300]} for a in steps
         ],
-        "learner": {
-            k: v.metrics.get(k)
-            for k in ("samples", "ratio_mean", "clip_frac", "staleness_mean", "dropped", "reward_mean", "poisoning")
-            if k in v.metrics
-        },
+        "learner": {k: v.metrics.get(k) for k in LEARNER_KEYS if k in v.metrics},
         "offline_passed": (v.gate.get("offline") or {}).get("passed"),
         "canary": {k: (v.gate.get("canary") or {}).get(k) for k in ("step", "share")},
     }

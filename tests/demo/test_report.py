@@ -22,7 +22,28 @@ def run(seed: int, base: list[float], final: list[float], passed=(0, 1), adversa
         "evaluations": evals,
         "wall_s": 60.0,
         "traffic": {"completions": 10, "feedback": 5},
-        "versions": [{"id": "v0003", "status": "promoted", "canary": {}, "learner": {}}],
+        "versions": [
+            {
+                "id": "base",
+                "parent": None,
+                "status": "superseded",
+                "learner": {},
+                "transitions": [{"to": "promoted", "at": "2026-12-01T16:00:00+00:00", "reason": "cold start"}],
+            },
+            {
+                "id": "v0003",
+                "parent": "base",
+                "status": "promoted",
+                "learner": {"ratio_mean": 0.99, "clip_frac": 0.01},
+                "transitions": [
+                    {"to": "candidate", "at": "2026-12-01T16:01:00+00:00", "reason": "learner update 8"},
+                    {"to": "canary", "at": "2026-12-01T16:02:00+00:00", "reason": "offline passed: pass rate 0.6"},
+                    {"to": "awaiting_approval", "at": "2026-12-01T16:03:00+00:00", "reason": "canary: step 1 passed"},
+                    {"to": "promoted", "at": "2026-12-01T16:03:20+00:00", "reason": "approved"},
+                ],
+            },
+        ],  # fmt: skip
+        "logged_prompts": {"completions_logged": 10, "distinct_prompts": 9, "leaks": []},
     }
 
 
@@ -48,6 +69,8 @@ def test_the_adversarial_cost_is_paired_against_seed_zero():
     assert s["report_split"]["satisfaction_gain_ci95"] is None  # one seed: no interval over seeds
     text = markdown(s, "flywheel demo --seeds 1")
     assert "`flywheel demo --seeds 1`" in text and "Cost of 5% adversarial users: 15.0 points" in text
+    assert "| v0003 | promoted | 8 | offline passed: pass rate 0.6 | canary: step 1 passed | 200 s |" in text
+    assert "leaks found: 0" in text and "| v0003 | 0.99 |" in text
 
 
 def test_a_report_needs_a_run():
