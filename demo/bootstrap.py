@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
+from tqdm import tqdm
 
 from demo.corpus import CorpusMix, format_example, make_corpus
 from demo.evaluation import evaluate
@@ -100,7 +101,9 @@ def train(
     )
     model.train()
     t0, losses, step = time.perf_counter(), [], 0
-    for step in range(1, min(cfg.steps, stop_after or cfg.steps) + 1):
+    last = min(cfg.steps, stop_after or cfg.steps)
+    bar = tqdm(total=last, desc="bootstrap", unit="step", dynamic_ncols=True, leave=False, disable=last < 50)
+    for step in range(1, last + 1):
         lr = cfg.lr * (
             step / cfg.warmup
             if step <= cfg.warmup
@@ -119,6 +122,8 @@ def train(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.item())
+        bar.update(1)
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
         if step % 100 == 0 or step == 1:
             log.info(
                 "bootstrap step %d/%d loss %.4f lr %.2e (%.0fs)",
@@ -131,6 +136,7 @@ def train(
         if time.perf_counter() - t0 > cfg.time_budget_s:
             log.warning("bootstrap: time budget of %.0fs reached at step %d", cfg.time_budget_s, step)
             break
+    bar.close()
     model.eval()
     tail = losses[-50:]
     return {

@@ -647,13 +647,15 @@ def logged_prompt_leaks(home: Path, base: Path) -> dict:
 
 def evaluate_versions(home: Path, base: Path, version_ids: list[str], cfg: DemoSystemConfig) -> dict:
     """Satisfaction and pass rate of each version on the report split, with 95% CIs (this process)."""
+    from tqdm import tqdm
+
     from demo.evaluation import evaluate
     from demo.split import split_tasks
     from serving.engine import EmbeddedEngine
 
     tasks = split_tasks("report", cfg.report_prompts)
     out = {}
-    for vid in version_ids:
+    for vid in tqdm(version_ids, desc="report split", unit="version", dynamic_ncols=True, leave=False):
         folder = home / "models" / "learner" / vid
         if not (folder / "config.json").is_file():
             folder = base

@@ -1,5 +1,5 @@
 """Trained candidates through the real offline gate: a one-family regression is rejected, naming the
-family, and a better candidate passes.
+family, a candidate trained with half its users adversarial is rejected, and a better candidate passes.
 
 Both are trained from the demo base (`small_trained_checkpoint`, a copy of the shipped one) with the demo's own loop
 (`demo.loop.run_demo_loop`: served completions, simulated users' signals, the joiner, policy-gradient
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.damaged_candidates import gate_one, invert_family
+from bench.damaged_candidates import gate_one, half_adversarial, invert_family
 from demo.loop import DemoLoopConfig, run_demo_loop
 from demo.split import split_tasks
 from demo.suite import demo_suite
@@ -38,9 +38,14 @@ def verdicts(small_trained_checkpoint, tmp_path_factory):
     """One gate step on each candidate, each in a registry of its own."""
     root = tmp_path_factory.mktemp("candidates")
     out = {}
-    for name, rewards in (("better", None), ("regression", invert_family(BROKEN))):
+    adversarial = half_adversarial(LOOP.users, LOOP.seed)
+    for name, rewards, users in (
+        ("better", None, None),
+        ("regression", invert_family(BROKEN), None),
+        ("adversarial", None, adversarial),
+    ):
         folder = root / name
-        run_demo_loop(small_trained_checkpoint, LOOP, rewards=rewards, save_to=folder)
+        run_demo_loop(small_trained_checkpoint, LOOP, rewards=rewards, users=users, save_to=folder)
         work = root / f"gate-{name}"
         work.mkdir()
         out[name] = gate_one(small_trained_checkpoint, folder, f"cand-{name}", SUITE, GATE, work)
@@ -65,3 +70,9 @@ def test_a_better_candidate_passes_offline(verdicts):
     n = step.result.numbers
     assert n["non_inferiority"]["lower_bound"] > 0.0  # better, not merely non-inferior
     assert all(f["passed"] and f["mean_diff"] > 0 for f in n["families"].values()), n["families"]
+
+
+def test_a_candidate_trained_with_half_its_users_adversarial_is_rejected(verdicts):
+    step, recorded = verdicts["adversarial"]
+    assert step.action == "rejected" and recorded.to_status == "rejected", recorded.reason
+    assert "non_inferiority" in recorded.details["failed"], recorded.details["checks"]
