@@ -28,7 +28,7 @@ def test_the_loop_promotes_through_the_gate(run):
     promoted = [v for v in run["versions"] if v["id"] in run["promotions"][1:]]
     for v in promoted:
         steps = [t["to"] for t in v["transitions"]]
-        assert steps[:1] == ["evaluating"] and "canary" in steps and "awaiting_approval" in steps, steps
+        assert steps[:2] == ["candidate", "evaluating"] and "canary" in steps and "awaiting_approval" in steps, steps
         assert v["offline_passed"] is True
         approvals = [t for t in v["transitions"] if t["to"] == "promoted"]
         assert approvals and approvals[0]["actor"].startswith("key:"), approvals  # through the admin API

@@ -1,7 +1,6 @@
 """GRPO-style offline groups mixed into the single-sample learner."""
 
 import pytest
-import torch
 
 from demo.checker import DemoVerifier
 from demo.split import sample_tasks
@@ -78,14 +77,20 @@ def test_offline_mixing_weight(tiny_checkpoint, engine):
     # weight 0: the offline samples contribute nothing (sequence normalisation over all sequences scales the
     # online part by 8/12; Adam's update is invariant to that scale up to epsilon)
     mixed0 = _grads_after(tiny_checkpoint, engine, online + offline, [None] * 8 + [1.0, -1.0, 1.0, -1.0])
-    for k in only:
-        assert torch.allclose(only[k], mixed0[k], atol=1e-5), k
+    # (entries whose gradient is ~0 may flip Adam's first step, +-lr, under the different summation order)
+    assert _changed(only, mixed0) < 1e-3, _changed(only, mixed0)
     weighted = [
         Sequence(s.prompt_ids, s.output_ids, s.logprobs, s.routed_experts, 1.0, 1.0, reward=1.0, weight=1.0)
         for s in offline
     ]
     mixed1 = _grads_after(tiny_checkpoint, engine, online + weighted, [None] * 8 + [1.0, -1.0, 1.0, -1.0])
-    assert any(not torch.allclose(only[k], mixed1[k], atol=1e-5) for k in only)
+    assert _changed(only, mixed1) > 0.05, _changed(only, mixed1)
+
+
+def _changed(a: dict, b: dict) -> float:
+    """The share of parameter entries whose update differs by more than 1e-5."""
+    diff = sum(int((a[k] - b[k]).abs().gt(1e-5).sum()) for k in a)
+    return diff / sum(a[k].numel() for k in a)
 
 
 @pytest.mark.slow
