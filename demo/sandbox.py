@@ -62,7 +62,12 @@ _CHILD_SOURCE = r"""
 import builtins, io, json, os, resource, signal, sys
 
 def main():
+    if sys.platform.startswith("linux"):  # die with the process that asked (PR_SET_PDEATHSIG, SIGKILL)
+        import ctypes
+        ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)
     payload = json.loads(sys.stdin.buffer.read())
+    if os.getppid() != payload["parent"]:  # it died before the signal was asked for
+        os._exit(137)
     marker, timeout, items = payload["marker"], payload["timeout"], payload["items"]
     out_fd = os.dup(1)
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -221,7 +226,7 @@ def _run_child(items: list[tuple[str, list[list]]], timeout_s: float) -> list[Ex
     """Run `items` in one child until they are done or it hangs/dies; results for a prefix (>= 1)."""
     marker = secrets.token_hex(8)
     payload = json.dumps(
-        {"marker": marker, "timeout": timeout_s, "memory": MEMORY_LIMIT_BYTES, "items": items}
+        {"marker": marker, "timeout": timeout_s, "memory": MEMORY_LIMIT_BYTES, "items": items, "parent": os.getpid()}
     ).encode()
     command = [*network_isolation_prefix(), sys.executable, "-I", "-S", "-c", _CHILD_SOURCE]
     with tempfile.TemporaryDirectory(prefix="demo-sandbox-") as workdir:

@@ -28,13 +28,8 @@ import asyncio
 import json
 import logging
 import math
-import multiprocessing as mp
 import os
 import random
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +38,9 @@ from typing import Any
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
+
+from core.harness import free_port, http_ok, wait_until
+from core.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -93,124 +91,6 @@ class DemoSystemConfig(BaseModel):
 
 
 # ---- the services, each in its own process -------------------------------------------------------
-
-
-def _settings(home: str, base: str, **extra: Any):
-    from core.settings import Settings
-
-    return Settings(home=Path(home), model_dir=Path(base), env="local", **extra)
-
-
-class _Gateway:
-    """`flywheel serve` as a subprocess (the gateway: completions, feedback, admin API, dashboard), with
-    the calls `_Services` makes on a process."""
-
-    def __init__(self, home: str, base: str, port: int, replicas: int):
-        env = {
-            **os.environ,
-            "FLYWHEEL_HOME": home,
-            "FLYWHEEL_MODEL_DIR": base,
-            "FLYWHEEL_PORT": str(port),
-            "FLYWHEEL_REPLICAS": str(replicas),
-            "FLYWHEEL_HEARTBEAT_S": "1",
-            "FLYWHEEL_TORCH_THREADS": "1",  # every process of the demo shares 2 cores: no oversubscribed thread pools
-        }
-        log_file = open(Path(home) / "gateway.log", "ab")  # noqa: SIM115 (kept open for the child's life)
-        cmd = [sys.executable, "-c", "from core.cli import main; main(['serve'])"]
-        self.proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT)
-
-    @property
-    def exitcode(self) -> int | None:
-        return self.proc.poll()
-
-    def is_alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def join(self, timeout_s: float) -> None:
-        if self.is_alive():
-            self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-
-    def terminate(self) -> None:
-        self.proc.kill()
-
-
-def _log_to_file(home: str, name: str) -> None:
-    """A service process of the demo logs to <home>/<name>.log, as the gateway does."""
-    handler = logging.FileHandler(Path(home) / f"{name}.log")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
-
-
-def _joiner_main(home: str, base: str, window_s: float, stop: Any) -> None:
-    _log_to_file(home, "joiner")
-    from core.service_metrics import ServiceMetrics
-    from feedback.connect import open_bus
-    from feedback.joiner import JoinerService
-    from feedback.rewards import RewardSpec
-
-    settings = _settings(home, base)
-    bus = open_bus(settings)
-    service = JoinerService(bus, RewardSpec(), window_s, metrics=ServiceMetrics("joiner", settings.home / "metrics"))
-    try:
-        while not stop.is_set():
-            service.run_once(timeout_s=0.2)
-    finally:
-        service.close()
-        bus.close()
-
-
-def _learner_main(home: str, base: str, cfg_json: str, stop: Any) -> None:
-    _log_to_file(home, "learner")
-    import torch
-
-    from core.service_metrics import ServiceMetrics
-    from feedback.connect import open_bus
-    from gating.registry import Registry
-    from learner.service import LearnerConfig, LearnerService
-
-    torch.set_num_threads(1)
-    settings = _settings(home, base)
-    bus = open_bus(settings)
-    registry = Registry(settings.db_url)
-    cfg = LearnerConfig.model_validate_json(cfg_json)
-    metrics = ServiceMetrics("learner", settings.home / "metrics")
-    models, base_dir = settings.learner_models_dir, settings.served_model_dir
-    service = LearnerService(bus, registry, models, base_dir, cfg, metrics=metrics)
-    try:
-        while not stop.is_set():
-            service.run_once(timeout_s=0.2)
-    finally:
-        service.close()
-        bus.close()
-        registry.close()
-
-
-def _gate_main(home: str, base: str, cfg_json: str, prompts: int, stop: Any) -> None:
-    _log_to_file(home, "gate")
-    import threading
-
-    from demo.suite import demo_suite
-    from feedback.connect import open_bus
-    from gating.gate import GateConfig
-    from gating.gate_process import run_gate
-
-    settings = _settings(home, base, torch_threads=1)
-    bus = open_bus(settings)
-    done = threading.Event()
-
-    def relay() -> None:  # run_gate waits on a threading.Event; the demo stops it with a process Event
-        stop.wait()
-        done.set()
-
-    threading.Thread(target=relay, daemon=True).start()
-    try:
-        run_gate(settings, done, demo_suite(n=prompts), GateConfig.model_validate_json(cfg_json), bus=bus)
-    finally:
-        bus.close()
 
 
 # ---- the users -----------------------------------------------------------------------------------
@@ -344,43 +224,14 @@ async def _send_later(fb: Any, s: Any, cid: str, user: str, delay: float, traffi
 # ---- the run -------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class _Services:
-    procs: dict[str, Any]  # multiprocessing processes, and the gateway
-    stop: Any
-
-    def check(self) -> None:
-        dead = [n for n, p in self.procs.items() if not p.is_alive()]
-        if dead:
-            raise RuntimeError(f"demo: service(s) {dead} exited (codes {[self.procs[n].exitcode for n in dead]})")
-
-    def close(self, timeout_s: float = 30.0, keep: tuple[str, ...] = ()) -> None:
-        """Stop every service but those in `keep` (the gateway, to leave the dashboard up)."""
-        self.stop.set()
-        for name, p in list(self.procs.items()):
-            if name in keep:
-                continue
-            p.join(timeout_s)
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
-            del self.procs[name]
-
-
-def start_services(cfg: DemoSystemConfig, home: Path, base: Path, port: int) -> _Services:
+def start_services(cfg: DemoSystemConfig, home: Path, base: Path, port: int) -> Supervisor:
+    """The gateway (`flywheel serve`), the joiner, the learner and the gate under one supervisor."""
+    from demo.services import command
     from gating.canary import CanaryConfig
     from gating.gate import GateConfig
     from learner.service import LearnerConfig
     from learner.trainer import TrainerConfig
 
-    ctx = mp.get_context("spawn")
-    stop = ctx.Event()
     learner = LearnerConfig(
         update_every_samples=cfg.learner_every_samples,
         update_every_s=max(30.0, cfg.window_s * 10),
@@ -400,30 +251,35 @@ def start_services(cfg: DemoSystemConfig, home: Path, base: Path, port: int) -> 
     # nice 0: on a machine saturated by the simulated users a niced gate would starve (minutes per candidate)
     gate = GateConfig(G=cfg.gate_G, seed=cfg.seed, n_resamples=500, poll_s=1.0, nice=0, canary=canary)
     h, b = str(home), str(base)
-    specs: dict[str, tuple[Callable[..., None], tuple]] = {
-        "joiner": (_joiner_main, (h, b, cfg.window_s, stop)),
-        "learner": (_learner_main, (h, b, learner.model_dump_json(), stop)),
-        "gate": (_gate_main, (h, b, gate.model_dump_json(), cfg.gate_prompts, stop)),
+    supervisor = Supervisor("flywheel demo")
+    env = {
+        **os.environ,
+        "FLYWHEEL_HOME": h,
+        "FLYWHEEL_MODEL_DIR": b,
+        "FLYWHEEL_PORT": str(port),
+        "FLYWHEEL_REPLICAS": str(cfg.replicas),
+        "FLYWHEEL_HEARTBEAT_S": "1",
+        "FLYWHEEL_TORCH_THREADS": "1",  # every process of the demo shares 2 cores: no oversubscribed thread pools
     }
-    procs: dict[str, Any] = {"gateway": _Gateway(h, b, port, cfg.replicas)}
-    for name, (target, args) in specs.items():
-        p = ctx.Process(target=target, args=args, name=f"flywheel-{name}", daemon=False)
-        p.start()
-        procs[name] = p
-    return _Services(procs, stop)
+    supervisor.start_flywheel("gateway", ["serve"], env=env, log_path=home / "gateway.log")
+    specs: dict[str, tuple[Any, ...]] = {
+        "joiner": (h, b, cfg.window_s),
+        "learner": (h, b, learner.model_dump_json()),
+        "gate": (h, b, gate.model_dump_json(), cfg.gate_prompts),
+    }
+    for name, args in specs.items():
+        supervisor.start(name, command(name, *args), env=env)
+    return supervisor
 
 
-def _wait_ready(url: str, services: _Services, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        services.check()
-        try:
-            if httpx.get(url + "/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"demo: the gateway at {url} did not come up in {timeout_s:.0f} s")
+def _wait_ready(url: str, services: Supervisor, timeout_s: float = 120.0) -> None:
+    wait_until(
+        lambda: http_ok(url + "/healthz"),
+        timeout_s,
+        what=f"the demo gateway at {url}",
+        interval_s=0.5,
+        check=services.check,
+    )
 
 
 class _Approver:
@@ -462,7 +318,7 @@ def run_system(
     from gating.registry import Registry
 
     home.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     token, _ = KeyStore(home / "keys.json").create(["admin"], label="demo auto-approve")
     t0 = time.monotonic()
@@ -501,7 +357,9 @@ def run_system(
         audit = registry.audit()
     finally:
         bar.close()
-        services.close(keep=("gateway",) if keep_serving else ())
+        for name in list(services.children):
+            if name != "gateway" or keep_serving is None:
+                services.stop_child(name)
         registry.close()
     try:
         promoted = list(dict.fromkeys(a.version_id for a in audit if a.to_status.value == "promoted"))
@@ -529,7 +387,7 @@ def run_system(
         if keep_serving is not None:
             keep_serving(url, token)
     finally:
-        services.close()
+        services.stop()
     return result
 
 
@@ -624,13 +482,14 @@ def _version_record(v: Any, audit: list) -> dict:
 
 def logged_prompt_leaks(home: Path, base: Path) -> dict:
     """Every completion event the run logged, its prompt decoded, checked for gate or report content."""
+    from demo.services import service_settings
     from demo.split import find_leaks
     from feedback.connect import open_bus
     from feedback.events import TOPICS, CompletionEvent
     from serving.tokenizer import Tokenizer
 
     tok = Tokenizer.from_file(base)
-    bus = open_bus(_settings(str(home), str(base)))
+    bus = open_bus(service_settings(str(home), str(base)))
     consumer = bus.consumer(TOPICS["completion"], group="demo-leak-check")
     prompts: list[str] = []
     try:

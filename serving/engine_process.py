@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 def _child_main(conn, cfg: dict) -> None:
     import torch
 
+    from core.supervisor import die_with_parent
+
+    die_with_parent()  # a gateway or gate that dies, even by SIGKILL, takes its engines with it
     # Ctrl-C reaches the whole process group: the parent stops this process, after its requests.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from core import cli
+from cli import main as cli
 from core.settings import get_settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +30,7 @@ def env(monkeypatch, tmp_path):
 def test_the_joiner_loads_neither_fastapi_nor_torch(tmp_path):
     code = textwrap.dedent("""
         import sys
-        from core import cli
+        from cli import main as cli
         from core.settings import get_settings
 
         with cli.joiner_service(get_settings(), window_s=60.0) as service:
@@ -89,7 +89,7 @@ def test_a_fresh_home_serves_a_copy_of_the_shipped_base(env, monkeypatch):
 
 
 def test_up_makes_a_fresh_admin_key_and_revokes_the_last_sessions(tmp_path):
-    from core.cli import up_admin_key
+    from cli.main import up_admin_key
     from core.security import KeyStore
     from core.settings import Settings
 
@@ -101,19 +101,26 @@ def test_up_makes_a_fresh_admin_key_and_revokes_the_last_sessions(tmp_path):
 
 
 def test_up_runs_the_joiner_the_learner_and_the_gate_and_stops_them(tiny_checkpoint, tmp_path):
-    import time
-
-    from core.cli import UP_SERVICES, start_services, stop_services
+    from cli.main import UP_SERVICES, start_services
+    from core.harness import wait_until
     from core.settings import Settings
+    from core.supervisor import Supervisor
     from gating.registry import Registry
 
     settings = Settings(home=tmp_path, model_dir=tiny_checkpoint)
-    procs = start_services(settings)
+    supervisor = Supervisor("test up")
     try:
+        start_services(settings, supervisor)
         with Registry(settings.db_url) as reg:  # published before any service started
             assert reg.promoted().id == tiny_checkpoint.name
-        time.sleep(8)  # long enough for each to import, open the bus and start its loop
-        assert [p.poll() for p in procs] == [None] * len(UP_SERVICES)  # all still running
+        # each service reports its metrics once its loop runs: it imported, opened the bus and looped
+        metrics = [tmp_path / "metrics" / f"{name}.prom" for name in UP_SERVICES]
+        wait_until(
+            lambda: all(m.is_file() for m in metrics), 120, what="every service's first metrics", check=supervisor.check
+        )
+        assert sorted(supervisor.children) == sorted(UP_SERVICES)
     finally:
-        stop_services(procs, timeout_s=30)
-    assert all(p.returncode is not None for p in procs)
+        children = list(supervisor.children.values())
+        supervisor.stop(timeout_s=30)
+    assert all(c.returncode is not None for c in children)
+    assert supervisor.died is None

@@ -6,7 +6,7 @@
   flywheel joiner                 feedback + completions -> rewarded samples (consumes and publishes on the bus)
   flywheel learner                samples -> policy-gradient updates -> candidate versions in the registry
   flywheel gate                   candidates -> offline regression evals -> canary or rejected (never promotes)
-  flywheel demo [--report DIR]    the demo product through the whole system: simulated users over HTTP and the SDK
+  flywheel demo [--report DIR]    the demo product through the whole system: simulated users, HTTP and the SDK
   flywheel keys create|list|revoke  API keys of this home's key store (shown once, stored hashed)
 
 Each command imports what it runs only when it runs, so e.g. the joiner never loads FastAPI or torch.
@@ -22,7 +22,6 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 from core.security import SCOPES
 from core.service_metrics import ServiceMetrics
@@ -83,6 +82,7 @@ def serve_settings(args) -> Settings:
 
 def _serve(args) -> None:
     from api.main import serve
+    from core.supervisor import Supervisor
 
     settings = serve_settings(args)
     ensure_base(settings)
@@ -90,44 +90,34 @@ def _serve(args) -> None:
         serve(settings)
         return
     print(f"flywheel: admin API key for this session: {up_admin_key(settings)}", flush=True)
-    services = start_services(settings)
+    supervisor = Supervisor("flywheel up")
     try:
+        start_services(settings, supervisor)
+        supervisor.watch()  # a dead service stops everything: the gateway too, and `up` exits 1
         serve(settings)
+    except KeyboardInterrupt:
+        pass
     finally:
-        stop_services(services)
+        supervisor.stop()
+    if supervisor.died is not None:
+        sys.exit(f"flywheel up: {supervisor.died.name} exited with code {supervisor.died.code}; stopped everything")
 
 
 UP_SERVICES = ("joiner", "learner", "gate")
 
 
-def start_services(settings: Settings) -> list:
-    """`flywheel up`'s other processes, each `flywheel <name>` with this environment: the joiner, the
-    learner and the gate. The base is published first, so none of them races another to do it."""
-    import subprocess
-
+def start_services(settings: Settings, supervisor) -> None:
+    """`flywheel up`'s other processes, each `flywheel <name>` with this environment, under
+    `supervisor`: the joiner, the learner and the gate. The base is published first, so none of them
+    races another to do it."""
     from gating.bootstrap import publish_base
     from gating.registry import Registry
 
     with Registry(settings.db_url) as registry:
         publish_base(registry, settings.learner_models_dir, settings.served_model_dir)
     env = {**os.environ, "FLYWHEEL_HOME": str(settings.home), "FLYWHEEL_MODEL_DIR": str(settings.served_model_dir)}
-    return [subprocess.Popen([sys.executable, "-m", "core.cli", name], env=env) for name in UP_SERVICES]
-
-
-def stop_services(procs: list, timeout_s: float = 30.0) -> None:
-    """Ctrl-C for each (they stop cleanly on KeyboardInterrupt), then a kill for any still running."""
-    import signal
-    import subprocess
-
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGINT)
-    for p in procs:
-        try:
-            p.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    for name in UP_SERVICES:
+        supervisor.start_flywheel(name, [name], env=env)
 
 
 def up_admin_key(settings: Settings) -> str:
@@ -223,75 +213,6 @@ def _gate(args) -> None:
         bus.close()
 
 
-def _demo(args) -> None:
-    """One run of the demo through the whole system (`demo.system`), or with --report the published
-    set of runs (seeds and the two controls) and `<dir>/report.{md,json,png}` (`demo.report`)."""
-    import shutil
-    import time
-
-    from demo import report as demo_report
-    from demo.system import DemoSystemConfig, run_system, version_records
-
-    for noisy in ("httpx", "httpx2", "openai"):  # one line per request otherwise
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    settings = get_settings()
-    ensure_base(settings)
-    base = settings.served_model_dir
-    runs_dir = settings.home / "demo"
-    overrides = {k: v for k, v in (("users", args.users), ("traffic_s", args.minutes and args.minutes * 60)) if v}
-    common = DemoSystemConfig.quick() if args.quick else DemoSystemConfig()
-    common = common.model_copy(update={**overrides, "auto_approve": not args.no_auto_approve})
-    seed = settings.seed if args.seed is None else args.seed
-
-    def one(name: str, cfg: DemoSystemConfig, keep: bool) -> dict:
-        saved = runs_dir / f"{name}.json"
-        if args.resume and saved.is_file():
-            result = json.loads(saved.read_text())
-            if result["config"] == cfg.model_dump(mode="json"):
-                print(f"flywheel demo: run {name!r} reused from {saved} (same config)", flush=True)
-                if (runs_dir / name / "registry.db").is_file():  # its versions as this code records them
-                    result["versions"] = version_records(runs_dir / name)
-                    saved.write_text(json.dumps(result, indent=2))
-                return result
-        home = runs_dir / name
-        shutil.rmtree(home, ignore_errors=True)
-        print(f"flywheel demo: run {name!r} in {home}", flush=True)
-        result = run_system(cfg, home, base, keep_serving=_wait_for_ctrl_c if keep else None)
-        (runs_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
-        gain = demo_report.run_gain(result) if len(result["promotions"]) > 1 else None
-        print(json.dumps({"run": name, "promotions": result["promotions"], "gain": gain, "wall_s": result["wall_s"]}))
-        return result
-
-    if args.report is None:
-        cfg = common.model_copy(
-            update={"seed": seed, "adversarial_share": args.adversarial_share, "shuffle_rewards": args.shuffle_rewards}
-        )
-        name = f"seed{seed}" + ("-shuffled" if cfg.shuffle_rewards else "")
-        name += f"-adversarial{round(cfg.adversarial_share * 100)}" if cfg.adversarial_share else ""
-        one(name, cfg, keep=not args.exit)
-        return
-    t0 = time.monotonic()
-    seeds = [one(f"seed{s}", common.model_copy(update={"seed": s}), False) for s in range(args.seeds)]
-    shuffled = one("seed0-shuffled", common.model_copy(update={"seed": 0, "shuffle_rewards": True}), False)
-    adversarial = one("seed0-adversarial5", common.model_copy(update={"seed": 0, "adversarial_share": 0.05}), False)
-    summary = demo_report.summarize(seeds, shuffled, adversarial)
-    summary["total_wall_s"] = round(time.monotonic() - t0, 1)
-    command = "flywheel demo " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "flywheel demo --report docs/demo"
-    for path in demo_report.write(summary, Path(args.report), command):
-        print(f"flywheel demo: wrote {path}")
-
-
-def _wait_for_ctrl_c(url: str, token: str) -> None:
-    import time
-
-    print(f"flywheel demo: the dashboard stays up at {url}/dashboard (admin key {token}); Ctrl-C ends it", flush=True)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
-
-
 def _keys(args) -> None:
     """`flywheel keys create --scope S [--scope S ...] [--tenant T] [--label L]`: the new token on
     stdout (shown only now), what it is on stderr; `list`: one JSON object per key; `revoke KEY_ID`."""
@@ -373,6 +294,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from core.supervisor import PARENT_ENV, die_with_parent, interrupt_on_sigterm
+
+    if os.environ.get(PARENT_ENV):  # started by a supervisor (`flywheel up`, the demo, a test): die with it
+        die_with_parent()
+    interrupt_on_sigterm()  # SIGTERM stops a command the way Ctrl-C does: its `finally` blocks run
+    try:
+        _run(args)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def _run(args: argparse.Namespace) -> None:
     if args.cmd == "bootstrap":
         _bootstrap(args)
     elif args.cmd in ("serve", "up"):
@@ -384,7 +317,9 @@ def main(argv: list[str] | None = None) -> None:
     elif args.cmd == "gate":
         _gate(args)
     elif args.cmd == "demo":
-        _demo(args)
+        from cli.demo import demo
+
+        demo(args)
     elif args.cmd == "keys":
         _keys(args)
 

@@ -1,0 +1,2 @@
+"""The `flywheel` command: the top floor. It may import any package (lazily, inside each command);
+nothing imports it."""

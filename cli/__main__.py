@@ -1,0 +1,5 @@
+"""`python -m cli ...` is `flywheel ...`."""
+
+from cli.main import main
+
+main()

@@ -1,0 +1,81 @@
+"""`flywheel demo`: one run of the demo product through the whole system (`demo.system`), or with
+`--report DIR` the published set of runs (seeds and two controls) and `DIR/report.{md,json,png}`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+from cli.main import ensure_base
+from core.settings import get_settings
+
+
+def demo(args) -> None:
+    """One run of the demo through the whole system (`demo.system`), or with --report the published
+    set of runs (seeds and the two controls) and `<dir>/report.{md,json,png}` (`demo.report`)."""
+    import shutil
+    import time
+
+    from demo import report as demo_report
+    from demo.system import DemoSystemConfig, run_system, version_records
+
+    for noisy in ("httpx", "httpx2", "openai"):  # one line per request otherwise
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    settings = get_settings()
+    ensure_base(settings)
+    base = settings.served_model_dir
+    runs_dir = settings.home / "demo"
+    overrides = {k: v for k, v in (("users", args.users), ("traffic_s", args.minutes and args.minutes * 60)) if v}
+    common = DemoSystemConfig.quick() if args.quick else DemoSystemConfig()
+    common = common.model_copy(update={**overrides, "auto_approve": not args.no_auto_approve})
+    seed = settings.seed if args.seed is None else args.seed
+
+    def one(name: str, cfg: DemoSystemConfig, keep: bool) -> dict:
+        saved = runs_dir / f"{name}.json"
+        if args.resume and saved.is_file():
+            result = json.loads(saved.read_text())
+            if result["config"] == cfg.model_dump(mode="json"):
+                print(f"flywheel demo: run {name!r} reused from {saved} (same config)", flush=True)
+                if (runs_dir / name / "registry.db").is_file():  # its versions as this code records them
+                    result["versions"] = version_records(runs_dir / name)
+                    saved.write_text(json.dumps(result, indent=2))
+                return result
+        home = runs_dir / name
+        shutil.rmtree(home, ignore_errors=True)
+        print(f"flywheel demo: run {name!r} in {home}", flush=True)
+        result = run_system(cfg, home, base, keep_serving=_wait_for_ctrl_c if keep else None)
+        (runs_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
+        gain = demo_report.run_gain(result) if len(result["promotions"]) > 1 else None
+        print(json.dumps({"run": name, "promotions": result["promotions"], "gain": gain, "wall_s": result["wall_s"]}))
+        return result
+
+    if args.report is None:
+        cfg = common.model_copy(
+            update={"seed": seed, "adversarial_share": args.adversarial_share, "shuffle_rewards": args.shuffle_rewards}
+        )
+        name = f"seed{seed}" + ("-shuffled" if cfg.shuffle_rewards else "")
+        name += f"-adversarial{round(cfg.adversarial_share * 100)}" if cfg.adversarial_share else ""
+        one(name, cfg, keep=not args.exit)
+        return
+    t0 = time.monotonic()
+    seeds = [one(f"seed{s}", common.model_copy(update={"seed": s}), False) for s in range(args.seeds)]
+    shuffled = one("seed0-shuffled", common.model_copy(update={"seed": 0, "shuffle_rewards": True}), False)
+    adversarial = one("seed0-adversarial5", common.model_copy(update={"seed": 0, "adversarial_share": 0.05}), False)
+    summary = demo_report.summarize(seeds, shuffled, adversarial)
+    summary["total_wall_s"] = round(time.monotonic() - t0, 1)
+    command = "flywheel demo " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "flywheel demo --report docs/demo"
+    for path in demo_report.write(summary, Path(args.report), command):
+        print(f"flywheel demo: wrote {path}")
+
+
+def _wait_for_ctrl_c(url: str, token: str) -> None:
+    import time
+
+    print(f"flywheel demo: the dashboard stays up at {url}/dashboard (admin key {token}); Ctrl-C ends it", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
