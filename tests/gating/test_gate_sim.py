@@ -1,4 +1,5 @@
-"""The gate's error rates, reduced: `bench/gate_sim.py` (its docstring has the design) at 200 replicates.
+"""The gate's error rates, reduced: `bench/gate_sim_offline.py` and `bench/gate_sim_canary.py` (their
+docstrings have the design) at 200 replicates.
 
 Offline on a synthetic pool shaped like the real demo suite (the gate split: 512 prompts, 18
 families; pass rates spread over [0.25, 0.65] as the demo base model's are, 64 samples per prompt);
@@ -14,17 +15,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from bench.gate_sim import (
-    Pool,
-    Traffic,
-    binomial_ceiling,
-    binomial_floor,
-    check_equivalence,
-    proportional_flip,
-    simulate_offline,
-    simulate_online,
-    uniform_flip,
-)
+from bench.common import binomial_ceiling, binomial_floor
+from bench.gate_sim_canary import Traffic, check_equivalence, simulate_online
+from bench.gate_sim_offline import Pool, proportional_flip, simulate_offline, uniform_flip
 from demo.suite import demo_suite
 from gating.canary import CanaryConfig
 from gating.gate import GateConfig
@@ -69,8 +62,7 @@ def test_the_non_inferiority_test_has_power_when_samples_suffice():
 
 
 def test_an_equally_good_candidate_passes_offline_at_the_default_size():
-    """At G 8 on the old product's 62 prompts this passed about 0% (26% power overall); the gate split's
-    512 prompts are what brings it above 80% (bench/gate_sim.py)."""
+    """At G 8 the gate split's 512 prompts bring the overall test's power above 80% (bench/gate_sim_offline.py)."""
     r = simulate_offline(POOL, None, GateConfig().G, REPS, np.random.default_rng(3))["passed"]
     assert r["verdict"] >= binomial_floor(REPS, 0.8), r
 
