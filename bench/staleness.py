@@ -32,7 +32,7 @@ truncated IS with cap 2, |log ρ| clamp 20) on an embedded bus and a SQLite regi
 model (`models/demo-base`, `demo.bootstrap.SHIPPED_BASE`: the shipped `flywheel bootstrap` recipe; made
 if missing) served by the embedded engine to whatever the registry says the fleet serves: the promoted
 version, and the in-flight candidate to users `gating.stats.assign_arm` puts in the canary at the
-recorded share (bench/results/staleness.* were measured on the old 8-family product). Demo tasks,
+recorded share. Demo tasks,
 simulated users (`demo.users`) and the real joiner core (`feedback.joiner.JoinerCore`,
 default reward spec, 600 s window) make the samples. Time is a compressed clock: each tick serves
 the requests of `tick_s` simulated seconds at the scenario's traffic; the learner's time trigger and
@@ -48,21 +48,13 @@ the steps take their time floor.
 Per cycle (from one promotion to the next; the first from the start) and in total: samples the
 learner consumed, the share dropped as stale, trained tokens and the shares with ρ > cap (clipped)
 and |log ρ| > 20 (truncated), updates, candidates registered, staleness of the trained samples in
-registered versions and in updates. Writes bench/results/staleness.json and staleness.md.
-
-Usage: python bench/staleness.py [--model DIR] [--scenario defaults busy] [--design now before]
-       [--cycles 5] [--seed 0]
+registered versions and in updates. The peer, in the same run: the "before" design on the same traffic.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import platform
 import random
-import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -72,24 +64,23 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench import common
+from demo.bootstrap import SHIPPED_BASE
+from demo.checker import check_batch
+from demo.split import sample_tasks
+from demo.users import SimulatedUser
+from feedback.bus_embedded import EmbeddedBus
+from feedback.events import TOPICS, CompletionEvent, FeedbackEvent
+from feedback.joiner import JoinerCore
+from feedback.rewards import RewardSpec
+from gating.canary import CanaryConfig
+from gating.registry import Registry
+from gating.stats import assign_arm
+from learner.service import LearnerConfig, LearnerService
+from serving.engine import EmbeddedEngine
+from serving.sampling import SamplingParams
 
-from demo.bootstrap import SHIPPED_BASE  # noqa: E402
-from demo.checker import check_batch  # noqa: E402
-from demo.split import sample_tasks  # noqa: E402
-from demo.users import SimulatedUser  # noqa: E402
-from feedback.bus_embedded import EmbeddedBus  # noqa: E402
-from feedback.events import TOPICS, CompletionEvent, FeedbackEvent  # noqa: E402
-from feedback.joiner import JoinerCore  # noqa: E402
-from feedback.rewards import RewardSpec  # noqa: E402
-from gating.canary import CanaryConfig  # noqa: E402
-from gating.registry import Registry  # noqa: E402
-from gating.stats import assign_arm  # noqa: E402
-from learner.service import LearnerConfig, LearnerService  # noqa: E402
-from serving.engine import EmbeddedEngine  # noqa: E402
-from serving.sampling import SamplingParams  # noqa: E402
-
+NAME = "staleness"
 TENANT = "demo"
 MAX_TOKENS = 48
 FLOOR_DROPPED, FLOOR_CLIPPED = 0.20, 0.10
@@ -376,12 +367,6 @@ def simulate(
     }
 
 
-def _shown(path: Path) -> str:
-    """A path as committed results name it: relative to the repository (or just its name)."""
-    path = path.resolve()
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
-
-
 def ensure_model(path: Path) -> Path:
     if not (path / "config.json").is_file():
         from demo.bootstrap import BootstrapConfig, bootstrap
@@ -390,64 +375,19 @@ def ensure_model(path: Path) -> Path:
     return path
 
 
-def markdown(res: dict) -> str:
-    lines = [
-        "# Staleness over 5 gate cycles (bench/staleness.py)",
-        "",
-        f"Machine: {res['machine']}; run {res['started']}; load average {res['load_before']} before, "
-        f"{res['load_after']} after; {res['wall_s']:.0f} s wall in all.",
-        "",
-        f"Floors (issue F22): at most {FLOOR_DROPPED:.0%} of samples dropped as stale, at most "
-        f"{FLOOR_CLIPPED:.0%} of trained tokens clipped (ρ > cap) or truncated (|log ρ| > clamp).",
-        "",
-    ]
-    for run in res["runs"]:
-        scn, t = run["scenario"], run["total"]
-        met = t["dropped_share"] <= FLOOR_DROPPED and t["clipped_share"] + t["truncated_share"] <= FLOOR_CLIPPED
-        lines += [
-            f'## {scn["name"]} traffic ({scn["traffic_per_h"]:.0f} samples/h), design "{run["name"]}" '
-            f"{json.dumps(run['design'])}",
-            "",
-            f"Gate cycle floor {run['cycle_floor_h']:.2f} h (eval {scn['eval_s'] / 60:.0f} min, three canary steps, "
-            f"approval {scn['approval_s'] / 60:.0f} min): {run['implied_updates_per_cycle']:.1f} learner updates "
-            f"per cycle implied. {run['requests']} requests over {run['simulated_h']:.1f} simulated hours, "
-            f"{run['wall_s']:.0f} s wall. Floors {'met' if met else 'NOT met'}.",
-            "",
-            "| cycle | hours | promoted | samples | dropped stale | tokens | clipped | truncated | updates "
-            "| registered | staleness (versions) mean / max | staleness (updates) mean / max | canary share served |",
-            "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        rows = list(zip(run["cycles"], run["promotions"])) + [(t, None)]
-        for i, (c, p) in enumerate(rows):
-            served = sum(c["served_by"].values()) or 1
-            lines.append(
-                f"| {i + 1 if p else 'total'} | {p['cycle_h'] if p else run['simulated_h']:.1f} | "
-                f"{p['version'] if p else ''} | {c['samples']} | {c['dropped_share']:.1%} | {c['tokens']:.0f} | "
-                f"{c['clipped_share']:.2%} | {c['truncated_share']:.2%} | {c['updates']} | {c['registered']} | "
-                f"{c['staleness_versions_mean']:.2f} / {c['staleness_versions_max']:.0f} | "
-                f"{c['staleness_updates_mean']:.2f} / {c['staleness_updates_max']:.0f} | "
-                f"{c['served_by'].get('canary', 0) / served:.1%} |"
-            )
-        lines += ["", f"Candidates still waiting at the end: {len(run['candidates_waiting_at_end'])}.", ""]
-    return "\n".join(lines) + "\n"
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=str(SHIPPED_BASE), help="Default: the shipped demo base (models/demo-base).")
+    ap = common.parser(__doc__)
+    ap.add_argument("--model", type=Path, default=SHIPPED_BASE, help="the base (default: models/demo-base)")
     ap.add_argument("--scenario", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     ap.add_argument("--design", nargs="+", default=list(DESIGNS), choices=list(DESIGNS))
     ap.add_argument("--cycles", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the learner")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args()
+    st = common.stamp()
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
-    model = ensure_model(Path(a.model))
-    started = datetime.now(UTC).isoformat(timespec="seconds")
-    load_before = os.getloadavg()
-    t0 = time.perf_counter()
+    model = ensure_model(a.model)
     runs = []
     for name in a.scenario:
         for d in a.design:
@@ -455,32 +395,23 @@ def main() -> None:
                 print(f"{name} / {d} ...", flush=True)
                 run = simulate(model, SCENARIOS[name], DESIGNS[d], a.cycles, a.seed, Path(work))
                 run["name"] = d
-                runs.append(run)
                 t = run["total"]
+                run["floors_met"] = (
+                    t["dropped_share"] <= FLOOR_DROPPED and t["clipped_share"] + t["truncated_share"] <= FLOOR_CLIPPED
+                )
+                runs.append(run)
                 print(
                     f"{name} / {d}: dropped {t['dropped_share']:.1%}, clipped {t['clipped_share']:.2%}, "
                     f"truncated {t['truncated_share']:.2%}, {t['updates']} updates, {run['wall_s']:.0f} s",
                     flush=True,
                 )
-    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     res = {
-        "machine": f"{platform.platform()}, {os.cpu_count()} CPUs (a VM shared with other jobs), torch "
-        f"{torch.__version__}; `uptime` at the end: {uptime}",
-        "started": started,
-        "load_before": [round(x, 2) for x in load_before],
-        "load_after": [round(x, 2) for x in os.getloadavg()],
-        "wall_s": time.perf_counter() - t0,
-        "model": str(Path(a.model).resolve().relative_to(ROOT))
-        if Path(a.model).resolve().is_relative_to(ROOT)
-        else a.model,
+        "model": common.shown(a.model),
+        "cycles": a.cycles,
         "floors": {"dropped": FLOOR_DROPPED, "clipped_or_truncated": FLOOR_CLIPPED},
         "runs": runs,
     }
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "staleness.json").write_text(json.dumps(res, indent=2, default=str))
-    (out / "staleness.md").write_text(markdown(res))
-    print((out / "staleness.md").read_text())
+    common.save(NAME, res, st, a.out)
 
 
 if __name__ == "__main__":
