@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,7 @@ def gate(home: str, base: str, cfg_json: str, prompts: int) -> None:
         bus.close()
 
 
-SERVICES = {"joiner": joiner, "learner": learner, "gate": gate}
+SERVICES: dict[str, Callable[..., None]] = {"joiner": joiner, "learner": learner, "gate": gate}
 
 
 def command(name: str, *args: Any) -> list[str]:

@@ -131,11 +131,11 @@ def draw_value(domain: Domain, split: str, rng: random.Random) -> object:
     _check_split(split)
     if isinstance(domain, IntLists):
         n = rng.randint(domain.min_len, domain.max_len)
-        items: list[int] = []
+        items: list[object] = []
         while len(items) < n:
             item = draw_value(domain.item, split, rng)
             if item not in items:
-                items.append(item)  # type: ignore[arg-type]
+                items.append(item)
         return tuple(items)
     groups = _pools(domain, split)
     if not groups:

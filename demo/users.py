@@ -100,10 +100,11 @@ class FeedbackSignal:
             raise ValueError(f"signal {self.kind!r} has invalid value {self.value!r}")
         if self.kind == "rating" and self.value not in (1, 2, 3, 4, 5):
             raise ValueError(f"rating must be 1..5, got {self.value}")
-        if self.kind == "edited" and not 0.0 <= self.value <= 1.0:  # type: ignore[operator]
-            raise ValueError(f"edited kept_fraction must be in [0, 1], got {self.value}")
-        if self.kind == "dwell" and not self.value >= 0.0:  # type: ignore[operator]
-            raise ValueError(f"dwell must be >= 0 seconds, got {self.value}")
+        value = self.value
+        if self.kind == "edited" and value is not None and not 0.0 <= value <= 1.0:
+            raise ValueError(f"edited kept_fraction must be in [0, 1], got {value}")
+        if self.kind == "dwell" and value is not None and not value >= 0.0:
+            raise ValueError(f"dwell must be >= 0 seconds, got {value}")
 
 
 class SimulatedUser:

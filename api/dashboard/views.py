@@ -134,7 +134,8 @@ def canary_charts(history: list[tuple[datetime, CanaryProgress]], alpha: float, 
     if not history:
         return {}
     t0 = min(p.started_at for _, p in history)
-    share, sat = [], {a: [] for a in ARMS}  # type: ignore[var-annotated]
+    share: list[tuple[float, float]] = []
+    sat: dict[str, list[tuple[float, float]]] = {a: [] for a in ARMS}
     diff, band = [], []
     for at, p in history:
         t = (at - t0).total_seconds()
