@@ -282,8 +282,7 @@ class ProcessEngine(GenerateMixin):
             self._table.release(name)
             raise
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
-        handle = RequestHandle(rid, caller_loop(), stream)
-        handle.cancel = lambda: self._send(("cancel", rid))  # type: ignore[method-assign]
+        handle = RequestHandle(rid, caller_loop(), stream, on_cancel=lambda: self._send(("cancel", rid)))
         self._bound[rid] = name
         self._handles[rid] = handle
         self._send(("submit", rid, list(prompt_ids), params, name, stream))

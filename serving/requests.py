@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -54,9 +55,17 @@ class StreamEvent:
 class RequestHandle:
     """What `submit` returns: iterate (sync or async) for stream events, or wait for the result."""
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None, stream: bool = True, sink=None):
+    def __init__(
+        self,
+        request_id: str,
+        loop: asyncio.AbstractEventLoop | None,
+        stream: bool = True,
+        sink: Callable[[StreamEvent], None] | None = None,
+        on_cancel: Callable[[], object] | None = None,
+    ):
         self.request_id = request_id
-        self._sink = sink  # a callable taking each StreamEvent instead of the queues (the engine process)
+        self._sink = sink  # takes each StreamEvent instead of the queues (the engine process)
+        self._on_cancel = on_cancel  # tells a backend that generates elsewhere (a process, vLLM's loop)
         self.stream = stream  # False: only the final event (the whole completion) is delivered
         self._loop = loop
         self._aq: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
@@ -66,6 +75,8 @@ class RequestHandle:
     def cancel(self) -> None:
         """Stop generating at the next step; the stream then ends with finish_reason "abort"."""
         self.cancelled = True
+        if self._on_cancel is not None:
+            self._on_cancel()
 
     def _post(self, ev: StreamEvent) -> None:
         if self._sink is not None:

