@@ -314,6 +314,14 @@ def gateway(
     return gw.start()
 
 
+def within(condition: Callable[[], T | None], timeout_s: float, interval_s: float = 0.05) -> T | None:
+    """`condition()`'s first truthy value within `timeout_s` (polled with `wait_until`), else None."""
+    try:
+        return wait_until(condition, timeout_s, interval_s=interval_s)
+    except TimeoutError:
+        return None
+
+
 def port_open(port: int, host: str = "127.0.0.1") -> bool:
     try:
         socket.create_connection((host, port), timeout=0.5).close()
