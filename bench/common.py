@@ -60,7 +60,7 @@ def _proc_field(path: str, key: str) -> str | None:
     return None
 
 
-def _version(package: str) -> str | None:
+def package_version(package: str) -> str | None:
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
@@ -96,7 +96,7 @@ def stamp() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "ram_gib": round(int(mem.split()[0]) / 2**20, 1) if mem else None,
         "python": platform.python_version(),
-        "torch": _version("torch"),
+        "torch": package_version("torch"),
         "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": command_line(),
         "loadavg_start": loadavg(),
