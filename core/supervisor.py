@@ -251,12 +251,13 @@ class Supervisor:
         self._terminate([child], self.stop_timeout_s if timeout_s is None else timeout_s)
         return child.returncode
 
-    def stop(self, timeout_s: float | None = None) -> None:
-        """Stop every child: SIGTERM to each, then SIGKILL to any still running after the timeout."""
-        self._stopping = True
+    def stop(self, timeout_s: float | None = None, keep: tuple[str, ...] = ()) -> None:
+        """Stop every child but those named in `keep`, all at once: SIGTERM to each, then SIGKILL to any
+        still running after the timeout."""
+        self._stopping = not keep
         with self._lock:
-            children = list(self.children.values())
-            self.children.clear()
+            children = [c for name, c in self.children.items() if name not in keep]
+            self.children = {name: c for name, c in self.children.items() if name in keep}
         self._terminate(children, self.stop_timeout_s if timeout_s is None else timeout_s)
 
     def _terminate(self, children: list[Child], timeout_s: float) -> None:

@@ -357,9 +357,7 @@ def run_system(
         audit = registry.audit()
     finally:
         bar.close()
-        for name in list(services.children):
-            if name != "gateway" or keep_serving is None:
-                services.stop_child(name)
+        services.stop(keep=("gateway",) if keep_serving else ())
         registry.close()
     try:
         promoted = list(dict.fromkeys(a.version_id for a in audit if a.to_status.value == "promoted"))

@@ -1,0 +1,274 @@
+"""The process supervisor: children die with their parent, SIGINT/SIGTERM stop the whole tree, a
+dead child is reported by name and code and stops everything. Checked on real process trees:
+`flywheel up` and `flywheel demo` get SIGTERM and, in another run, SIGKILL; ten seconds later
+nothing of their trees is alive (gateway replicas' engines, gate, learner, joiner, sandbox workers)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from core.harness import free_port, http_ok, wait_until
+from core.supervisor import ChildDied, Supervisor
+
+ROOT = Path(__file__).resolve().parents[2]
+GRACE_S = 10.0  # what the contract promises: every child gone within 10 s of the parent's signal
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) of a live process, None if it is gone or a zombie."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = raw[raw.rindex(")") + 2 :].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[1]), int(fields[19])
+
+
+def descendants(root: int) -> dict[int, int]:
+    """Every live descendant of `root`: pid -> start time (so a reused pid is not mistaken for it)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (st := _stat(int(entry.name))) is not None:
+            parents.setdefault(st[0], []).append(int(entry.name))
+    out, todo = {}, [root]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            st = _stat(child)
+            if st is not None:
+                out[child] = st[1]
+                todo.append(child)
+    return out
+
+
+def _at_least(tree: dict[int, int], n: int) -> dict[int, int] | None:
+    return tree if len(tree) >= n else None
+
+
+def alive_of(tree: dict[int, int]) -> list[int]:
+    return [pid for pid, start in tree.items() if (st := _stat(pid)) is not None and st[1] == start]
+
+
+def _cmdlines(pids: list[int]) -> list[str]:
+    out = []
+    for pid in pids:
+        try:
+            out.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:160])
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def assert_tree_ends(parent: subprocess.Popen, tree: dict[int, int], sig: int) -> None:
+    parent.send_signal(sig)
+    t0 = time.monotonic()
+    try:
+        wait_until(lambda: not alive_of(tree), GRACE_S, what="the whole process tree ending", interval_s=0.1)
+    except TimeoutError:
+        left = alive_of(tree)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        raise AssertionError(f"alive {GRACE_S} s after signal {sig}: {_cmdlines(left)}") from None
+    print(f"signal {sig}: {len(tree)} processes gone in {time.monotonic() - t0:.2f} s")
+    parent.wait(timeout=GRACE_S)
+
+
+# ---- the supervisor itself -------------------------------------------------------------------------
+
+SLEEPER = [sys.executable, "-c", "from core.supervisor import child_setup; child_setup(); import time; time.sleep(600)"]
+
+
+def test_stop_ends_every_child_and_a_dead_child_is_reported_by_name(tmp_path):
+    with Supervisor("t") as sup:
+        a = sup.start("sleeper", SLEEPER, cwd=ROOT, log_path=tmp_path / "a.log")
+        sup.start(
+            "crasher",
+            [sys.executable, "-c", "import sys; print('bad config'); sys.exit(3)"],
+            log_path=tmp_path / "c.log",
+        )
+        with pytest.raises(ChildDied) as died:
+            wait_until(lambda: False, 30, what="never", check=sup.check)
+        assert (died.value.name, died.value.code) == ("crasher", 3)
+        assert "bad config" in str(died.value)
+        assert sup.exit_code() == 1
+    assert a.returncode is not None
+
+
+def test_the_watcher_stops_everything_when_a_child_dies(tmp_path):
+    sup = Supervisor("t")
+    sleeper = sup.start("sleeper", SLEEPER, cwd=ROOT)
+    crasher = sup.start("crasher", [sys.executable, "-c", "import time, sys; time.sleep(0.5); sys.exit(7)"])
+    deaths = []
+    sup.watch(on_death=lambda child: (deaths.append((child.name, child.returncode)), sup.stop()))
+    wait_until(lambda: sleeper.returncode is not None, 15, what="the sleeper stopped by the watcher")
+    assert deaths == [("crasher", 7)] and crasher.returncode == 7
+
+
+PARENT = textwrap.dedent("""
+    import sys, time
+    from core.supervisor import Supervisor, interrupt_on_sigterm
+    interrupt_on_sigterm()
+    sup = Supervisor("parent")
+    for i in range(2):
+        sup.start(f"s{i}", sys.argv[1:])
+    print("ready", flush=True)
+    try:
+        time.sleep(600)
+    finally:
+        sup.stop()
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_children_and_grandchildren_die_with_a_signalled_parent(sig):
+    # each child starts a grandchild of its own that also dies with its parent (a sandbox-like worker)
+    grandparent = textwrap.dedent("""
+        import subprocess, sys, time
+        from core.supervisor import child_setup
+        child_setup()
+        code = "from core.supervisor import die_with_parent; die_with_parent(); import time; time.sleep(600)"
+        g = subprocess.Popen([sys.executable, "-c", code])
+        try:
+            time.sleep(600)
+        finally:
+            g.terminate()
+    """)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, sys.executable, "-c", grandparent], cwd=ROOT, env=env, stdout=subprocess.PIPE
+    )
+    assert parent.stdout is not None and parent.stdout.readline().strip() == b"ready"
+    tree = wait_until(lambda: _at_least(descendants(parent.pid), 4), 30, what="4 descendants")
+    assert_tree_ends(parent, tree, sig)
+
+
+def test_an_engine_process_dies_with_its_owner_killed(tiny_checkpoint):
+    owner = textwrap.dedent(f"""
+        from serving.engine_process import ProcessEngine
+        import time
+        if __name__ == "__main__":
+            e = ProcessEngine(max_batch=2, max_model_len=64, threads=1)
+            e.add_version("v", {str(tiny_checkpoint)!r})
+            print("ready", flush=True)
+            time.sleep(600)
+    """)
+    script = Path(tiny_checkpoint).parent / "owner.py"
+    script.write_text(owner)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    tree = descendants(proc.pid)
+    assert tree, "the engine runs in a child process"
+    assert_tree_ends(proc, tree, signal.SIGKILL)
+
+
+def test_a_sandbox_worker_dies_with_its_caller_killed():
+    caller = textwrap.dedent("""
+        from demo.sandbox import run_functions
+        print("ready", flush=True)
+        run_functions([("def f(x):\\n    while True:\\n        x += 1\\n", [(1,)])], timeout_s=300)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", caller], cwd=ROOT, stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    tree = wait_until(lambda: descendants(proc.pid), 30, what="the sandbox worker")
+    time.sleep(0.5)  # it has read its payload and is inside the user's loop
+    assert_tree_ends(proc, tree, signal.SIGKILL)
+
+
+# ---- whole commands ----------------------------------------------------------------------------------
+
+
+def _start(command: list[str], home: Path, model_dir: Path, port: int) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "FLYWHEEL_HOME": str(home),
+        "FLYWHEEL_MODEL_DIR": str(model_dir),
+        "FLYWHEEL_PORT": str(port),
+        "FLYWHEEL_REPLICAS": "1",
+        "FLYWHEEL_TORCH_THREADS": "1",
+    }
+    home.mkdir(parents=True, exist_ok=True)
+    log = open(home / "command.log", "wb")  # noqa: SIM115 (kept for the child's life)
+    return subprocess.Popen([sys.executable, "-m", "cli", *command], cwd=ROOT, env=env, stdout=log, stderr=log)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+@pytest.mark.parametrize("command", ["up", "demo"])
+def test_nothing_of_a_command_outlives_it(command, sig, tiny_checkpoint, tmp_path):
+    port = free_port()
+    home = tmp_path / "home"
+    home.mkdir()
+    argv = ["up"] if command == "up" else ["demo", "--quick", "--users", "4", "--minutes", "2", "--exit"]
+    proc = _start(argv, home, tiny_checkpoint, port)
+    try:
+        if command == "up":
+            wait_until(
+                lambda: http_ok(f"http://127.0.0.1:{port}/healthz"),
+                180,
+                what="flywheel up serving",
+                interval_s=0.3,
+                check=lambda: _alive_or_fail(proc, home),
+            )
+            want = 5  # gateway engine, joiner, learner, gate and more
+        else:
+            want = 5  # the demo's gateway (and its engine), joiner, learner, gate
+        wait_until(
+            lambda: len(descendants(proc.pid)) >= want,
+            180,
+            what=f"{want} processes of flywheel {command}",
+            interval_s=0.3,
+            check=lambda: _alive_or_fail(proc, home),
+        )
+        time.sleep(1.0)  # let every service get past its imports into its loop
+        tree = descendants(proc.pid)
+        assert_tree_ends(proc, tree, sig)
+        if sig == signal.SIGTERM:
+            log = (home / "command.log").read_text()
+            assert proc.returncode in (0, 130), (proc.returncode, log[-3000:])
+            assert "did not stop" not in log, log[-3000:]  # every child stopped on its SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _alive_or_fail(proc: subprocess.Popen, home: Path) -> None:
+    if proc.poll() is not None:
+        raise AssertionError(f"exited with {proc.returncode}:\n{(home / 'command.log').read_text()[-3000:]}")
+
+
+@pytest.mark.slow
+def test_up_stops_everything_and_exits_non_zero_when_a_service_dies(tiny_checkpoint, tmp_path):
+    port = free_port()
+    proc = _start(["up"], tmp_path, tiny_checkpoint, port)
+    try:
+        wait_until(
+            lambda: http_ok(f"http://127.0.0.1:{port}/healthz"),
+            180,
+            what="flywheel up serving",
+            interval_s=0.3,
+            check=lambda: _alive_or_fail(proc, tmp_path),
+        )
+        tree = descendants(proc.pid)
+        learner = [pid for pid in tree if "cli learner" in " ".join(_cmdlines([pid]))]
+        assert len(learner) == 1, _cmdlines(list(tree))
+        os.kill(learner[0], signal.SIGKILL)
+        assert proc.wait(timeout=30) == 1
+        wait_until(lambda: not alive_of(tree), GRACE_S, what="the rest of the tree ending")
+        log = (tmp_path / "command.log").read_text()
+        assert "learner" in log and "exited with code -9" in log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
