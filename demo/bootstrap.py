@@ -32,7 +32,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
 
@@ -43,7 +42,7 @@ from demo.tasks import Task
 from serving.checkpoint import save_checkpoint
 from serving.engine import EmbeddedEngine
 from serving.interface import Engine
-from serving.model import ModelArgs, Transformer
+from serving.model import ModelArgs, Transformer, lm_step
 from serving.tokenizer import Tokenizer, train_tokenizer
 
 log = logging.getLogger(__name__)
@@ -90,7 +89,10 @@ def train(
     model: Transformer, seqs: list[list[int]], cfg: BootstrapConfig, pad_id: int, stop_after: int | None = None
 ) -> dict:
     """`cfg.steps` optimizer steps (the schedule's length); `stop_after` ends the run sooner, on the
-    same schedule (the shipped base's test replays its first steps)."""
+    same schedule (the shipped base's test replays its first steps). `pad_id` pads `seqs` and must be
+    the model's."""
+    if pad_id != model.args.pad_id:
+        raise ValueError(f"pad_id {pad_id} is not the model's pad id {model.args.pad_id}")
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -112,16 +114,7 @@ def train(
         for g in opt.param_groups:
             g["lr"] = lr
         idx = torch.randint(len(seqs), (cfg.batch_size,), generator=gen).tolist()
-        T = max(len(seqs[i]) for i in idx)
-        batch = torch.tensor([seqs[i] + [pad_id] * (T - len(seqs[i])) for i in idx])
-        logits = model(batch[:, :-1]).logits
-        targets = batch[:, 1:].masked_fill(batch[:, 1:] == pad_id, -100)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
+        losses.append(lm_step(model, opt, [seqs[i] for i in idx]))
         bar.update(1)
         bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
         if step % 100 == 0 or step == 1:
@@ -129,7 +122,7 @@ def train(
                 "bootstrap step %d/%d loss %.4f lr %.2e (%.0fs)",
                 step,
                 cfg.steps,
-                loss.item(),
+                losses[-1],
                 lr,
                 time.perf_counter() - t0,
             )

@@ -440,3 +440,20 @@ def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, temperatu
         raise ValueError(f"temperature must be > 0 for a log-probability, got {temperature}")
     logp = F.log_softmax(logits_BTV.float() / temperature, dim=-1)
     return logp.gather(-1, targets_BT[..., None]).squeeze(-1)
+
+
+def lm_step(model: Transformer, opt: torch.optim.Optimizer, seqs: list[list[int]], clip: float = 1.0) -> float:
+    """One next-token (pre-training / SFT) step on token sequences, padded with the model's pad id,
+    which is never a target: forward, mean cross-entropy over real targets, backward, grad-norm clip,
+    optimizer step. Returns the loss. The bootstrap and the benchmarks' candidate makers use it."""
+    pad = model.args.pad_id
+    T = max(len(s) for s in seqs)
+    tokens_BT = torch.tensor([s + [pad] * (T - len(s)) for s in seqs])
+    logits_BTV = model(tokens_BT[:, :-1]).logits
+    targets_BT = tokens_BT[:, 1:].masked_fill(tokens_BT[:, 1:] == pad, -100)
+    loss = F.cross_entropy(logits_BTV.reshape(-1, logits_BTV.shape[-1]), targets_BT.reshape(-1), ignore_index=-100)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    return float(loss.item())
