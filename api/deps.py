@@ -20,7 +20,7 @@ from core.settings import Settings
 from feedback.bus import EventBus
 from feedback.completion_index import CompletionIndex
 from feedback.sink import CompletionSink
-from gating.registry import Registry
+from registry.registry import Registry
 
 if TYPE_CHECKING:
     from api.fleet import GatewayFleet

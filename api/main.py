@@ -30,7 +30,7 @@ from feedback.bus import EventBus
 from feedback.completion_index import CompletionIndex
 from feedback.connect import open_bus
 from feedback.sink import CompletionSink
-from gating.registry import Registry
+from registry.registry import Registry
 
 if TYPE_CHECKING:
     from serving.interface import Engine

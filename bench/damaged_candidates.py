@@ -16,7 +16,7 @@ signals, the joiner's rewards, policy-gradient updates), each on the same traini
 Each candidate is measured (`measure`: the gate split's 512 prompts, `--measure-g` samples each at
 temperature 1, seeds of the measurement's own, so the numbers are not the gate's) and then goes through
 the real offline gate: registered with its weights in the weight store as the learner publishes them, the
-base published and promoted by `gating.bootstrap.publish_base`, `gating.gate.Gate.step` with an embedded
+base published and promoted by `registry.publish.publish_base`, `gating.gate.Gate.step` with an embedded
 engine of its own, `weight_store_loader` (the weights as shipped) and `demo.suite.demo_suite()`. The peer of
 every candidate is the base, in the same gate step; a verdict against expectation is gated again at
 `--recheck-g`. The honest candidate's way through the canary to every replica is `bench.promotion`.
@@ -47,14 +47,14 @@ from demo.suite import demo_suite
 from demo.tasks import Task
 from demo.users import FeedbackSignal, SimulatedUser
 from feedback.events import SampleEvent
-from gating.bootstrap import SHIPPING_DTYPE, STORE, file_entry, publish_base
 from gating.evals import sample_seed
 from gating.gate import Gate, GateConfig, GateStep
 from gating.gate_process import weight_store_loader
-from gating.models import AuditEntryPublic
-from gating.registry import Registry
-from gating.suites import EvalSuite
 from learner.trainer import TrainerConfig
+from product.suites import EvalSuite
+from registry.models import AuditEntryPublic
+from registry.publish import SHIPPING_DTYPE, STORE, file_entry, publish_base
+from registry.registry import Registry
 from serving.checkpoint import load_checkpoint
 from serving.engine import EmbeddedEngine
 from serving.sampling import SamplingParams

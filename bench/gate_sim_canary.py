@@ -43,8 +43,8 @@ from bench.gate_sim_offline import ensure_model, measure
 from demo.bootstrap import SHIPPED_BASE
 from feedback.events import CompletionEvent, RoutedExperts, SampleEvent, Signal
 from gating.canary import CanaryConfig, CanaryOutcomes, decide
-from gating.models import CanaryProgress
 from gating.stats import DEFAULT_ALPHA, DEFAULT_MARGIN, assign_arm, assignment_unit
+from registry.models import CanaryProgress
 
 NAME = "gate_sim_canary"
 T0 = datetime(2025, 1, 1, tzinfo=UTC)

@@ -74,9 +74,9 @@ from feedback.events import TOPICS, CompletionEvent, FeedbackEvent
 from feedback.joiner import JoinerCore
 from feedback.rewards import RewardSpec
 from gating.canary import CanaryConfig
-from gating.registry import Registry
 from gating.stats import assign_arm
 from learner.service import LearnerConfig, LearnerService
+from registry.registry import Registry
 from serving.engine import EmbeddedEngine
 from serving.sampling import SamplingParams
 

@@ -4,7 +4,7 @@ Setup (everything real, nothing in-process that production runs apart):
 - Registry: PostgreSQL at 127.0.0.1:5432 (db `test`, a fresh schema per run of this script; replicas
   LISTEN for its NOTIFY), or `--db sqlite` (a file; replicas poll it once a second).
 - Weight server: `flywheel serve` on the "learner's machine" (its own home, 1 embedded replica, the
-  learner's models folder); the base is published there (`gating.bootstrap.publish_base`) and each
+  learner's models folder); the base is published there (`registry.publish.publish_base`) and each
   candidate is shipped the way `learner.service` ships one: a checkpoint folder plus a lossless delta
   on its parent in the weight store (float32), registered with both files.
 - Gateway under test: `flywheel serve` (uvicorn) in its own process, 2 replicas (the machine has 2
@@ -93,7 +93,7 @@ def publish_candidate(reg: Any, models: Path, parent: str, vid: str, seed: int) 
 
     from demo.bootstrap import encode_example
     from demo.corpus import make_corpus
-    from gating.bootstrap import SHIPPING_DTYPE, STORE, file_entry
+    from registry.publish import SHIPPING_DTYPE, STORE, file_entry
     from serving.checkpoint import WEIGHTS, load_checkpoint, save_checkpoint
     from serving.tokenizer import Tokenizer
     from serving.weight_store import WeightStore, shipping_state
@@ -142,7 +142,7 @@ class BeatWatch:
         self.thread.start()
 
     def _run(self) -> None:
-        from gating.fleet_state import read
+        from registry.fleet_state import read
 
         while not self._stop.wait(0.02):
             for b in read(self.reg.engine)[0]:
@@ -370,7 +370,7 @@ def registry_url(db: str, work: Path) -> Iterator[str]:
         return
     from sqlalchemy import text
 
-    from gating.db import make_engine
+    from registry.db import make_engine
 
     schema = f"swapload_{uuid.uuid4().hex[:8]}"
     e = make_engine(PG)
@@ -416,8 +416,8 @@ def admin_header(home: Path) -> dict[str, str]:
 
 def measure(a: Any, model: Path, work: Path, db_url: str) -> dict:
     """The weight server, the gateway under test, the runs: the results' record."""
-    from gating.bootstrap import STORE
-    from gating.registry import Registry
+    from registry.publish import STORE
+    from registry.registry import Registry
 
     load_alone_s = idle_load_s(model)
     common_env = {

@@ -92,7 +92,7 @@ def vllm_swap(a: Any, sup: Supervisor, reg: Any, work: Path, env: dict[str, str]
 
 def main() -> None:
     from demo.bootstrap import SHIPPED_BASE
-    from gating.registry import Registry
+    from registry.registry import Registry
 
     ap = common.parser(__doc__)
     ap.add_argument("--model", type=Path, default=SHIPPED_BASE, help="the base (default: models/demo-base)")

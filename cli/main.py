@@ -110,8 +110,8 @@ def start_services(settings: Settings, supervisor) -> None:
     """`flywheel up`'s other processes, each `flywheel <name>` with this environment, under
     `supervisor`: the joiner, the learner and the gate. The base is published first, so none of them
     races another to do it."""
-    from gating.bootstrap import publish_base
-    from gating.registry import Registry
+    from registry.publish import publish_base
+    from registry.registry import Registry
 
     with Registry(settings.db_url) as registry:
         publish_base(registry, settings.learner_models_dir, settings.served_model_dir)
@@ -167,8 +167,8 @@ def _learner(args) -> None:
     import time
 
     from feedback.connect import open_bus
-    from gating.registry import Registry
     from learner.service import LearnerConfig, LearnerService
+    from registry.registry import Registry
 
     settings = get_settings()
     if not (settings.served_model_dir / "config.json").is_file():

@@ -1,7 +1,7 @@
 """Verifiable checker: does a completion solve its task?
 
 Called by the demo product loop (to score completions and feed the simulated users), by the corpus
-tests and by evaluation; `DemoVerifier` is a `gating.suites.Verifier`, for the learner's offline
+tests and by evaluation; `DemoVerifier` is a `product.suites.Verifier`, for the learner's offline
 rollouts and the gate's suite (`demo.suite`). The executed source is exactly `task.prompt + completion`; it runs in the
 sandbox (`demo.sandbox`), one child process per batch. Results are compared with the expected
 values after both sides are JSON-normalised, and compared as JSON text so that e.g. `1` does not

@@ -49,8 +49,8 @@ def learner(home: str, base: str, cfg_json: str) -> None:
 
     from core.service_metrics import ServiceMetrics
     from feedback.connect import open_bus
-    from gating.registry import Registry
     from learner.service import LearnerConfig, LearnerService
+    from registry.registry import Registry
 
     torch.set_num_threads(1)
     settings = service_settings(home, base)

@@ -1,6 +1,6 @@
 """The demo product's offline eval suite for the gate: the gate split, scored by each task's tests.
 
-`demo_suite()` is `gating.suites.EvalSuite` "demo-gate": `GATE_PROMPTS` distinct prompts of the gate
+`demo_suite()` is `product.suites.EvalSuite` "demo-gate": `GATE_PROMPTS` distinct prompts of the gate
 split (`demo.split.split_tasks("gate", n)`: the held-out phrasing with values of its own, never in
 the pre-training corpus, the users' traffic or the report split), family = the task's family,
 verifier `demo.checker.DemoVerifier` (the task's tests in the sandbox), and `well_formed` = the
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from demo.checker import DemoVerifier
 from demo.split import split_of, split_tasks
 from demo.tasks import Task
-from gating.suites import EvalSuite, SuiteItem
+from product.suites import EvalSuite, SuiteItem
 
 DEMO_SUITE_NAME = "demo-gate"
 DEMO_SUITE_VERSION = "2"

@@ -315,7 +315,7 @@ def run_system(
     `keep_serving`, the gateway (and its dashboard) stays up after the run until
     `keep_serving(url, admin_token)` returns."""
     from core.security import KeyStore
-    from gating.registry import Registry
+    from registry.registry import Registry
 
     home.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -452,7 +452,7 @@ LEARNER_KEYS = (
 
 def version_records(home: Path) -> list[dict]:
     """Every version of a run's registry, as `run_system` records it (also for a finished run)."""
-    from gating.registry import Registry
+    from registry.registry import Registry
 
     registry = Registry(f"sqlite:///{home / 'registry.db'}")
     try:

@@ -29,7 +29,7 @@ Guardrails are one-sided, each at `harm_alpha` (α split over guardrails and ste
 guardrails in three steps at α each aborted 3.7% of equally good candidates for some guardrail in
 bench/results/gate_sim.md): latency and error rate (higher is worse) from the completion events, and
 `pass_rate` (lower is worse), a metric the learner does not optimise: the product's verifier
-(`gating.suites.Verifier`) run by the gate on each counted completion it can check (`add(...,
+(`product.suites.Verifier`) run by the gate on each counted completion it can check (`add(...,
 passed=score)`; completions it cannot check carry no score).
 
 `PostPromotionWatch` keeps the guardrails running after a person approves: the promoted version's users
@@ -47,7 +47,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from feedback.events import SampleEvent
-from gating.models import CanaryProgress
 from gating.stats import (
     DEFAULT_ALPHA,
     DEFAULT_MARGIN,
@@ -59,6 +58,7 @@ from gating.stats import (
     guardrail,
     srm_check,
 )
+from registry.models import CanaryProgress
 
 ARMS = ("candidate", "incumbent")
 OK_FINISH = frozenset({"stop", "length"})

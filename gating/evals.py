@@ -24,7 +24,7 @@ ProcessEngine` at low priority; never a live replica). It writes no events: it g
   tokens scored under the incumbent with `serving.engine.score`; `ModelScorer`).
 
 The result (`OfflineResult`) has `passed` (every check passed) and `numbers`, every number behind it,
-JSON-serialisable; `verdict(artifact_sha256)` is the `gating.models.OfflineVerdict` payload that
+JSON-serialisable; `verdict(artifact_sha256)` is the `registry.models.OfflineVerdict` payload that
 `Registry.record_gate(version, "offline", ...)` stores and `approve` checks. Called by `gating.gate`.
 """
 
@@ -51,7 +51,7 @@ from gating.stats import (
     paired_bootstrap_non_inferiority,
     paired_t_non_inferiority,
 )
-from gating.suites import EvalSuite
+from product.suites import EvalSuite
 from serving.checkpoint import load_checkpoint
 from serving.engine import Completion, score
 from serving.interface import Engine

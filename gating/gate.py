@@ -46,11 +46,11 @@ from feedback.bus import Consumer, EventBus, Record
 from feedback.events import TOPICS, SampleEvent
 from gating.canary import CanaryConfig, CanaryOutcomes, Decision, decide, guardrails
 from gating.evals import Guardrails, ModelScorer, OfflineResult, evaluate_offline
-from gating.gate_evidence import WATCH_KEY
-from gating.models import CanaryProgress, ModelVersionPublic, OfflineVerdict, Status
-from gating.registry import Registry, RegistryConflict
 from gating.stats import DEFAULT_ALPHA, DEFAULT_MARGIN
-from gating.suites import EvalSuite
+from product.suites import EvalSuite
+from registry.gate_evidence import WATCH_KEY
+from registry.models import CanaryProgress, ModelVersionPublic, OfflineVerdict, Status
+from registry.registry import Registry, RegistryConflict
 from serving.interface import Engine
 from serving.model import Transformer
 from serving.tokenizer import Tokenizer

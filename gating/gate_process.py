@@ -20,11 +20,11 @@ from safetensors.torch import save_file
 from core.service_metrics import ServiceMetrics
 from feedback.bus import EventBus
 from feedback.events import SampleEvent
-from gating.bootstrap import sha256_of
 from gating.gate import EngineFactory, Gate, GateConfig, GateStep, SampleScorer, VersionLoader
-from gating.models import WEIGHT_STORE_SUFFIXES, ModelVersionPublic
-from gating.registry import Registry
-from gating.suites import EvalSuite, Verifier
+from product.suites import EvalSuite, Verifier
+from registry.models import WEIGHT_STORE_SUFFIXES, ModelVersionPublic
+from registry.publish import sha256_of
+from registry.registry import Registry
 from serving.checkpoint import CONFIG, WEIGHTS, read_config
 from serving.interface import Engine
 from serving.tokenizer import Tokenizer

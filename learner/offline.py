@@ -1,7 +1,7 @@
 """Offline group rollouts (GRPO-style) for the same learner: G samples per prompt, verifiable rewards.
 
 Off-peak, idle serving capacity samples G completions for each of a set of prompts; a verifier
-(`gating.suites.Verifier`, implemented by the product: the demo's runs each task's tests)
+(`product.suites.Verifier`, implemented by the product: the demo's runs each task's tests)
 scores each; advantages are group-relative (`learner.objective.group_advantages`: r_i - mean of
 the group, divided by its std). A group whose samples all scored the same carries no signal and
 is dropped (counted). The resulting sequences carry their advantage and `weight = offline_weight`,
@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from gating.suites import Verifier
 from learner.objective import group_advantages
 from learner.replay import Sequence
+from product.suites import Verifier
 from serving.sampling import SamplingParams
 
 

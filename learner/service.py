@@ -38,7 +38,7 @@ Owns the learner's durable state and its exactly-once accounting:
   the bus commit makes the bus redeliver samples the learner already used: their offsets are below
   the positions in `learner.json` and they are skipped (and sample ids are checked too, so a sample
   re-published by the joiner under a new offset is skipped as well).
-- **Registry.** Each registered version is a `candidate` (`gating.registry`) with its parent, the
+- **Registry.** Each registered version is a `candidate` (`registry.registry`) with its parent, the
   bus positions it covers (`data_range`), its update statistics (with `held_back_updates` and
   `samples_since_parent`) and its files with hashes; `learner.json` lists the registered versions,
   their parents and the held-back ones.
@@ -93,13 +93,13 @@ from core.service_metrics import ServiceMetrics
 from feedback.bus import EventBus, Record
 from feedback.dead_letter import dead_letter
 from feedback.events import SampleEvent
-from gating.bootstrap import SHIPPING_DTYPE, publish_base, sha256_of
-from gating.registry import Registry, UnknownVersion
 from learner.config import LearnerConfig
 from learner.lineage import anchor, merge_covered, staleness, staleness_stats
 from learner.poisoning import screen
 from learner.samples import drop_reason, sequence_from_sample
 from learner.trainer import NonFiniteUpdate, Trainer
+from registry.publish import SHIPPING_DTYPE, publish_base, sha256_of
+from registry.registry import Registry, UnknownVersion
 from serving.checkpoint import CONFIG, WEIGHTS, load_checkpoint, save_checkpoint
 from serving.model import Transformer
 from serving.tokenizer import Tokenizer

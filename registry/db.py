@@ -10,9 +10,9 @@ Owns the step from a URL (`core.settings.Settings.db_url`) to a configured SQLAl
 - PostgreSQL: `postgresql://` (and `postgres://`) URLs get the psycopg 3 driver,
   `postgresql+psycopg://`, the only PostgreSQL driver Flywheel installs.
 
-`ensure_schema` creates missing tables, records `gating.models.SCHEMA_VERSION` in `registry_meta` on a
+`ensure_schema` creates missing tables, records `registry.models.SCHEMA_VERSION` in `registry_meta` on a
 new database and refuses a database of any other version (or of none, if it holds versions). Called by
-`gating.registry.Registry`.
+`registry.registry.Registry`.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def create_all(engine: Engine, attempts: int = 5) -> None:
     promotion dashboard): between one's "does the table exist?" and its CREATE another may create it,
     and the loser's CREATE fails (or, on a new SQLite file, switching it to WAL finds it locked). It
     then looks again, and finds the tables; an error that persists is raised."""
-    import gating.models  # noqa: F401  (registers the tables on SQLModel.metadata)
+    import registry.models  # noqa: F401  (registers the tables on SQLModel.metadata)
 
     for attempt in range(attempts):
         try:
@@ -112,7 +112,7 @@ def ensure_schema(engine: Engine) -> None:
     Writing it is one locked transaction (SQLite `BEGIN IMMEDIATE`, PostgreSQL `LOCK TABLE`): of several
     processes opening a new database, one writes the version and the others then find it written.
     ValueError if the database holds another schema version than this build's, or versions without one."""
-    from gating.models import SCHEMA_VERSION
+    from registry.models import SCHEMA_VERSION
 
     create_all(engine)
     version = text("SELECT value FROM registry_meta WHERE name = 'schema_version'")

@@ -18,7 +18,7 @@ into a `FleetState`:
 - `errors`: the last error of every replica that reports one.
 `summarize` is a pure function. Also here: the heartbeat table's reads and writes, and `Heartbeats`,
 the `Registry` methods on them (`heartbeat`, `forget_replica`, `fleet`), mixed into
-`gating.registry.Registry`; replicas' gateways and the admin API call them through it.
+`registry.registry.Registry`; replicas' gateways and the admin API call them through it.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 from sqlmodel import col, delete, select
 
-from gating.db import session
-from gating.models import (
+from registry.db import session
+from registry.models import (
     HeartbeatCreate,
     ModelVersion,
     ModelVersionPublic,
@@ -42,7 +42,7 @@ from gating.models import (
     Status,
     utcnow,
 )
-from gating.store import RegistryStore
+from registry.store import RegistryStore
 
 HEARTBEAT_INTERVAL_S = 5.0
 DOWN_AFTER = 3

@@ -1,5 +1,5 @@
 """The gate's evidence on a version and the approval that rests on it: `GateEvidence`, the part of
-`gating.registry.Registry` that stores the gate's records (`record_gate`: the offline verdict, the
+`registry.registry.Registry` that stores the gate's records (`record_gate`: the offline verdict, the
 canary's progress, others free-form) and promotes on them (`approve`).
 
 Only `approve` promotes a candidate, and only on the gate's passed offline verdict on its current
@@ -16,8 +16,8 @@ from typing import Any
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
-from gating.db import session
-from gating.models import (
+from registry.db import session
+from registry.models import (
     GATE_RECORDS,
     WAITING,
     FileEntry,
@@ -27,7 +27,7 @@ from gating.models import (
     Status,
     artifact_of,
 )
-from gating.store import Change, RegistryConflict, RegistryStore, UnknownVersion, json_object, need
+from registry.store import Change, RegistryConflict, RegistryStore, UnknownVersion, json_object, need
 
 S = Status
 _GATE_KEY = re.compile(r"[a-z][a-z0-9_]{0,63}")

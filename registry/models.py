@@ -20,8 +20,8 @@ JSON columns hold what has no fixed shape in SQL:
 `status` is a plain string column (no database enum type to migrate); `Status` lists the values. The
 partial unique indexes `one_promoted` and `one_in_flight` let the database itself refuse a second
 `promoted` row and a second version in evaluating / canary / awaiting_approval. `registry_meta` holds
-the schema version (`SCHEMA_VERSION`) and the audit sequence counter. Owned by `gating.registry`;
-`gating.db.ensure_schema` creates the tables and checks their version.
+the schema version (`SCHEMA_VERSION`) and the audit sequence counter. Owned by `registry.registry`;
+`registry.db.ensure_schema` creates the tables and checks their version.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ VERSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 SHA256 = r"^[0-9a-f]{64}$"
 SCHEMA_VERSION = 1
 """Version of the registry's tables (stored in `registry_meta`); a database of another version is refused.
-Bump it, with a migration in `gating.db`, for any change to the tables once a release has shipped."""
+Bump it, with a migration in `registry.db`, for any change to the tables once a release has shipped."""
 GATE_FORMAT_VERSION = 1
 """`format_version` of the records in `model_version.gate`."""
 WEIGHT_STORE_SUFFIXES = (".snapshot.fws", ".delta.fws")

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from gating.models import ModelVersionPublic
-from gating.registry import Registry
+from registry.models import ModelVersionPublic
+from registry.registry import Registry
 from serving.checkpoint import WEIGHTS, load_checkpoint
 from serving.weight_store import WeightStore, shipping_state
 

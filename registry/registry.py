@@ -1,7 +1,7 @@
 """The model registry: every version, where it came from, and its lifecycle with an audit trail.
 
 `Registry(url)` owns the registry database (SQLite file by default, PostgreSQL in production; see
-`gating.db`). `bootstrap` promotes the base model (cold start); the learner `register`s candidates and
+`registry.db`). `bootstrap` promotes the base model (cold start); the learner `register`s candidates and
 asks `base_for_next_candidate` what to train on; the gate moves them through the lifecycle of
 docs/design.md and stores its progress with `record_gate`; a person `approve`s, `reject`s or
 `rollback`s; replicas `heartbeat` and the dashboard reads the `fleet`. `LIFECYCLE` lists every edge:
@@ -11,21 +11,21 @@ docs/design.md and stores its progress with `record_gate`; a person `approve`s, 
     candidate | evaluating | canary | awaiting_approval → withdrawn (replaced by a newer candidate,
         or an ancestor was rejected, aborted or rolled back)
 
-- Only `approve` promotes a candidate, on the gate's evidence (`gating.gate_evidence`). `rollback`
+- Only `approve` promotes a candidate, on the gate's evidence (`registry.gate_evidence`). `rollback`
   restores a superseded version in the same transaction as it demotes the promoted one, so once there
   is a promoted version there always is one. Nothing is evaluated before there is one (`NoIncumbent`).
 - At most one version is promoted, and at most one in flight (evaluating, canary, awaiting
   approval): checked, and refused by partial unique indexes.
 - Every change writes audit rows (who, what, from and to which status, why, the numbers) in its
-  transaction, each with a `seq` in commit order (`gating.store.Change`; `changes_since(seq)` never
+  transaction, each with a `seq` in commit order (`registry.store.Change`; `changes_since(seq)` never
   skips one; on PostgreSQL each change is also NOTIFYed on `flywheel_registry`).
 - Status writes are compare-and-set on the status read: of two racing writers one commits; the other
   gets `RegistryConflict` (or, where it reads after the lock, a `ValueError` saying what changed) and
   writes nothing.
 
 This module holds the versions, their lifecycle and the reads; `Registry` mixes in the gate's evidence
-(`gating.gate_evidence.GateEvidence`) and the replicas' heartbeats (`gating.fleet_state.Heartbeats`)
-over `gating.store.RegistryStore`. User mistakes (unknown version or status, illegal step, bad input)
+(`registry.gate_evidence.GateEvidence`) and the replicas' heartbeats (`registry.fleet_state.Heartbeats`)
+over `registry.store.RegistryStore`. User mistakes (unknown version or status, illegal step, bad input)
 are `ValueError`s naming the value; `UnknownVersion` is the one an API maps to 404. Methods return
 detached `*Public` models. Called by the learner (`learner.service`), the gateway's API (`api.deps`,
 `api.routes.admin`) and the CLI.
@@ -42,10 +42,10 @@ from sqlalchemy import literal
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
-from gating.db import session
-from gating.fleet_state import Heartbeats
-from gating.gate_evidence import GateEvidence
-from gating.models import (
+from registry.db import session
+from registry.fleet_state import Heartbeats
+from registry.gate_evidence import GateEvidence
+from registry.models import (
     WAITING,
     AuditEntry,
     AuditEntryPublic,
@@ -59,7 +59,7 @@ from gating.models import (
 )
 
 # The errors live with the write primitives; callers import them from here, with Registry.
-from gating.store import (
+from registry.store import (
     SEQ_KEY,
     Change,
     NoIncumbent,

@@ -1,7 +1,7 @@
-"""The registry's write primitives, shared by the classes that make up `gating.registry.Registry`.
+"""The registry's write primitives, shared by the classes that make up `registry.registry.Registry`.
 
-- `RegistryStore`: the base class of `Registry` and its mixins (`gating.gate_evidence.GateEvidence`,
-  `gating.fleet_state.Heartbeats`): the engine, row lookups, and `_move`, the compare-and-set of one
+- `RegistryStore`: the base class of `Registry` and its mixins (`registry.gate_evidence.GateEvidence`,
+  `registry.fleet_state.Heartbeats`): the engine, row lookups, and `_move`, the compare-and-set of one
   status (`UPDATE ... WHERE id = :id AND status = :read`) with its audit row.
 - `Change`: the audit rows of one write transaction, each with a `seq`. It locks the counter row first,
   so writers queue there and seqs follow commit order (`Registry.changes_since` never skips one). On
@@ -20,8 +20,8 @@ from sqlalchemy import text, update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from gating.db import ensure_schema, make_engine
-from gating.models import IN_FLIGHT, AuditEntry, ModelVersion, ModelVersionPublic, RegistryMeta, Status
+from registry.db import ensure_schema, make_engine
+from registry.models import IN_FLIGHT, AuditEntry, ModelVersion, ModelVersionPublic, RegistryMeta, Status
 
 S = Status
 NOTIFY_CHANNEL = "flywheel_registry"

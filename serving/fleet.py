@@ -10,7 +10,7 @@ refuses it and the next is tried). Called by `api.main` when the gateway runs re
 `traffic(engine)`: what each engine served, per version, since it joined: requests, errors, tokens
 and the sum of end-to-end seconds (counted when a request's stream ends). Each replica reports the
 change since its last heartbeat, so the fleet page shows requests/s and latency per version from
-the heartbeats of every gateway (`gating.fleet_state`).
+the heartbeats of every gateway (`registry.fleet_state`).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ folder, so they are written out unchanged; the served dtype is the template's (`
 and shipped tensors of another dtype are cast to it. Only float32 shipping served in float32 keeps
 serving bit-exact with a float32 trainer; bf16 shipping is served as its bf16 values.
 
-`registry` is any object with the methods of `ReplicaRegistry` (`gating.registry.Registry` has them;
+`registry` is any object with the methods of `ReplicaRegistry` (`registry.registry.Registry` has them;
 `serving` does not import `gating`). Called by the gateway that drives the replicas on its machine.
 """
 
@@ -86,7 +86,7 @@ def _store_lock(folder: Path) -> threading.Lock:
         return _STORE_LOCKS.setdefault(folder.resolve(), threading.Lock())
 
 
-# -- what the replica reads from the registry (gating.registry.Registry has all of it) ----------------
+# -- what the replica reads from the registry (registry.registry.Registry has all of it) ----------------
 
 
 class ArtifactLike(Protocol):

@@ -105,7 +105,7 @@ def test_up_runs_the_joiner_the_learner_and_the_gate_and_stops_them(tiny_checkpo
     from core.harness import wait_until
     from core.settings import Settings
     from core.supervisor import Supervisor
-    from gating.registry import Registry
+    from registry.registry import Registry
 
     settings = Settings(home=tmp_path, model_dir=tiny_checkpoint)
     supervisor = Supervisor("test up")

@@ -12,8 +12,8 @@ from feedback.events import TOPICS, SampleEvent
 from feedback.joiner import JoinerService
 from feedback.rewards import RewardSpec
 from feedback.sdk import FeedbackClient
-from gating.registry import Registry
 from learner.service import LearnerConfig, LearnerService
+from registry.registry import Registry
 from tests.conftest import LiveServer
 
 

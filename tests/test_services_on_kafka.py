@@ -126,10 +126,10 @@ def _learner_rank(rank: int, world_size: int, port: int, bootstrap: str, root: s
 
     import torch
 
-    from gating.registry import Registry
     from learner.distributed import init_process_group
     from learner.service import LearnerConfig, LearnerService
     from learner.trainer import TrainerConfig
+    from registry.registry import Registry
 
     torch.set_num_threads(1)
     init_process_group(rank, world_size, "127.0.0.1", port, timeout_s=120)
@@ -190,8 +190,8 @@ def test_two_data_parallel_learner_ranks_split_the_partitions_and_train_each_sam
 
     import torch.multiprocessing as mp
 
-    from gating.registry import Registry
     from learner.distributed import free_port
+    from registry.registry import Registry
 
     Registry(f"sqlite:///{tmp_path}/registry.db")  # tables exist before the ranks open it
     topic = f"samples-{uuid.uuid4().hex[:8]}"  # the broker is the module's: other tests publish samples too

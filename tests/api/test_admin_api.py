@@ -14,7 +14,7 @@ from core.security import KeyStore
 from core.settings import Settings
 from feedback.bus_embedded import EmbeddedBus
 from feedback.completion_index import CompletionIndex
-from gating.registry import Registry
+from registry.registry import Registry
 from serving.engine import EmbeddedEngine
 from tests.conftest import LiveServer
 

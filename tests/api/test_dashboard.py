@@ -18,7 +18,7 @@ from core.settings import Settings
 from feedback.bus_embedded import EmbeddedBus
 from feedback.completion_index import CompletionIndex
 from gating.canary import CanaryOutcomes
-from gating.registry import Registry
+from registry.registry import Registry
 from serving.engine import EmbeddedEngine
 from tests.api.test_admin_api import files
 from tests.conftest import LiveServer

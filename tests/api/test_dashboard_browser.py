@@ -38,8 +38,8 @@ from feedback.rewards import RewardSpec
 from gating.canary import CanaryConfig
 from gating.gate import Gate, GateConfig
 from gating.gate_process import verifier_scorer, weight_store_loader
-from gating.registry import Registry
 from learner.service import LearnerConfig, LearnerService
+from registry.registry import Registry
 from serving.engine import EmbeddedEngine
 from serving.tokenizer import Tokenizer
 from tests.conftest import LiveServer

@@ -17,8 +17,8 @@ from core.security import KeyStore
 from core.settings import Settings
 from feedback.bus_embedded import EmbeddedBus
 from feedback.completion_index import CompletionIndex
-from gating.bootstrap import SHIPPING_DTYPE, STORE, file_entry
-from gating.registry import Registry
+from registry.publish import SHIPPING_DTYPE, STORE, file_entry
+from registry.registry import Registry
 from serving.checkpoint import load_checkpoint
 from serving.weight_store import WeightStore, shipping_state
 from tests.conftest import LiveServer

@@ -27,8 +27,8 @@ import httpx
 import pytest
 import torch
 
-from gating.bootstrap import SHIPPING_DTYPE, STORE, file_entry, publish_base, sha256_of
-from gating.registry import Registry
+from registry.publish import SHIPPING_DTYPE, STORE, file_entry, publish_base, sha256_of
+from registry.registry import Registry
 from serving.checkpoint import load_checkpoint
 from serving.weight_store import WeightStore, shipping_state
 from tests.conftest import free_port

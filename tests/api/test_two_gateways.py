@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 
-from gating.bootstrap import publish_base
-from gating.registry import Registry
+from registry.publish import publish_base
+from registry.registry import Registry
 from tests.api.test_swap_restart import PROMPT, Gateway, candidate, offline_verdict, wait_for
 from tests.conftest import free_port
 

@@ -13,9 +13,9 @@ from feedback.bus_embedded import EmbeddedBus
 from feedback.events import TOPICS, CompletionEvent, RoutedExperts, SampleEvent, Signal
 from gating.canary import CanaryConfig, CanaryOutcomes, decide
 from gating.gate import Gate, GateConfig
-from gating.models import CanaryProgress
-from gating.registry import Registry
 from gating.stats import assign_arm
+from registry.models import CanaryProgress
+from registry.registry import Registry
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 CFG = CanaryConfig(min_users_per_arm=30, min_step_s=600, max_step_s=3600)

@@ -1,4 +1,4 @@
-"""The offline eval (`gating.evals`) and its suites (`gating.suites`, `demo.suite`), on the tiny checkpoint.
+"""The offline eval (`gating.evals`) and its suites (`product.suites`, `demo.suite`), on the tiny checkpoint.
 
 The outcomes are controlled: the test verifier scores a completion "GOOD" 1, "BAD" 0 and anything else
 0.5, and `Rewrite` wraps the real engine to change one version's completions (texts, token ids), so each
@@ -15,8 +15,8 @@ from demo.split import split_tasks
 from demo.suite import GATE_PROMPTS, demo_suite, python_parses
 from demo.tasks import completions_for
 from gating.evals import Guardrails, ModelScorer, evaluate_offline, has_loop, sample_seed
-from gating.models import OfflineVerdict
-from gating.suites import EvalSuite, SuiteItem, Verifier
+from product.suites import EvalSuite, SuiteItem, Verifier
+from registry.models import OfflineVerdict
 from serving.checkpoint import save_checkpoint
 from serving.engine import EmbeddedEngine
 from serving.model import ModelArgs, Transformer

@@ -17,7 +17,7 @@ import torch
 
 from gating.gate import RUN_KEY, Gate, GateConfig
 from gating.gate_process import run_gate, weight_store_loader
-from gating.registry import Registry
+from registry.registry import Registry
 from serving.checkpoint import WEIGHTS, load_checkpoint
 from serving.engine import EmbeddedEngine
 from serving.weight_store import WeightStore, shipping_state

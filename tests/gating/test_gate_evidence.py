@@ -1,4 +1,4 @@
-"""The gate's evidence on a version and the approval that rests on it (`gating.gate_evidence`): what
+"""The gate's evidence on a version and the approval that rests on it (`registry.gate_evidence`): what
 `record_gate` stores and refuses, and what `approve` checks. On SQLite and PostgreSQL, with the
 fixtures of test_registry.py."""
 

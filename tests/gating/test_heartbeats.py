@@ -9,10 +9,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from gating.db import make_engine
-from gating.fleet_state import summarize
-from gating.models import SCHEMA_VERSION, WEIGHT_STORE_SUFFIXES
-from gating.registry import Registry
+from registry.db import make_engine
+from registry.fleet_state import summarize
+from registry.models import SCHEMA_VERSION, WEIGHT_STORE_SUFFIXES
+from registry.registry import Registry
 from tests.gating.test_registry import advance, base, files, pg_database, reg, sha, url  # noqa: F401
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)

@@ -17,9 +17,9 @@ import pytest
 from sqlalchemy import event, text
 from sqlalchemy.exc import IntegrityError
 
-from gating.db import make_engine, normalize_url
-from gating.models import Status
-from gating.registry import LIFECYCLE, NoIncumbent, Registry, RegistryConflict, UnknownVersion
+from registry.db import make_engine, normalize_url
+from registry.models import Status
+from registry.registry import LIFECYCLE, NoIncumbent, Registry, RegistryConflict, UnknownVersion
 
 PG_SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432"
 HAPPY = ["evaluating", "canary", "awaiting_approval", "promoted"]

@@ -4,10 +4,10 @@ import pytest
 
 from demo.checker import DemoVerifier
 from demo.split import sample_tasks
-from gating.suites import Verifier
 from learner.offline import rollout_groups
 from learner.replay import Sequence
 from learner.trainer import Trainer, TrainerConfig
+from product.suites import Verifier
 from serving.checkpoint import load_checkpoint
 from serving.engine import EmbeddedEngine
 from serving.sampling import SamplingParams

@@ -8,9 +8,9 @@ import torch
 
 from feedback.bus_embedded import EmbeddedBus
 from feedback.events import TOPICS
-from gating.registry import Registry
 from learner.service import LearnerConfig, LearnerService
 from learner.trainer import TrainerConfig
+from registry.registry import Registry
 from serving.engine import EmbeddedEngine
 from tests.conftest import served_samples
 
@@ -336,7 +336,7 @@ def test_learner_state_names_folders_relative_to_the_models_folder(tmp_path, tin
 def test_while_a_version_is_in_flight_updates_are_held_back_and_the_tip_registered_after(
     tmp_path, tiny_checkpoint, samples
 ):
-    from gating.registry import UnknownVersion
+    from registry.registry import UnknownVersion
     from serving.checkpoint import load_checkpoint
     from serving.weight_store import WeightStore, shipping_state
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 from sqlalchemy import text
 
-from gating.db import make_engine
-from gating.registry import Registry
+from registry.db import make_engine
+from registry.registry import Registry
 from serving.checkpoint import load_checkpoint
 from serving.engine import EmbeddedEngine, score
 from serving.engine_process import ProcessEngine
