@@ -1,7 +1,7 @@
 """The gateway's replicas: engines that follow the registry, and the canary split of its traffic.
 
 `GatewayFleet.start(settings, registry, make_engine)` publishes the base model if nothing is
-promoted yet (`gating.bootstrap.publish_base`), makes `FLYWHEEL_REPLICAS` engines, each driven by a
+promoted yet (`registry.publish.publish_base`), makes `FLYWHEEL_REPLICAS` engines, each driven by a
 `serving.replica.Replica` that fetches versions from the weight store shared with the learner,
 checks them against the registry's hashes, swaps them in and heartbeats; it waits for their first
 sync, then runs their follower loops on threads; a replica whose engine dies (its process killed)
@@ -25,9 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from core.settings import Settings
-from gating.bootstrap import STORE, publish_base
-from gating.registry import Registry
 from gating.stats import assign_arm
+from registry.publish import STORE, publish_base
+from registry.registry import Registry
 from serving.fetch import Fetcher
 from serving.fleet import Fleet
 from serving.interface import Engine

@@ -40,7 +40,7 @@ from api.dashboard.auth import (
 from api.deps import Caller, Gateway, GatewayDep
 from api.errors import APIError
 from api.routes import admin
-from gating.registry import UnknownVersion
+from registry.registry import UnknownVersion
 
 router = APIRouter(prefix=PATH, include_in_schema=False)
 ACTIONS = {"approve": admin.approve, "reject": admin.reject, "rollback": admin.rollback}

@@ -30,15 +30,15 @@ from typing import Any, Literal
 
 from api.dashboard.svg import COLORS, Band, HLine, Series, chart, share_bar
 from gating.canary import ARMS, CanaryConfig, CanaryOutcomes, decide
-from gating.models import (
+from gating.stats import DEFAULT_ALPHA, DEFAULT_RHO, confidence_sequence
+from registry.models import (
     AuditEntryPublic,
     CanaryProgress,
     ModelVersionPublic,
     OfflineVerdict,
     Status,
 )
-from gating.registry import LIFECYCLE, Registry
-from gating.stats import DEFAULT_ALPHA, DEFAULT_RHO, confidence_sequence
+from registry.registry import LIFECYCLE, Registry
 
 S = Status
 State = Literal["pass", "fail", "wait", "info"]

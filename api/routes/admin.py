@@ -2,7 +2,7 @@
 
 Every route needs an API key from the key store (`core.security.KeyStore`), even in local mode:
 reads need `viewer` (or `admin`), actions need `admin`. A missing or unknown key is 401, a key
-without the scope 403. Each action takes a reason and calls one `gating.registry.Registry`
+without the scope 403. Each action takes a reason and calls one `registry.registry.Registry`
 method, which audits it; a step the lifecycle does not allow is 409 and changes nothing.
 """
 
@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import Caller, GatewayDep, needs
 from api.errors import APIError
-from gating.registry import RegistryConflict, UnknownVersion
+from registry.registry import RegistryConflict, UnknownVersion
 
 router = APIRouter(prefix="/admin")
 
