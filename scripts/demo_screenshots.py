@@ -5,7 +5,7 @@ from), signs in with a fresh viewer key and saves the versions list, the last pr
 and the fleet page, full length, with headless Chromium (/usr/bin/chromium, /usr/bin/chromedriver;
 nothing is downloaded).
 
-Usage: .venv/bin/python scripts/demo_screenshots.py var/demo-report/demo/seed0 [--out docs/dashboard]
+Usage: .venv/bin/python -m scripts.demo_screenshots var/demo-report/demo/seed0 [--out docs/dashboard]
 """
 
 from __future__ import annotations
@@ -13,24 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import httpx
+from core.harness import LiveGateway
+from core.security import KeyStore
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from core.security import KeyStore  # noqa: E402
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -41,26 +30,9 @@ def main() -> None:
     run = json.loads(a.home.with_suffix(".json").read_text())
     base = a.home.parent.parent / "models" / "demo-base"
     token, _ = KeyStore(a.home / "keys.json").create(["viewer"], label="screenshots")
-    port = _port()
-    env = {**os.environ, "FLYWHEEL_HOME": str(a.home), "FLYWHEEL_MODEL_DIR": str(base), "FLYWHEEL_PORT": str(port)}
-    env["FLYWHEEL_REPLICAS"] = "1"
-    url = f"http://127.0.0.1:{port}"
-    log = open(a.home / "screenshots-gateway.log", "ab")  # noqa: SIM115
-    gw = subprocess.Popen([sys.executable, "-m", "core.cli", "serve"], env=env, stdout=log, stderr=log, cwd=ROOT)
-    try:
-        for _ in range(240):
-            try:
-                if httpx.get(url + "/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise SystemExit("the gateway did not come up")
-        shoot(url, token, run["promotions"][-1], a.out)
-    finally:
-        gw.terminate()
-        gw.wait(30)
+    env = {"FLYWHEEL_HOME": str(a.home), "FLYWHEEL_MODEL_DIR": str(base), "FLYWHEEL_REPLICAS": "1"}
+    with LiveGateway(env, log_path=a.home / "screenshots-gateway.log", name="screenshots-gateway") as gw:
+        shoot(gw.url, token, run["promotions"][-1], a.out)
 
 
 def shoot(url: str, token: str, version: str, out: Path) -> None:
