@@ -2,16 +2,22 @@
 
 `Gateway` holds the engine, the completion sink, the event bus, the completion index, the
 registry, the key store and the metrics; routes get it, and the caller's tenant, as `Annotated` dependencies.
+`parse_json` (and `JSONRoute`, the route class that has FastAPI parse bodies with it) is how a route
+parses a JSON body.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
+import json
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import Depends, Request
+from fastapi import Depends, Request, Response
+from fastapi.routing import APIRoute
 
 from api.errors import APIError
 from api.metrics import Metrics
@@ -145,3 +151,35 @@ def needs(scope: str, key_required: bool = False):
 
 CompletionsCaller = Annotated[Caller, Depends(needs("completions"))]
 FeedbackCaller = Annotated[Caller, Depends(needs("feedback:write"))]
+
+
+def parse_json(raw: bytes) -> Any:
+    """`json.loads` with the garbage collector paused: the objects of one document hold no cycles,
+    and a body of many small containers (`[[],[],...]`) would otherwise set off collections that scan
+    the whole heap, holding the event loop several times longer than the parsing itself."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return json.loads(raw)
+    finally:
+        if paused:
+            gc.enable()
+
+
+class _JSONRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = parse_json(await self.body())
+        return self._json
+
+
+class JSONRoute(APIRoute):
+    """An `APIRoute` whose JSON body FastAPI parses with `parse_json`."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def handle(request: Request) -> Response:
+            return await handler(_JSONRequest(request.scope, request.receive))
+
+        return handle

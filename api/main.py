@@ -135,6 +135,8 @@ def create_app(
     app.include_router(weights.router)
     dashboard.install(app, settings)
 
+    # Inside the counter, so a body refused while it was read is counted as the 413 it got.
+    app.add_middleware(errors.BodyLimit, limit=settings.max_request_bytes)
     app.add_middleware(RequestCounter, version_header=openai.VERSION_HEADER)
 
     @app.get("/healthz")

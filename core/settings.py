@@ -43,6 +43,14 @@ class Settings(BaseSettings):
     heartbeat_s: float = Field(5.0, gt=0, description="Seconds between a replica's heartbeats (down after 3 missed).")
     max_batch: int = Field(64, ge=1, le=1024, description="Sequences the embedded engine decodes at once.")
     max_model_len: int = Field(256, ge=16, description="Longest prompt + completion a request may ask for.")
+    max_request_bytes: int = Field(
+        512 << 10,
+        ge=1 << 10,
+        description="Largest request body the gateway reads: a longer one gets 413 before it is parsed. "
+        "The default holds a max_model_len prompt of the longest tokens (about 12 characters each for the "
+        "demo's tokenizer) a hundred times over, and bounds how long parsing one body can hold the event "
+        "loop (JSON parsing is linear in the size, on the loop).",
+    )
     torch_threads: int | None = Field(
         None, ge=1, description="torch threads of the engine's compute thread; None: 1 (see serving/engine.py)."
     )
@@ -101,10 +109,6 @@ class Settings(BaseSettings):
     def learner_models_dir(self) -> Path:
         """The learner's checkpoints and weight store (the folder `/v1/weights` serves)."""
         return self.home / "models" / "learner"
-
-    @property
-    def records_dir(self) -> Path:
-        return self.home / "records"
 
     @property
     def completion_index_url(self) -> str:

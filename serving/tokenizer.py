@@ -4,12 +4,27 @@ Every string round-trips exactly: the 256 byte symbols are always in the vocabul
 shorten sequences, and special-token text typed by a user is encoded as ordinary bytes (a prompt
 cannot smuggle in an end-of-sequence). Any local `tokenizer.json` can be loaded instead of ours.
 
+Cost bounds, for a server that encodes what strangers send:
+- `max_token_chars`: the most characters one token can stand for, so a text of C characters needs
+  at least C / max_token_chars tokens; the gateway refuses a prompt that cannot fit the context by
+  its length alone, before encoding it. (This holds for tokenizers that do not delete characters
+  before tokenizing, i.e. have no normalizer: ours, and byte-level BPEs generally.)
+- Encoding releases the GIL (the library's batch call), so a thread encoding a long text does not
+  stop the other threads of the process (the gateway's event loop).
+- A run of more than `chunk_chars` characters without a change between whitespace and
+  non-whitespace is encoded in pieces of `chunk_chars`: the library's cost grows with the square of
+  a pre-token's length (a long run of letters is one pre-token). Text is still exactly what the ids
+  decode to; only such runs, never ordinary text, are tokenized differently from one whole-text call.
+  Done only where encoding pieces separately is known to round-trip (no normalizer, no added
+  prefix), checked once at load.
+
 Called by bootstrap (training one), the engines (encode/decode) and the learner.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -18,6 +33,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 SPECIALS = (PAD, BOS, EOS)  # ids 0, 1, 2 in a tokenizer we train
+CHUNK_CHARS = 256  # the longest run encoded in one piece (at least 4 of the longest token)
 
 
 class Tokenizer:
@@ -33,6 +49,12 @@ class Tokenizer:
             raise ValueError(f"tokenizer has no end-of-sequence token {EOS!r}")
         self.eos_id: int = eos_id
         self._token_bytes: list[bytes] | None = None
+        # Built now, not at a first request: the gateway checks prompt sizes with it before encoding.
+        self.max_token_chars: int = max(1, *(len(b) for b in self.token_bytes))
+        self.chunk_chars = max(CHUNK_CHARS, 4 * self.max_token_chars)
+        n = self.chunk_chars + 1
+        self._long_run = re.compile(rf"(?<!\S)\S{{{n},}}|(?<!\s)\s{{{n},}}")
+        self._chunked = self._pieces_round_trip()
 
     @property
     def token_bytes(self) -> list[bytes]:
@@ -62,14 +84,55 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"encode() takes a str, got {type(text).__name__}")
-        return self.inner.encode(text, add_special_tokens=False).ids
+        return self.encode_batch([text])[0]
 
     def encode_prompt(self, text: str) -> list[int]:
         """How every product prompt becomes model input: BOS, then the text's tokens."""
-        return ([self.bos_id] if self.bos_id is not None else []) + self.encode(text)
+        return self.encode_prompts([text])[0]
+
+    def encode_prompts(self, texts: list[str]) -> list[list[int]]:
+        bos = [self.bos_id] if self.bos_id is not None else []
+        return [bos + ids for ids in self.encode_batch(texts)]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.inner.encode_batch(texts, add_special_tokens=False)]
+        """The tokens of each text, in one call of the library (which releases the GIL)."""
+        if not self._chunked:
+            return [e.ids for e in self.inner.encode_batch(texts, add_special_tokens=False)]
+        pieces: list[str] = []
+        counts: list[int] = []
+        for text in texts:
+            split = self._pieces(text)
+            pieces += split
+            counts.append(len(split))
+        encoded = self.inner.encode_batch(pieces, add_special_tokens=False)
+        out, at = [], 0
+        for k in counts:
+            out.append([t for e in encoded[at : at + k] for t in e.ids] if k != 1 else encoded[at].ids)
+            at += k
+        return out
+
+    def _pieces(self, text: str) -> list[str]:
+        """`text` cut inside every run longer than `chunk_chars` (see the module's docstring)."""
+        n = self.chunk_chars
+        if len(text) <= n:
+            return [text]
+        pieces, start = [], 0
+        for m in self._long_run.finditer(text):
+            for cut in range(m.start() + n, m.end(), n):
+                pieces.append(text[start:cut])
+                start = cut
+        pieces.append(text[start:])
+        return pieces
+
+    def _pieces_round_trip(self) -> bool:
+        """Whether texts encoded in pieces decode to the pieces joined (no normalizer, no prefix
+        added to each piece)."""
+        if self.inner.normalizer is not None:
+            return False
+        probe = ["ab ", "cd", "\n x", "y"]
+        encoded = self.inner.encode_batch(probe, add_special_tokens=False)
+        ids = [t for e in encoded for t in e.ids]
+        return self.inner.decode(ids, skip_special_tokens=False) == "".join(probe)
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`, special tokens dropped."""

@@ -1,25 +1,32 @@
 """Feedback ingestion: POST /v1/feedback.
 
 Thin: parse the body (one event or a batch), validate it as `feedback.ingest.FeedbackIn`, call
-`feedback.ingest.accept` on a worker thread, map its errors to the OpenAI error shape.
+`feedback.ingest.accept` on a worker thread, map its errors to the OpenAI error shape. What parsing
+costs is bounded before it starts: the body by the gateway's size limit (413 from
+`api.errors.BodyLimit`), each string field and the batch length by `FeedbackIn`/`FeedbackBatch`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
-from api.deps import FeedbackCaller, GatewayDep
+from api.deps import FeedbackCaller, GatewayDep, parse_json
 from api.errors import APIError
+from api.schemas import first_unknown_only
 from feedback import ingest
-from feedback.ingest import FeedbackBatch, FeedbackIn
+from feedback.ingest import MAX_BATCH, FeedbackBatch, FeedbackIn
 
 router = APIRouter(prefix="/v1")
-MAX_BODY_BYTES = 4 << 20
+
+
+class _Batch(FeedbackBatch):
+    """`FeedbackBatch`, validated up to its first bad event (so a bounded number of errors)."""
+
+    events: list[FeedbackIn] = Field(min_length=1, max_length=MAX_BATCH, fail_fast=True)
 
 
 def _openapi_body() -> dict:
@@ -41,7 +48,8 @@ async def post_feedback(request: Request, gw: GatewayDep, caller: FeedbackCaller
     optional `edit_distance`, `user`, `ts`, `idempotency_key` (or the `Idempotency-Key` header; in
     a batch, event i without a key gets `<header>#<i>`). Answer: `{"accepted", "duplicates",
     "event_ids"}`. Errors: 400 naming the parameter, 403 `user_mismatch`, 404
-    `completion_not_found`, 409 `idempotency_key_reused`, 413, 503 (retry).
+    `completion_not_found`, 409 `idempotency_key_reused`, 413 `request_too_large` (a body over
+    FLYWHEEL_MAX_REQUEST_BYTES), 503 (retry).
     """
     items, batch = _parse(await request.body(), request.headers.get("idempotency-key"))
     try:
@@ -61,12 +69,8 @@ def _param(batch: bool, i: int | None, name: str) -> str:
 
 def _parse(raw: bytes, header_key: str | None) -> tuple[list[tuple[FeedbackIn, str | None]], bool]:
     """The events with their idempotency keys, and whether the body was a batch."""
-    if len(raw) > MAX_BODY_BYTES:
-        raise APIError(
-            413, f"The body is larger than {MAX_BODY_BYTES} bytes; send smaller batches.", None, "request_too_large"
-        )
     try:
-        body = json.loads(raw)
+        body = parse_json(raw)
     except ValueError as e:
         raise APIError(400, f"We could not parse the JSON body of your request: {e}", None, "invalid_json") from None
     if not isinstance(body, dict):
@@ -74,8 +78,14 @@ def _parse(raw: bytes, header_key: str | None) -> tuple[list[tuple[FeedbackIn, s
     if header_key is not None and not 1 <= len(header_key) <= 256:
         raise APIError(400, "Idempotency-Key must be 1-256 characters", "Idempotency-Key", "invalid_value")
     batch = "events" in body
+    if batch:
+        body = first_unknown_only(body, _Batch)
+        if isinstance(body["events"], list):  # past MAX_BATCH + 1 events, the batch is refused anyway
+            body["events"] = [first_unknown_only(e, FeedbackIn) for e in body["events"][: MAX_BATCH + 1]]
+    else:
+        body = first_unknown_only(body, FeedbackIn)
     try:
-        items = FeedbackBatch.model_validate(body).events if batch else [FeedbackIn.model_validate(body)]
+        items = _Batch.model_validate(body).events if batch else [FeedbackIn.model_validate(body)]
     except ValidationError as e:
         raise RequestValidationError(e.errors()) from None
     if batch:

@@ -4,6 +4,12 @@ Thin: validate, resolve the model version, hand prompts to the engine, record ev
 (durably, before answering or before `data: [DONE]`), shape the response. A stream whose client
 goes away is cancelled in the engine and what was generated is still recorded.
 
+No request can hold the event loop: sizes are checked before any work that grows with them (the
+body by `api.errors.BodyLimit`; a prompt, the chat messages and the stop strings by their length
+in characters, which bounds their tokens from below: `Tokenizer.max_token_chars`); encoding runs on
+a worker thread (the tokenizer releases the GIL), and so does shaping a whole response (decoding
+every token of its logprobs). A streamed chunk decodes only the tokens of one engine event inline.
+
 Resolving and submitting across a swap (`_submit`): the model name is resolved to a concrete version
 (`Gateway.resolve_model`), then the prompt is encoded with that version's tokenizer and submitted. A
 swap may retire (or unload) that version in between; the engine then refuses with a `KeyError`. A
@@ -23,26 +29,33 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import replace
-from typing import TypeGuard
+from dataclasses import dataclass, replace
+from typing import cast
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from api.deps import ALIAS, CompletionsCaller, GatewayDep
+from api.deps import ALIAS, CompletionsCaller, GatewayDep, JSONRoute
 from api.errors import APIError, error_body
-from api.schemas import ChatRequest, CompletionRequest, chat_prompt
+from api.schemas import MAX_CHOICES, ChatRequest, CompletionRequest, chat_prompt
 from feedback.events import CompletionEvent
 from serving.requests import Completion, EngineError
 from serving.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", route_class=JSONRoute)
 VERSION_HEADER = "X-Flywheel-Model-Version"
 
 
-def _token_ids(prompt: str | list[str] | list[int]) -> TypeGuard[list[int]]:
-    return all(isinstance(p, int) for p in prompt)
+@dataclass(frozen=True)
+class _Prompts:
+    """A request's prompts: texts to encode, or token ids as given."""
+
+    texts: list[str] | None = None
+    ids: list[list[int]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.texts if self.texts is not None else self.ids or ())
 
 
 @router.get("/models")
@@ -58,23 +71,30 @@ async def list_models(gw: GatewayDep, caller: CompletionsCaller):
 
 @router.post("/completions")
 async def completions(req: CompletionRequest, gw: GatewayDep, caller: CompletionsCaller):
-    def encode(tok) -> list[list[int]]:
-        if isinstance(req.prompt, str):
-            return [tok.encode_prompt(req.prompt)]
-        if _token_ids(req.prompt):
-            vocab = tok.vocab_size
-            if any(not 0 <= t < vocab for t in req.prompt):
-                raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt", "invalid_value")
-            return [list(req.prompt)]
-        if any(not isinstance(p, str) or not p for p in req.prompt):
+    prompt = req.prompt
+    # The schema admits a string, or a list of only strings or only token ids.
+    if isinstance(prompt, str):
+        prompts = _Prompts(texts=[prompt])
+    elif isinstance(prompt[0], int):
+        prompts = _Prompts(ids=[cast(list[int], prompt)])
+    else:
+        texts = cast(list[str], prompt)
+        if not all(texts):
             raise APIError(
                 400, "prompt must be a string, a list of strings or a list of token ids", "prompt", "invalid_value"
             )
-        return [tok.encode_prompt(p) for p in req.prompt]
-
+        prompts = _Prompts(texts=texts)
+    if len(prompts) * req.n > MAX_CHOICES:
+        raise APIError(
+            400,
+            f"This request asks for {len(prompts) * req.n} completions ({len(prompts)} prompts x n={req.n}); "
+            f"at most {MAX_CHOICES} per request.",
+            "prompt",
+            "invalid_value",
+        )
     params = _params(req, req.max_tokens, req.logprobs or 0)
     return await _serve(
-        gw, caller, "completions", encode, params, req, "prompt", want_logprobs=req.logprobs is not None
+        gw, caller, "completions", prompts, params, req, "prompt", want_logprobs=req.logprobs is not None
     )
 
 
@@ -84,17 +104,8 @@ async def chat_completions(req: ChatRequest, gw: GatewayDep, caller: Completions
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs", "invalid_value")
     params = _params(req, req.token_limit, top)
-    prompt = chat_prompt(req.messages)
-    return await _serve(
-        gw,
-        caller,
-        "chat.completions",
-        lambda tok: [tok.encode_prompt(prompt)],
-        params,
-        req,
-        "messages",
-        want_logprobs=req.logprobs,
-    )
+    prompts = _Prompts(texts=[chat_prompt(req.messages)])
+    return await _serve(gw, caller, "chat.completions", prompts, params, req, "messages", want_logprobs=req.logprobs)
 
 
 def _params(req, max_tokens: int, logprobs: int) -> SamplingParams:
@@ -138,7 +149,49 @@ def _check_context(prompts: list[list[int]], params: SamplingParams, limit: int,
             )
 
 
-def _submit(gw, caller, req, encode, params, prompt_param, base_id):
+def _check_sizes(prompts: _Prompts, params: SamplingParams, tok, limit: int, prompt_param: str) -> None:
+    """The refusals that lengths alone decide, made before anything is tokenized: a text of C
+    characters needs at least C / `max_token_chars` tokens (plus the BOS token), so a prompt too long
+    for the context in characters is too long in tokens; a stop string longer than any completion
+    the context can hold can never be generated."""
+    if prompts.ids is not None:
+        _check_context(prompts.ids, params, limit, prompt_param)
+    per = tok.max_token_chars
+    bos = 0 if tok.bos_id is None else 1
+    room = limit - params.max_tokens - bos  # tokens left for a prompt's text
+    for text in prompts.texts or ():
+        if len(text) > per * room:
+            need = -(-len(text) // per) + bos
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested at least "
+                f"{need + params.max_tokens} tokens ({need} or more in the prompt: {len(text)} characters, "
+                f"and a token holds at most {per}; {params.max_tokens} for the completion).",
+                prompt_param,
+                "context_length_exceeded",
+            )
+    longest = max((len(s) for s in params.stop), default=0)
+    if longest > per * limit:
+        raise APIError(
+            400,
+            f"A stop sequence has {longest} characters; this model's completions hold at most {per * limit} "
+            f"({limit} tokens of at most {per} characters), so it could never be generated.",
+            "stop",
+            "invalid_value",
+        )
+
+
+def _encode(tok, prompts: _Prompts) -> list[list[int]]:
+    """The prompts as model input (on a worker thread: it takes time that grows with their length)."""
+    if prompts.ids is None:
+        return tok.encode_prompts(prompts.texts or [])
+    vocab = tok.vocab_size
+    if any(not 0 <= t < vocab for p in prompts.ids for t in p):
+        raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt", "invalid_value")
+    return prompts.ids
+
+
+async def _submit(gw, caller, req, prompts: _Prompts, params, prompt_param, base_id):
     """Resolve the model and submit every choice: (version, arm, tokenizer, handles). A version that
     retires between the two is resolved again for the alias, never for a named version (see the
     module's docstring)."""
@@ -147,11 +200,13 @@ def _submit(gw, caller, req, encode, params, prompt_param, base_id):
         handles: list = []
         try:  # a KeyError below: the engine no longer takes `version` (retired or unloaded since resolved)
             tok = gw.engine.tokenizer(version)
-            prompts = encode(tok)
-            _check_context(prompts, params, gw.engine.context_length(version), prompt_param)
+            limit = gw.engine.context_length(version)
+            _check_sizes(prompts, params, tok, limit, prompt_param)
+            ids = await asyncio.to_thread(_encode, tok, prompts)
+            _check_context(ids, params, limit, prompt_param)
             if not gw.engine.alive:
                 raise APIError(503, "The inference engine is not running.", None, "engine_unavailable")
-            for cid, p, sp in _jobs(prompts, params, req.n, base_id):
+            for cid, p, sp in _jobs(ids, params, req.n, base_id):
                 handles.append(gw.engine.submit(p, sp, version, request_id=cid, stream=req.stream))
             return version, arm, tok, handles
         except KeyError as e:
@@ -185,9 +240,9 @@ def _submit(gw, caller, req, encode, params, prompt_param, base_id):
     )
 
 
-async def _serve(gw, caller, endpoint, encode, params, req, prompt_param, want_logprobs: bool):
+async def _serve(gw, caller, endpoint, prompts: _Prompts, params, req, prompt_param, want_logprobs: bool):
     base_id = ("chatcmpl-" if endpoint == "chat.completions" else "cmpl-") + uuid.uuid4().hex
-    version, arm, tok, handles = _submit(gw, caller, req, encode, params, prompt_param, base_id)
+    version, arm, tok, handles = await _submit(gw, caller, req, prompts, params, prompt_param, base_id)
     ctx = _Ctx(
         gw,
         caller.tenant,
@@ -215,8 +270,9 @@ async def _serve(gw, caller, endpoint, encode, params, req, prompt_param, want_l
         raise APIError(503, str(e), None, "engine_unavailable") from None
     await asyncio.gather(*(ctx.record(c) for c in results))
     ctx.observe(results)
-    body = _completion_body(ctx, results) if endpoint == "completions" else _chat_body(ctx, results)
-    return JSONResponse(body, headers={VERSION_HEADER: version})
+    shape = _completion_body if endpoint == "completions" else _chat_body
+    # Decoding every token of the logprobs and rendering the JSON grow with n x max_tokens: off the loop.
+    return await asyncio.to_thread(lambda: JSONResponse(shape(ctx, results), headers={VERSION_HEADER: version}))
 
 
 class _Ctx:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import queue
 import uuid
+from contextlib import contextmanager
 
 import httpx
 import numpy as np
@@ -26,18 +27,27 @@ from tests.conftest import LiveServer
 PROMPT = "# add 3 to x\ndef f(x):\n"
 
 
+@contextmanager
+def tiny_gateway(checkpoint, home, **settings):
+    """A live gateway serving `checkpoint` on an embedded engine (context 128) with an embedded bus;
+    `settings`: deployment settings besides those."""
+    config = Settings(home=home, model_dir=checkpoint, max_batch=8, max_model_len=128, **settings)
+    engine = EmbeddedEngine(max_batch=8, max_model_len=128)
+    engine.add_version(checkpoint.name, checkpoint, default=True)
+    bus = EmbeddedBus(home / "bus")
+    try:
+        with LiveServer(create_app(config, engine=engine, bus=bus)) as server:
+            server.engine, server.bus, server.version, server.settings = engine, bus, checkpoint.name, config
+            yield server
+    finally:
+        engine.shutdown()
+        bus.close()
+
+
 @pytest.fixture(scope="module")
 def live(tiny_checkpoint, tmp_path_factory):
-    home = tmp_path_factory.mktemp("home")
-    settings = Settings(home=home, model_dir=tiny_checkpoint, max_batch=8, max_model_len=128)
-    engine = EmbeddedEngine(max_batch=8, max_model_len=128)
-    engine.add_version(tiny_checkpoint.name, tiny_checkpoint, default=True)
-    bus = EmbeddedBus(home / "bus")
-    with LiveServer(create_app(settings, engine=engine, bus=bus)) as server:
-        server.engine, server.bus, server.version = engine, bus, tiny_checkpoint.name
+    with tiny_gateway(tiny_checkpoint, tmp_path_factory.mktemp("home")) as server:
         yield server
-    engine.shutdown()
-    bus.close()
 
 
 @pytest.fixture
@@ -167,6 +177,9 @@ def test_models_health_metrics(live, client):
         ({"model": "flywheel", "prompt": "x", "bogus": 1}, 400, "bogus", "unknown_parameter"),
         ({"model": "flywheel", "prompt": [99999]}, 400, "prompt", "invalid_value"),
         ({"model": "flywheel", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
+        ({"model": "flywheel", "prompt": "x", "stop": "s" * 5000}, 400, "stop", "invalid_value"),
+        ({"model": "flywheel", "prompt": ["x"] * 65, "n": 2}, 400, "prompt", "invalid_value"),
+        ({"model": "flywheel", "prompt": list(range(120)), "max_tokens": 10}, 400, "prompt", "context_length_exceeded"),
     ],
 )
 def test_bad_completion_requests_get_openai_errors(live, body, status, param, code):

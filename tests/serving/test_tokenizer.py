@@ -1,6 +1,8 @@
 """Byte-level BPE: exact round trips, special-token safety, file round trip, transformers compatibility."""
 
 import random
+import threading
+import time
 
 import pytest
 from transformers import AutoTokenizer
@@ -65,3 +67,46 @@ def test_bad_files_are_refused(tmp_path):
         train_tokenizer(TEXTS, vocab_size=100)
     with pytest.raises(ValueError, match="takes a str"):
         train_tokenizer(TEXTS, vocab_size=300).encode(b"bytes")
+
+
+def test_max_token_chars_bounds_the_characters_of_every_token(tok):
+    assert tok.max_token_chars == max(len(b) for b in tok.token_bytes) > 1
+    for s in random_strings(100, 2) + TEXTS[:2]:
+        assert len(s) <= tok.max_token_chars * len(tok.encode(s))  # so C characters need >= C / max tokens
+
+
+def test_long_runs_are_encoded_in_pieces_that_still_round_trip(tok):
+    spelling = train_tokenizer(TEXTS, vocab_size=300, spell_quoted_strings=True)
+    for t in (tok, spelling):
+        n = t.chunk_chars
+        for s in ["x" * (5 * n + 3), " " * (3 * n), "a" * n + "'", "ab " * n + "y" * (2 * n) + "\n" * n, "日" * 4 * n]:
+            assert t.decode(t.encode(s)) == s
+        for s in TEXTS[:2] + ["word " * 500, "# " + "x" * n + " y"]:  # no run longer than chunk_chars
+            assert t.encode(s) == t.inner.encode(s, add_special_tokens=False).ids
+        assert t.encode_batch(["x" * 3 * n, "ab", ""]) == [t.encode("x" * 3 * n), t.encode("ab"), []]
+        assert t.encode_prompts(["ab"]) == [t.encode_prompt("ab")] == [[t.bos_id, *t.encode("ab")]]
+
+
+def test_a_long_run_costs_linear_time_and_leaves_other_threads_running():
+    # Without pieces, the spelling split's look-ahead makes one run of letters quadratic: 40k took 2 s.
+    tok = train_tokenizer(TEXTS, vocab_size=300, spell_quoted_strings=True)
+    text = "x" * 400_000
+    worst, done = 0.0, threading.Event()
+
+    def probe():
+        nonlocal worst
+        while not done.is_set():
+            t = time.perf_counter()
+            time.sleep(0.005)
+            worst = max(worst, time.perf_counter() - t - 0.005)
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    t = time.perf_counter()
+    ids = tok.encode(text)
+    took = time.perf_counter() - t
+    done.set()
+    thread.join()
+    assert tok.decode(ids) == text
+    assert took < 2.0, took
+    assert worst < 0.05, f"encoding held the GIL for {worst * 1e3:.0f} ms"
