@@ -133,7 +133,9 @@ async def load(url: str, served: list[list[str]], seconds: float, rate_eps: floa
     def body() -> bytes:
         return bodies.pop() if bodies else json.dumps({"events": batch_events(served, next(seq))}).encode()
 
-    lat, errors, got = [], {}, {"accepted": 0, "duplicates": 0}
+    lat: list[float] = []
+    errors: dict[str, int] = {}
+    got = {"accepted": 0, "duplicates": 0}
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=url, timeout=30.0, limits=limits) as client:
 
@@ -172,10 +174,15 @@ async def load(url: str, served: list[list[str]], seconds: float, rate_eps: floa
                 tasks.append(asyncio.create_task(one(start, body())))
             await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
-        cpu = cpu.done({"loadgen": time.process_time() - cpu0})
-    out = {"wall_s": wall, "requests": len(lat), "events": got["accepted"], "events_per_s": got["accepted"] / wall}
+        usage = cpu.done({"loadgen": time.process_time() - cpu0})
+    out: dict[str, Any] = {
+        "wall_s": wall,
+        "requests": len(lat),
+        "events": got["accepted"],
+        "events_per_s": got["accepted"] / wall,
+    }
     out |= {"duplicates": got["duplicates"], "warmup_events": warmup, "errors": errors, "late_starts": late}
-    return out | {"latency": summary_ms(lat), "cpu": cpu}
+    return out | {"latency": summary_ms(lat), "cpu": usage}
 
 
 # ---- the peer: the bare producer (its own process) ----------------------------------------------
@@ -192,7 +199,8 @@ def peer(bootstrap: str, served: list[list[str]], fixed_s: float, max_s: float, 
 
     def record(e: dict) -> tuple[bytes, bytes]:
         """What the gateway publishes for event `e`: (completion id, FeedbackEvent JSON)."""
-        got = {k: e.get(k) for k in ("completion_id", "kind", "value")} | {"client_ts": e["ts"], "edit_distance": None}
+        got: dict[str, Any] = {k: e.get(k) for k in ("completion_id", "kind", "value")}
+        got |= {"client_ts": e["ts"], "edit_distance": None}
         user = hash_user("default", e["user"])
         ev = FeedbackEvent.received(
             event_id=new_event_id(), tenant="default", now=now, served_ts=now - 60, served_user=user, **got
@@ -210,19 +218,20 @@ def peer(bootstrap: str, served: list[list[str]], fixed_s: float, max_s: float, 
 
     def phase(seconds: float, interval: float | None) -> dict:
         """One batch every `interval` s, latency from the scheduled start; None: back to back."""
-        lat, cpu, cpu0, t0 = [], Phase(pids), time.process_time(), time.perf_counter()
+        lat: list[float] = []
+        cpu, cpu0, t0 = Phase(pids), time.process_time(), time.perf_counter()
         while (start := t0 + len(lat) * interval if interval else time.perf_counter()) < t0 + seconds:
             time.sleep(max(0.0, start - time.perf_counter()))
             send(batches[len(lat) % len(batches)])
             lat.append(time.perf_counter() - start)
         wall = time.perf_counter() - t0
-        cpu = cpu.done({"producer": time.process_time() - cpu0})
-        out = {"wall_s": wall, "events": len(lat) * BATCH, "events_per_s": len(lat) * BATCH / wall}
-        return out | {"latency": summary_ms(lat), "cpu": cpu}
+        usage = cpu.done({"producer": time.process_time() - cpu0})
+        out: dict[str, Any] = {"wall_s": wall, "events": len(lat) * BATCH, "events_per_s": len(lat) * BATCH / wall}
+        return out | {"latency": summary_ms(lat), "cpu": usage}
 
     for b in batches[:20]:  # warm-up: connections, metadata, producer id
         send(b)
-    out = {"value_bytes": sum(len(v) for b in batches for _, v in b) / (len(batches) * BATCH)}
+    out: dict[str, Any] = {"value_bytes": sum(len(v) for b in batches for _, v in b) / (len(batches) * BATCH)}
     out |= {"fixed": phase(fixed_s, BATCH / FIXED_EPS), "max": phase(max_s, None)}
     p.close(10)
     return out
@@ -284,7 +293,8 @@ def read_topic(bootstrap: str, topic: str, timeout_s: float = 60.0) -> dict:
         end = c.end_offsets(tps)
         c.assign(tps)
         c.seek_to_beginning(*tps)
-        n, ids, deadline = 0, set(), time.monotonic() + timeout_s
+        ids: set[str] = set()
+        n, deadline = 0, time.monotonic() + timeout_s
         while time.monotonic() < deadline:  # to the end offsets, then until a poll finds nothing more
             got = c.poll(timeout_ms=500, max_records=5000)
             for recs in got.values():

@@ -139,7 +139,7 @@ class _Roster(dict[str, list[float]]):
     def _refuse(self, *a: Any, **kw: Any) -> Any:
         raise TypeError("SimOutcomes keeps per-user records in arrays; use per_user (or CanaryOutcomes)")
 
-    __iter__ = __getitem__ = keys = values = items = get = _refuse  # type: ignore[assignment]
+    __iter__ = __getitem__ = keys = values = items = get = _refuse
 
 
 class SimOutcomes(CanaryOutcomes):

@@ -235,6 +235,8 @@ def main() -> None:
     torch.manual_seed(a.seed)
     model_dir = Path(a.model)
     tok = Tokenizer.from_file(model_dir)
+    pad_id = tok.pad_id
+    assert pad_id is not None, "the demo tokenizer has a pad token"
     fp32 = load_checkpoint(model_dir).eval()
     if next(fp32.parameters()).dtype != torch.float32:
         raise ValueError(f"{model_dir} is not a float32 checkpoint")
@@ -275,7 +277,7 @@ def main() -> None:
         r = {
             "serving": serving,
             "trainer": trainer_dtype,
-            **mismatch(model, served[serving], tok.pad_id, n_vocab, invariant=serving != DEFAULT_FP32),
+            **mismatch(model, served[serving], pad_id, n_vocab, invariant=serving != DEFAULT_FP32),
         }
         rows.append(r)
         print(
@@ -285,8 +287,8 @@ def main() -> None:
             f"routing differs {r['routing_disagreement'] * 100:.2f}%",
             flush=True,
         )
-    noise = batch_noise(fp32, served["float32"], tok.pad_id, n_vocab, invariant=True)
-    noise_default = batch_noise(fp32, served[DEFAULT_FP32], tok.pad_id, n_vocab, invariant=False)
+    noise = batch_noise(fp32, served["float32"], pad_id, n_vocab, invariant=True)
+    noise_default = batch_noise(fp32, served[DEFAULT_FP32], pad_id, n_vocab, invariant=False)
     mismatch_s = time.perf_counter() - t0
     base = rows[0]["replay"]
     target = {
@@ -298,7 +300,7 @@ def main() -> None:
     }
 
     t0 = time.perf_counter()
-    tput = throughput(fp32, served["float32"], tok.pad_id, n_vocab, a.repeats, a.threads)
+    tput = throughput(fp32, served["float32"], pad_id, n_vocab, a.repeats, a.threads)
     tput_s = time.perf_counter() - t0
 
     res = {

@@ -130,12 +130,16 @@ def bench_vllm(model_dir, prompts, new_tokens):
     )
     sp = VSP(temperature=1.0, top_p=1.0, max_tokens=new_tokens, ignore_eos=True)
     out = []
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], sp, use_tqdm=False)
+
+    def inputs(n: int) -> Any:
+        return [{"prompt_token_ids": p} for p in prompts[:n]]
+
+    llm.generate(inputs(4), sp, use_tqdm=False)
     for b in BATCHES:
         walls, lats, toks = [], [], []
         for _ in range(rounds_for(b)):
             t0 = time.perf_counter()
-            res = llm.generate([{"prompt_token_ids": p} for p in prompts[:b]], sp, use_tqdm=False)
+            res = llm.generate(inputs(b), sp, use_tqdm=False)
             w = time.perf_counter() - t0
             walls.append(w)
             lats += [w] * b  # offline generate returns the batch at once
@@ -273,8 +277,8 @@ def main() -> None:
     prompts = [tok.encode_prompt(t) for t in texts]
     if a.one:
         child_setup()
-        rows = run_one(a.one, model_dir, prompts, texts, a.new_tokens, tok.pad_id, Path(a.out))
-        Path(a.rows_to).write_text(json.dumps(rows))
+        one = run_one(a.one, model_dir, prompts, texts, a.new_tokens, tok.pad_id, Path(a.out))
+        Path(a.rows_to).write_text(json.dumps(one))
         return
     st = common.stamp()
     rows: list[dict] = []

@@ -253,14 +253,15 @@ def simulate(
     try:
         while len(gate.promotions) < cycles:
             promoted, cand, share = gate.served()
-            for vid in {promoted, cand} - {None} - loaded:
-                engine.add_version(vid, learner.models_dir / vid)  # type: ignore[operator]
-                loaded.add(vid)  # type: ignore[arg-type]
+            wanted = {v for v in (promoted, cand) if v is not None}
+            for vid in wanted - loaded:
+                engine.add_version(vid, learner.models_dir / vid)
+                loaded.add(vid)
             if engine.default_version != promoted:
                 engine.set_default(promoted)
-            for vid in loaded - {promoted, cand}:
+            for vid in loaded - wanted:
                 engine.retire_version(vid)
-            loaded &= {promoted, cand}  # type: ignore[arg-type]
+            loaded &= wanted
             tasks = sample_tasks(per_tick, seed=seed * 1_000_003 + n_req)
             who = [f"user-{rng.randrange(scn.users)}" for _ in tasks]
             arm = [cand if cand and assign_arm(cand, TENANT, u, share) == "candidate" else promoted for u in who]
@@ -340,12 +341,12 @@ def simulate(
         previous = promo["promoted"]
     total = CycleStats()
     sums = ("samples", "dropped_stale", "tokens", "clipped_tokens", "clamped_tokens", "updates", "held_back")
-    for c in per_cycle:
+    for cyc in per_cycle:
         for k in (*sums, "registered"):
-            setattr(total, k, getattr(total, k) + getattr(c, k))
-        total.served_by.update(c.served_by)
-        total.staleness_versions += c.staleness_versions
-        total.staleness_updates += c.staleness_updates
+            setattr(total, k, getattr(total, k) + getattr(cyc, k))
+        total.served_by.update(cyc.served_by)
+        total.staleness_versions += cyc.staleness_versions
+        total.staleness_updates += cyc.staleness_updates
     waiting = [v.id for v in reg.list("candidate")]
     return {
         "scenario": asdict(scn),

@@ -64,7 +64,15 @@ from core.supervisor import Supervisor
 NAME = "swap_load"
 PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 EVENTS = (("canary", 3.0), ("approve", 12.0), ("rollback", 21.0))
-pct = common.pct
+
+
+def q_ms(xs: list[float], q: float) -> float | None:
+    """The q-th percentile of `xs` (seconds) in ms; None for no values."""
+    return stream_load.ms(common.pct(xs, q))
+
+
+def max_ms(xs: list[float]) -> float | None:
+    return max(xs) * 1e3 if xs else None
 
 
 def syncs(log: Path, since: float) -> list[dict]:
@@ -261,7 +269,7 @@ def one_run(
         g_event = gaps(swap_recs, [(at, end)])
         events[name] = {
             "at": at,
-            "p99_gap_ms": pct(g_event, 99) and pct(g_event, 99) * 1e3,
+            "p99_gap_ms": q_ms(g_event, 99),
             "max_gap_ms": max(g_event) * 1e3 if g_event else None,
             "stages": stages,
             "first_served_s": first_served and first_served - at,
@@ -282,29 +290,29 @@ def one_run(
             "requests": len(base_recs),
             "failed": len(fails_b),
             "gaps": len(g_base),
-            "p50_gap_ms": pct(g_base, 50) * 1e3,
-            "p99_gap_ms": pct(g_base, 99) * 1e3,
-            "max_gap_ms": max(g_base) * 1e3,
-            "p50_ttft_ms": pct(f_base, 50) * 1e3,
-            "p99_ttft_ms": pct(f_base, 99) * 1e3,
+            "p50_gap_ms": q_ms(g_base, 50),
+            "p99_gap_ms": q_ms(g_base, 99),
+            "max_gap_ms": max_ms(g_base),
+            "p50_ttft_ms": q_ms(f_base, 50),
+            "p99_ttft_ms": q_ms(f_base, 99),
             "tokens_per_s": sum(r["tokens"] for r in base_recs) / a.seconds,
         },  # fmt: skip
         "swap": {
             "requests": len(swap_recs),
             "failed": len(fails_s),
             "gaps_in_windows": len(g_swap),
-            "p50_gap_ms": pct(g_swap, 50) * 1e3,
-            "p99_gap_ms": pct(g_swap, 99) * 1e3,
-            "max_gap_ms": max(g_swap) * 1e3,
-            "p50_ttft_ms": pct(f_swap, 50) * 1e3,
-            "p99_ttft_ms": pct(f_swap, 99) * 1e3,
-            "p99_gap_whole_phase_ms": pct(g_all, 99) * 1e3,
-            "p99_gap_outside_windows_ms": pct(g_out, 99) * 1e3,
-            "max_gap_whole_phase_ms": max(g_all) * 1e3,
+            "p50_gap_ms": q_ms(g_swap, 50),
+            "p99_gap_ms": q_ms(g_swap, 99),
+            "max_gap_ms": max_ms(g_swap),
+            "p50_ttft_ms": q_ms(f_swap, 50),
+            "p99_ttft_ms": q_ms(f_swap, 99),
+            "p99_gap_whole_phase_ms": q_ms(g_all, 99),
+            "p99_gap_outside_windows_ms": q_ms(g_out, 99),
+            "max_gap_whole_phase_ms": max_ms(g_all),
             "tokens_per_s": sum(r["tokens"] for r in swap_recs) / a.seconds,
             "served_by": {m: sum(r["model"] == m for r in swap_recs) for m in {r["model"] for r in swap_recs}},
         },  # fmt: skip
-        "added_p99_stall_ms": (pct(g_swap, 99) - pct(g_base, 99)) * 1e3,
+        "added_p99_stall_ms": (q_ms(g_swap, 99) or 0.0) - (q_ms(g_base, 99) or 0.0),
         "failures": [{k: r[k] for k in ("status", "error", "done", "model", "tokens", "n")} for r in fails_b + fails_s][
             :20
         ],  # fmt: skip
