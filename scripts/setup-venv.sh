@@ -10,7 +10,9 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${FLYWHEEL_VENV:-.venv}
 # pip's own exit status counts; only the noise about this machine's local package folders is hidden.
-pipi() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" \
+# --no-compile: Python compiles what is imported on first use; compiling every installed file up
+# front (torch's tens of thousands) is most of an install from a warm cache.
+pipi() { "$VENV/bin/python" -m pip install -q --no-compile --disable-pip-version-check "$@" \
   2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 
 stamp="$VENV/.flywheel-stamp"
@@ -21,7 +23,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   pipi "torch==2.13.0"
   pipi -r requirements.txt
   pipi --no-deps -e .
-  "$VENV/bin/python" -c "import torch, transformers, fastapi, jinja2, tokenizers, safetensors, kafka, scipy, zstandard"
+  "$VENV/bin/python" -c "import torch, fastapi, jinja2, tokenizers, safetensors, kafka, scipy, zstandard"
   echo "$want" > "$stamp"
   rm -f "$VENV/.flywheel-stamp-vllm" "$VENV/.flywheel-stamp-test"
 fi
@@ -41,18 +43,18 @@ if [ "${1:-}" = "--test" ]; then
   twant=$(cat requirements.txt requirements-dev.txt | sha256sum | cut -d' ' -f1)
   if [ ! -f "$tstamp" ] || [ "$(cat "$tstamp")" != "$twant" ]; then
     pipi -r requirements-dev.txt
-    "$VENV/bin/python" -c "import pytest, selenium"
+    "$VENV/bin/python" -c "import pytest, selenium, transformers"
     echo "$twant" > "$tstamp"
   fi
 fi
 
 if [ "${FLYWHEEL_WITH_VLLM:-0}" = "1" ]; then
   vstamp="$VENV/.flywheel-stamp-vllm"
-  vwant=$(cat requirements.txt requirements-vllm.txt | sha256sum | cut -d' ' -f1)
+  vwant=$(cat requirements.txt requirements-dev.txt requirements-vllm.txt | sha256sum | cut -d' ' -f1)
   if [ ! -f "$vstamp" ] || [ "$(cat "$vstamp")" != "$vwant" ]; then
-    # requirements.txt as constraints (pip refuses extras there, so they are stripped).
+    # requirements*.txt as constraints (pip refuses extras there, so they are stripped).
     cons=$(mktemp)
-    sed 's/\[[^]]*\]//' requirements.txt > "$cons"
+    sed 's/\[[^]]*\]//' requirements.txt requirements-dev.txt > "$cons"
     pipi -r requirements-vllm.txt -c "$cons"
     rm -f "$cons"
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
