@@ -31,15 +31,13 @@ from typing import Any, TypeVar
 import jinja2
 
 from core.harness import LiveGateway, free_port, wait_until
-from core.supervisor import Child, Supervisor, child_setup
+from core.supervisor import Child, Supervisor
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 TEMPLATES = ROOT / "bench" / "templates"
 
 T = TypeVar("T")
-
-__all__ = ["LiveGateway", "Supervisor", "child_setup", "free_port", "wait_until"]
 
 
 # ---- the stamp -----------------------------------------------------------------------------------
@@ -222,13 +220,11 @@ def med(xs: Sequence[float | None]) -> float | None:
 def timed(fn: Callable[[], T], reps: int) -> tuple[float, T]:
     """Median wall seconds of `reps` calls of `fn`, and the last call's value."""
     times: list[float] = []
-    out: T | None = None
     for _ in range(max(1, reps)):
         t0 = time.perf_counter()
         out = fn()
         times.append(time.perf_counter() - t0)
-    assert out is not None or reps >= 1
-    return statistics.median(times), out  # type: ignore[return-value]
+    return statistics.median(times), out
 
 
 def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
@@ -251,6 +247,21 @@ def rate(k: int, n: int, bound: float | None = None, at_most: bool = True) -> di
         met, missed = (hi <= bound, lo > bound) if at_most else (lo >= bound, hi < bound)
         out |= {"bound": bound, "at_most": at_most, "verdict": "met" if met else "missed" if missed else "consistent"}
     return out
+
+
+def binomial_ceiling(n: int, p: float, tail: float = 1e-6) -> int:
+    """The smallest k with P(Binomial(n, p) >= k) <= tail: a count a rate of p reaches only by a
+    one-in-a-million accident (tests use it as a tolerance that cannot flake)."""
+    from scipy import stats as sps
+
+    return int(sps.binom.isf(tail, n, p)) + 1
+
+
+def binomial_floor(n: int, p: float, tail: float = 1e-6) -> int:
+    """The largest k with P(Binomial(n, p) <= k) <= tail."""
+    from scipy import stats as sps
+
+    return int(sps.binom.ppf(tail, n, p)) - 1
 
 
 # ---- processes -----------------------------------------------------------------------------------
@@ -355,18 +366,3 @@ def tansu_broker(supervisor: Supervisor, log_path: Path) -> Iterator[tuple[str, 
         yield f"127.0.0.1:{port}", child
     finally:
         supervisor.stop_child("tansu")
-
-
-def binomial_ceiling(n: int, p: float, tail: float = 1e-6) -> int:
-    """The smallest k with P(Binomial(n, p) >= k) <= tail: a count a rate of p reaches only by a
-    one-in-a-million accident (tests use it as a tolerance that cannot flake)."""
-    from scipy import stats as sps
-
-    return int(sps.binom.isf(tail, n, p)) + 1
-
-
-def binomial_floor(n: int, p: float, tail: float = 1e-6) -> int:
-    """The largest k with P(Binomial(n, p) <= k) <= tail."""
-    from scipy import stats as sps
-
-    return int(sps.binom.ppf(tail, n, p)) - 1

@@ -294,15 +294,18 @@ def read_topic(bootstrap: str, topic: str, timeout_s: float = 60.0) -> dict:
         c.assign(tps)
         c.seek_to_beginning(*tps)
         ids: set[str] = set()
-        n, deadline = 0, time.monotonic() + timeout_s
-        while time.monotonic() < deadline:  # to the end offsets, then until a poll finds nothing more
+        n = [0]
+
+        def read_to_end() -> bool:
+            """One poll; True once at the end offsets and a poll finds nothing more."""
             got = c.poll(timeout_ms=500, max_records=5000)
             for recs in got.values():
-                n += len(recs)
+                n[0] += len(recs)
                 ids.update(json.loads(r.value)["event_id"] for r in recs)
-            if not got and all(c.position(tp) >= end[tp] for tp in tps):
-                break
-        return {"records": n, "distinct_event_ids": len(ids), "end_offsets_sum": sum(end.values())}
+            return not got and all(c.position(tp) >= end[tp] for tp in tps)
+
+        common.within(read_to_end, timeout_s, interval_s=0.0)
+        return {"records": n[0], "distinct_event_ids": len(ids), "end_offsets_sum": sum(end.values())}
     finally:
         c.close()
 
