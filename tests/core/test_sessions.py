@@ -10,7 +10,7 @@ import stat
 
 import pytest
 
-from core import cli
+from cli import main as cli
 from core.security import KeyStore, SessionSigner, load_or_create_secret
 from core.settings import Settings, get_settings
 
