@@ -1,6 +1,6 @@
 """The demo product's tasks: 18 families, 4 phrasings each, parameters from wide ranges.
 
-A task is still a one-line comment plus a function header, and the model writes the body:
+A task is a one-line comment plus a function header, and the model writes the body:
 
     prompt     = "# add 47 to x\\ndef f(x):\\n"
     completion = "    return x + 47\\n"
@@ -24,7 +24,7 @@ of the off-by-one bugs; `demo.split` keeps a value and its twin in the same spli
 into the pre-training corpus never spells a held-out value. Numbers typed in the templates are
 single digits (always in the train split).
 
-The house style, as before: the whole body is a single `    return <expr>` line.
+The house style: the whole body is a single `    return <expr>` line.
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
-"""Gating: the model registry and version lifecycle, the A/B statistics, the evals and the gate that
-decide whether a candidate may replace the promoted version.
+"""Gating: the statistics, the evals and the gate that decide whether a candidate may replace the
+promoted version.
 
-- `registry.models`: registry tables (SQLModel) — versions with parent, training data range, metrics,
-  files and hashes, status and the gate's evidence; the audit log; the schema version; replica
-  heartbeats.
-- `registry.db`: engines from a URL (SQLite file by default, PostgreSQL via psycopg 3); the tables and
-  their schema version (recorded on a new database, any other refused).
-- `registry.registry`: `Registry`, the only writer of these tables; it enforces the lifecycle of
-  docs/design.md ("Version lifecycle"): one promoted version, one candidate in flight, approval only
-  on the gate's evidence, an audit row with a change number (`seq`) for every change. Its parts:
-  `registry.store` (the engine, audited compare-and-set writes, the errors), `registry.gate_evidence`
-  (`record_gate`, `approve`) and `registry.fleet_state` (`heartbeat`, `fleet`).
-- `registry.fleet_state`: replicas' heartbeats against what the registry says they should serve.
-- `gating.stats`: the gate's statistics (non-inferiority, SRM, confidence sequences, guardrails).
-- `registry.publish`: cold start (the base published and promoted, actor `bootstrap`).
-- `product.suites`, `gating.evals`, `gating.gate`: eval suites (data + a `Verifier`), the offline
-  paired GRPO-style eval with its guardrails, and `flywheel gate`, which drives the lifecycle.
+- `gating.stats`: the gate's statistics (non-inferiority, SRM, confidence sequences, guardrails,
+  the sticky canary assignment `assign_arm`), pure functions.
+- `gating.evals`: the offline paired GRPO-style eval of a candidate against the incumbent on a
+  product's suite (`product.suites`: data + a `Verifier`), with its guardrails.
+- `gating.canary`: the online canary's state machine over joined samples.
+- `gating.gate`, `gating.gate_process`: `flywheel gate`, which drives candidates through the
+  lifecycle of docs/design.md ("Version lifecycle") up to `awaiting_approval`, resumably.
 
-Gating never trains: it reads what the learner published and decides.
+The registry the gate reads and writes (versions, lifecycle, audit, the gate's evidence) is
+`registry/`, below both the gate and the learner. Gating never trains: it reads what the learner
+published and decides.
 """

@@ -18,16 +18,16 @@ Owns the learner's durable state and its exactly-once accounting:
   version (and the candidate to a canary share), and a gate cycle (offline eval, three canary steps
   of at least an attribution window and 30 users per arm, a person's approval) takes hours, in which
   the learner makes K updates (512 samples or 4 h each). Registering a candidate per update and
-  counting staleness in updates, as before, dropped every sample the promoted version served once
-  the learner was `max_staleness` + 1 updates past it: with K >= 3 the learner stalled 3 updates
+  counting staleness in updates would drop every sample the promoted version served once the
+  learner is `max_staleness` + 1 updates past it: with K >= 3 the learner would stall 3 updates
   ahead of the promoted version, living on the canary share, while the gate (oldest candidate
-  first) evaluated one update per cycle and candidates piled up. Now the gate always gets the
-  newest weights and at most one candidate of the lineage per cycle, so a bound in registered
+  first) evaluates one update per cycle and candidates pile up. Holding back, the gate always gets
+  the newest weights and at most one candidate of the lineage per cycle, so a bound in registered
   versions is a bound in gate cycles: the promoted version's samples are 1 behind (the candidate in
   flight was registered after it), the canary's 0, the previous promoted version's 2. The cost is
   policy lag in updates (up to ~2K), which the truncated importance weights absorb; measured by
   bench/staleness.py (5 cycles, the real service: see bench/results/staleness.md).
-  `hold_back=False, staleness_unit="updates"` is the old behaviour (and what a setup without a gate
+  `hold_back=False, staleness_unit="updates"` is that per-update mode (and what a setup without a gate
   gets anyway: with nothing in flight every update is registered).
 - **Never twice, never lost.** After an update the new version's checkpoint (HF folder: weights,
   tokenizer, `learner_state.pt` with optimizer and baseline) is written and renamed into place;

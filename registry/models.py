@@ -48,7 +48,7 @@ Bump it, with a migration in `registry.db`, for any change to the tables once a 
 GATE_FORMAT_VERSION = 1
 """`format_version` of the records in `model_version.gate`."""
 WEIGHT_STORE_SUFFIXES = (".snapshot.fws", ".delta.fws")
-"""serving.weight_store's file suffixes (copied, not imported: gating does not load torch)."""
+"""serving.weight_store's file suffixes (copied, not imported: the registry's tables load without torch)."""
 
 
 def utcnow() -> datetime:

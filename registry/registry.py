@@ -149,7 +149,7 @@ class Registry(GateEvidence, Heartbeats):
         """Register the base model (no parent) and promote it: one transaction, one audit row.
 
         Idempotent when that version is already promoted with the same files (no new row). A parentless
-        `candidate` of that id with the same files (registered before bootstrap existed) is promoted.
+        `candidate` of that id with the same files (a base registered with `register`) is promoted.
         ValueError if another version is promoted, or the files have no artifact (`artifact_of`)."""
         spec = self._spec(version_id, None, data_range, metrics, files, None, notes)
         actor, reason = need("actor", actor), need("reason", reason)

@@ -3,8 +3,9 @@
 Owns the on-disk chain the learner publishes and replicas load: `WeightStore(folder,
 snapshot_every=N)` keeps a snapshot every N versions of a chain and deltas between, rebuilds and
 verifies any version (`get`), and `shipping_state` gives a model's weights as shipped (HF Mixtral
-names, bf16). The bytes of each file are `serving/codec.py`'s. Called by the learner, replicas and
-the tests.
+names, in the dtype asked for: the learner and `registry.publish` ship float32,
+`registry.publish.SHIPPING_DTYPE`). The bytes of each file are `serving/codec.py`'s. Called by the
+learner, replicas and the tests.
 
 Files: `<id>.snapshot.fws` / `<id>.delta.fws`, written to a temporary name, fsynced, renamed;
 ids are immutable; a parent with other tensor names, shapes or dtypes gets a snapshot instead of

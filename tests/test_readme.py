@@ -1,4 +1,4 @@
-"""The README's configuration table names every deployment setting, and nothing that is gone."""
+"""The README's configuration table names every deployment setting, and nothing else."""
 
 from __future__ import annotations
 

@@ -124,7 +124,7 @@ class Gateway:
     def __init__(self, env: dict[str, str], log: Path):
         self.url = f"http://127.0.0.1:{env['FLYWHEEL_PORT']}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from core.cli import main; main(['serve'])"],
+            [sys.executable, "-c", "from cli.main import main; main(['serve'])"],
             cwd=ROOT,
             env=env,
             stdout=open(log, "ab"),

@@ -249,8 +249,8 @@ def test_equal_arms_reach_awaiting_approval_with_share_zero(world):
 
 
 def test_completions_ending_right_after_a_step_starts_are_not_counted_in_it(world):
-    """They may have been routed at the previous share (gateways cache it): counted, a ramp's first look
-    saw the old split and aborted on SRM (the demo, before route_lag_s)."""
+    """They may have been routed at the previous share (gateways cache it): counted, they would make a
+    ramp's first look see the previous step's split and abort on SRM."""
     reg, bus = world
     gate = gate_for(reg, bus, route_lag_s=3.0)
     gate.step()

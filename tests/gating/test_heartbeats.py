@@ -222,7 +222,7 @@ def test_the_schema_version_is_recorded_and_another_refused(url):
         c.exec_driver_sql("UPDATE registry_meta SET value = 2 WHERE name = 'schema_version'")
     with pytest.raises(ValueError, match="has schema version 2; this build reads 1"):
         Registry(url)
-    with engine.begin() as c:  # versions, but no version row: made before the schema was versioned
+    with engine.begin() as c:  # versions, but no schema version row
         c.exec_driver_sql("DELETE FROM registry_meta")
     engine.dispose()
     with pytest.raises(ValueError, match="holds versions but no schema version"):

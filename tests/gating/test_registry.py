@@ -538,8 +538,8 @@ def test_urls():
 
 def test_processes_starting_together_on_an_empty_database_all_open_it(url):
     """The learner's ranks, the gateway and the dashboard may create the tables at the same moment:
-    the losers of that race look again instead of failing (before the fix, 10 of 10 trials of 6
-    threads on a new SQLite file failed)."""
+    the losers of that race look again instead of failing (without the retry, 10 of 10 trials of 6
+    threads on a new SQLite file fail)."""
     for trial in range(3):
         trial_url = url.replace("registry.db", f"registry-{trial}.db")
         start, errors = threading.Barrier(6), []

@@ -99,7 +99,7 @@ def test_a_candidate_holds_at_least_min_updates_per_candidate(tmp_path, tiny_che
 
 def test_held_back_tips_never_reuse_an_id(tmp_path, tiny_checkpoint, samples):
     """An id taken elsewhere (here v0001, registered by someone else) leaves a gap; the held-back tips
-    after it must still get new ids (they once all became v0002, each its own parent)."""
+    after it must still get new ids (never all v0002, each its own parent)."""
     bus = EmbeddedBus(tmp_path / "bus")
     publish(bus, samples)
     svc = make(tmp_path, tiny_checkpoint, bus, min_updates_per_candidate=5)

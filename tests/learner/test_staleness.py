@@ -22,6 +22,6 @@ def test_held_back_updates_keep_the_promoted_versions_samples(tmp_path, tiny_che
     assert total["updates"] > 2 * total["registered"] and total["held_back"] > 0
     assert [c["registered"] for c in res["cycles"]] == [1, 1]  # one candidate per cycle, the newest
     assert total["staleness_versions_max"] <= 2 < total["staleness_updates_max"]
-    # the way it was: a candidate per update, staleness in updates (max 2): most samples dropped
+    # the per-update mode: a candidate per update, staleness in updates (max 2): most samples dropped
     before = run(tmp_path / "before", tiny_checkpoint, {"hold_back": False, "staleness_unit": "updates"})
     assert before["total"]["dropped_share"] > 0.5 and before["candidates_waiting_at_end"]
