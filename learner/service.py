@@ -14,21 +14,13 @@ Owns the learner's durable state and its exactly-once accounting:
   becomes the lineage's tip as usual, but is not registered; once the gate is free (asked every
   `hold_check_s`, in `run_once`) the tip is registered as the next candidate, a child of the last
   registered version, covering the held-back updates' samples. (Without a gate nothing is ever in
-  flight and every update is registered.) Why: the fleet serves the promoted
-  version (and the candidate to a canary share), and a gate cycle (offline eval, three canary steps
-  of at least an attribution window and 30 users per arm, a person's approval) takes hours, in which
-  the learner makes K updates (512 samples or 4 h each). Registering a candidate per update and
-  counting staleness in updates would drop every sample the promoted version served once the
-  learner is `max_staleness` + 1 updates past it: with K >= 3 the learner would stall 3 updates
-  ahead of the promoted version, living on the canary share, while the gate (oldest candidate
-  first) evaluates one update per cycle and candidates pile up. Holding back, the gate always gets
-  the newest weights and at most one candidate of the lineage per cycle, so a bound in registered
-  versions is a bound in gate cycles: the promoted version's samples are 1 behind (the candidate in
-  flight was registered after it), the canary's 0, the previous promoted version's 2. The cost is
-  policy lag in updates (up to ~2K), which the truncated importance weights absorb; measured by
-  bench/staleness.py (5 cycles, the real service: see bench/results/staleness.md).
-  `hold_back=False, staleness_unit="updates"` is that per-update mode (and what a setup without a gate
-  gets anyway: with nothing in flight every update is registered).
+  flight and every update is registered.) Why: a gate cycle takes hours, in which the learner makes
+  several updates; registering each and counting staleness in updates would drop every sample the
+  promoted version served once the learner is `max_staleness` + 1 updates past it. Holding back, the
+  gate always gets the newest weights and at most one candidate per cycle, so a bound in registered
+  versions is a bound in gate cycles; the cost is policy lag in updates, absorbed by the truncated
+  importance weights (measured by bench/staleness.py). `hold_back=False, staleness_unit="updates"`
+  is the per-update mode that benchmark compares against.
 - **Never twice, never lost.** After an update the new version's checkpoint (HF folder: weights,
   tokenizer, `learner_state.pt` with optimizer and baseline) is written and renamed into place;
   then `learner.json` (current version, version list, the bus positions included in that version,
