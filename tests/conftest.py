@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 import threading
-import time
 
 import pytest
 import torch
 
+from core.harness import free_port, wait_until
 from demo.corpus import format_example, make_corpus
 from serving.checkpoint import save_checkpoint
 from serving.model import ModelArgs, Transformer
@@ -84,14 +83,9 @@ def served_samples(checkpoint, rewards: list[float], max_tokens: int = 10) -> li
     ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LiveServer:
-    """uvicorn on a free loopback port, in a thread of this process."""
+    """uvicorn on a free loopback port, in a thread of this process: the live gateway of the in-process
+    tests (a `flywheel serve` process is `core.harness.LiveGateway`)."""
 
     def __init__(self, app):
         import uvicorn
@@ -106,11 +100,13 @@ class LiveServer:
 
     def __enter__(self):
         self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            if time.time() > deadline or not self.thread.is_alive():
-                raise RuntimeError("gateway did not start")
-            time.sleep(0.02)
+
+        def thread_alive() -> None:
+            if not self.thread.is_alive():
+                raise RuntimeError(f"the in-process gateway on port {self.port} stopped before serving")
+
+        what = f"the in-process gateway on port {self.port}"
+        wait_until(lambda: self.server.started, 30, what=what, interval_s=0.02, check=thread_alive)
         return self
 
     def __exit__(self, *exc):

@@ -12,12 +12,7 @@ was promoted by a restart) and v3, which failed its gate, is never fetched.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import threading
-import time
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -27,13 +22,12 @@ import httpx
 import pytest
 import torch
 
+from core.harness import LiveGateway, wait_until
 from registry.publish import SHIPPING_DTYPE, STORE, file_entry, publish_base, sha256_of
 from registry.registry import Registry
 from serving.checkpoint import load_checkpoint
 from serving.weight_store import WeightStore, shipping_state
-from tests.conftest import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "# add 1 to x\ndef f(x):\n"
 
 
@@ -118,19 +112,8 @@ def offline_verdict(reg: Registry, vid: str, passed: bool) -> None:
     reg.record_gate(vid, "offline", verdict, "gate")
 
 
-class Gateway:
-    """`flywheel serve` in a subprocess."""
-
-    def __init__(self, env: dict[str, str], log: Path):
-        self.url = f"http://127.0.0.1:{env['FLYWHEEL_PORT']}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from cli.main import main; main(['serve'])"],
-            cwd=ROOT,
-            env=env,
-            stdout=open(log, "ab"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+class Gateway(LiveGateway):
+    """`flywheel serve` in its own process (`LiveGateway`), which a test can kill outright."""
 
     def health(self) -> dict | None:
         try:
@@ -138,18 +121,15 @@ class Gateway:
         except httpx.HTTPError:
             return None
 
+    def died(self) -> None:
+        """For `wait_until(check=...)`: fail at once if the gateway exited."""
+        if not self.child.alive():
+            raise AssertionError(f"the gateway exited ({self.child.returncode}):\n{self.child.tail()}")
+
     def kill(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGKILL)  # the gateway and anything it started
-        self.proc.wait(timeout=10)
-
-
-def wait_for(check, what: str, timeout_s: float = 30.0, proc: subprocess.Popen | None = None):
-    deadline = time.monotonic() + timeout_s
-    while not (got := check()):
-        assert proc is None or proc.poll() is None, f"the gateway exited ({proc.returncode}) waiting for {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return got
+        """SIGKILL: no shutdown runs; its engine and workers die with it (parent-death signal)."""
+        self.child.proc.kill()
+        self.stop()
 
 
 @pytest.fixture
@@ -159,7 +139,6 @@ def world(tiny_checkpoint, tmp_path):
     base = publish_base(reg, learner, tiny_checkpoint).id
     server = WeightServer(learner)
     env = {
-        **os.environ,
         "FLYWHEEL_HOME": str(tmp_path / "gateway"),
         "FLYWHEEL_MODEL_DIR": str(tiny_checkpoint),
         "FLYWHEEL_DATABASE_URL": reg.url,
@@ -168,7 +147,6 @@ def world(tiny_checkpoint, tmp_path):
         "FLYWHEEL_REPLICAS": "1",
         "FLYWHEEL_HEARTBEAT_S": "0.5",
         "FLYWHEEL_GATEWAY_ID": "gw",
-        "FLYWHEEL_PORT": str(free_port()),
         "FLYWHEEL_MAX_BATCH": "4",
         "FLYWHEEL_MAX_MODEL_LEN": "128",
     }
@@ -182,9 +160,8 @@ def test_a_gateway_killed_while_fetching_a_promoted_version_resumes_verifies_and
     template = Path(env["FLYWHEEL_MODEL_DIR"])
     log = tmp_path / "gateway.log"
     part = tmp_path / "gateway" / "models" / "learner" / STORE / "v2.delta.fws.part"
-    gw = Gateway(env, log)
-    try:
-        wait_for(lambda: (gw.health() or {}).get("default_version") == base, "the base", proc=gw.proc)
+    with Gateway(env, log_path=log) as gw:  # ready once its replica synced
+        wait_until(lambda: (gw.health() or {}).get("default_version") == base, 30, what="the base", check=gw.died)
 
         candidate(learner, reg, template, "v2", base, seed=1)
         v2_file = learner / STORE / "v2.delta.fws"
@@ -195,13 +172,10 @@ def test_a_gateway_killed_while_fetching_a_promoted_version_resumes_verifies_and
         assert server.holding.wait(20), "the replica never asked for v2"
         reg.transition("v2", "awaiting_approval", "gate", "canary passed")
         reg.approve("v2", "alice", "better")  # promoted while the replica is still fetching it
-        wait_for(lambda: part.is_file() and part.stat().st_size > 0, "the partial download", proc=gw.proc)
+        wait_until(lambda: part.is_file() and part.stat().st_size > 0, 30, what="the partial download", check=gw.died)
         served = httpx.post(gw.url + "/v1/completions", json={"model": "flywheel", "prompt": PROMPT, "max_tokens": 2})
         assert served.json()["model"] == base and gw.health()["versions"] == [base]  # nothing unverified served
         gw.kill()
-    finally:
-        if gw.proc.poll() is None:
-            gw.kill()
     kept = part.stat().st_size
     assert 0 < kept < v2_file.stat().st_size
     # v3 failed its gate while the gateway was down: the restarted gateway must not touch it.
@@ -212,9 +186,9 @@ def test_a_gateway_killed_while_fetching_a_promoted_version_resumes_verifies_and
     assert promotions == [(base, "bootstrap"), ("v2", "alice")]
     server.release()
 
-    gw = Gateway(env, log)  # the same gateway id: its replica's heartbeat row is replaced
-    try:
-        health = wait_for(gw.health, "the restarted gateway", proc=gw.proc)  # it answers once its replica synced
+    with Gateway(env, log_path=log) as gw:  # the same gateway id: its replica's heartbeat row is replaced
+        health = gw.health()  # it answers once its replica synced
+        assert health is not None
         assert (health["default_version"], health["versions"]) == ("v2", ["v2"]), log.read_text()[-3000:]
         assert ("store/v2.delta.fws", f"bytes={kept}-") in server.requests  # resumed where the part ended
         local = tmp_path / "gateway" / "models" / "learner" / STORE / "v2.delta.fws"
@@ -223,11 +197,9 @@ def test_a_gateway_killed_while_fetching_a_promoted_version_resumes_verifies_and
         r = httpx.post(gw.url + "/v1/completions", json={"model": "flywheel", "prompt": PROMPT, "max_tokens": 2})
         assert r.status_code == 200 and r.json()["model"] == "v2"
         sha = reg.get("v2").artifact_sha256
-        beat = wait_for(
-            lambda: next((b for b in reg.fleet(interval_s=0.5).replicas if "v2" in b.holds), None), "a beat"
+        beat = wait_until(
+            lambda: next((b for b in reg.fleet(interval_s=0.5).replicas if "v2" in b.holds), None), 30, what="a beat"
         )
         assert (beat.replica_id, beat.holds, beat.serves, beat.error) == ("gw-r0", {"v2": sha}, {"v2": 1.0}, None)
         assert reg.fleet(interval_s=0.5).complete
-    finally:
-        gw.kill()
     assert [(a.version_id, a.actor) for a in reg.audit() if a.to_status == "promoted"] == promotions

@@ -8,26 +8,25 @@ both back to the base. This is how gateways scale out behind a load balancer.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import httpx
 
+from core.harness import wait_until
+from core.supervisor import Supervisor
 from registry.publish import publish_base
 from registry.registry import Registry
-from tests.api.test_swap_restart import PROMPT, Gateway, candidate, offline_verdict, wait_for
-from tests.conftest import free_port
+from tests.api.test_swap_restart import PROMPT, Gateway, candidate, offline_verdict
 
 
 def test_gateways_in_two_processes_follow_one_registry(tiny_checkpoint, tmp_path):
     learner = tmp_path / "learner"
     reg = Registry(f"sqlite:///{tmp_path / 'registry.db'}")
     base = publish_base(reg, learner, tiny_checkpoint).id
-    gateways = []
-    try:
+    with Supervisor("two-gateways") as sup:
+        gateways = []
         for name in ("gw-a", "gw-b"):
             env = {
-                **os.environ,
                 "FLYWHEEL_HOME": str(tmp_path / name),
                 "FLYWHEEL_MODEL_DIR": str(tiny_checkpoint),
                 "FLYWHEEL_DATABASE_URL": reg.url,
@@ -36,13 +35,12 @@ def test_gateways_in_two_processes_follow_one_registry(tiny_checkpoint, tmp_path
                 "FLYWHEEL_REPLICAS": "1",
                 "FLYWHEEL_HEARTBEAT_S": "0.5",
                 "FLYWHEEL_GATEWAY_ID": name,
-                "FLYWHEEL_PORT": str(free_port()),
                 "FLYWHEEL_MAX_BATCH": "4",
                 "FLYWHEEL_MAX_MODEL_LEN": "128",
             }
-            gateways.append(Gateway(env, tmp_path / f"{name}.log"))
-        for gw in gateways:
-            wait_for(lambda gw=gw: (gw.health() or {}).get("default_version") == base, "the base", proc=gw.proc)
+            gateways.append(Gateway(env, log_path=tmp_path / f"{name}.log", supervisor=sup, name=name).start())
+        for gw in gateways:  # each is ready once its replica synced
+            assert (gw.health() or {}).get("default_version") == base
 
         def everyone_serves(vid: str) -> bool:
             fleet = reg.fleet(interval_s=0.5)
@@ -60,14 +58,10 @@ def test_gateways_in_two_processes_follow_one_registry(tiny_checkpoint, tmp_path
         reg.transition("v2", "canary", "gate", "offline passed")
         reg.transition("v2", "awaiting_approval", "gate", "canary passed")
         reg.approve("v2", "alice", "better")
-        wait_for(lambda: everyone_serves("v2"), "both gateways on v2", timeout_s=30)
+        wait_until(lambda: everyone_serves("v2"), 30, what="both gateways on v2", check=sup.check)
         assert [alias_model(gw) for gw in gateways] == ["v2", "v2"]
 
         reg.rollback(None, "alice", "rolled back")
-        wait_for(lambda: everyone_serves(base), "both gateways back on the base", timeout_s=30)
+        wait_until(lambda: everyone_serves(base), 30, what="both gateways back on the base", check=sup.check)
         assert [alias_model(gw) for gw in gateways] == [base, base]
-    finally:
-        for gw in gateways:
-            if gw.proc.poll() is None:
-                gw.kill()
-        reg.close()
+    reg.close()

@@ -10,12 +10,12 @@ import importlib.util
 import os
 import shutil
 import socket
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
+from core.harness import free_port, wait_until
+from core.supervisor import Supervisor
 from feedback.bus_embedded import EmbeddedBus
 
 # Consumers that settle fast: on tansu a group forms in about half the session timeout.
@@ -31,20 +31,16 @@ def tansu_binary() -> str | None:
     return shutil.which("tansu")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class TansuBroker:
-    """One tansu process on a fixed loopback port; `stop()` kills it (all data is lost), `start()`
-    brings up an empty one on the same port."""
+    """One tansu process on a fixed loopback port, a child of its own `Supervisor`; `stop()` kills it
+    (all data is lost), `start()` brings up an empty one on the same port."""
+
+    NAME = "tansu"
 
     def __init__(self, binary: str, log_path: Path):
         self.binary, self.log_path = binary, log_path
-        self.port = _free_port()
-        self.proc: subprocess.Popen | None = None
+        self.port = free_port()
+        self.supervisor = Supervisor("tansu-broker")
 
     @property
     def bootstrap(self) -> str:
@@ -66,29 +62,28 @@ class TansuBroker:
 
     @property
     def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        child = self.supervisor.children.get(self.NAME)
+        return child is not None and child.alive()
+
+    def _listening(self) -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+            return True
+        except OSError:
+            return False
 
     def start(self, timeout_s: float = 15.0) -> None:
         assert not self.running, "broker already running"
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"tansu exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"tansu did not listen on {self.bootstrap} in {timeout_s}s") from None
-                time.sleep(0.02)
+        self.supervisor.start(self.NAME, self.command, log_path=self.log_path)
+        what = f"tansu listening on {self.bootstrap}"
+        wait_until(self._listening, timeout_s, what=what, interval_s=0.02, check=self.supervisor.check)
 
     def stop(self) -> None:
         """Kill the broker (a crash: nothing is flushed, connections drop)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        child = self.supervisor.children.get(self.NAME)
+        if child is not None and child.alive():
+            child.proc.kill()
+        self.supervisor.stop_child(self.NAME)
 
 
 @pytest.fixture(scope="module")
