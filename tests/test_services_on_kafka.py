@@ -3,21 +3,29 @@ several instances in one consumer group split the partitions, and nothing is los
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
+from core.harness import free_port, wait_until
+from core.supervisor import Supervisor
 from feedback.bus_kafka import KafkaBus
 from feedback.events import TOPICS, CompletionEvent, FeedbackEvent, RoutedExperts, SampleEvent
 from feedback.joiner import JoinerService, sample_event_id
 from feedback.rewards import RewardSpec
 from tests.conftest import served_samples
-from tests.feedback.conftest import FAST_CONSUMER, kafka_broker, running_broker  # noqa: F401 (fixtures)
+from tests.feedback.conftest import FAST_CONSUMER, kafka_broker, read_until, running_broker  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.kafka
 PARTITIONS = 4
+ROOT = Path(__file__).resolve().parents[1]
+RANK = (
+    "from core.supervisor import child_setup; child_setup(); from tests.test_services_on_kafka import _learner_rank; "
+)
 
 
 def kafka_bus(broker, folder) -> KafkaBus:
@@ -69,16 +77,21 @@ def test_two_joiners_split_the_partitions_and_join_every_completion_with_its_fee
     for t in threads:
         t.start()
     checker = buses[2].consumer(TOPICS["sample"], f"check-{uuid.uuid4().hex[:8]}")
+
+    def no_errors() -> None:
+        assert not errors, errors
+
     try:
-        deadline = time.monotonic() + 60
-        while not (
-            joiners[0].partitions
-            and joiners[1].partitions
-            and sorted(joiners[0].partitions + joiners[1].partitions) == list(range(PARTITIONS))
-        ):
-            assert time.monotonic() < deadline, "the joiners' group did not settle"
-            assert not errors, errors
-            time.sleep(0.1)
+        wait_until(
+            lambda: (
+                joiners[0].partitions
+                and joiners[1].partitions
+                and sorted(joiners[0].partitions + joiners[1].partitions) == list(range(PARTITIONS))
+            ),
+            60,
+            what="the joiners' group settling",
+            check=no_errors,
+        )
         n, kinds = 60, ("accepted", "thumb_down", "copied")
         for i in range(n):  # a third of the feedback is published before its completion
             c, f = completion(f"cmp-{i}", time.time()), feedback(f"cmp-{i}", kinds[i % 3], time.time())
@@ -87,14 +100,14 @@ def test_two_joiners_split_the_partitions_and_join_every_completion_with_its_fee
                 buses[2].publish(topic, ev.completion_id, ev.model_dump_json().encode())
         buses[2].flush(30)
         samples: dict[str, SampleEvent] = {}
-        deadline = time.monotonic() + 60
-        while len(samples) < n and time.monotonic() < deadline:
+
+        def read() -> None:
             for r in checker.poll(200, timeout_s=0.5):
                 s = SampleEvent.model_validate_json(r.value)
                 assert s.event_id not in samples, "a sample was emitted twice"
                 samples[s.event_id] = s
-        time.sleep(1.0)
-        assert not checker.poll(200, timeout_s=0.5), "a sample was emitted twice"
+
+        read_until(read, lambda: len(samples) >= n, 60, what=f"{n} samples", quiet_s=1.5)
     finally:
         stop.set()
         for t in threads:
@@ -188,37 +201,36 @@ def test_two_data_parallel_learner_ranks_split_the_partitions_and_train_each_sam
 ):  # noqa: F811
     import json
 
-    import torch.multiprocessing as mp
-
-    from learner.distributed import free_port
     from registry.registry import Registry
 
     Registry(f"sqlite:///{tmp_path}/registry.db")  # tables exist before the ranks open it
     topic = f"samples-{uuid.uuid4().hex[:8]}"  # the broker is the module's: other tests publish samples too
-    ctx = mp.start_processes(
-        _learner_rank,
-        args=(2, free_port(), running_broker.bootstrap, str(tmp_path), str(tiny_checkpoint), topic),
-        nprocs=2,
-        join=False,
-        start_method="spawn",
-    )
-    producer = kafka_bus(running_broker, tmp_path / "spool-product")
-    try:
-        deadline = time.monotonic() + 90
-        while not all((tmp_path / f"rank{r}.ready").exists() for r in (0, 1)):  # both are group members
-            assert time.monotonic() < deadline, "the learner ranks did not join their group"
-            assert not any(p.exitcode not in (None, 0) for p in ctx.processes), "a rank died"
-            time.sleep(0.2)
-        for ev in samples:
-            producer.publish(topic, ev.completion.completion_id, ev.model_dump_json().encode())
-        producer.flush(30)
-        while not ctx.join(timeout=1):
-            assert time.monotonic() < deadline + 120, "the learner ranks did not finish"
-    finally:
-        producer.close()
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    args = (2, free_port(), running_broker.bootstrap, str(tmp_path), str(tiny_checkpoint), topic)
+    with Supervisor("learner-ranks") as sup:
+
+        def ranks_ok() -> None:
+            for c in sup.children.values():
+                assert c.returncode in (None, 0), f"{c.name} exited with {c.returncode}:\n{c.tail()}"
+
+        for rank in (0, 1):
+            code = f"{RANK}_learner_rank({rank}, *{args!r})"
+            sup.start(f"rank{rank}", [sys.executable, "-c", code], cwd=ROOT, log_path=tmp_path / f"rank{rank}.log")
+        producer = kafka_bus(running_broker, tmp_path / "spool-product")
+        try:
+            ready = [tmp_path / f"rank{r}.ready" for r in (0, 1)]
+            wait_until(lambda: all(p.exists() for p in ready), 90, what="both ranks in their group", check=ranks_ok)
+            for ev in samples:
+                producer.publish(topic, ev.completion.completion_id, ev.model_dump_json().encode())
+            producer.flush(30)
+            wait_until(
+                lambda: not any(c.alive() for c in sup.children.values()),
+                210,
+                what="the learner ranks training every sample",
+                interval_s=0.2,
+                check=ranks_ok,
+            )
+        finally:
+            producer.close()
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["weights"] == ranks[1]["weights"] and ranks[0]["current"] == ranks[1]["current"]
     assert ranks[0]["partitions"] and ranks[1]["partitions"]  # each rank read its own share...

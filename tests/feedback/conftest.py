@@ -10,6 +10,8 @@ import importlib.util
 import os
 import shutil
 import socket
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,23 @@ from feedback.bus_embedded import EmbeddedBus
 
 # Consumers that settle fast: on tansu a group forms in about half the session timeout.
 FAST_CONSUMER = {"session_timeout_ms": 1500, "heartbeat_interval_ms": 300}
+
+
+def read_until(
+    read: Callable[[], object], done: Callable[[], bool], timeout_s: float, *, what: str, quiet_s: float = 0.0
+) -> None:
+    """Call `read()` (a consumer poll, which blocks up to its own timeout) until `done()`, then go on
+    reading for `quiet_s`: a repeat or a stray record comes after the records expected, so reading
+    that long after them is how a test sees that none came."""
+
+    def step() -> bool:
+        read()
+        return done()
+
+    wait_until(step, timeout_s, what=what, interval_s=0)
+    quiet_until = time.monotonic() + quiet_s
+    while time.monotonic() < quiet_until:
+        read()
 
 
 def tansu_binary() -> str | None:

@@ -16,12 +16,13 @@ from collections import Counter, defaultdict
 import pytest
 from kafka.partitioner import murmur2
 
+from core.harness import wait_until
 from feedback.bus import Consumer, EventBus, Record
 from feedback.bus_embedded import EmbeddedBus, partition_for
 from feedback.bus_kafka import KafkaBus
 from feedback.events import TOPICS, CompletionEvent, RoutedExperts
 from feedback.sink import CompletionSink
-from tests.feedback.conftest import FAST_CONSUMER
+from tests.feedback.conftest import FAST_CONSUMER, read_until
 
 PARTITIONS = 4
 
@@ -98,18 +99,14 @@ def publish(bus: EventBus, topic: str, n: int, start: int = 0, keys: int = 10) -
 def drain(c: Consumer, n: int, quiet_s: float, commit: bool = False, timeout_s: float = 30.0) -> list[Record]:
     """Poll until `n` records came, then keep polling `quiet_s` more to catch any extra."""
     out: list[Record] = []
-    deadline = time.monotonic() + timeout_s
-    while len(out) < n and time.monotonic() < deadline:
-        got = c.poll(max_records=100, timeout_s=0.5)
-        out += got
-        if commit and got:
-            c.commit(got)
-    quiet_until = time.monotonic() + quiet_s
-    while time.monotonic() < quiet_until:
+
+    def read() -> None:
         got = c.poll(max_records=100, timeout_s=0.2)
-        out += got
+        out.extend(got)
         if commit and got:
             c.commit(got)
+
+    read_until(read, lambda: len(out) >= n, timeout_s, what=f"{n} records", quiet_s=quiet_s)
     return out
 
 
@@ -159,10 +156,9 @@ def test_uncommitted_records_are_redelivered_to_the_next_member(h):
     sent = publish(h.bus, topic, 60)
     group = new_name("g")
     a = h.consumer(topic, group)
-    first: list[Record] = []
-    deadline = time.monotonic() + 30
-    while not first and time.monotonic() < deadline:
-        first = a.poll(max_records=15, timeout_s=0.5)
+    first = wait_until(
+        lambda: a.poll(max_records=15, timeout_s=0.5), 30, what="a first poll with records", interval_s=0
+    )
     assert 0 < len(first) <= 15
     a.commit(first)  # processed; the rest is read but not committed
     rest = drain(a, 60 - len(first), 0.0)
@@ -237,18 +233,21 @@ def _two_members(h, n_topics: int) -> None:
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in (0, 1)]
     for t in threads:
         t.start()
+
+    def no_errors() -> None:
+        assert not errors, errors
+
     try:
-        deadline = time.monotonic() + 60
-        while not (assigned[0] and assigned[1] and len(assigned[0]) + len(assigned[1]) == n_topics * PARTITIONS):
-            assert time.monotonic() < deadline, f"group did not settle: {assigned}"
-            assert not errors, errors
-            time.sleep(0.1)
+        wait_until(
+            lambda: assigned[0] and assigned[1] and len(assigned[0]) + len(assigned[1]) == n_topics * PARTITIONS,
+            60,
+            what="the group settling",
+            check=no_errors,
+        )
         settled = {i: list(assigned[i]) for i in (0, 1)}
         sent = [r for k, t in enumerate(topics) for r in publish(h.bus, t, 120, start=1000 * k, keys=30)]
-        deadline = time.monotonic() + 30
-        while len(got[0]) + len(got[1]) < len(sent) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(h.quiet_s)
+        wait_until(lambda: len(got[0]) + len(got[1]) >= len(sent), 30, what="every record", check=no_errors)
+        time.sleep(h.quiet_s)  # the members go on reading: a repeat would arrive now
     finally:
         stop.set()
         for t in threads:

@@ -25,10 +25,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from kafka.errors import KafkaError
 
+from core.harness import wait_until
 from feedback.bus_kafka import KafkaBus
 from feedback.events import TOPICS
 from feedback.spool import Deduper
-from tests.feedback.conftest import FAST_CONSUMER
+from tests.feedback.conftest import FAST_CONSUMER, read_until
 
 pytestmark = pytest.mark.kafka
 
@@ -37,6 +38,7 @@ N, KEYS = 600, 30
 # events [DOWN_AT, RESTART_AFTER) certainly meet a dead broker and [UP_AT, N) a restarted one.
 DOWN_AT, RESTART_AFTER, UP_AT = 200, 400, 500
 PACE_S = 0.002
+SEND_TIMEOUT_S = 2.0  # what a publish that waited for the dead broker would take
 
 
 def event(i: int) -> tuple[str, str, bytes]:
@@ -54,21 +56,20 @@ def consume(bootstrap: str, group: str, expected: int, dedupe: Deduper, timeout_
     bus = KafkaBus(bootstrap, None, partitions=6, send_timeout_s=2, consumer_config=FAST_CONSUMER)
     c = bus.consumer(TOPICS["feedback"], group)
     kept, repeats = [], 0
+
+    def read() -> None:
+        nonlocal repeats
+        records = c.poll(max_records=200, timeout_s=0.2)
+        for r in records:
+            eid = json.loads(r.value)["event_id"]
+            if dedupe.seen(eid):
+                repeats += 1
+            else:
+                kept.append((r.key, eid))
+        c.commit(records)
+
     try:
-        deadline = time.monotonic() + timeout_s
-        quiet_until = None
-        while quiet_until is None or time.monotonic() < quiet_until:
-            assert time.monotonic() < deadline, f"only {len(kept)} of {expected} events arrived"
-            records = c.poll(max_records=200, timeout_s=0.2)
-            for r in records:
-                eid = json.loads(r.value)["event_id"]
-                if dedupe.seen(eid):
-                    repeats += 1
-                else:
-                    kept.append((r.key, eid))
-            c.commit(records)
-            if quiet_until is None and len(kept) >= expected:
-                quiet_until = time.monotonic() + 1.0
+        read_until(read, lambda: len(kept) >= expected, timeout_s, what=f"{expected} events", quiet_s=1.0)
     finally:
         c.close()
         bus.close()
@@ -80,7 +81,7 @@ def test_broker_outage_mid_stream_loses_and_reorders_nothing(kafka_broker, tmp_p
         kafka_broker.bootstrap,
         tmp_path / "spool",
         partitions=6,
-        send_timeout_s=2,
+        send_timeout_s=SEND_TIMEOUT_S,
         consumer_config=FAST_CONSUMER,
         spool_backoff_s=(0.05, 0.5),
     )
@@ -102,23 +103,20 @@ def test_broker_outage_mid_stream_loses_and_reorders_nothing(kafka_broker, tmp_p
             published[0] = i + 1
             time.sleep(PACE_S)
 
+    def producer_alive() -> None:
+        if producer.done():
+            producer.result()  # raises what stopped it
+
     def wait_published(n: int) -> None:
-        deadline = time.monotonic() + 60
-        while published[0] < n:
-            if producer.done():
-                producer.result()  # raises what stopped it
-            assert time.monotonic() < deadline, f"producer stuck at {published[0]}"
-            time.sleep(0.01)
+        wait_until(lambda: published[0] >= n, 60, what=f"{n} events published", interval_s=0.01, check=producer_alive)
 
     pool = ThreadPoolExecutor(1, thread_name_prefix="producer")
     dedupe = Deduper()
     try:
         producer = pool.submit(produce)
         wait_published(150)
-        deadline = time.monotonic() + 30
-        while bus.spool.forwarded == 0:  # under load the forwarder (nice 10) may not have run yet
-            assert time.monotonic() < deadline, "nothing was forwarded while the broker was up"
-            time.sleep(0.05)
+        # Under load the forwarder (nice 10) may not have run yet.
+        wait_until(lambda: bus.spool.forwarded > 0, 30, what="a record forwarded while the broker is up")
 
         # Phase 1: everything the first broker acknowledged is consumed, then the broker dies.
         with bus.spool.hold() as forwarded_before_stop:
@@ -130,10 +128,7 @@ def test_broker_outage_mid_stream_loses_and_reorders_nothing(kafka_broker, tmp_p
 
         # Down: publishing goes on (into the spool); the forwarder fails and retries.
         wait_published(RESTART_AFTER)
-        deadline = time.monotonic() + 30
-        while bus.spool.failures < 1:
-            assert time.monotonic() < deadline, "the forwarder never noticed the broker was down"
-            time.sleep(0.05)
+        wait_until(lambda: bus.spool.failures >= 1, 30, what="the forwarder noticing the broker is down")
         assert bus.healthy
         published_so_far = published[0]
         assert bus.backlog >= published_so_far - forwarded_before_stop  # nothing left the machine
@@ -169,12 +164,18 @@ def test_broker_outage_mid_stream_loses_and_reorders_nothing(kafka_broker, tmp_p
         assert got == [event(i)[1] for i in range(k, N, KEYS)], key
 
     # Publishing while the broker was down never waited for it: a spool append (one fsync) per call.
-    # Waiting for the dead broker would take send_timeout_s (2 s); the bounds leave room for a busy
-    # 2-core machine (GIL and fsync jitter), not for a network timeout.
+    # Waiting for the dead broker would take SEND_TIMEOUT_S on every call; the median and p95 leave
+    # room for a busy 2-core machine (GIL and fsync jitter), not for a network timeout. The slowest
+    # single call is only held under half of SEND_TIMEOUT_S: on a loaded machine one call can lose
+    # the CPU for a few hundred ms (0.29 s seen under load 8), which says nothing about the broker.
     assert len(latencies_down) >= RESTART_AFTER - DOWN_AT
     lat = sorted(latencies_down)
     p95 = lat[int(0.95 * len(lat))]
-    assert statistics.median(lat) < 0.01 and p95 < 0.03 and lat[-1] < 0.1, (statistics.median(lat), p95, lat[-1])
+    assert statistics.median(lat) < 0.01 and p95 < 0.03 and lat[-1] < SEND_TIMEOUT_S / 2, (
+        statistics.median(lat),
+        p95,
+        lat[-1],
+    )
     print(
         f"\noutage: {forwarded_before_stop} delivered before the kill, {N - forwarded_before_stop} after the "
         f"restart, {repeats2} repeats dropped, {bus.spool.failures} failed delivery attempts, publish while "

@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from api.main import create_app
+from core.harness import wait_until
 from core.settings import Settings
 from feedback.bus_embedded import EmbeddedBus
 from feedback.completion_index import CompletionIndex
@@ -143,15 +144,6 @@ class FaultProxy:
         self.server.server_close()
 
 
-def wait_until(cond, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 class Errors(list):
     def __call__(self, exc, events):
         self.append((exc, events))
@@ -229,8 +221,7 @@ def test_batches_by_size_then_flush(live):
     with FaultProxy(live.url) as proxy, FeedbackClient(proxy.url, batch_size=5, flush_interval_s=60) as fb:
         for _ in range(12):
             fb.copied(c)
-        assert wait_until(lambda: len(proxy.attempts) == 2)
-        time.sleep(0.3)
+        wait_until(lambda: fb.sent == 10, 10, what="two full batches", interval_s=0.01)
         assert [a["n"] for a in proxy.attempts] == [5, 5] and fb.pending == 2  # 2 left: not a full batch
         assert fb.flush(timeout=10)
         assert [a["n"] for a in proxy.attempts] == [5, 5, 2]
@@ -243,10 +234,8 @@ def test_batches_by_interval(live):
         t0 = time.monotonic()
         for _ in range(3):
             fb.copied(c)
-        time.sleep(0.2)
-        assert proxy.attempts == []
-        assert wait_until(lambda: len(proxy.attempts) == 1, timeout=5)
-        assert proxy.attempts[0]["n"] == 3 and proxy.attempts[0]["t"] - t0 >= 0.4
+        wait_until(lambda: len(proxy.attempts) == 1, 5, what="the batch of the interval", interval_s=0.01)
+        assert proxy.attempts[0]["n"] == 3 and proxy.attempts[0]["t"] - t0 >= 0.4  # not before the interval
     assert len(on_bus(live, [c])) == 3
 
 
@@ -347,14 +336,21 @@ def test_fork_child_sends_its_own_events_parent_sends_its_pending_once(live):
             code = 0 if fb.flush(timeout=10) and fb.sent == 1 and fb.pending == 0 else 1
         finally:
             os._exit(code)
-    deadline = time.monotonic() + 30
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child did not finish")
-        time.sleep(0.02)
-    assert os.waitstatus_to_exitcode(done[1]) == 0
+    exit_code: list[int] = []
+
+    def reaped() -> bool:
+        got, status = os.waitpid(pid, os.WNOHANG)
+        if got:
+            exit_code.append(os.waitstatus_to_exitcode(status))
+        return bool(got)
+
+    try:
+        wait_until(reaped, 30, what="the forked child's exit", interval_s=0.02)
+    except TimeoutError:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
+    assert exit_code == [0]
     assert fb.pending == 3 and fb.flush(timeout=10) and fb.sent == 3
     fb.close()
     assert sorted(e.kind for e in on_bus(live, [c])) == ["accepted", "copied", "copied", "copied"]
@@ -383,10 +379,9 @@ def test_async_client_batches_retries_and_flushes_without_blocking_the_loop(live
     async def main(url):
         fb = AsyncFeedbackClient(url, batch_size=3, flush_interval_s=60, backoff_s=0.01, on_error=errors)
         keys = [fb.thumbs_up(c), fb.rating(c, 3), fb.edited(c, kept_fraction=0.5), fb.dwell(c, 2.0)]
-        deadline = time.monotonic() + 10  # a loaded machine may take longer than usual for the retries
-        while fb.sent < 3 and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        first = fb.sent  # the full batch of 3 went without a flush (after its retries)
+        # Waited on in a worker thread, so the loop runs on (the client's thread sends).
+        await asyncio.to_thread(wait_until, lambda: fb.sent >= 3, 10, what="the full batch of 3, after its retries")
+        first = fb.sent  # the full batch of 3 went without a flush
         ticks = []
         ticker = asyncio.create_task(tick(ticks))
         t0 = time.monotonic()

@@ -5,16 +5,16 @@ Deduper removes repeats, and a forwarder that dies says so."""
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections import Counter
 
 import pytest
 
+from core.harness import wait_until
 from feedback.bus import Consumer
 from feedback.bus_kafka import KafkaBus
 from feedback.spool import Deduper, Spool, decode, encode
-from tests.feedback.conftest import FAST_CONSUMER
+from tests.feedback.conftest import FAST_CONSUMER, read_until
 
 
 def make_bus(broker, spool_dir) -> KafkaBus:
@@ -39,17 +39,16 @@ def publish(bus: KafkaBus, topic: str, start: int, n: int) -> list[str]:
 def read_all(c: Consumer, n: int, timeout_s: float = 30.0, quiet_s: float = 1.0) -> list[tuple[str, str]]:
     """(key, event_id) of every record delivered, repeats included: `n` of them, then `quiet_s` of nothing."""
     out: list[tuple[str, str]] = []
-    deadline = time.monotonic() + timeout_s
-    while len(out) < n and time.monotonic() < deadline:
-        got = c.poll(timeout_s=0.5)
-        out += [(r.key, json.loads(r.value)["event_id"]) for r in got]
-        c.commit(got)
-    quiet_until = time.monotonic() + quiet_s
-    while time.monotonic() < quiet_until:
+
+    def read() -> None:
         got = c.poll(timeout_s=0.2)
-        out += [(r.key, json.loads(r.value)["event_id"]) for r in got]
+        out.extend((r.key, json.loads(r.value)["event_id"]) for r in got)
         c.commit(got)
-    c.close()
+
+    try:
+        read_until(read, lambda: len(out) >= n, timeout_s, what=f"{n} records", quiet_s=quiet_s)
+    finally:
+        c.close()
     return out
 
 
@@ -68,10 +67,7 @@ def test_backlog_grows_while_down_and_drains_when_up(kafka_broker, tmp_path):
     try:
         sent = publish(bus, topic, 0, 30)
         assert bus.backlog == 30
-        deadline = time.monotonic() + 20
-        while bus.spool.failures < 1:  # the forwarder tried and failed (and retries)
-            assert time.monotonic() < deadline, "forwarder never reported a failed delivery"
-            time.sleep(0.05)
+        wait_until(lambda: bus.spool.failures >= 1, 20, what="a failed delivery")  # the forwarder tried (and retries)
         sent += publish(bus, topic, 30, 20)
         assert bus.backlog == 50 and bus.healthy
         with pytest.raises(TimeoutError, match="50 records not forwarded"):
