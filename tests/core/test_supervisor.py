@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from core.harness import free_port, http_ok, wait_until
+from core.harness import free_port, wait_until
 from core.supervisor import ChildDied, Supervisor
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,6 +32,15 @@ def _stat(pid: int) -> tuple[int, int] | None:
     if fields[0] in ("Z", "X"):
         return None
     return int(fields[1]), int(fields[19])
+
+
+def _cpu_ticks(pid: int) -> int:
+    """User CPU time of a process, in clock ticks (0 once it is gone)."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return 0
+    return int(raw[raw.rindex(")") + 2 :].split()[11])
 
 
 def descendants(root: int) -> dict[int, int]:
@@ -180,8 +189,9 @@ def test_a_sandbox_worker_dies_with_its_caller_killed():
     """)
     proc = subprocess.Popen([sys.executable, "-c", caller], cwd=ROOT, stdout=subprocess.PIPE)
     assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
-    tree = wait_until(lambda: descendants(proc.pid), 30, what="the sandbox worker")
-    time.sleep(0.5)  # it has read its payload and is inside the user's loop
+    # the worker is the descendant that burns CPU (the isolation probe before it is short-lived)
+    wait_until(lambda: any(_cpu_ticks(p) >= 20 for p in descendants(proc.pid)), 30, what="the worker in the loop")
+    tree = descendants(proc.pid)
     assert_tree_ends(proc, tree, signal.SIGKILL)
 
 
@@ -199,7 +209,8 @@ def _start(command: list[str], home: Path, model_dir: Path, port: int) -> subpro
     }
     home.mkdir(parents=True, exist_ok=True)
     log = open(home / "command.log", "wb")  # noqa: SIM115 (kept for the child's life)
-    return subprocess.Popen([sys.executable, "-m", "cli", *command], cwd=ROOT, env=env, stdout=log, stderr=log)
+    proc = subprocess.Popen([sys.executable, "-m", "cli", *command], cwd=ROOT, env=env, stdout=log, stderr=log)
+    return proc
 
 
 @pytest.mark.slow
@@ -212,25 +223,7 @@ def test_nothing_of_a_command_outlives_it(command, sig, tiny_checkpoint, tmp_pat
     argv = ["up"] if command == "up" else ["demo", "--quick", "--users", "4", "--minutes", "2", "--exit"]
     proc = _start(argv, home, tiny_checkpoint, port)
     try:
-        if command == "up":
-            wait_until(
-                lambda: http_ok(f"http://127.0.0.1:{port}/healthz"),
-                180,
-                what="flywheel up serving",
-                interval_s=0.3,
-                check=lambda: _alive_or_fail(proc, home),
-            )
-            want = 5  # gateway engine, joiner, learner, gate and more
-        else:
-            want = 5  # the demo's gateway (and its engine), joiner, learner, gate
-        wait_until(
-            lambda: len(descendants(proc.pid)) >= want,
-            180,
-            what=f"{want} processes of flywheel {command}",
-            interval_s=0.3,
-            check=lambda: _alive_or_fail(proc, home),
-        )
-        time.sleep(1.0)  # let every service get past its imports into its loop
+        _wait_running(proc, home, home / "demo" / "seed0" if command == "demo" else None)
         tree = descendants(proc.pid)
         assert_tree_ends(proc, tree, sig)
         if sig == signal.SIGTERM:
@@ -243,6 +236,26 @@ def test_nothing_of_a_command_outlives_it(command, sig, tiny_checkpoint, tmp_pat
             proc.wait()
 
 
+def _wait_running(proc: subprocess.Popen, home: Path, services_home: Path | None = None) -> None:
+    """Until the joiner, the learner and the gate each wrote its first metrics (each is in its loop)
+    and the gateway said it is ready. `home` holds the command's log; `services_home` is where its
+    services run (a demo run's own home under `home`)."""
+    where = services_home or home
+    metrics = [where / "metrics" / f"{name}.prom" for name in ("joiner", "learner", "gate")]
+    logs = [where / "gateway.log", home / "command.log"]
+    wait_until(
+        lambda: all(m.is_file() for m in metrics) and any("gateway ready" in _read(p) for p in logs),
+        180,
+        what="every service in its loop and the gateway ready",
+        interval_s=0.3,
+        check=lambda: _alive_or_fail(proc, home),
+    )
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.is_file() else ""
+
+
 def _alive_or_fail(proc: subprocess.Popen, home: Path) -> None:
     if proc.poll() is not None:
         raise AssertionError(f"exited with {proc.returncode}:\n{(home / 'command.log').read_text()[-3000:]}")
@@ -253,13 +266,7 @@ def test_up_stops_everything_and_exits_non_zero_when_a_service_dies(tiny_checkpo
     port = free_port()
     proc = _start(["up"], tmp_path, tiny_checkpoint, port)
     try:
-        wait_until(
-            lambda: http_ok(f"http://127.0.0.1:{port}/healthz"),
-            180,
-            what="flywheel up serving",
-            interval_s=0.3,
-            check=lambda: _alive_or_fail(proc, tmp_path),
-        )
+        _wait_running(proc, tmp_path)
         tree = descendants(proc.pid)
         learner = [pid for pid in tree if "cli learner" in " ".join(_cmdlines([pid]))]
         assert len(learner) == 1, _cmdlines(list(tree))
