@@ -6,6 +6,7 @@ import json
 import openai
 
 from api.main import create_app
+from core.harness import wait_until
 from core.settings import Settings
 from feedback.bus_embedded import EmbeddedBus
 from feedback.events import TOPICS, SampleEvent
@@ -52,8 +53,12 @@ def test_completions_and_feedback_become_a_trained_candidate(tiny_checkpoint, tm
     now = [1e12]  # long after every event: every attribution window is closed
     joiner = JoinerService(bus, RewardSpec(), window_s=60.0, clock=lambda: now[0])
     samples = []
-    for _ in range(5):
-        samples += joiner.run_once(timeout_s=0.2)
+
+    def joined_all() -> bool:
+        samples.extend(joiner.run_once(timeout_s=0.2))
+        return len(samples) >= 11
+
+    wait_until(joined_all, 30, what="the 11 completions with feedback joined", interval_s=0)
     assert sorted(s.completion.completion_id for s in samples) == sorted(ids[:11])
     assert joiner.stats["no_feedback"] == 1
     retried = next(s for s in samples if s.completion.completion_id == ids[10])

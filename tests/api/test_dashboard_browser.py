@@ -23,8 +23,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.fleet import CANARY_TTL_S
+from api.fleet import GatewayFleet
 from api.main import create_app
+from core.harness import wait_until
 from core.security import KeyStore
 from core.settings import Settings
 from demo.checker import check
@@ -61,14 +62,6 @@ GATE = GateConfig(G=2, max_tokens=24, margin=0.15, n_resamples=200, poll_s=0.1, 
 """G=2 on 20 prompts: a pass rate resolves to about ±0.1, so the offline margin is 0.15 here."""
 
 
-def wait_until(check, timeout_s: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while not (got := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-    return got
-
-
 def twenty_tasks() -> list:
     """20 prompts of the gate split: 2 of each of ten families."""
     from demo.tasks import FAMILIES
@@ -82,8 +75,8 @@ class Product:
 
     WINDOW_S = 1.0  # the joiner's attribution window
 
-    def __init__(self, url: str, bus: EmbeddedBus, n_users: int = 20):
-        self.url, self.http = url, httpx.Client(base_url=url, timeout=60)
+    def __init__(self, url: str, bus: EmbeddedBus, fleet: GatewayFleet, n_users: int = 20):
+        self.url, self.http, self.fleet = url, httpx.Client(base_url=url, timeout=60), fleet
         self.users = [SimulatedUser(f"user-{i}", seed=i) for i in range(n_users)]
         self.joiner = JoinerService(bus, RewardSpec(), window_s=self.WINDOW_S)
         self.round = 0
@@ -91,8 +84,10 @@ class Product:
     def serve(self) -> int:
         """One round: every user gets a completion and reacts to it; returns the samples joined."""
         self.round += 1
+        served: set[str] = set()
         for user, task in zip(self.users, sample_tasks(len(self.users), seed=1000 + self.round)):
             choice = self.complete(task.prompt, user.user_id)["choices"][0]
+            served.add(choice["completion_id"])
             seen = [("shown", None)] + [
                 (s.kind, s.value) for s in user.react(task, choice["text"], check(task, choice["text"]))
             ]
@@ -100,8 +95,19 @@ class Product:
                        **({"value": value} if value is not None else {})} for kind, value in seen]  # fmt: skip
             r = self.http.post("/v1/feedback", json={"events": events})
             assert r.status_code == 200, r.text
-        time.sleep(self.WINDOW_S + 0.1)  # the last window closes
-        return sum(len(self.joiner.run_once(timeout_s=0.2)) for _ in range(3))
+        joined: set[str] = set()  # every completion was shown: each is a sample once its window closes
+
+        def all_joined() -> bool:
+            joined.update(s.completion.completion_id for s in self.joiner.run_once(timeout_s=0.2))
+            return served <= joined
+
+        wait_until(all_joined, 30, what="the joiner's samples of this round", interval_s=0)
+        return len(joined)
+
+    def routes_to(self, reg: Registry, version: str) -> bool:
+        """The gateway's cached view of the canary (`CANARY_TTL_S`) is `version` at its current share."""
+        c, share = self.fleet.canary(), (reg.get(version).gate.get("canary") or {}).get("share")
+        return c is not None and c.version == version and c.share == share
 
     def complete(self, prompt: str, user: str | None) -> dict:
         body = {"model": "flywheel", "prompt": prompt, "max_tokens": 24, **({"user": user} if user else {})}
@@ -118,21 +124,32 @@ def next_candidate(learner: LearnerService, gate: Gate, product: Product, reg: R
     """Serve and train until the learner's candidate passes the offline gate (a near copy of its parent
     can still lose a family by chance: then the lineage rebases and trains on); then run its canary on
     live traffic until it awaits approval."""
-    for _ in range(4):
-        while (candidate := learner.run_once(timeout_s=0.2)) is None:
+
+    def trained() -> str | None:
+        if (version := learner.run_once(timeout_s=0.2)) is None:
             product.serve()
+        return version
+
+    for _ in range(4):
+        candidate = wait_until(trained, 300, what="a candidate from the learner", interval_s=0)
         if (offline := gate.step()).action == "passed":
             break
         assert offline.action == "rejected", offline
     assert offline.action == "passed", reg.get(candidate).gate["offline"]["numbers"]["failed"]
-    wait_until(lambda: all(candidate in r.holds for r in reg.fleet().replicas), what="the replicas to load it")
-    time.sleep(CANARY_TTL_S)  # the gateway's cached view of the canary
-    deadline = time.monotonic() + 120
-    while (step := gate.step()).action != "awaiting_approval":
-        assert step.action in ("canary", "next_step") and time.monotonic() < deadline, step
+    wait_until(lambda: all(candidate in r.holds for r in reg.fleet().replicas), 30, what="the replicas to load it")
+    wait_until(lambda: product.routes_to(reg, candidate), 30, what="the gateway routing the canary")
+
+    def canary_passed() -> bool:
+        step = gate.step()
+        if step.action == "awaiting_approval":
+            return True
+        assert step.action in ("canary", "next_step"), step
         if step.action == "next_step":
-            time.sleep(CANARY_TTL_S)
+            wait_until(lambda: product.routes_to(reg, candidate), 30, what="the gateway routing the next step")
         product.serve()
+        return False
+
+    wait_until(canary_passed, 120, what="the canary to pass", interval_s=0)
     return candidate
 
 
@@ -151,8 +168,9 @@ def world(request, tmp_path_factory):
     reg, bus, index = Registry(settings.db_url), EmbeddedBus(home / "bus"), CompletionIndex(home / "index.db")
     keys = KeyStore(settings.key_store_path)
     t0 = time.monotonic()
-    with LiveServer(create_app(settings, bus=bus, index=index, registry=reg)) as server:
-        product = Product(server.url, bus)
+    app = create_app(settings, bus=bus, index=index, registry=reg)
+    with LiveServer(app) as server:
+        product = Product(server.url, bus, app.state.gateway.fleet)
         learner = LearnerService(bus, reg, settings.learner_models_dir, settings.served_model_dir,
                                  LearnerConfig(update_every_samples=16, min_samples=1))  # fmt: skip
         suite = demo_suite(twenty_tasks())
@@ -163,7 +181,7 @@ def world(request, tmp_path_factory):
             for _ in range(2 if SHOTS else 0):
                 earlier = next_candidate(learner, gate, product, reg)
                 reg.approve(earlier, "screenshot run", "an earlier cycle, approved to give the pages a history")
-                wait_until(lambda: reg.fleet(interval_s=0.5).complete, what="the fleet to serve it")
+                wait_until(lambda: reg.fleet(interval_s=0.5).complete, 30, what="the fleet to serve it")
             incumbent = reg.promoted().id
             candidate = next_candidate(learner, gate, product, reg)
         finally:
@@ -297,8 +315,8 @@ def test_an_admin_approves_with_a_reason_and_the_fleet_serves_it(world, browser)
     assert (row.action, row.actor) == ("approve", f"key:{world.admin[1].key_id} (alice)")
     assert row.reason == "offline and canary both within the margin"
     served = lambda: {world.product.complete("# add 1 to x\ndef f(x):\n", f"user-{i}")["model"] for i in range(6)}  # noqa: E731
-    wait_until(lambda: served() == {world.candidate}, what="the fleet to serve the approved version")
-    wait_until(lambda: world.reg.fleet(interval_s=0.5).complete, what="the fleet to report it")
+    wait_until(lambda: served() == {world.candidate}, 30, what="the fleet to serve the approved version")
+    wait_until(lambda: world.reg.fleet(interval_s=0.5).complete, 30, what="the fleet to report it")
     browser.get(world.url + "/dashboard/fleet")
     assert "Complete" in browser.find_element("id", "fleet-state").text
     assert len(browser.find_elements("css selector", "table.replicas tbody tr")) == 2
@@ -317,7 +335,7 @@ def test_a_rollback_from_the_page_restores_the_previous_version(world, browser):
     assert browser.current_url.endswith(f"/dashboard/versions/{world.incumbent}?done=rollback")
     assert world.reg.promoted().id == world.incumbent and world.reg.get(world.candidate).status == "rolled_back"
     served = lambda: {world.product.complete("# add 1 to x\ndef f(x):\n", f"user-{i}")["model"] for i in range(6)}  # noqa: E731
-    wait_until(lambda: served() == {world.incumbent}, what="the fleet to serve the base again")
+    wait_until(lambda: served() == {world.incumbent}, 30, what="the fleet to serve the base again")
     click(browser, browser.find_element("id", "logout"))
     assert "/dashboard/login" in browser.current_url
     browser.get(world.url + "/dashboard/versions")

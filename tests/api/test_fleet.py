@@ -4,15 +4,15 @@ replica (the fleet reports its hash) and returns to the previous one on a rollba
 
 from __future__ import annotations
 
-import time
 from datetime import UTC, datetime
 
 import httpx
 import pytest
 import torch
 
-from api.fleet import CANARY_TTL_S
+from api.fleet import Canary
 from api.main import create_app
+from core.harness import wait_until
 from core.security import KeyStore
 from core.settings import Settings
 from feedback.bus_embedded import EmbeddedBus
@@ -38,13 +38,6 @@ def publish_candidate(settings: Settings, reg: Registry, vid: str, parent: str) 
     reg.register(version_id=vid, parent_id=parent, files=[file_entry(models, put.path, put.kind)])
 
 
-def wait_until(check, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
-
-
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def gateway(request, tiny_checkpoint, tmp_path):
     """The registry on SQLite (replicas poll it), or on PostgreSQL (they LISTEN for its NOTIFY)."""
@@ -59,6 +52,7 @@ def gateway(request, tiny_checkpoint, tmp_path):
         notifiers = {type(r.notifier).__name__ for r in app.state.gateway.fleet.replicas}
         assert notifiers == ({"NoneType"} if db is None else {"PgNotifier"})
         server.settings, server.reg, server.index, server.admin = settings, reg, index, admin
+        server.fleet = app.state.gateway.fleet
         yield server
     bus.close()
     index.close()
@@ -81,7 +75,7 @@ def test_the_fleet_follows_the_registry_through_canary_approval_and_rollback(gat
     base = reg.promoted()
     assert base is not None and base.id == gw.settings.served_model_dir.name  # bootstrapped, audited
     assert reg.audit(base.id)[-1].actor == "bootstrap"
-    wait_until(lambda: fleet(gw)["complete"] and len(fleet(gw)["replicas"]) == 2)
+    wait_until(lambda: fleet(gw)["complete"] and len(fleet(gw)["replicas"]) == 2, 20, what="both replicas up")
     assert complete(gw, "u0")["model"] == base.id
 
     publish_candidate(gw.settings, reg, "v2", base.id)
@@ -91,8 +85,13 @@ def test_the_fleet_follows_the_registry_through_canary_approval_and_rollback(gat
     reg.record_gate("v2", "offline", verdict, "gate")
     reg.transition("v2", "canary", "gate", "offline passed")
     reg.record_gate("v2", "canary", {"step": 0, "share": 0.5, "started_at": datetime.now(UTC)}, "gate")
-    wait_until(lambda: fleet(gw)["complete"] and all("v2" in r["holds"] for r in fleet(gw)["replicas"]))
-    time.sleep(CANARY_TTL_S)  # the gateway's cached view of the canary
+    wait_until(
+        lambda: fleet(gw)["complete"] and all("v2" in r["holds"] for r in fleet(gw)["replicas"]),
+        20,
+        what="both replicas holding v2",
+    )
+    # The gateway's view of the canary is cached for CANARY_TTL_S: wait until it routes to v2.
+    wait_until(lambda: gw.fleet.canary() == Canary("v2", 0.5), 20, what="the gateway routing the canary")
 
     served = {u: complete(gw, u) for u in (f"user-{i}" for i in range(24))}
     arms = {u: gw.index.get(r["id"]).arm for u, r in served.items()}
@@ -108,18 +107,24 @@ def test_the_fleet_follows_the_registry_through_canary_approval_and_rollback(gat
     r = httpx.post(gw.url + "/admin/versions/v2/approve", json={"reason": "better"}, headers=gw.admin, timeout=10)
     assert r.status_code == 200, r.text
     v2_sha = reg.get("v2").artifact_sha256
-    wait_until(lambda: fleet(gw)["complete"] and all(r["holds"].get("v2") == v2_sha for r in fleet(gw)["replicas"]))
+    wait_until(
+        lambda: fleet(gw)["complete"] and all(r["holds"].get("v2") == v2_sha for r in fleet(gw)["replicas"]),
+        20,
+        what="both replicas holding the approved v2",
+    )
     assert {complete(gw, f"user-{i}")["model"] for i in range(6)} == {"v2"}
 
     r = httpx.post(gw.url + "/admin/versions/v2/rollback", json={"reason": "worse"}, headers=gw.admin, timeout=10)
     assert r.status_code == 200, r.text
-    wait_until(lambda: complete(gw, "user-1")["model"] == base.id and fleet(gw)["complete"])
+    wait_until(
+        lambda: complete(gw, "user-1")["model"] == base.id and fleet(gw)["complete"], 20, what="the base served again"
+    )
 
 
 def test_heartbeats_say_what_each_replica_served_per_version(gateway):
     gw, reg = gateway, gateway.reg
     base = reg.promoted().id
-    wait_until(lambda: fleet(gw)["complete"] and len(fleet(gw)["replicas"]) == 2)
+    wait_until(lambda: fleet(gw)["complete"] and len(fleet(gw)["replicas"]) == 2, 20, what="both replicas up")
     reported: dict[tuple, dict] = {}  # (replica, reported_at) -> its traffic for the base: each beat once
 
     def collect() -> float:
@@ -131,8 +136,16 @@ def test_heartbeats_say_what_each_replica_served_per_version(gateway):
     for i in range(10):
         complete(gw, f"u{i}")
         collect()
-    wait_until(lambda: collect() >= 10, timeout_s=10)
-    time.sleep(1.2)  # two more heartbeats each: what was reported is not reported again
-    assert collect() == 10 and len({r for r, _ in reported}) >= 1
+    wait_until(lambda: collect() >= 10, 10, what="the 10 requests in heartbeats")
+    beats: dict[str, set[float]] = {}  # every replica's beats from now on
+
+    def two_more_beats_each() -> bool:
+        collect()
+        for b in reg.fleet(interval_s=0.5).replicas:
+            beats.setdefault(b.replica_id, set()).add(b.reported_at)
+        return len(beats) == 2 and all(len(at) >= 3 for at in beats.values())  # the current one and 2 more
+
+    wait_until(two_more_beats_each, 10, what="two more heartbeats of each replica")
+    assert collect() == 10  # what was reported is not reported again and len({r for r, _ in reported}) >= 1
     assert all(t["errors"] == 0 and 0 < t["tokens"] <= 3 * t["requests"] for t in reported.values())
     assert all(0 < t["window_s"] < 5 and t["seconds"] > 0 for t in reported.values())

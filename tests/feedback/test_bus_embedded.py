@@ -8,6 +8,7 @@ from collections import defaultdict
 
 import pytest
 
+from core.harness import wait_until
 from feedback.bus_embedded import EmbeddedBus, partition_for
 
 TOPIC = "flywheel.feedback"
@@ -92,8 +93,7 @@ def test_a_consumer_sees_what_another_process_publishes_later(tmp_path):
     )
     subprocess.run([sys.executable, "-c", code, "25"], check=True, timeout=60)
     got = []
-    while len(got) < 25 and (records := consumer.poll(timeout_s=1.0)):
-        got += records
+    wait_until(lambda: got.extend(consumer.poll(timeout_s=0.2)) or len(got) >= 25, 20, what="25 records", interval_s=0)
     assert [r.value for r in got] == [b"%03d" % i for i in range(25)]
     assert [r.offset for r in got] == list(range(25))
     consumer.commit(got)

@@ -9,12 +9,12 @@ import dataclasses
 import hashlib
 import shutil
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from core.harness import wait_until
 from gating.gate import RUN_KEY, Gate, GateConfig
 from gating.gate_process import run_gate, weight_store_loader
 from registry.registry import Registry
@@ -200,12 +200,12 @@ def test_run_gate_loops_until_stopped(tmp_path, reg, tiny_checkpoint):
     kw = {"engine_factory": engines(), "load_version": folders(tiny_checkpoint)}
     t = threading.Thread(target=run_gate, args=args, kwargs=kw, daemon=True)
     t.start()
-    deadline = time.monotonic() + 20
-    while reg.get("v1").status != "canary" and time.monotonic() < deadline:
-        time.sleep(0.05)
-    stop.set()
-    t.join(timeout=10)
-    assert not t.is_alive() and reg.get("v1").status == "canary"
+    try:
+        wait_until(lambda: reg.get("v1").status == "canary", 20, what="the gate loop passing v1 to its canary")
+    finally:
+        stop.set()
+        t.join(timeout=10)
+    assert not t.is_alive()
 
 
 def test_the_gate_on_a_process_engine(reg, tiny_checkpoint):

@@ -6,13 +6,13 @@ import asyncio
 import gc
 import queue
 import threading
-import time
 import weakref
 
 import numpy as np
 import pytest
 import torch
 
+from core.harness import wait_until
 from serving.checkpoint import load_checkpoint
 from serving.engine import EmbeddedEngine, score
 from serving.sampling import SamplingParams
@@ -343,9 +343,9 @@ def test_no_in_place_update_under_running_requests(tiny_checkpoint, model, model
             h = eng.submit(prompts(tok, 1)[0], SamplingParams(max_tokens=40, seed=1))
             updater = threading.Thread(target=update)
             updater.start()
-            deadline = time.time() + 10
-            while eng._commands.qsize() == 0 and time.time() < deadline:  # queued behind the pause
-                time.sleep(0.001)
+            wait_until(
+                lambda: eng._commands.qsize() > 0, 10, what="the update queued behind the pause", interval_s=0.001
+            )
         updater.join(10)
         assert len(errors) == 1 and "in flight" in str(errors[0]) and "add_version" in str(errors[0])
         assert_exactly_from(model, tok, h.result())  # served by v1's weights throughout

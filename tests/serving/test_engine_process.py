@@ -2,12 +2,12 @@
 
 import os
 import signal
-import time
 
 import numpy as np
 import pytest
 import torch
 
+from core.harness import wait_until
 from serving.checkpoint import load_checkpoint, save_checkpoint
 from serving.engine import score
 from serving.engine_process import ProcessEngine
@@ -62,10 +62,7 @@ def test_a_dead_engine_process_fails_loudly(tiny_checkpoint):
     os.kill(eng._proc.pid, signal.SIGKILL)
     with pytest.raises(EngineError):
         h.result()
-    deadline = time.time() + 10
-    while eng.alive and time.time() < deadline:
-        time.sleep(0.05)
-    assert not eng.alive
+    wait_until(lambda: not eng.alive, 10, what="the engine proxy noticing its process died")
     with pytest.raises(EngineError):
         eng.submit(tok.encode_prompt("def"), SamplingParams(max_tokens=4))
     eng.shutdown()

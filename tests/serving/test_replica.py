@@ -17,6 +17,7 @@ import pytest
 import torch
 from sqlalchemy import text
 
+from core.harness import wait_until
 from registry.db import make_engine
 from registry.registry import Registry
 from serving.checkpoint import load_checkpoint
@@ -240,14 +241,14 @@ def test_two_replicas_following_one_registry_pick_up_a_promotion(world):
         try:
 
             def wait_for(vid: str) -> None:
-                deadline = time.monotonic() + 20
-                while time.monotonic() < deadline:
-                    fleet = w.reg.fleet()
-                    if fleet.complete and fleet.promoted_id == vid and len(fleet.up) == 2:
-                        if all(r.engine.default_version == vid for r in replicas):
-                            return
-                    time.sleep(0.1)
-                raise AssertionError(f"fleet never completed on {vid}: {w.reg.fleet()}")
+                def on(fleet) -> bool:
+                    return fleet.complete and fleet.promoted_id == vid and len(fleet.up) == 2
+
+                wait_until(
+                    lambda: on(w.reg.fleet()) and all(r.engine.default_version == vid for r in replicas),
+                    20,
+                    what=f"both replicas serving {vid}",
+                )
 
             wait_for("v1")
             w.register("v2", "v1")
@@ -271,17 +272,13 @@ def test_a_follower_reports_right_after_a_swap_not_at_its_next_heartbeat(world):
     t = threading.Thread(target=r.run, args=(stop,), daemon=True)
     t.start()
     try:
-        deadline = time.monotonic() + 20
-        while not w.reg.fleet().complete:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_until(lambda: w.reg.fleet().complete, 20, what="the replica serving v1")
         w.register("v2", "v1")
         w.advance("v2", "promoted")
-        promoted = time.monotonic()
         sha = w.reg.get("v2").artifact_sha256
-        while w.reg.fleet(interval_s=60.0).replicas[0].serves != {"v2": 1.0}:
-            assert time.monotonic() < promoted + 20, "not reported before its next heartbeat (60 s)"
-            time.sleep(0.05)
+        wait_until(  # 20 s is a third of the heartbeat interval: the report did not wait for the beat
+            lambda: w.reg.fleet(interval_s=60.0).replicas[0].serves == {"v2": 1.0}, 20, what="v2 reported"
+        )
         assert w.reg.fleet(interval_s=60.0).replicas[0].holds == {"v2": sha}
     finally:
         stop.set()
@@ -305,8 +302,7 @@ def test_a_replica_whose_engine_process_is_killed_reports_nothing_then_restarts_
         assert r.sync().default == "v1"
         os.kill(engines[0]._proc.pid, signal.SIGKILL)
         engines[0]._proc.join(10)
-        while engines[0].alive:  # the proxy notices the pipe closing
-            time.sleep(0.01)
+        wait_until(lambda: not engines[0].alive, 10, what="the proxy noticing the pipe closing", interval_s=0.01)
         assert r.report() == ({}, {})
         r.make_engine = None
         res = r.sync()
@@ -319,10 +315,9 @@ def test_a_replica_whose_engine_process_is_killed_reports_nothing_then_restarts_
         t = threading.Thread(target=r.run, args=(stop,), daemon=True)
         t.start()
         try:
-            deadline = time.monotonic() + 30
-            while w.reg.fleet(interval_s=60.0).replicas[0].serves != {"v1": 1.0}:
-                assert time.monotonic() < deadline, "the replica never came back"
-                time.sleep(0.05)
+            wait_until(
+                lambda: w.reg.fleet(interval_s=60.0).replicas[0].serves == {"v1": 1.0}, 30, what="the replica back"
+            )
         finally:
             stop.set()
             t.join(10)
@@ -353,7 +348,8 @@ def test_on_postgresql_a_change_wakes_the_follower(pg_url):
         t = threading.Thread(target=lambda: woke.append(notifier.wait(10)))
         t0 = time.monotonic()
         t.start()
-        time.sleep(0.3)
+        time.sleep(0.3)  # the follower is blocked in `wait` when the change comes, not after it
+        assert woke == [] and t.is_alive()
         reg.bootstrap(
             "base", files=[{"path": "store/base.snapshot.fws", "sha256": "a" * 64, "bytes": 1, "kind": "snapshot"}]
         )
