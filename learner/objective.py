@@ -32,9 +32,36 @@ Every choice, stated:
   `dual_clip_frac` (tokens where the dual-clip bound c·A is the objective), `clamp_frac` (tokens whose
   |log ρ| exceeded L), `logp_mean` / `behaviour_logp_mean` (mean log-prob of the sampled tokens under
   the trainer and as recorded).
-- **KL to the promoted reference** (optional, `kl_coef` > 0): the k3 estimator
-  exp(q - p) - (q - p) - 1 with p = log π_θ, q = log π_ref, per token; always ≥ 0, unbiased for
-  KL(π_θ || π_ref) under samples from π_θ.
+- **KL to the promoted reference** (optional, `kl_coef` > 0). The penalty is the reverse KL,
+  KL(π_θ || π_ref) = E_{a~π_θ}[log π_θ(a) - log π_ref(a)], per visited token state s_t. Its gradient
+  is g = E_{a~π_θ}[δ(a) ∇log π_θ(a)] with δ = log π_θ - log π_ref (the term E_π[∇log π_θ] = ∇Σπ_θ = 0
+  drops). The tokens were drawn from the behaviour μ, not π_θ, so each sampled token carries the
+  importance weight w_t = min(ρ_t, C): the same truncated, detached ratio π_θ/μ (log-ratio clamp
+  included) that "tis" uses, for either estimator. The loss per token is
+      kl_t = w_t · ½ δ_t²            (k2, weighted),
+  whose gradient w_t δ_t ∇log π_θ(a_t) has expectation over a_t ~ μ exactly g (E_μ[ρ f] = E_π[f]),
+  up to the truncation at C; on-policy (μ = π_θ, w = 1) it is the plain k2 loss, whose gradient is g.
+  It is reduced like the policy term (same normalisation, same sample weights) and added times
+  `kl_coef`. The reported estimate `kl_k3` is the weighted k3, the token mean of
+  w_t · (e^{-δ_t} + δ_t - 1): each term ≥ 0 and, untruncated, E_μ[w k3] = E_π[k3] = KL(π_θ || π_ref).
+  Why not the alternatives:
+    * k3 = e^{-δ} + δ - 1 *as a loss* has gradient (1 - π_ref/π_θ) ∇log π_θ, whose expectation under
+      π_θ is -Σ_a π_ref(a) ∇log π_θ(a) = ∇KL(π_ref || π_θ): the forward KL's gradient, not the
+      reverse's (and without importance weights, under μ, not even that).
+    * ρ·k3 with ρ differentiable (DeepSeek-V3.2's unbiased KL) has the same gradient in exact
+      arithmetic, but forms it as k3·∇log π + (1 - π_ref/π_θ)∇log π: two terms of size π_ref/π_θ
+      that cancel, catastrophically in float32 where the policy has made a reference-likely token
+      unlikely. k2 gives δ directly.
+    * k1 folded into the advantage: the same gradient under "tis", but under "ppo" it would be
+      clipped with the reward term, and the advantages here are one per sequence.
+  Scope: this is the gradient of Σ_t KL(π_θ(·|s_t) || π_ref(·|s_t)) at the states the behaviour
+  visited; θ's effect on *which* prefixes are visited (the sequence-level KL's extra term
+  ∇log π_θ(a_t) · Σ_{t'>t} δ_{t'}) is not included, as in the usual per-token KL loss.
+- **Entropy bonus** (optional, `entropy_coef` > 0): minus `entropy_coef` times the reduced per-token
+  entropy H_t = -Σ_a π_θ(a|s_t) log π_θ(a|s_t) of the trainer's sampling distribution (`entropy`,
+  from the full [B, T, V] log-probabilities; tokens a top-p cut removed add 0, with a finite gradient).
+  H_t is exact at each visited state (no sampled action, so no importance weight); descending the
+  loss raises it. The statistic `entropy` is its token mean, reported whether or not the bonus is on.
 - **Normalisation.** "token": sum of per-token losses / number of tokens in the batch (long
   completions weigh more, every token counts the same). "sequence": mean over a sequence's
   tokens, then mean over sequences (every completion counts the same). Default "sequence": one
@@ -43,7 +70,8 @@ Every choice, stated:
   drop them before building a batch.
 
 Shapes: B sequences, T completion tokens (right-padded; `mask` is 1 on real tokens).
-Called by learner.trainer; tested against values computed by hand.
+Called by learner.trainer; tested against values computed by hand, and the KL term's expected gradient
+against the exact reverse-KL gradient of a small categorical policy (tests/learner/test_kl.py).
 """
 
 from __future__ import annotations
@@ -60,7 +88,11 @@ class LossConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     estimator: Literal["tis", "ppo"] = Field("tis", description="Truncated IS REINFORCE or PPO clipping.")
-    is_cap: float = Field(2.0, gt=0, description="C in min(ρ, C) for the 'tis' estimator.")
+    is_cap: float = Field(
+        2.0,
+        gt=0,
+        description="C in min(ρ, C): the 'tis' weight, and the KL term's importance weight (both estimators).",
+    )
     clip_eps: float = Field(0.2, gt=0, lt=1, description="ε of the PPO clip range [1-ε, 1+ε].")
     dual_clip_c: float = Field(
         3.0, gt=1, description="c of the dual clip (PPO, negative advantages): the objective is at least c·A."
@@ -68,7 +100,15 @@ class LossConfig(BaseModel):
     max_log_ratio: float = Field(
         20.0, gt=0, description="|log ρ| is clamped to this before the exponential (no overflow to inf)."
     )
-    kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL penalty to the reference model.")
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of the reverse KL(π_θ || π_ref) penalty: importance-weighted k2 per token, whose "
+        "gradient is the reverse KL's (see the module docstring).",
+    )
+    entropy_coef: float = Field(
+        0.0, ge=0, description="Weight of the entropy bonus: the loss is lowered by this times the mean entropy."
+    )
     normalize: Literal["token", "sequence"] = Field("sequence", description="How per-token losses are averaged.")
     offline_weight: float = Field(1.0, ge=0, description="Weight of offline group-rollout samples vs online ones.")
 
@@ -87,6 +127,13 @@ def _reduce(per_token_BT: torch.Tensor, mask_BT: torch.Tensor, weight_B: torch.T
     return (per_seq * weight_B).sum() / weight_B.numel()
 
 
+def entropy(logp_BTV: torch.Tensor) -> torch.Tensor:
+    """-Σ_a p log p per position [B, T], differentiable; entries at -inf (cut by top-p) add 0 and
+    send no nan back (their log-probability is replaced by 0 before the product, not after)."""
+    finite_logp = torch.where(torch.isfinite(logp_BTV), logp_BTV, torch.zeros_like(logp_BTV))
+    return -(logp_BTV.exp() * finite_logp).sum(-1)
+
+
 def policy_loss(
     logp_BT: torch.Tensor,
     behaviour_logp_BT: torch.Tensor,
@@ -95,8 +142,13 @@ def policy_loss(
     cfg: LossConfig,
     ref_logp_BT: torch.Tensor | None = None,
     weight_B: torch.Tensor | None = None,
+    entropy_BT: torch.Tensor | None = None,
 ) -> LossOutput:
-    """The loss to minimise and its statistics (`stats` are plain floats, for logging)."""
+    """The loss to minimise and its statistics (`stats` are plain floats, for logging).
+
+    `ref_logp_BT`: the reference's log-probabilities of the same tokens (needed when `kl_coef` > 0;
+    `kl_k3` is reported whenever it is given). `entropy_BT`: the per-token entropy of the trainer's
+    distribution (`entropy`), with its graph when `entropy_coef` > 0 (needed then)."""
     if logp_BT.shape != behaviour_logp_BT.shape or logp_BT.shape != mask_BT.shape:
         raise ValueError(
             f"logp {tuple(logp_BT.shape)}, behaviour_logp {tuple(behaviour_logp_BT.shape)} and "
@@ -127,13 +179,27 @@ def policy_loss(
         per_token = -torch.where(dual_active, floor, surrogate)
         dual = dual_active.to(logp_BT.dtype)
     loss = _reduce(per_token, mask, weight, cfg.normalize)
-    kl_mean = 0.0
-    if ref_logp_BT is not None and cfg.kl_coef > 0:
-        d = ref_logp_BT - logp_BT
-        k3 = torch.exp(d) - d - 1
-        loss = loss + cfg.kl_coef * _reduce(k3, mask, weight, cfg.normalize)
-        kl_mean = float((k3.detach() * mask).sum() / mask.sum().clamp(min=1))
     n = mask.sum().clamp(min=1)
+    kl_estimate = 0.0
+    if cfg.kl_coef > 0 and ref_logp_BT is None:
+        raise ValueError(f"kl_coef={cfg.kl_coef} needs the reference log-probabilities (ref_logp_BT)")
+    if ref_logp_BT is not None:
+        if ref_logp_BT.shape != logp_BT.shape:
+            raise ValueError(f"ref_logp {tuple(ref_logp_BT.shape)} must have the shape of logp {tuple(logp_BT.shape)}")
+        w_kl = torch.clamp(ratio.detach(), max=cfg.is_cap)
+        delta = logp_BT - ref_logp_BT.to(logp_BT.dtype)
+        if cfg.kl_coef > 0:
+            loss = loss + cfg.kl_coef * _reduce(w_kl * 0.5 * delta.square(), mask, weight, cfg.normalize)
+        with torch.no_grad():
+            k3 = torch.expm1(-delta) + delta
+            kl_estimate = float(torch.where(mask > 0, w_kl * k3, torch.zeros_like(k3)).sum() / n)
+    if cfg.entropy_coef > 0 and entropy_BT is None:
+        raise ValueError(f"entropy_coef={cfg.entropy_coef} needs the per-token entropy (entropy_BT)")
+    if entropy_BT is not None:
+        if entropy_BT.shape != logp_BT.shape:
+            raise ValueError(f"entropy {tuple(entropy_BT.shape)} must have the shape of logp {tuple(logp_BT.shape)}")
+        if cfg.entropy_coef > 0:
+            loss = loss - cfg.entropy_coef * _reduce(entropy_BT, mask, weight, cfg.normalize)
     with torch.no_grad():
         stats = {
             "loss": float(loss),
@@ -147,9 +213,11 @@ def policy_loss(
             "behaviour_logp_mean": float((behaviour_logp_BT * mask).sum() / n),
             "adv_mean": float(advantages_B.mean()),
             "adv_std": float(advantages_B.std()) if advantages_B.numel() > 1 else 0.0,
-            "kl_k3": kl_mean,
+            "kl_k3": kl_estimate,
             "tokens": float(mask.sum()),
         }
+        if entropy_BT is not None:
+            stats["entropy"] = float((entropy_BT * mask).sum() / n)
     return LossOutput(loss, stats)
 
 

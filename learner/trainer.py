@@ -14,10 +14,13 @@ the behaviour version, routing disagreement without replay, grad norm, staleness
   the verdict (one all-reduce). The learner service quarantines the batch.
 - **KL to a frozen reference.** With `loss.kl_coef` > 0 the trainer needs a reference model (the
   promoted version, `set_reference`; a ValueError otherwise); its log-probabilities are computed
-  with the same router replay and sampling transform as the policy's, without gradient.
+  with the same router replay and sampling transform as the policy's, without gradient. The loss
+  term is the importance-weighted k2 of `learner.objective` (its gradient is the reverse
+  KL(π_θ || π_ref)'s); `kl_k3` logs the importance-weighted k3 estimate of that KL per token.
 - **Entropy** (`entropy`): the mean per-token entropy of the trainer's distribution *under the
   sampling transform* (temperature, then top-p: the distribution the tokens were drawn from), before
-  the step. `logp_mean`: the mean trainer log-prob of the sampled tokens.
+  the step; with `loss.entropy_coef` > 0 it is also the entropy bonus, computed with its gradient.
+  `logp_mean`: the mean trainer log-prob of the sampled tokens.
 
 Called by the learner service and the demo loop.
 """
@@ -35,8 +38,8 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
-from learner.objective import LossConfig, RunningBaseline, policy_loss
-from learner.replay import Sequence, chosen_logprobs, make_batch, mismatch_stats, sampling_distribution, token_entropy
+from learner.objective import LossConfig, RunningBaseline, entropy, policy_loss
+from learner.replay import Sequence, chosen_logprobs, make_batch, mismatch_stats, sampling_distribution
 from serving.model import Transformer
 
 log = logging.getLogger(__name__)
@@ -175,6 +178,7 @@ class Trainer:
         grad_scale = shard.world_size if shard else 1
         no_sync = getattr(self.forward_model, "no_sync", None)  # DDP: all-reduce on the last micro-batch only
         kl = self.cfg.loss.kl_coef > 0
+        bonus = self.cfg.loss.entropy_coef > 0
         if kl and self.reference is None:
             raise ValueError(f"kl_coef={self.cfg.loss.kl_coef} needs a reference model (Trainer.set_reference)")
         for step in range(self.cfg.steps_per_update):
@@ -202,7 +206,11 @@ class Trainer:
                                 batch_invariant=self.cfg.batch_invariant,
                             )
                             ref = chosen_logprobs(ref_BTV, batch)
-                    out = policy_loss(logp, batch.behaviour_BT, adv[c], batch.mask_BT, self.cfg.loss, ref, weights[c])
+                    with nullcontext() if bonus else torch.no_grad():
+                        ent = entropy(logp_BTV)
+                    out = policy_loss(
+                        logp, batch.behaviour_BT, adv[c], batch.mask_BT, self.cfg.loss, ref, weights[c], ent
+                    )
                     # Micro-batches weigh by their share of the (whole) batch: tokens or sequences,
                     # as normalised.
                     share = (
@@ -211,9 +219,6 @@ class Trainer:
                         else len(c) / norm_samples
                     )
                     (out.loss * (share * grad_scale)).backward()
-                with torch.no_grad():
-                    n_tok = batch.mask_BT.sum().clamp(min=1)
-                    out.stats["entropy"] = float((token_entropy(logp_BTV) * batch.mask_BT).sum() / n_tok)
                 step_loss += out.stats["loss"] * share
                 for k, v in out.stats.items():
                     agg[k] = agg.get(k, 0.0) + v * share

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from learner.objective import LossConfig, RunningBaseline, group_advantages, policy_loss
+from learner.objective import LossConfig, RunningBaseline, entropy, group_advantages, policy_loss
 
 LOGP = [[-1.0, -2.0], [-0.5, 0.0]]
 BEHAVIOUR = [[-1.2, -1.5], [-0.5, 0.0]]
@@ -59,12 +59,64 @@ def test_ppo_clip():
     assert grad[0, 1].item() == pytest.approx(-0.606531 / 4, abs=1e-5)
 
 
-def test_k3_kl_penalty():
-    ref = [[-1.0, -1.0], [-0.5, 0.0]]  # d = ref - logp = (0, 1, 0): k3 = e - 2 on one token
-    base, _ = run(LossConfig(estimator="tis", is_cap=1.5))
-    out, _ = run(LossConfig(estimator="tis", is_cap=1.5, kl_coef=0.1), ref=ref)
-    assert out.loss.item() - base.loss.item() == pytest.approx(0.1 * ((math.e - 2) / 2) / 2, abs=1e-6)
-    assert out.stats["kl_k3"] == pytest.approx((math.e - 2) / 3, abs=1e-6)
+def test_kl_penalty_is_importance_weighted_k2():
+    ref = [[-1.0, -1.0], [-0.5, 0.0]]  # δ = logp - ref = (0, -1, 0): one token differs
+    base, base_grad = run(LossConfig(estimator="tis", is_cap=1.5))
+    out, grad = run(LossConfig(estimator="tis", is_cap=1.5, kl_coef=0.1), ref=ref)
+    # That token's weight is its ratio e^-0.5 = 0.606531; k2 = ½δ² = 0.5; sequence means, then /2.
+    assert out.loss.item() - base.loss.item() == pytest.approx(0.1 * (0.606531 * 0.5 / 2) / 2, abs=1e-6)
+    # Its gradient: kl_coef · w · δ / (tokens in seq) / (sequences); the others are unchanged.
+    extra = (grad - base_grad).tolist()
+    assert extra[0] == pytest.approx([0.0, 0.1 * 0.606531 * -1.0 / 4], abs=1e-6)
+    assert extra[1] == pytest.approx([0.0, 0.0], abs=1e-7)
+    # Logged: the weighted k3, w · (e^-δ + δ - 1), over the 3 tokens.
+    assert out.stats["kl_k3"] == pytest.approx(0.606531 * (math.e - 2) / 3, abs=1e-6)
+    assert base.stats["kl_k3"] == 0.0  # no reference given
+
+
+def test_entropy_is_the_categorical_one_and_safe_under_top_p():
+    logits = torch.tensor([[[0.3, -1.0, 2.0, 0.0]]], dtype=torch.float64)
+    logp = torch.log_softmax(logits, -1)
+    want = torch.distributions.Categorical(logits=logits).entropy()
+    assert torch.allclose(entropy(logp), want, atol=1e-12)
+    # A top-p cut: -inf entries, the rest renormalised. They add 0, and the gradient is finite.
+    cut = logits.clone().requires_grad_(True)
+    masked = torch.where(torch.tensor([True, False, True, True]), cut, torch.tensor(float("-inf"), dtype=cut.dtype))
+    h = entropy(torch.log_softmax(masked, -1))
+    h.sum().backward()
+    kept = torch.distributions.Categorical(logits=logits[..., [0, 2, 3]]).entropy()
+    assert torch.allclose(h, kept, atol=1e-12)
+    assert torch.isfinite(cut.grad).all() and cut.grad[0, 0, 1] == 0.0
+
+
+def test_entropy_bonus_raises_entropy():
+    # Policy term off (A = 0): the loss is -β · mean entropy, so its gradient is -β ∇H.
+    beta = 0.05
+    logits = torch.tensor([[[2.0, 0.0, -1.0], [0.5, 0.4, -3.0]]], dtype=torch.float64, requires_grad=True)
+
+    def mean_entropy(x):
+        return torch.distributions.Categorical(logits=x).entropy().mean()
+
+    logp_BTV = torch.log_softmax(logits, -1)
+    sampled = logp_BTV[..., 0]
+    cfg = LossConfig(entropy_coef=beta, normalize="token")
+    out = policy_loss(
+        sampled,
+        sampled.detach(),
+        torch.zeros(1, dtype=torch.float64),
+        torch.ones(1, 2),
+        cfg,
+        entropy_BT=entropy(logp_BTV),
+    )
+    (g,) = torch.autograd.grad(out.loss, logits)
+    (g_h,) = torch.autograd.grad(mean_entropy(logits), logits)
+    assert torch.allclose(g, -beta * g_h, atol=1e-12)
+    assert out.stats["entropy"] == pytest.approx(float(mean_entropy(logits.detach())), abs=1e-12)
+    assert out.loss.item() == pytest.approx(-beta * out.stats["entropy"], abs=1e-12)
+    with torch.no_grad():  # one descent step on the loss raises the entropy
+        assert mean_entropy(logits - 1.0 * g) > mean_entropy(logits)
+    with pytest.raises(ValueError, match="entropy"):
+        policy_loss(sampled, sampled.detach(), torch.zeros(1, dtype=torch.float64), torch.ones(1, 2), cfg)
 
 
 def test_on_policy_tis_is_plain_reinforce():
