@@ -28,6 +28,8 @@ from pydantic import (
     model_validator,
 )
 
+from feedback.events import ContextKey
+
 MAX_TOKENS_LIMIT = 4096
 MAX_CHOICES = 128  # prompts x n of one request
 MAX_MESSAGES = 1024
@@ -72,6 +74,12 @@ class StreamOptions(_Body):
     include_usage: StrictBool = False
 
 
+class Metadata(_Body):
+    """The request's `metadata`: of OpenAI's free-form string pairs, only the keys used here."""
+
+    context: ContextKey | None = None  # the product's context key, recorded with each completion
+
+
 class _Common(_Body):
     model: str = Field(min_length=1, max_length=256)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -85,6 +93,7 @@ class _Common(_Body):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     ignore_eos: StrictBool = False  # vLLM's extension: generate exactly max_tokens (benchmarks)
+    metadata: Metadata | None = None
 
     @field_validator("stop", mode="wrap")
     @classmethod

@@ -142,7 +142,9 @@ def run_demo_loop(
             checks = check_batch(tasks, [o.text for o in outs])
             for i, (t, o, c) in enumerate(zip(tasks, outs, checks)):
                 user = users[(r * cfg.samples_per_round + i) % len(users)]
-                ev = CompletionEvent.from_completion(o, tenant="demo", user=user.user_id, endpoint="completions")
+                ev = CompletionEvent.from_completion(
+                    o, tenant="demo", user=user.user_id, endpoint="completions", context=t.family
+                )
                 ev = ev.model_copy(update={"ts": clock[0]})
                 joiner.on_completion(ev)
                 task_of[ev.completion_id] = t
@@ -161,13 +163,7 @@ def run_demo_loop(
             samples = joiner.tick(clock[0])
             if rewards is not None:
                 samples = rewards(r, samples, task_of)
-            seqs, dropped = select(
-                samples,
-                versions,
-                current=r,
-                max_staleness=cfg.max_staleness,
-                key_of=lambda s: task_of[s.completion.completion_id].family,
-            )
+            seqs, dropped = select(samples, versions, current=r, max_staleness=cfg.max_staleness)
             stats = trainer.update(seqs, behaviour_is_current=True).stats if seqs else {}
             nxt = f"v{r + 1}"
             versions[nxt] = r + 1

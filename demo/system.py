@@ -176,6 +176,7 @@ async def _drive_users(
                     temperature=1.0,
                     user=user.sim.user_id,
                     seed=task_seed[0],
+                    extra_body={"metadata": {"context": task.family}},  # the reward baseline's key
                 )
             except openai.OpenAIError as e:
                 traffic.errors += 1

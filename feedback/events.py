@@ -14,13 +14,17 @@ import math
 import time
 import uuid
 from dataclasses import asdict
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 SCHEMA_VERSION = 1
 
 TOPICS = {"completion": "flywheel.completions", "feedback": "flywheel.feedback", "sample": "flywheel.samples"}
+
+MAX_CONTEXT_CHARS = 64
+ContextKey = Annotated[str, Field(min_length=1, max_length=MAX_CONTEXT_CHARS, pattern=r"^[A-Za-z0-9_./-]+$")]
+"""A completion's context key (`CompletionEvent.context`): 1-64 of letters, digits, `_ . / -`."""
 
 
 def new_event_id() -> str:
@@ -89,10 +93,15 @@ class CompletionEvent(Event):
     params: dict
     latency_ms: dict[str, float]
     arm: str | None = None  # experiment arm; "eval": a version named by an eval key, outside canary statistics
+    # The product's context key (the request's `metadata.context`): the learner keeps a reward baseline
+    # per (tenant, context). Optional and left out of the JSON when None, so an event without one has
+    # the wire form it had before the field existed; a consumer built before it refuses an event that
+    # sets it (extra fields are forbidden): upgrade the joiner and learner before the gateways.
+    context: ContextKey | None = Field(None, exclude_if=lambda v: v is None)
 
     @classmethod
     def from_completion(
-        cls, c, tenant: str, user: str | None, endpoint: str, arm: str | None = None
+        cls, c, tenant: str, user: str | None, endpoint: str, arm: str | None = None, context: str | None = None
     ) -> CompletionEvent:
         """From an engine's `serving.engine.Completion` (duck-typed: feedback/ does not import torch)."""
         return cls(
@@ -110,6 +119,7 @@ class CompletionEvent(Event):
             params=asdict(c.params),
             latency_ms={"queued": c.queued_s * 1e3, "first_token": c.first_token_s * 1e3, "total": c.total_s * 1e3},
             arm=arm,
+            context=context,
         )
 
 

@@ -138,10 +138,12 @@ class DataParallelTrainer:
         baseline_before = self.trainer.baseline.state_dict()
         adv = self.trainer.advantages(seqs, group_advantages)  # whole batch: identical on every rank
         try:
-            return self._update(seqs, adv, behaviour_is_current)
+            result = self._update(seqs, adv, behaviour_is_current)
         except NonFiniteUpdate:  # every rank raises it (the trainer all-reduces the verdict)
             self.trainer.baseline = RunningBaseline.from_state_dict(baseline_before)
             raise
+        result.stats.update(self.trainer.baseline_usage)
+        return result
 
     def _update(self, seqs: list[Sequence], adv: torch.Tensor, behaviour_is_current: bool) -> UpdateResult:
         tokens = float(sum(len(s.output_ids) for s in seqs))

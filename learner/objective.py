@@ -236,23 +236,31 @@ def group_advantages(rewards: list[float], scale: bool = True, eps: float = 1e-6
 class RunningBaseline:
     """b(key): EMA of rewards per key, the global EMA until the key has `min_count` rewards.
 
-    Updated *after* the advantage of a sample is computed, so a sample never baselines itself.
+    Updated *after* the advantage of a sample is computed, so a sample never baselines itself. At
+    most `max_keys` keys are tracked; a key first seen beyond that updates the global EMA only (and
+    so is always baselined by it): a stream of distinct keys cannot grow the state without bound.
     """
 
-    def __init__(self, decay: float = 0.99, min_count: int = 20, initial: float = 0.0):
+    max_keys: int = 10_000
+
+    def __init__(self, decay: float = 0.99, min_count: int = 20, initial: float = 0.0, max_keys: int = 10_000):
         if not 0.0 < decay < 1.0:
             raise ValueError(f"decay must be in (0, 1), got {decay}")
         if min_count < 0:
             raise ValueError(f"min_count must be >= 0, got {min_count}")
-        self.decay, self.min_count = decay, min_count
+        if max_keys < 0:
+            raise ValueError(f"max_keys must be >= 0, got {max_keys}")
+        self.decay, self.min_count, self.max_keys = decay, min_count, max_keys
         self.global_value, self.global_count = initial, 0
         self.values: dict[str, float] = {}
         self.counts: dict[str, int] = {}
 
+    def keyed(self, key: str | None) -> bool:
+        """`value(key)` is the key's own EMA (not the global fallback): it has `min_count` rewards, and one."""
+        return key is not None and self.counts.get(key, 0) >= max(self.min_count, 1)
+
     def value(self, key: str | None = None) -> float:
-        if key is not None and self.counts.get(key, 0) >= self.min_count:
-            return self.values[key]
-        return self.global_value
+        return self.values[key] if self.keyed(key) else self.global_value
 
     def update(self, reward: float, key: str | None = None) -> None:
         d = self.decay
@@ -260,7 +268,7 @@ class RunningBaseline:
         self.global_count += 1
         a = max(1.0 - d, 1.0 / self.global_count)
         self.global_value += a * (reward - self.global_value)
-        if key is not None:
+        if key is not None and (key in self.counts or len(self.counts) < self.max_keys):
             c = self.counts.get(key, 0) + 1
             self.counts[key] = c
             v = self.values.get(key, reward)
@@ -270,6 +278,7 @@ class RunningBaseline:
         return {
             "decay": self.decay,
             "min_count": self.min_count,
+            "max_keys": self.max_keys,
             "global_value": self.global_value,
             "global_count": self.global_count,
             "values": dict(self.values),
@@ -278,7 +287,7 @@ class RunningBaseline:
 
     @classmethod
     def from_state_dict(cls, state: dict) -> RunningBaseline:
-        b = cls(state["decay"], state["min_count"])
+        b = cls(state["decay"], state["min_count"], max_keys=state.get("max_keys", cls.max_keys))
         b.global_value, b.global_count = state["global_value"], state["global_count"]
         b.values, b.counts = dict(state["values"]), dict(state["counts"])
         return b

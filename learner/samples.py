@@ -13,10 +13,12 @@ from collections import Counter
 import numpy as np
 
 from feedback.events import SampleEvent
+from learner.baselines import baseline_key
 from learner.replay import Sequence
 
 
 def sequence_from_sample(ev: SampleEvent, key: str | None = None) -> Sequence:
+    """`key`: the sequence's baseline key, by default the completion's (`learner.baselines.baseline_key`)."""
     c = ev.completion
     shape = tuple(c.routed_experts.shape)
     experts = np.frombuffer(c.routed_experts.to_bytes(), dtype=np.uint8).reshape(shape).copy()
@@ -29,7 +31,7 @@ def sequence_from_sample(ev: SampleEvent, key: str | None = None) -> Sequence:
         top_p=float(c.params.get("top_p", 1.0)),
         reward=ev.reward,
         version=c.model_version,
-        key=key,
+        key=key if key is not None else baseline_key(ev),
     )
 
 

@@ -3,9 +3,10 @@
 Owns the optimizer state and the running baseline across updates, and the order of operations in
 one update: advantages against the baseline *before* it sees this batch's rewards; trainer
 log-probabilities with router replay; the importance-corrected loss (`learner.objective`);
-gradient clipping; an Adam step; the statistics logged every update (reward, advantage, ratio,
-clip / dual-clip / clamp fractions, entropy, mean sampled log-prob, |Δlog-prob| serving vs trainer at
-the behaviour version, routing disagreement without replay, grad norm, staleness).
+gradient clipping; an Adam step; the statistics logged every update (reward, advantage, samples
+baselined by their key vs the fallback (`learner.baselines`), ratio, clip / dual-clip / clamp
+fractions, entropy, mean sampled log-prob, |Δlog-prob| serving vs trainer at the behaviour version,
+routing disagreement without replay, grad norm, staleness).
 
 - **A non-finite update changes nothing.** If the loss or the clipped gradient norm of any step is
   not finite, the update raises `NonFiniteUpdate` *before* `opt.step()`: the parameters, the AdamW
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
+from learner.baselines import usage
 from learner.objective import LossConfig, RunningBaseline, entropy, policy_loss
 from learner.replay import Sequence, chosen_logprobs, make_batch, mismatch_stats, sampling_distribution
 from serving.model import Transformer
@@ -113,6 +115,7 @@ class Trainer:
         self.forward_model: torch.nn.Module = model
         self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         self.baseline = RunningBaseline(cfg.baseline_decay, cfg.baseline_min_count)
+        self.baseline_usage: dict[str, float] = {}  # of the last `advantages` (learner.baselines.usage)
         self.updates = 0
 
     def set_reference(self, reference: Transformer) -> None:
@@ -120,11 +123,19 @@ class Trainer:
         self.reference = reference.eval().requires_grad_(False)
 
     def advantages(self, seqs: list[Sequence], group_advantages: list[float | None] | None = None) -> torch.Tensor:
-        """A = r - b(key), with b as it was before this batch; then the baseline learns this batch."""
+        """A = r - b(key), with b as it was before this batch; then the baseline learns this batch.
+        Logs, and keeps in `baseline_usage`, how many samples their key's baseline and the fallback served."""
         adv = []
         for i, s in enumerate(seqs):
             given = group_advantages[i] if group_advantages is not None else None
             adv.append(given if given is not None else s.reward - self.baseline.value(s.key))
+        keys = [s.key for i, s in enumerate(seqs) if group_advantages is None or group_advantages[i] is None]
+        self.baseline_usage = usage(self.baseline, keys)
+        u = self.baseline_usage
+        log.info(
+            "baselines: %d samples keyed, %d fallback (%d without a key); %d keys tracked",
+            *(int(u[k]) for k in ("baseline_keyed", "baseline_fallback", "baseline_unkeyed", "baseline_keys")),
+        )
         for i, s in enumerate(seqs):
             if group_advantages is None or group_advantages[i] is None:
                 self.baseline.update(s.reward, s.key)
@@ -154,6 +165,8 @@ class Trainer:
             raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected ({len(seqs)},)")
         weights = torch.tensor([s.weight for s in seqs], dtype=torch.float32)
         stats: dict[str, float] = {"samples": float(len(seqs)), "reward_mean": sum(s.reward for s in seqs) / len(seqs)}
+        if advantages is None:
+            stats.update(self.baseline_usage)
         chunks = [
             list(range(i, min(i + self.cfg.micro_batch, len(seqs)))) for i in range(0, len(seqs), self.cfg.micro_batch)
         ]

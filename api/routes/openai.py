@@ -257,6 +257,7 @@ async def _serve(gw, caller, endpoint, prompts: _Prompts, params, req, prompt_pa
         want_logprobs,
     )
     ctx.arm = arm
+    ctx.context = req.metadata.context if req.metadata else None
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(
@@ -282,12 +283,13 @@ class _Ctx:
         self.base_id, self.user, self.t0, self.created = base_id, user, t0, created
         self.n, self.want_logprobs = n, want_logprobs
         self.arm: str | None = None  # experiment arm (`Gateway.resolve_model`)
+        self.context: str | None = None  # the request's `metadata.context`
 
     async def record(self, c: Completion) -> None:
         if not c.output_ids:
             return  # cancelled before anything was generated: nothing was served
         arm = self.arm
-        ev = CompletionEvent.from_completion(c, self.tenant, self.user, self.endpoint, arm=arm)
+        ev = CompletionEvent.from_completion(c, self.tenant, self.user, self.endpoint, arm=arm, context=self.context)
         try:
             await self.gw.sink.record(ev)
             # Indexed before the response is sent, so feedback on this id can never be refused as unknown.
