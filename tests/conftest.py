@@ -15,6 +15,20 @@ from serving.tokenizer import train_tokenizer
 
 torch.set_num_threads(2)
 
+F32_EPS = torch.finfo(torch.float32).eps  # one float32 ulp at 1.0: the unit of every float32 tolerance
+
+
+def assert_close_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: float, what: object = "") -> None:
+    """`actual` within `ulps` float32 ulps of the largest |expected| entry. Two float32 computations of
+    one function that differ only in order (fused or split matmuls, another reduction order) round
+    differently by a few ulps of the magnitudes they sum, so the scale is the tensor's, not 1."""
+    actual, expected = actual.detach(), expected.detach()
+    scale = float(expected.abs().max())
+    diff = float((actual - expected).abs().max())
+    assert diff <= ulps * F32_EPS * scale, (
+        f"{what}: max |diff| {diff:.3g} is {diff / (F32_EPS * scale):.1f} ulps of {scale:.3g}, over {ulps}"
+    )
+
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):

@@ -1,5 +1,7 @@
 """GRPO-style offline groups mixed into the single-sample learner."""
 
+import sys
+
 import pytest
 
 from demo.checker import DemoVerifier
@@ -11,6 +13,8 @@ from product.suites import Verifier
 from serving.checkpoint import load_checkpoint
 from serving.engine import EmbeddedEngine
 from serving.sampling import SamplingParams
+
+LR = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +43,7 @@ def test_groups_have_relative_advantages(engine):
     assert len(batch.sequences) == 4 * batch.groups == len(batch.advantages)
     for g in range(batch.groups):
         adv = batch.advantages[4 * g : 4 * g + 4]
-        assert abs(sum(adv)) < 1e-6  # centred per group
+        assert abs(sum(adv)) <= 8 * sys.float_info.epsilon  # centred per group: four rounded float64 quotients < 2
     assert all(s.weight == 0.5 for s in batch.sequences)
     with pytest.raises(ValueError, match="group_size"):
         rollout_groups(engine, "v0", prompts(1, seed=1), Parity(), group_size=1)
@@ -61,7 +65,7 @@ def _online(engine, n=8):
 def _grads_after(tiny_checkpoint, engine, seqs, advs):
     tok = engine.tokenizer("v0")
     model = load_checkpoint(tiny_checkpoint)
-    tr = Trainer(model, TrainerConfig(lr=1e-3), tok.vocab_size, tok.pad_id)
+    tr = Trainer(model, TrainerConfig(lr=LR), tok.vocab_size, tok.pad_id)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     tr.update(seqs, group_advantages=advs)
     return {k: (model.state_dict()[k] - before[k]) for k in before}
@@ -88,8 +92,9 @@ def test_offline_mixing_weight(tiny_checkpoint, engine):
 
 
 def _changed(a: dict, b: dict) -> float:
-    """The share of parameter entries whose update differs by more than 1e-5."""
-    diff = sum(int((a[k] - b[k]).abs().gt(1e-5).sum()) for k in a)
+    """The share of parameter entries whose update differs by more than a hundredth of a step: far above
+    float32 rounding of an update of about LR (~1e-10), far below an update that changed (~LR)."""
+    diff = sum(int((a[k] - b[k]).abs().gt(LR / 100).sum()) for k in a)
     return diff / sum(a[k].numel() for k in a)
 
 

@@ -8,6 +8,7 @@ from learner.replay import Sequence, make_batch, mismatch_stats, trainer_logprob
 from serving.checkpoint import load_checkpoint
 from serving.engine import EmbeddedEngine
 from serving.sampling import SamplingParams
+from tests.conftest import F32_EPS
 
 TEXTS = ["# add 3 to x\ndef f(x):\n", "# count 'a' in s\ndef f(s):\n", "def", "# max of xs, or 2 if empty\n"]
 
@@ -55,7 +56,9 @@ def test_replayed_recompute_matches_serving_in_fp32(served, tiny_checkpoint):
             part = make_batch(seqs[i : i + size], pad, model.args.n_layers, model.args.top_k)
             assert mismatch_stats(model, part, n_vocab)["abs_dlogp_max"] == 0.0, (size, i)
     # The default kernels round differently in a decode step and a full forward, but only by float32 noise.
-    assert mismatch_stats(model, batch, n_vocab, batch_invariant=False)["abs_dlogp_max"] <= 1e-5
+    scale = float((batch.behaviour_BT.abs() * batch.mask_BT).max())  # the largest served |logprob|
+    default = mismatch_stats(model, batch, n_vocab, batch_invariant=False)["abs_dlogp_max"]
+    assert default <= 16 * F32_EPS * scale, (default, scale)  # 1.25 ulps seen
     # bf16: the gap replay exists for
     bf = load_checkpoint(tiny_checkpoint).to(torch.bfloat16)
     stats_bf = mismatch_stats(bf, batch, n_vocab)
@@ -71,7 +74,8 @@ def test_replay_is_used(served, tiny_checkpoint):
         shifted = make_batch(seqs, pad, model.args.n_layers, model.args.top_k)
         shifted.replay_BSLK = (shifted.replay_BSLK + 1) % model.args.n_experts
         lp2, _ = trainer_logprobs(model, shifted, n_vocab)
-    assert ((lp2 - lp).abs() * batch.mask_BT).max() > 1e-3
+    scale = (lp.abs() * batch.mask_BT).max()
+    assert ((lp2 - lp).abs() * batch.mask_BT).max() > 0.1 * scale  # other experts, not rounding: 4 times the scale seen
 
 
 def test_gradient_flows_through_replayed_forward(served, tiny_checkpoint):

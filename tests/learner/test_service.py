@@ -70,7 +70,8 @@ def test_updates_on_cadence_and_registers_candidates(tmp_path, tiny_checkpoint, 
     assert (tmp_path / "models" / "v0004" / "model.safetensors").is_file()
     assert "ratio_mean" in v4.metrics and "abs_dlogp_max" not in v4.metrics  # served by the base, not v0003
     v1 = reg.get("v0001")  # trained on samples its parent served: serving-vs-trainer mismatch measured
-    assert v1.metrics["abs_dlogp_max"] < 1e-4 and v1.metrics["routing_disagreement"] == 0.0
+    # Batch-invariant numerics in the engine and the trainer (the defaults): bit for bit.
+    assert v1.metrics["abs_dlogp_max"] == 0.0 and v1.metrics["routing_disagreement"] == 0.0
     ranges = v1.data_range["flywheel.samples"]
     assert sum(end - start for start, end in ranges.values()) == 10
     svc.close()

@@ -8,6 +8,7 @@ from transformers import MixtralForCausalLM
 
 from serving.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from serving.model import ModelArgs, Transformer
+from tests.conftest import F32_EPS, assert_close_ulps
 
 
 def random_args(seed: int) -> ModelArgs:
@@ -49,7 +50,8 @@ def test_logits_and_routing_match_transformers(pair, invariant):
     tokens = torch.randint(args.vocab_size, (2, 11), generator=torch.Generator().manual_seed(7))
     out = ours(tokens, return_experts=True, batch_invariant=invariant)
     ref = hf(tokens, output_router_logits=True)
-    assert torch.allclose(out.logits, ref.logits, atol=1e-5, rtol=0), (out.logits - ref.logits).abs().max()
+    # The same function computed in another order (HF fuses gate_up, attends eagerly): 6 ulps seen.
+    assert_close_ulps(out.logits, ref.logits, 32, "logits")
     assert torch.equal(out.experts, hf_routing(ref.router_logits, 2, 11, args.top_k))
 
 
@@ -63,7 +65,7 @@ def test_gradients_match_transformers(pair, invariant):
         logits[:, :-1].reshape(-1, args.vocab_size), tokens[:, 1:].reshape(-1)
     )
     loss_hf = hf(tokens, labels=tokens).loss
-    assert abs(loss_ours.item() - loss_hf.item()) < 1e-5
+    assert abs(loss_ours.item() - loss_hf.item()) <= 8 * F32_EPS * abs(loss_hf.item())  # a mean of logits: 1 ulp seen
     loss_ours.backward(), loss_hf.backward()
     hf_grads = dict(hf.named_parameters())
     n = args.n_layers
@@ -84,9 +86,9 @@ def test_gradients_match_transformers(pair, invariant):
         for a, b in pairs:
             ga = a.grad
             gb = b.grad if isinstance(b, torch.nn.Parameter) else b
-            assert torch.allclose(ga, gb, atol=1e-5, rtol=1e-4), (ga - gb).abs().max()
-    assert torch.allclose(ours.embed_tokens.weight.grad, hf_grads["model.embed_tokens.weight"].grad, atol=1e-5)
-    assert torch.allclose(ours.lm_head.weight.grad, hf_grads["lm_head.weight"].grad, atol=1e-5)
+            assert_close_ulps(ga, gb, 64, a.shape)  # backward sums in another order too: 22 ulps seen
+    assert_close_ulps(ours.embed_tokens.weight.grad, hf_grads["model.embed_tokens.weight"].grad, 64, "embed_tokens")
+    assert_close_ulps(ours.lm_head.weight.grad, hf_grads["lm_head.weight"].grad, 64, "lm_head")
 
 
 def test_replay_own_routing_is_bit_exact_and_other_routing_changes_logits():
@@ -100,7 +102,7 @@ def test_replay_own_routing_is_bit_exact_and_other_routing_changes_logits():
     other = (out.experts + 1) % args.n_experts
     changed = model(tokens, replay_experts=other, return_experts=True)
     assert torch.equal(changed.experts, other)
-    assert (changed.logits - out.logits).abs().max() > 1e-3
+    assert (changed.logits - out.logits).abs().max() > 0.1 * out.logits.abs().max()  # not rounding: other experts
 
 
 def test_replay_keeps_router_gradient():
@@ -158,7 +160,7 @@ def test_kv_cache_prefill_and_decode_match_full_forward():
         ]
     logits = torch.cat([pre.logits] + [s.logits for s in steps], dim=1)
     experts = torch.cat([pre.experts] + [s.experts for s in steps], dim=1)
-    assert torch.allclose(logits, full.logits, atol=1e-5)
+    assert_close_ulps(logits, full.logits, 32, "cached logits")  # default kernels: order depends on the shapes; 8 seen
     assert torch.equal(experts, full.experts)
 
 
@@ -346,7 +348,7 @@ def test_batch_invariant_backward_is_sdpa_gradient():
         torch.log_softmax(model(tokens, batch_invariant=invariant).logits, -1)[..., 5].sum().backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
     for name, g in grads[0].items():
-        assert torch.allclose(g, grads[1][name], atol=1e-5, rtol=1e-4), name
+        assert_close_ulps(g, grads[1][name], 32, name)  # the same gradients, summed in another order: 9 ulps seen
 
 
 def test_batch_invariant_is_float32_only():
