@@ -16,6 +16,13 @@ from serving.tokenizer import train_tokenizer
 torch.set_num_threads(2)
 
 F32_EPS = torch.finfo(torch.float32).eps  # one float32 ulp at 1.0: the unit of every float32 tolerance
+F64_EPS = torch.finfo(torch.float64).eps  # and of every float64 (Python float) one
+
+
+def approx_ulps(expected, ulps: int = 16, eps: float = F64_EPS):
+    """`pytest.approx` within `ulps` ulps (float64 unless `eps` says otherwise) of the expected value, or of
+    1 near 0: for a result of a few float operations checked against the same arithmetic written out."""
+    return pytest.approx(expected, rel=ulps * eps, abs=ulps * eps)
 
 
 def assert_close_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: float, what: object = "") -> None:

@@ -17,7 +17,7 @@ from feedback.bus_kafka import KafkaBus
 from feedback.events import TOPICS, CompletionEvent, FeedbackEvent, RoutedExperts, SampleEvent
 from feedback.joiner import JoinerService, sample_event_id
 from feedback.rewards import RewardSpec
-from tests.conftest import served_samples
+from tests.conftest import approx_ulps, served_samples
 from tests.feedback.conftest import FAST_CONSUMER, kafka_broker, read_until, running_broker  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.kafka
@@ -120,7 +120,7 @@ def test_two_joiners_split_the_partitions_and_join_every_completion_with_its_fee
     want = {"accepted": 0.75, "thumb_down": -0.5, "copied": 0.25}
     for i in range(n):
         s = samples[sample_event_id(f"cmp-{i}", spec.name)]
-        assert s.reward == pytest.approx(want[kinds[i % 3]]), (i, s.signals)
+        assert s.reward == approx_ulps(want[kinds[i % 3]]), (i, s.signals)
     assert emitted[0] and emitted[1] and not set(emitted[0]) & set(emitted[1])  # both worked, on different keys
     for j in joiners:
         assert j.stats["late"] == 0 and j.stats["orphans_expired"] == 0 and j.stats["tenant_mismatch"] == 0

@@ -54,7 +54,7 @@ def test_gains_are_paired_per_prompt_and_averaged_over_seeds():
     assert [g["satisfaction"]["points"] for g in r["per_seed"]] == [30.0, 40.0, 20.0]
     assert r["satisfaction_gain_points"] == 30.0
     # sd of (30, 40, 20) is 10; t(0.975, 2) = 4.303: half-width 4.303 * 10 / sqrt(3) = 24.84
-    assert r["satisfaction_gain_ci95"] == pytest.approx([5.16, 54.84], abs=0.01)
+    assert r["satisfaction_gain_ci95"] == [5.16, 54.84]  # the report rounds to 2 decimals: exactly these
     assert r["pass_rate_gain_points"] == 50.0  # (0 + 1) / 2 - 0, in points
     assert s["shuffled_control"]["satisfaction_gain_points"] == 5.0
     assert "adversarial_5pct" not in s

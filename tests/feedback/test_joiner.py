@@ -18,6 +18,7 @@ from feedback.bus_embedded import EmbeddedBus
 from feedback.events import TOPICS, CompletionEvent, FeedbackEvent, RoutedExperts, SampleEvent
 from feedback.joiner import JoinerCore, JoinerService, sample_event_id
 from feedback.rewards import RewardSpec
+from tests.conftest import approx_ulps
 
 SPEC = RewardSpec()
 WINDOW = 60.0
@@ -67,7 +68,7 @@ def test_join_within_window_emits_one_sample_when_the_window_closes():
     j.on_feedback(feedback("c1", "copied", 20.0))
     assert j.tick(59.0) == [] and j.tick(60.0) == []  # the window [0, 60] is still open
     [s] = j.tick(60.5)
-    assert s.completion.completion_id == "c1" and s.reward == pytest.approx(1.0)
+    assert s.completion.completion_id == "c1" and s.reward == approx_ulps(1.0)
     assert [x.kind for x in s.signals] == ["accepted", "copied"] and s.signals[0].user_id == "u1"
     assert s.reward_spec == "default-v1" and s.tenant == "t1" and s.ts == 60.0
     assert s.event_id == sample_event_id("c1", "default-v1")
@@ -89,7 +90,7 @@ def test_feedback_before_its_completion_is_buffered_then_joined_or_expired():
     j.on_completion(completion("c2", 0.0))
     assert j.orphan_count == 1
     [s] = j.tick(61.0)
-    assert s.completion.completion_id == "c2" and s.reward == pytest.approx(-0.5)
+    assert s.completion.completion_id == "c2" and s.reward == approx_ulps(-0.5)
     assert j.orphan_count == 0 and j.stats["orphans_expired"] == 1  # ghost: 0 + 60 < 61
 
 
@@ -133,7 +134,7 @@ def test_duplicate_events_are_ignored():
     j.on_feedback(f)  # redelivered
     j.on_feedback(feedback("c1", "thumb_up", 2.0, event_id="same-id-1"))  # same id, other content
     [s] = j.tick(61.0)
-    assert [x.kind for x in s.signals] == ["rating"] and s.reward == pytest.approx(0.25)
+    assert [x.kind for x in s.signals] == ["rating"] and s.reward == approx_ulps(0.25)
     assert (j.stats["completions"], j.stats["feedback"], j.stats["duplicates"]) == (1, 1, 3)
     j.on_completion(c)  # redelivered after its window closed: no second sample
     assert j.tick(2000.0) == [] and j.stats["duplicates"] == 4 and j.stats["samples"] == 1
@@ -147,7 +148,7 @@ def test_feedback_from_another_tenant_is_rejected():
     j.on_feedback(feedback("c1", "rejected", 3.0, tenant="t1"))
     [s] = j.tick(61.0)
     assert j.stats["tenant_mismatch"] == 2
-    assert [x.kind for x in s.signals] == ["rejected"] and s.reward == pytest.approx(-0.25)
+    assert [x.kind for x in s.signals] == ["rejected"] and s.reward == approx_ulps(-0.25)
 
 
 def test_completions_without_counting_feedback_emit_nothing():
@@ -170,8 +171,8 @@ def test_every_exposed_completion_yields_a_sample_silence_included():
     j.on_feedback(feedback("shown-ignored", "thumb_up", WINDOW + 1.0))  # past the window: silence stands
     out = {s.completion.completion_id: s for s in j.tick(WINDOW + 2.0)}
     assert set(out) == {"shown-ignored", "shown-liked"}
-    assert out["shown-ignored"].reward == pytest.approx(-0.2) and out["shown-ignored"].silent
-    assert out["shown-liked"].reward == pytest.approx(0.75) and out["shown-liked"].exposed
+    assert out["shown-ignored"].reward == approx_ulps(-0.2) and out["shown-ignored"].silent
+    assert out["shown-liked"].reward == approx_ulps(0.75) and out["shown-liked"].exposed
     assert not out["shown-liked"].silent
     assert j.stats["samples"] == 2 and j.stats["silent"] == 1 and j.stats["no_feedback"] == 1
     assert j.stats["late"] == 1
@@ -185,7 +186,7 @@ def test_feedback_without_user_is_attributed_to_the_completions_user():
     j.on_feedback(feedback("c1", "copied", 3.0, user="bob"))
     [s] = j.tick(61.0)
     assert [(x.kind, x.user_id) for x in s.signals] == [("thumb_up", "alice"), ("copied", "bob")]
-    assert s.reward == pytest.approx(0.75)
+    assert s.reward == approx_ulps(0.75)
 
 
 def test_user_budget_drops_and_counts_signals_beyond_it():
@@ -196,7 +197,7 @@ def test_user_budget_drops_and_counts_signals_beyond_it():
         j.on_feedback(feedback(f"c{i}", "copied", i + 1.5, user="mallory"))
     j.on_feedback(feedback("c2", "thumb_down", 5.0, user="carol"))
     samples = j.tick(100.0)
-    assert [s.reward for s in samples] == pytest.approx([1.0, 1.0, -0.5])  # c2: only carol counts
+    assert [s.reward for s in samples] == approx_ulps([1.0, 1.0, -0.5])  # c2: only carol counts
     assert j.stats["dropped_by_budget"] == 2
     j.on_completion(completion("c9", 150.0))  # c0 and c1 (ts 0, 1) have left the window (50, 150]
     j.on_feedback(feedback("c9", "accepted", 151.0, user="mallory"))
@@ -298,8 +299,8 @@ def test_service_end_to_end_with_safe_commits(tmp_path):
     assert sorted(s.completion.completion_id for s in samples) == evens
     consumed = dict(read_samples(bus))
     assert sorted(consumed) == evens  # keyed by completion_id
-    assert consumed["c0"].reward == pytest.approx(1.0)  # accepted + thumb_up
-    assert all(consumed[f"c{i}"].reward == pytest.approx(0.75) for i in range(2, 12, 2))
+    assert consumed["c0"].reward == approx_ulps(1.0)  # accepted + thumb_up
+    assert all(consumed[f"c{i}"].reward == approx_ulps(0.75) for i in range(2, 12, 2))
     assert consumed["c4"].event_id == sample_event_id("c4", SPEC.name)
     assert (svc.stats["samples"], svc.stats["no_feedback"], svc.stats["late"]) == (6, 6, 1)
     # Nothing is held any more: everything consumed is committed.
@@ -368,7 +369,7 @@ def test_crash_and_resume_yields_exactly_one_sample_per_completion(tmp_path):
     assert len(samples) == 64 + 20  # c20..c44 (20 with feedback) were emitted again after the crash
     for i in with_feedback:
         copies = by_id[sample_event_id(f"c{i}", SPEC.name)]
-        assert [s.reward for s in copies] == pytest.approx([expected_reward(i)[0]] * len(copies))
+        assert [s.reward for s in copies] == approx_ulps([expected_reward(i)[0]] * len(copies))
     # After the restart's final round nothing is held: every record is committed.
     assert sum(bus.committed(TOPICS["completion"], "joiner").values()) == n
     assert sum(bus.committed(TOPICS["feedback"], "joiner").values()) == sum(
@@ -458,7 +459,7 @@ def test_release_forgets_what_came_from_lost_partitions_and_lets_it_count_again(
     j.on_completion(completion("c1", 0.0), (TOPICS["completion"], 1, 0))
     j.on_feedback(feedback("c1", "accepted", 1.0), (TOPICS["feedback"], 1, 0))
     [s] = j.tick(100.0)
-    assert s.completion.completion_id == "c1" and s.reward == pytest.approx(0.75)
+    assert s.completion.completion_id == "c1" and s.reward == approx_ulps(0.75)
     assert j.stats["duplicates"] == 0
 
 
@@ -480,7 +481,7 @@ def test_a_second_joiner_takes_half_the_partitions_and_every_sample_is_emitted_o
     clock.t = 1000.0
     samples = a.run_once(0.0) + b.run_once(0.0)
     assert sorted(s.completion.completion_id for s in samples) == sorted(f"c{i}" for i in range(n))
-    assert all(s.reward == pytest.approx(0.75 if int(s.completion.completion_id[1:]) % 2 else -0.5) for s in samples)
+    assert all(s.reward == approx_ulps(0.75 if int(s.completion.completion_id[1:]) % 2 else -0.5) for s in samples)
     emitted = [s.event_id for _, s in read_samples(bus)]
     assert len(emitted) == len(set(emitted)) == n  # once each: a emitted nothing for b's partitions
     for st in (a.stats, b.stats):

@@ -4,6 +4,7 @@ import pytest
 
 from feedback.events import Signal
 from feedback.rewards import RewardSpec, UserBudget, counted_signals, reward, signal_reward
+from tests.conftest import approx_ulps
 
 SPEC = RewardSpec()
 
@@ -36,7 +37,7 @@ def sig(kind, value=None, ts=0.0, user="u1"):
     ],
 )
 def test_signal_reward_by_kind(kind, value, expected):
-    assert signal_reward(SPEC, sig(kind, value)) == pytest.approx(expected)
+    assert signal_reward(SPEC, sig(kind, value)) == approx_ulps(expected)
 
 
 def test_default_spec_is_default_v1_with_docstrings_on_every_field():
@@ -63,32 +64,32 @@ def test_default_spec_is_default_v1_with_docstrings_on_every_field():
     ],
 )
 def test_reward_of_combinations(signals, expected):
-    assert reward(SPEC, signals) == pytest.approx(expected)
+    assert reward(SPEC, signals) == approx_ulps(expected)
 
 
 def test_no_counting_signal_gives_none():
     assert reward(SPEC, []) is None
     assert reward(SPEC, [sig("dwell", 20.0)]) is None  # dwell is only a tie-breaker
-    assert reward(SPEC, [sig("dwell", 20.0), sig("thumb_up")]) == pytest.approx(0.5 + 0.05 * 20 / 30)
+    assert reward(SPEC, [sig("dwell", 20.0), sig("thumb_up")]) == approx_ulps(0.5 + 0.05 * 20 / 30)
 
 
 def test_one_user_counts_once_per_kind_latest_wins():
     spam = [sig("thumb_up", ts=t) for t in range(50)]
-    assert reward(SPEC, spam) == pytest.approx(0.5)
+    assert reward(SPEC, spam) == approx_ulps(0.5)
     counted = counted_signals(spam + [sig("dwell", 3.0, ts=1), sig("dwell", 9.0, ts=2)])
     assert [(s.kind, s.ts) for s in counted] == [("thumb_up", 49.0), ("dwell", 2.0)]
     assert counted[1].value == 9.0
     # Anonymous signals form one user; other users count separately.
-    assert reward(SPEC, [sig("thumb_up", user=None), sig("thumb_up", user=None)]) == pytest.approx(0.5)
-    assert reward(SPEC, [sig("thumb_up", user="a"), sig("copied", user="b")]) == pytest.approx(0.75)
+    assert reward(SPEC, [sig("thumb_up", user=None), sig("thumb_up", user=None)]) == approx_ulps(0.5)
+    assert reward(SPEC, [sig("thumb_up", user="a"), sig("copied", user="b")]) == approx_ulps(0.75)
 
 
 def test_per_user_cap_bounds_one_users_contribution():
     spec = RewardSpec(per_user_cap=0.5)
     # a: 0.75 + 0.25 = 1.0 -> 0.5; b: -0.25. Uncapped this would be 0.75.
     signals = [sig("accepted", user="a"), sig("copied", user="a"), sig("rejected", user="b")]
-    assert reward(spec, signals) == pytest.approx(0.25)
-    assert reward(SPEC, signals) == pytest.approx(0.75)
+    assert reward(spec, signals) == approx_ulps(0.25)
+    assert reward(SPEC, signals) == approx_ulps(0.75)
     # Three users at +1 each: each within its cap, the total clipped to reward_max.
     many = [sig("accepted", user=u) for u in "abc"] + [sig("copied", user=u) for u in "abc"]
     assert reward(SPEC, many) == 1.0
@@ -96,9 +97,9 @@ def test_per_user_cap_bounds_one_users_contribution():
 
 def test_final_clip_to_reward_range():
     spec = RewardSpec(reward_min=-0.2, reward_max=0.6)
-    assert reward(spec, [sig("accepted")]) == pytest.approx(0.6)
-    assert reward(spec, [sig("thumb_down")]) == pytest.approx(-0.2)
-    assert reward(spec, [sig("copied")]) == pytest.approx(0.25)
+    assert reward(spec, [sig("accepted")]) == approx_ulps(0.6)
+    assert reward(spec, [sig("thumb_down")]) == approx_ulps(-0.2)
+    assert reward(spec, [sig("copied")]) == approx_ulps(0.25)
 
 
 def test_user_budget_windowing():
@@ -154,10 +155,10 @@ def test_spec_is_frozen_and_budget_validates():
 def test_silence_after_exposure_is_a_reward_and_no_exposure_is_none():
     assert signal_reward(SPEC, sig("shown")) == 0.0
     assert reward(SPEC, [sig("shown")]) == 0.0  # shown, then nothing: silence (0.0 by default)
-    assert reward(SPEC, [sig("shown"), sig("dwell", 15.0)]) == pytest.approx(0.025)  # silence + dwell
+    assert reward(SPEC, [sig("shown"), sig("dwell", 15.0)]) == approx_ulps(0.025)  # silence + dwell
     assert reward(SPEC, [sig("dwell", 15.0)]) is None  # never reported shown: maybe never seen
     assert reward(SPEC, []) is None
     ignored = RewardSpec(silence=-0.1)
-    assert reward(ignored, [sig("shown")]) == pytest.approx(-0.1)
-    assert reward(ignored, [sig("shown"), sig("thumb_up")]) == pytest.approx(0.5)  # a reaction: no silence
-    assert reward(ignored, [sig("shown", user="a"), sig("thumb_down", user="b")]) == pytest.approx(-0.5)
+    assert reward(ignored, [sig("shown")]) == approx_ulps(-0.1)
+    assert reward(ignored, [sig("shown"), sig("thumb_up")]) == approx_ulps(0.5)  # a reaction: no silence
+    assert reward(ignored, [sig("shown", user="a"), sig("thumb_down", user="b")]) == approx_ulps(-0.5)

@@ -16,6 +16,7 @@ from gating.gate import Gate, GateConfig
 from gating.stats import assign_arm
 from registry.models import CanaryProgress
 from registry.registry import Registry
+from tests.conftest import approx_ulps
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 CFG = CanaryConfig(min_users_per_arm=30, min_step_s=600, max_step_s=3600)
@@ -145,7 +146,7 @@ def test_a_drop_in_pass_rate_aborts_even_when_users_are_as_satisfied():
     d = decide(progress(), o, CFG, at(10))
     g = d.numbers["guardrails"]["pass_rate"]
     assert d.action == "abort_harm" and g["harmed"] and g["direction"] == "lower_is_worse"
-    assert g["estimate"] == pytest.approx(0.25 - 0.75) and "pass_rate" in d.reason
+    assert g["estimate"] == approx_ulps(0.25 - 0.75) and "pass_rate" in d.reason
     assert not d.numbers["guardrails"]["latency_ms"]["harmed"]
     same = outcomes(40, 40)  # no scores at all: the guardrail has nothing to judge, and does not block
     assert "pass_rate" not in decide(progress(), same, CFG, at(700)).numbers["guardrails"]
@@ -343,6 +344,6 @@ def test_the_verifier_scores_canary_completions_from_their_token_ids(tiny_checkp
 
 
 def test_guardrail_harm_tests_split_alpha_over_guardrails_and_steps():
-    assert CanaryConfig().harm_alpha == pytest.approx(0.05 / 9)  # 3 guardrails x 3 steps
-    assert CanaryConfig(steps=(0.5,), guardrails=("latency_ms",)).harm_alpha == pytest.approx(0.05)
+    assert CanaryConfig().harm_alpha == approx_ulps(0.05 / 9)  # 3 guardrails x 3 steps
+    assert CanaryConfig(steps=(0.5,), guardrails=("latency_ms",)).harm_alpha == approx_ulps(0.05)
     assert CanaryConfig(guardrail_alpha=0.01).harm_alpha == 0.01

@@ -7,6 +7,7 @@ import pytest
 
 from feedback.events import CompletionEvent, RoutedExperts, SampleEvent
 from learner.poisoning import PoisoningConfig, screen
+from tests.conftest import approx_ulps
 
 
 def sample(user: str | None, reward: float, i: int, tenant: str = "t") -> SampleEvent:
@@ -40,11 +41,11 @@ def test_a_user_who_dominates_by_rate_and_share_is_flagged_and_weighed_down():
     spam = [sample("spammer", 1.0, i) for i in range(20)]  # 20 samples, mass 20: 40% of 50
     s = screen(honest + spam)
     [flag] = s.flags
-    assert (flag.user, flag.samples) == ("spammer", 20) and flag.reward_share == pytest.approx(0.4)
+    assert (flag.user, flag.samples) == ("spammer", 20) and flag.reward_share == approx_ulps(0.4)
     # median 2, MAD floored to 1: rate threshold 2 + 5 x 1 = 7 samples
     assert s.rate_threshold == 7.0 and len(flag.reasons) == 2
-    assert flag.weight == pytest.approx(min(0.05 / 0.4, 7 / 20))  # 0.125: the share rule is the stricter
-    assert s.weights[:60] == [1.0] * 60 and s.weights[60:] == [pytest.approx(0.125)] * 20
+    assert flag.weight == approx_ulps(min(0.05 / 0.4, 7 / 20))  # 0.125: the share rule is the stricter
+    assert s.weights[:60] == [1.0] * 60 and s.weights[60:] == [approx_ulps(0.125)] * 20
     summary = s.summary()
     assert summary["flagged_samples"] == 20 and summary["flags"][0]["user"] == "spammer"
 
