@@ -28,6 +28,7 @@ import shutil
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -122,200 +123,177 @@ class Traffic:
         }
 
 
-def all_the_way(
-    base: Path,
-    candidate: Path,
-    work: Path,
-    suite: EvalSuite,
-    cfg: GateConfig,
-    n_users: int,
-    per_user: int,
-    window_s: float,
-    max_rounds_per_step: int,
-) -> dict[str, Any]:
-    """The stages of the module docstring, each timed; stops early (with `stopped`) when one fails."""
-    home = work / "home"
-    home.mkdir(parents=True)
-    settings = Settings(home=home, model_dir=base, engine="embedded", replicas=2, heartbeat_s=0.5)
-    admin = {"Authorization": f"Bearer {KeyStore(settings.key_store_path).create(['admin'], label='bench')[0]}"}
-    env = {"FLYWHEEL_MODEL_DIR": str(base), "FLYWHEEL_ENGINE": "embedded", "FLYWHEEL_REPLICAS": "2"}
-    env["FLYWHEEL_HEARTBEAT_S"] = "0.5"
-    stages: dict[str, Any] = {}
-    vid = "cand-honest"
-    with Supervisor("bench-promotion") as sup:
-        t0 = time.perf_counter()
-        gw = common.gateway(home, env, sup)
-        joiner_env = {**env, "FLYWHEEL_HOME": str(home)}
-        argv = common.module_argv("cli", "joiner", "--window-s", str(window_s))
-        common.start(sup, "joiner", argv, env=joiner_env, log_path=home / "joiner.log")
-        reg = Registry(settings.db_url)
-        bus = open_bus(settings)
-        try:
-            return _stages(
-                gw.url, sup, reg, bus, admin, settings, base, candidate, vid, suite, cfg, stages, t0,
-                n_users, per_user, window_s, max_rounds_per_step,
-            )  # fmt: skip
-        finally:
-            bus.close()
-            reg.close()
+@dataclass
+class Plan:
+    """What the drill runs on: the base and candidate, the suite and gate settings, and the traffic."""
+
+    base: Path
+    candidate: Path
+    suite: EvalSuite
+    cfg: GateConfig
+    n_users: int
+    per_user: int
+    window_s: float
+    max_rounds_per_step: int
+    vid: str = "cand-honest"
 
 
-def _stages(
-    url: str,
-    sup: Supervisor,
-    reg: Registry,
-    bus: Any,
-    admin: dict[str, str],
-    settings: Settings,
-    base: Path,
-    candidate: Path,
-    vid: str,
-    suite: EvalSuite,
-    cfg: GateConfig,
-    stages: dict[str, Any],
-    t0: float,
-    n_users: int,
-    per_user: int,
-    window_s: float,
-    max_rounds_per_step: int,
-) -> dict[str, Any]:
-    def fleet() -> dict[str, Any]:
-        r = httpx.get(url + "/admin/fleet", headers=admin, timeout=30)
+@dataclass
+class Drill:
+    """One run of the stages against a live gateway (its URL, admin key and registry), under `sup`."""
+
+    plan: Plan
+    url: str
+    admin: dict[str, str]
+    reg: Registry
+    sup: Supervisor
+    stages: dict[str, Any] = field(default_factory=dict)
+
+    def fleet(self) -> dict[str, Any]:
+        r = httpx.get(self.url + "/admin/fleet", headers=self.admin, timeout=30)
         r.raise_for_status()
         data: dict[str, Any] = r.json()
         return data
 
-    def every_replica(version: str) -> bool:
-        f, sha = fleet(), reg.get(version).artifact_sha256
+    def every_replica(self, version: str) -> bool:
+        """Both replicas report `version` promoted, held under the registry's hash and served."""
+        f, sha = self.fleet(), self.reg.get(version).artifact_sha256
         reports = [r["holds"].get(version) == sha and version in r["serves"] for r in f["replicas"]]
         return bool(f["complete"] and f["promoted_id"] == version and len(reports) == 2 and all(reports))
 
-    def waited(condition: Any, timeout_s: float, what: str) -> float:
+    def waited(self, condition: Callable[[], Any], timeout_s: float, what: str) -> float:
+        """Seconds until `condition()` holds (a supervised process dying ends the wait)."""
         t = time.perf_counter()
-        common.wait_until(condition, timeout_s, what=what, interval_s=0.1, check=sup.check)
+        common.wait_until(condition, timeout_s, what=what, interval_s=0.1, check=self.sup.check)
         return time.perf_counter() - t
 
-    promoted = reg.promoted()
-    assert promoted is not None, "the gateway publishes and promotes the base"
-    base_id = promoted.id
-    waited(lambda: every_replica(base_id), 120, "both replicas to serve the base")
-    stages["gateway_start_s"] = time.perf_counter() - t0
+    def admin_post(self, what: str, reason: str) -> None:
+        url = self.url + f"/admin/versions/{self.plan.vid}/{what}"
+        httpx.post(url, json={"reason": reason}, headers=self.admin, timeout=60).raise_for_status()
 
-    t0 = time.perf_counter()
-    register_candidate(reg, settings.learner_models_dir, base, candidate, vid)
-    stages["register_s"] = time.perf_counter() - t0
+    def run(self, settings: Settings, bus: Any, t0: float) -> dict[str, Any]:
+        p, st = self.plan, self.stages
+        promoted = self.reg.promoted()
+        assert promoted is not None, "the gateway publishes and promotes the base"
+        base_id = promoted.id
+        self.waited(lambda: self.every_replica(base_id), 120, "both replicas to serve the base")
+        st["gateway_start_s"] = time.perf_counter() - t0
 
-    def engine() -> EmbeddedEngine:
-        return EmbeddedEngine(max_batch=64, max_model_len=256, seed=0)
+        t0 = time.perf_counter()
+        register_candidate(self.reg, settings.learner_models_dir, p.base, p.candidate, p.vid)
+        st["register_s"] = time.perf_counter() - t0
 
-    loader = weight_store_loader(settings.learner_models_dir, settings.home / "gate" / "versions")
-    score = verifier_scorer(suite.verifier, Tokenizer.from_file(base))
-    gate = Gate(reg, engine, loader, suite, cfg, bus=bus, score=score)
-    lease = GateLease(reg, cfg.lease_beat_s, cfg.lease_stuck_s).start()  # gateways route a canary only under it
-    try:
-        return _gated(url, reg, admin, vid, base_id, gate, lease, cfg, stages, n_users, per_user, window_s,
-                      max_rounds_per_step, fleet, every_replica, waited)  # fmt: skip
-    finally:
-        lease.stop()
+        def engine() -> EmbeddedEngine:
+            return EmbeddedEngine(max_batch=64, max_model_len=256, seed=0)
 
+        loader = weight_store_loader(settings.learner_models_dir, settings.home / "gate" / "versions")
+        score = verifier_scorer(p.suite.verifier, Tokenizer.from_file(p.base))
+        gate = Gate(self.reg, engine, loader, p.suite, p.cfg, bus=bus, score=score)
+        # gateways route users to a canary only while a gate beats its lease
+        with GateLease(self.reg, p.cfg.lease_beat_s, p.cfg.lease_stuck_s) as lease:
+            if not self.offline(gate) or not self.canary(gate, lease):
+                return st
+        self.approve_and_roll_back(base_id)
+        return st
 
-def _gated(
-    url: str,
-    reg: Registry,
-    admin: dict[str, str],
-    vid: str,
-    base_id: str,
-    gate: Gate,
-    lease: GateLease,
-    cfg: GateConfig,
-    stages: dict[str, Any],
-    n_users: int,
-    per_user: int,
-    window_s: float,
-    max_rounds_per_step: int,
-    fleet: Any,
-    every_replica: Any,
-    waited: Any,
-) -> dict[str, Any]:
-    """From the offline verdict on, with the gate's lease held (`lease.progress()` at every look)."""
-    t0 = time.perf_counter()
-    step = gate.step()
-    stages["offline"] = {"wall_s": time.perf_counter() - t0, "action": step.action, "detail": step.detail}
-    if step.action != "passed":
-        stages["stopped"] = f"offline: {step.action}"
-        return stages
+    def offline(self, gate: Gate) -> bool:
+        t0 = time.perf_counter()
+        step = gate.step()
+        self.stages["offline"] = {"wall_s": time.perf_counter() - t0, "action": step.action, "detail": step.detail}
+        if step.action != "passed":
+            self.stages["stopped"] = f"offline: {step.action}"
+        return step.action == "passed"
 
-    users = [SimulatedUser(f"user-{i}", seed=i) for i in range(n_users)]
-    traffic = Traffic(url, users, per_user)
-    canary: list[dict[str, Any]] = []
-    stages["canary"] = canary
-    feedback = FeedbackClient(url, batch_size=1000, flush_interval_s=0.2)
-    try:
-        t_canary = time.perf_counter()
-        lease.progress()
-        step = gate.step()  # the canary starts at its first share
-        ramp, rounds, t_step = -1, 0, time.perf_counter()
-        while step.action in ("canary", "next_step"):
-            progress = reg.get(vid).gate["canary"]
-            if progress["step"] != ramp:  # a new step: replicas hold the candidate
-                ramp, share = progress["step"], progress["share"]
-                t_step, rounds = time.perf_counter(), 0
-                hold_s = waited(
-                    lambda: all(vid in r["holds"] for r in fleet()["replicas"]), 120, "both replicas to hold it"
-                )
-                time.sleep(CANARY_TTL_S)  # the gateway's cached view of the share
-                canary.append({"step": ramp, "share": share, "replicas_hold_s": hold_s, "rounds": []})
-            if rounds >= max_rounds_per_step:
-                stages["stopped"] = f"canary step {ramp} did not pass in {rounds} rounds"
-                return stages
-            sent = traffic.round(feedback)
-            time.sleep(window_s + 1.0)  # the attribution window closes; the joiner emits the samples
-            before = reg.get(vid).gate["canary"]
+    def canary(self, gate: Gate, lease: GateLease) -> bool:
+        """Traffic rounds and the gate's looks until the canary passes (True) or ends otherwise."""
+        p, st, vid = self.plan, self.stages, self.plan.vid
+        traffic = Traffic(self.url, [SimulatedUser(f"user-{i}", seed=i) for i in range(p.n_users)], p.per_user)
+        steps: list[dict[str, Any]] = []
+        st["canary"] = steps
+        feedback = FeedbackClient(self.url, batch_size=1000, flush_interval_s=0.2)
+        try:
+            t_canary = time.perf_counter()
             lease.progress()
-            step = gate.step()
-            rounds += 1
-            look = step_numbers(before, reg.get(vid).gate["canary"], cfg.canary)
-            canary[-1]["rounds"].append({**sent, "gate": step.action, "detail": step.detail, "look": look})
-            canary[-1]["wall_s"] = time.perf_counter() - t_step
-            log.info("canary step %d round %d: %s %s", ramp, rounds, step.action, step.detail)
-        stages["canary_wall_s"] = time.perf_counter() - t_canary
-        stages["canary_outcome"] = step.action
-        stages["served_by_version"] = dict(traffic.served)
-        if step.action != "awaiting_approval":
-            stages["stopped"] = f"canary: {step.action}: {step.detail}"
-            return stages
-    finally:
-        feedback.close()
+            step = gate.step()  # the canary starts at its first share
+            ramp, rounds, t_step = -1, 0, time.perf_counter()
+            while step.action in ("canary", "next_step"):
+                progress = self.reg.get(vid).gate["canary"]
+                if progress["step"] != ramp:  # a new step: replicas hold the candidate
+                    ramp, share = progress["step"], progress["share"]
+                    t_step, rounds = time.perf_counter(), 0
+                    hold_s = self.waited(
+                        lambda: all(vid in r["holds"] for r in self.fleet()["replicas"]), 120, "replicas to hold it"
+                    )
+                    time.sleep(CANARY_TTL_S)  # the gateway's cached view of the share
+                    steps.append({"step": ramp, "share": share, "replicas_hold_s": hold_s, "rounds": []})
+                if rounds >= p.max_rounds_per_step:
+                    st["stopped"] = f"canary step {ramp} did not pass in {rounds} rounds"
+                    return False
+                sent = traffic.round(feedback)
+                time.sleep(p.window_s + 1.0)  # the attribution window closes; the joiner emits the samples
+                before = self.reg.get(vid).gate["canary"]
+                lease.progress()
+                step = gate.step()
+                rounds += 1
+                look = step_numbers(before, self.reg.get(vid).gate["canary"], p.cfg.canary)
+                steps[-1]["rounds"].append({**sent, "gate": step.action, "detail": step.detail, "look": look})
+                steps[-1]["wall_s"] = time.perf_counter() - t_step
+                log.info("canary step %d round %d: %s %s", ramp, rounds, step.action, step.detail)
+            st["canary_wall_s"] = time.perf_counter() - t_canary
+            st["canary_outcome"] = step.action
+            st["served_by_version"] = dict(traffic.served)
+            if step.action != "awaiting_approval":
+                st["stopped"] = f"canary: {step.action}: {step.detail}"
+            return step.action == "awaiting_approval"
+        finally:
+            feedback.close()
 
-    t0 = time.perf_counter()
-    r = httpx.post(
-        url + f"/admin/versions/{vid}/approve", json={"reason": "bench: canary passed"}, headers=admin, timeout=60
-    )
-    r.raise_for_status()
-    stages["approve_http_s"] = time.perf_counter() - t0
-    waited(lambda: every_replica(vid), 120, "every replica to report the candidate's hash")
-    stages["approve_to_every_replica_s"] = time.perf_counter() - t0
-    stages["after_approval"] = {"fleet": _fleet_summary(fleet()), "served": _served(url, 8)}
+    def approve_and_roll_back(self, base_id: str) -> None:
+        st, vid = self.stages, self.plan.vid
+        t0 = time.perf_counter()
+        self.admin_post("approve", "bench: canary passed")
+        st["approve_http_s"] = time.perf_counter() - t0
+        self.waited(lambda: self.every_replica(vid), 120, "every replica to report the candidate's hash")
+        st["approve_to_every_replica_s"] = time.perf_counter() - t0
+        st["after_approval"] = {"fleet": _fleet_summary(self.fleet()), "served": _served(self.url, 8)}
 
-    t0 = time.perf_counter()
-    r = httpx.post(
-        url + f"/admin/versions/{vid}/rollback", json={"reason": "bench: rollback drill"}, headers=admin, timeout=60
-    )
-    r.raise_for_status()
-    waited(lambda: every_replica(base_id), 120, "every replica to report the base's hash again")
-    stages["rollback_to_every_replica_s"] = time.perf_counter() - t0
-    stages["after_rollback"] = {
-        "fleet": _fleet_summary(fleet()),
-        "served": _served(url, 8),
-        "status": reg.get(vid).status.value,
-        "promoted": getattr(reg.promoted(), "id", None),
-    }
-    stages["audit"] = [
-        {"action": a.action, "from": a.from_status and a.from_status.value, "to": a.to_status.value,
-         "actor": a.actor, "reason": a.reason}
-        for a in reg.audit(vid)
-    ]  # fmt: skip
-    return stages
+        t0 = time.perf_counter()
+        self.admin_post("rollback", "bench: rollback drill")
+        self.waited(lambda: self.every_replica(base_id), 120, "every replica to report the base's hash again")
+        st["rollback_to_every_replica_s"] = time.perf_counter() - t0
+        st["after_rollback"] = {
+            "fleet": _fleet_summary(self.fleet()),
+            "served": _served(self.url, 8),
+            "status": self.reg.get(vid).status.value,
+            "promoted": getattr(self.reg.promoted(), "id", None),
+        }
+        st["audit"] = [
+            {"action": a.action, "from": a.from_status and a.from_status.value, "to": a.to_status.value,
+             "actor": a.actor, "reason": a.reason}
+            for a in self.reg.audit(vid)
+        ]  # fmt: skip
+
+
+def all_the_way(plan: Plan, work: Path) -> dict[str, Any]:
+    """The stages of the module docstring, each timed; stops early (with `stopped`) when one fails."""
+    home = work / "home"
+    home.mkdir(parents=True)
+    settings = Settings(home=home, model_dir=plan.base, engine="embedded", replicas=2, heartbeat_s=0.5)
+    admin = {"Authorization": f"Bearer {KeyStore(settings.key_store_path).create(['admin'], label='bench')[0]}"}
+    env = {"FLYWHEEL_MODEL_DIR": str(plan.base), "FLYWHEEL_ENGINE": "embedded", "FLYWHEEL_REPLICAS": "2"}
+    env["FLYWHEEL_HEARTBEAT_S"] = "0.5"
+    with Supervisor("bench-promotion") as sup:
+        t0 = time.perf_counter()
+        gw = common.gateway(home, env, sup)
+        argv = common.module_argv("cli", "joiner", "--window-s", str(plan.window_s))
+        common.start(sup, "joiner", argv, env={**env, "FLYWHEEL_HOME": str(home)}, log_path=home / "joiner.log")
+        reg = Registry(settings.db_url)
+        bus = open_bus(settings)
+        try:
+            return Drill(plan, gw.url, admin, reg, sup).run(settings, bus, t0)
+        finally:
+            bus.close()
+            reg.close()
 
 
 def step_numbers(before: dict[str, Any], after: dict[str, Any], cfg: CanaryConfig) -> dict[str, Any]:
@@ -382,10 +360,10 @@ def main() -> None:
         )
         cfg = GateConfig(G=args.gate_g, seed=args.gate_seed, canary=canary)
         t0 = time.perf_counter()
-        stages = all_the_way(
-            args.base, candidate, work / "all-the-way", demo_suite(), cfg, args.users, args.per_user, args.window_s,
-            args.max_rounds_per_step,
-        )  # fmt: skip
+        plan = Plan(
+            args.base, candidate, demo_suite(), cfg, args.users, args.per_user, args.window_s, args.max_rounds_per_step
+        )
+        stages = all_the_way(plan, work / "all-the-way")
         result = {
             "base": common.shown(args.base),
             "candidate": "honest, trained here" if training else common.shown(candidate),
