@@ -39,6 +39,7 @@ from feedback.rewards import RewardSpec
 from gating.canary import CanaryConfig
 from gating.gate import Gate, GateConfig
 from gating.gate_process import verifier_scorer, weight_store_loader
+from gating.lease import GateLease
 from learner.service import LearnerConfig, LearnerService
 from registry.registry import Registry
 from serving.engine import EmbeddedEngine
@@ -49,6 +50,7 @@ CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver"
 SHOTS = os.environ.get("FLYWHEEL_SCREENSHOTS")
 pytestmark = [
     pytest.mark.browser,
+    pytest.mark.slow,  # the whole loop, then a browser
     pytest.mark.skipif(
         not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
         reason="needs Debian's chromium and chromium-driver (scripts/setup-venv.sh installs them as root)",
@@ -177,6 +179,7 @@ def world(request, tmp_path_factory):
         gate = Gate(reg, lambda: EmbeddedEngine(max_batch=64, max_model_len=128),
                     weight_store_loader(settings.learner_models_dir, home / "gate-cache"), suite, GATE, bus=bus,
                     score=verifier_scorer(suite.verifier, Tokenizer.from_file(ckpt)))  # fmt: skip
+        lease = GateLease(reg, beat_s=1.0, stuck_s=3600).start()  # the gate's lease, as run_gate holds it
         try:
             for _ in range(2 if SHOTS else 0):
                 earlier = next_candidate(learner, gate, product, reg)
@@ -185,6 +188,7 @@ def world(request, tmp_path_factory):
             incumbent = reg.promoted().id
             candidate = next_candidate(learner, gate, product, reg)
         finally:
+            lease.stop()
             learner.close()
         server.settings, server.reg, server.product = settings, reg, product
         server.incumbent, server.candidate, server.setup_s = incumbent, candidate, time.monotonic() - t0

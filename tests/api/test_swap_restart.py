@@ -155,6 +155,7 @@ def world(tiny_checkpoint, tmp_path):
     reg.close()
 
 
+@pytest.mark.slow  # `flywheel serve` started twice
 def test_a_gateway_killed_while_fetching_a_promoted_version_resumes_verifies_and_serves_it(world, tmp_path):
     reg, learner, server, env, base = world
     template = Path(env["FLYWHEEL_MODEL_DIR"])

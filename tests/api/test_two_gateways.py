@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import pytest
 
 from core.harness import wait_until
 from core.supervisor import Supervisor
@@ -19,6 +20,7 @@ from registry.registry import Registry
 from tests.api.test_swap_restart import PROMPT, Gateway, candidate, offline_verdict
 
 
+@pytest.mark.slow  # two `flywheel serve` processes
 def test_gateways_in_two_processes_follow_one_registry(tiny_checkpoint, tmp_path):
     learner = tmp_path / "learner"
     reg = Registry(f"sqlite:///{tmp_path / 'registry.db'}")

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from transformers import MixtralForCausalLM
 
@@ -22,6 +23,7 @@ SMALL = BootstrapConfig(
 )
 
 
+@pytest.mark.slow  # three small bootstraps
 def test_bootstrap_is_deterministic_and_cached(tmp_path):
     a = bootstrap(tmp_path / "a", SMALL)
     b = bootstrap(tmp_path / "b", SMALL)

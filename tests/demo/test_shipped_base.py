@@ -49,6 +49,7 @@ def test_it_is_the_default_recipe_and_small_enough_to_ship():
     assert 0.25 <= ev["pass_rate"] <= 0.60 and ev["satisfaction_ceiling"] - ev["satisfaction"] >= 0.50
 
 
+@pytest.mark.slow  # the corpus made again, a tokenizer trained on it
 def test_corpus_and_tokenizer_are_reproduced(corpus):
     texts = [format_example(t, c) for t, c in corpus]
     assert len(texts) == REPORTED["corpus_examples"] and texts_sha256(texts) == REPORTED["corpus_sha256"]

@@ -26,6 +26,7 @@ CORPUS = corpus_of(BootstrapConfig())  # exactly what `flywheel bootstrap` pre-t
 TRAFFIC = [t.prompt for seed in range(4) for t in sample_tasks(5_000, seed=100 + seed)]
 
 
+@pytest.mark.slow  # the whole corpus and traffic scanned
 def test_the_split_test_corpus_and_traffic_hold_nothing_of_gate_or_report():
     texts = [format_example(task, completion) for task, completion in CORPUS]
     assert find_leaks(texts) == []

@@ -73,7 +73,8 @@ class Harness:
             b.close()
 
 
-@pytest.fixture(params=["embedded", pytest.param("kafka", marks=pytest.mark.kafka)])
+# On Kafka a consumer group takes seconds to settle: those variants are slow.
+@pytest.fixture(params=["embedded", pytest.param("kafka", marks=[pytest.mark.kafka, pytest.mark.slow])])
 def h(request, tmp_path):
     bootstrap = request.getfixturevalue("running_broker").bootstrap if request.param == "kafka" else None
     harness = Harness(request.param, tmp_path, bootstrap)

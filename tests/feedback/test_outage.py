@@ -31,7 +31,7 @@ from feedback.events import TOPICS
 from feedback.spool import Deduper
 from tests.feedback.conftest import FAST_CONSUMER, read_until
 
-pytestmark = pytest.mark.kafka
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 N, KEYS = 600, 30
 # The producer waits at DOWN_AT until the broker is down and at UP_AT until it is back, so that

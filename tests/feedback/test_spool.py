@@ -60,6 +60,7 @@ def per_key(pairs) -> dict[str, list[str]]:
 
 
 @pytest.mark.kafka
+@pytest.mark.slow
 def test_backlog_grows_while_down_and_drains_when_up(kafka_broker, tmp_path):
     topic = f"spool-{uuid.uuid4().hex[:8]}"
     kafka_broker.stop()
@@ -84,6 +85,7 @@ def test_backlog_grows_while_down_and_drains_when_up(kafka_broker, tmp_path):
 
 
 @pytest.mark.kafka
+@pytest.mark.slow
 def test_restart_without_flush_resumes_from_the_saved_position(running_broker, tmp_path):
     topic = f"spool-{uuid.uuid4().hex[:8]}"
     bus = make_bus(running_broker, tmp_path / "spool")
@@ -106,6 +108,7 @@ def test_restart_without_flush_resumes_from_the_saved_position(running_broker, t
 
 
 @pytest.mark.kafka
+@pytest.mark.slow
 def test_crash_after_acks_before_position_save_repeats_and_deduper_removes_them(running_broker, tmp_path):
     topic = f"spool-{uuid.uuid4().hex[:8]}"
     spool_dir = tmp_path / "spool"

@@ -99,6 +99,7 @@ def run(engine, scorer, candidate="cand", suite=SUITE, **kw):
     return evaluate_offline(engine, candidate, "inc", suite, scorer=scorer, **kw)
 
 
+@pytest.mark.slow  # a whole offline evaluation, as the next one
 def test_an_identical_candidate_passes_with_every_number(engine, scorer):
     r = run(engine, scorer)
     n = r.numbers
@@ -119,6 +120,7 @@ def test_an_identical_candidate_passes_with_every_number(engine, scorer):
     assert "passed" in r.summary()
 
 
+@pytest.mark.slow
 def test_a_clearly_worse_candidate_is_rejected(engine, scorer):
     worse = Rewrite(engine, "cand", text(lambda family, i: "BAD" if i % 4 else "x"))  # 3 of 4 prompts fail
     r = run(worse, scorer)

@@ -130,6 +130,7 @@ def check_same_update(ckpt, seqs, cfg, n_vocab, pad, baseline_state):
     return diff, max(moved.values()), grads_a, res
 
 
+@pytest.mark.slow  # two gloo ranks spawned, as below: seconds each
 def test_two_ranks_equal_shards_match_one_process(served, tiny_checkpoint):
     seqs, n_vocab, pad, baseline = served
     # micro_batch 3: a rank's 4 sequences run as 3 + 1 (no_sync, then the all-reduce); gradients clipped.
@@ -137,6 +138,7 @@ def test_two_ranks_equal_shards_match_one_process(served, tiny_checkpoint):
     check_same_update(tiny_checkpoint, seqs, cfg, n_vocab, pad, baseline)
 
 
+@pytest.mark.slow
 def test_two_ranks_unequal_shards_match_one_process(served, tiny_checkpoint):
     seqs, n_vocab, pad, baseline = served
     seqs = seqs[:7]  # shards of 4 and 3 sequences, and unequal token counts
@@ -164,6 +166,7 @@ def test_shards_are_contiguous_and_cover_the_batch():
         shard_indices(4, 2, 2)
 
 
+@pytest.mark.slow
 def test_batch_smaller_than_the_ranks_is_trained_whole_by_every_rank(served, tiny_checkpoint):
     seqs, n_vocab, pad, baseline = served
     cfg = TrainerConfig(lr=LR)
