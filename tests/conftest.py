@@ -13,7 +13,10 @@ from serving.checkpoint import save_checkpoint
 from serving.model import ModelArgs, Transformer
 from serving.tokenizer import train_tokenizer
 
-torch.set_num_threads(2)
+# One intra-op thread: the models are tiny, and on a 2-core machine shared with other processes two
+# threads spin-wait on each other (the same tests ran 5 times slower with 2 under load; tests that
+# compare thread counts set them themselves).
+torch.set_num_threads(1)
 
 F32_EPS = torch.finfo(torch.float32).eps  # one float32 ulp at 1.0: the unit of every float32 tolerance
 F64_EPS = torch.finfo(torch.float64).eps  # and of every float64 (Python float) one
