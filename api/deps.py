@@ -61,6 +61,8 @@ class Gateway:
         self.bus, self.index, self.registry, self.key_store = bus, index, registry, key_store
         self.fleet = fleet
         self.metrics = Metrics()
+        if fleet is not None:
+            fleet.metrics = self.metrics  # it counts canary lapses
         self.background: set[asyncio.Task] = set()
         self._keys = _parse_keys(settings.api_keys)
 

@@ -11,6 +11,13 @@ next poll (at most a second on SQLite). `engine` is the `serving.fleet.Fleet` th
 submit to. `route(tenant, user)` says which version and arm a request for the `flywheel` alias gets:
 during a canary, users land in it by `gating.stats.assign_arm` (sticky, salted by the candidate's
 id); completions without a user are their own stratum and get the promoted version.
+
+A canary is routed only while a gate holds a live lease (`registry.gate_lease`): with no gate beating
+(killed, hung, stopped), its share *lapses* to 0 here, so nobody is routed to a candidate that no gate
+watches. The registry is not written (the candidate stays in `canary` at its share); a fresh beat
+resumes the routing at the stored share. The lease is read with the canary, so a lapse takes effect
+within the lease plus `CANARY_TTL_S`. Each lapse is logged at WARNING when it starts and when it ends,
+and counted (`lapses`; `flywheel_canary_lapses` and the `flywheel_canary_lapsed` gauge in `/metrics`).
 Called by `api.main`.
 """
 
@@ -24,8 +31,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from api.metrics import Metrics
 from core.settings import Settings
 from gating.stats import assign_arm
+from registry.models import utcnow
 from registry.publish import STORE, publish_base
 from registry.registry import Registry
 from serving.fetch import Fetcher
@@ -50,6 +59,10 @@ class GatewayFleet:
         self.engine = Fleet(lambda: [r.engine for r in replicas])  # a replica may replace an engine that died
         self._threads: list[threading.Thread] = []
         self._canary: tuple[float, Canary | None] = (0.0, None)
+        self.metrics: Metrics | None = None  # the gateway's, for the lapse counter (`api.deps.Gateway`)
+        self.lapses = 0  # canary lapses started: a candidate in canary with no live gate lease
+        self._lapse: tuple[str, float] | None = None  # (version, monotonic start) of the current lapse
+        self._lapse_lock = threading.Lock()
 
     @classmethod
     def start(cls, settings: Settings, registry: Registry, make_engine: Callable[[], Engine]) -> GatewayFleet:
@@ -89,15 +102,58 @@ class GatewayFleet:
         return fleet
 
     def canary(self, fresh: bool = False) -> Canary | None:
-        """The version in canary and its share (cached for `CANARY_TTL_S`; `fresh`: read now)."""
+        """The version in canary and its share, None when there is none or it lapsed (no live gate
+        lease). Cached for `CANARY_TTL_S`; `fresh`: read now."""
         at, cached = self._canary
         if not fresh and time.monotonic() - at < CANARY_TTL_S:
             return cached
         v = self.registry.in_flight()
         share = float((v.gate.get("canary") or {}).get("share", 0.0)) if v is not None else 0.0
         now = Canary(v.id, share) if v is not None and v.status == "canary" and share > 0 else None
+        if now is not None and self.registry.gate_lease() is None:
+            self._lapsed(now)
+            now = None
+        elif self._lapse is not None:
+            self._lapse_over(now)
         self._canary = (time.monotonic(), now)
         return now
+
+    def _lapsed(self, c: Canary) -> None:
+        if self._lapse is not None and self._lapse[0] != c.version:
+            self._lapse_over(None)
+        with self._lapse_lock:
+            if self._lapse is not None and self._lapse[0] == c.version:
+                return
+            self._lapse = (c.version, time.monotonic())
+            self.lapses += 1
+        last = next(iter(self.registry.gate_leases()), None)
+        seen = "no gate ever beat" if last is None else (
+            f"the last beat, of gate {last.gate_id} ({last.host} pid {last.pid}), is {last.age_s(utcnow()):.1f} s "
+            f"old (lease {last.lease_s:g} s)"
+        )  # fmt: skip
+        log.warning(
+            "canary lapsed: %s stays in canary at %.0f%% but is routed to nobody: no live gate lease (%s)",
+            c.version,
+            100 * c.share,
+            seen,
+        )
+        if self.metrics is not None:
+            self.metrics.canary_lapses.inc()
+            self.metrics.canary_lapsed.set(1)
+
+    def _lapse_over(self, now: Canary | None) -> None:
+        with self._lapse_lock:
+            if self._lapse is None:
+                return
+            (version, since), self._lapse = self._lapse, None
+        took = time.monotonic() - since
+        if now is not None and now.version == version:
+            log.warning("canary lapse over: a gate beats again; %s routed at %.0f%% after %.1f s", version,
+                        100 * now.share, took)  # fmt: skip
+        else:
+            log.warning("canary lapse over: %s is no longer in canary (after %.1f s)", version, took)
+        if self.metrics is not None:
+            self.metrics.canary_lapsed.set(0)
 
     def route(self, tenant: str, user: str | None, fresh: bool = False) -> tuple[str | None, str | None]:
         """(version, arm) for a request of the alias: (None, None) outside a canary (the default)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -47,6 +47,12 @@ class Metrics:
         )
         self.feedback_events = Counter(
             "flywheel_feedback_events", "Feedback events by outcome (accepted, duplicate)", ["outcome"], registry=r
+        )
+        self.canary_lapses = Counter(
+            "flywheel_canary_lapses", "Canaries routed to nobody because no gate held a live lease", registry=r
+        )
+        self.canary_lapsed = Gauge(
+            "flywheel_canary_lapsed", "1 while the canary is lapsed (no live gate lease), else 0", registry=r
         )
 
     def render(self) -> bytes:

@@ -85,6 +85,12 @@ class GateConfig(BaseModel):
     poll_s: float = Field(5.0, gt=0, description="run_gate: wait between steps while there is nothing to do.")
     actor: str = Field("gate", min_length=1, description="Actor of the gate's registry writes.")
     nice: int = Field(10, ge=0, le=19, description="run_gate: niceness of the gate process and its engines.")
+    lease_beat_s: float = Field(
+        5.0, gt=0, description="run_gate: beat of the gate's lease; gateways stop the canary after 3 missed."
+    )
+    lease_stuck_s: float = Field(
+        300.0, gt=0, description="run_gate: a main loop that has not moved this long stops renewing the lease."
+    )
     canary: CanaryConfig = Field(default_factory=CanaryConfig, description="The online canary stage.")
 
 

@@ -3,7 +3,8 @@
 - `weight_store_loader`: a version's checkpoint folder rebuilt from the learner's weight store, its
   artifact checked against the registry's SHA-256 (a small cache of the latest few).
 - `verifier_scorer`: canary samples scored by the product's verifier (the pass-rate guardrail).
-- `run_gate`: the loop, at low priority, with a process engine per evaluation.
+- `run_gate`: the loop, at low priority, with a process engine per evaluation, holding the gate's
+  lease (`gating.lease.GateLease`: beaten by the loop and a thread; no lease, no canary traffic).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from core.service_metrics import ServiceMetrics
 from feedback.bus import EventBus
 from feedback.events import SampleEvent
 from gating.gate import EngineFactory, Gate, GateConfig, GateStep, SampleScorer, VersionLoader
+from gating.lease import GateLease
 from product.suites import EvalSuite, Verifier
 from registry.models import WEIGHT_STORE_SUFFIXES, ModelVersionPublic
 from registry.publish import sha256_of
@@ -118,7 +120,10 @@ def run_gate(
     holds no product code. Defaults: a `ProcessEngine` per evaluation, versions from
     `weight_store_loader(<home>/models/learner, <home>/gate/versions)`, the canary's joined samples from
     `bus` (None: candidates wait in canary), each scored by the suite's verifier for the pass-rate
-    guardrail (`verifier_scorer`, the tokenizer of the served model folder)."""
+    guardrail (`verifier_scorer`, the tokenizer of the served model folder). The loop holds the gate's
+    lease throughout (`GateLease(registry, cfg.lease_beat_s, cfg.lease_stuck_s)`, beaten at every turn
+    and by its thread) and releases it on the way out: gateways route users to a canary only while it
+    is live."""
     cfg = cfg or GateConfig()
     if cfg.nice:
         os.nice(cfg.nice)  # inherited by the engine processes spawned below: live traffic comes first
@@ -138,9 +143,11 @@ def run_gate(
     score = None if bus is None else verifier_scorer(suite.verifier, Tokenizer.from_file(settings.served_model_dir))
     metrics = ServiceMetrics("gate", settings.home / "metrics")
     gate = Gate(registry, engine_factory, load_version, suite, cfg, bus=bus, score=score, metrics=metrics)
+    lease = GateLease(registry, cfg.lease_beat_s, cfg.lease_stuck_s).start()
     log.info("gate: started on %s with suite %s", settings.db_url, suite.suite_version)
     try:
         while not stop_event.is_set():
+            lease.progress()
             try:
                 done = gate.step()
             except Exception:
@@ -151,4 +158,5 @@ def run_gate(
                 continue  # the next candidate at once
             stop_event.wait(cfg.poll_s)
     finally:
+        lease.stop()
         registry.close()

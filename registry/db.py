@@ -11,7 +11,8 @@ Owns the step from a URL (`core.settings.Settings.db_url`) to a configured SQLAl
   `postgresql+psycopg://`, the only PostgreSQL driver Flywheel installs.
 
 `ensure_schema` creates missing tables, records `registry.models.SCHEMA_VERSION` in `registry_meta` on a
-new database and refuses a database of any other version (or of none, if it holds versions). Called by
+new database and refuses a database of any other version (or of none, if it holds versions), naming
+both versions; a database of another version is refused before any table is created in it. Called by
 `registry.registry.Registry`.
 """
 
@@ -21,7 +22,7 @@ import logging
 import time
 from pathlib import Path
 
-from sqlalchemy import event, text
+from sqlalchemy import event, inspect, text
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError, ProgrammingError
 from sqlalchemy.pool import StaticPool
@@ -114,8 +115,11 @@ def ensure_schema(engine: Engine) -> None:
     ValueError if the database holds another schema version than this build's, or versions without one."""
     from registry.models import SCHEMA_VERSION
 
-    create_all(engine)
     version = text("SELECT value FROM registry_meta WHERE name = 'schema_version'")
+    with engine.connect() as c:  # a database of another version is refused before anything is created in it
+        if inspect(c).has_table("registry_meta"):
+            _check_version(engine, c.execute(version).scalar(), SCHEMA_VERSION)
+    create_all(engine)
     with engine.connect() as c:
         stored = c.execute(version).scalar()
         if stored is None:
@@ -139,8 +143,13 @@ def ensure_schema(engine: Engine) -> None:
                 )
                 stored = SCHEMA_VERSION
             c.commit()
-    if stored != SCHEMA_VERSION:
+    _check_version(engine, stored, SCHEMA_VERSION)
+
+
+def _check_version(engine: Engine, stored: int | None, expected: int) -> None:
+    if stored is not None and stored != expected:
         raise ValueError(
             f"the registry at {engine.url.render_as_string()!r} has schema version {stored}; "
-            f"this build reads {SCHEMA_VERSION}"
+            f"this build reads {expected} (no migration between them: start a new registry database, "
+            f"or run the build that wrote it)"
         )

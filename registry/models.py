@@ -1,10 +1,10 @@
 """Registry tables and their API shapes: model versions, the audit log of their lifecycle, the
-registry's meta row and the replicas' heartbeats.
+registry's meta row, the replicas' heartbeats and the gate's lease.
 
 A Base → Create → table → Public ladder (as in full-stack-fastapi-template): `ModelVersionCreate` is
 what the learner hands in and is validated (pydantic, so mistakes are `ValueError`s naming the value);
 `ModelVersion` is the row; `ModelVersionPublic` is what the registry hands out (detached, typed, safe to
-return from an API route). Same for `AuditEntry` and `ReplicaHeartbeat`.
+return from an API route). Same for `AuditEntry`, `ReplicaHeartbeat` and `GateLease`.
 
 JSON columns hold what has no fixed shape in SQL:
 - `data_range`: the training data a version learnt from, as half-open offset ranges per topic and
@@ -42,7 +42,7 @@ JSONType = JSON().with_variant(JSONB(), "postgresql")
 UTCDateTime = DateTime(timezone=True)
 VERSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 SHA256 = r"^[0-9a-f]{64}$"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """Version of the registry's tables (stored in `registry_meta`); a database of another version is refused.
 Bump it, with a migration in `registry.db`, for any change to the tables once a release has shipped."""
 GATE_FORMAT_VERSION = 1
@@ -369,3 +369,47 @@ class ReplicaHeartbeatPublic(HeartbeatBase):
     @classmethod
     def _utc(cls, v: datetime) -> datetime:
         return _aware(v)
+
+
+class GateLeaseBase(SQLModel):
+    host: str = Field(min_length=1, max_length=255)
+    pid: int = Field(ge=0)
+    beat_s: float = Field(gt=0, description="How often the gate beats.")
+    lease_s: float = Field(gt=0, description="The lease lapses this long after the last beat.")
+
+
+class GateLeaseCreate(GateLeaseBase):
+    """A gate's beat (`Registry.beat_gate`); validated here."""
+
+    gate_id: str = Field(min_length=1, max_length=128)
+
+    @model_validator(mode="after")
+    def _lease_covers_a_beat(self) -> GateLeaseCreate:
+        if not (math.isfinite(self.lease_s) and self.lease_s >= self.beat_s):
+            raise ValueError(f"lease_s {self.lease_s!r} must be finite and at least beat_s {self.beat_s!r}")
+        return self
+
+
+class GateLease(GateLeaseBase, table=True):
+    __tablename__ = "gate_lease"
+
+    gate_id: str = Field(primary_key=True, max_length=128)
+    started_at: datetime = Field(sa_type=UTCDateTime, description="The gate's first beat.")
+    beat_at: datetime = Field(sa_type=UTCDateTime, index=True)
+
+
+class GateLeasePublic(GateLeaseBase):
+    gate_id: str
+    started_at: datetime
+    beat_at: datetime
+
+    @field_validator("started_at", "beat_at")
+    @classmethod
+    def _utc(cls, v: datetime) -> datetime:
+        return _aware(v)
+
+    def age_s(self, now: datetime) -> float:
+        return (now - self.beat_at).total_seconds()
+
+    def live(self, now: datetime) -> bool:
+        return self.age_s(now) <= self.lease_s

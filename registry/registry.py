@@ -24,11 +24,11 @@ docs/design.md and stores its progress with `record_gate`; a person `approve`s, 
   writes nothing.
 
 This module holds the versions, their lifecycle and the reads; `Registry` mixes in the gate's evidence
-(`registry.gate_evidence.GateEvidence`) and the replicas' heartbeats (`registry.fleet_state.Heartbeats`)
-over `registry.store.RegistryStore`. User mistakes (unknown version or status, illegal step, bad input)
-are `ValueError`s naming the value; `UnknownVersion` is the one an API maps to 404. Methods return
-detached `*Public` models. Called by the learner (`learner.service`), the gateway's API (`api.deps`,
-`api.routes.admin`) and the CLI.
+(`registry.gate_evidence.GateEvidence`), the replicas' heartbeats (`registry.fleet_state.Heartbeats`)
+and the gate's lease (`registry.gate_lease.GateLeases`) over `registry.store.RegistryStore`. User
+mistakes (unknown version or status, illegal step, bad input) are `ValueError`s naming the value;
+`UnknownVersion` is the one an API maps to 404. Methods return detached `*Public` models. Called by
+the learner (`learner.service`), the gateway's API (`api.deps`, `api.routes.admin`) and the CLI.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from sqlmodel import Session, col, select
 from registry.db import session
 from registry.fleet_state import Heartbeats
 from registry.gate_evidence import GateEvidence
+from registry.gate_lease import GateLeases
 from registry.models import (
     WAITING,
     AuditEntry,
@@ -95,11 +96,12 @@ LIVE = frozenset({*WAITING, S.promoted})
 """A learner lineage ending in one of these goes on; any other rebases onto the promoted version."""
 
 
-class Registry(GateEvidence, Heartbeats):
+class Registry(GateEvidence, Heartbeats, GateLeases):
     """Versions and their lifecycle in one database. Thread-safe: every call uses its own session.
 
     `record_gate` and `approve` come from `GateEvidence`, `heartbeat`, `forget_replica` and `fleet` from
-    `Heartbeats`, the constructor, `close` and the row steps from `RegistryStore`."""
+    `Heartbeats`, `beat_gate`, `release_gate` and `gate_lease` from `GateLeases`, the constructor,
+    `close` and the row steps from `RegistryStore`."""
 
     # -- versions -------------------------------------------------------------------------------
 

@@ -85,6 +85,7 @@ def test_the_fleet_follows_the_registry_through_canary_approval_and_rollback(gat
     reg.record_gate("v2", "offline", verdict, "gate")
     reg.transition("v2", "canary", "gate", "offline passed")
     reg.record_gate("v2", "canary", {"step": 0, "share": 0.5, "started_at": datetime.now(UTC)}, "gate")
+    reg.beat_gate("test-gate", host="test", pid=0, beat_s=60)  # gateways route a canary only under a live gate lease
     wait_until(
         lambda: fleet(gw)["complete"] and all("v2" in r["holds"] for r in fleet(gw)["replicas"]),
         20,

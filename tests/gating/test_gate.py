@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import shutil
 import threading
 from types import SimpleNamespace
@@ -202,10 +203,12 @@ def test_run_gate_loops_until_stopped(tmp_path, reg, tiny_checkpoint):
     t.start()
     try:
         wait_until(lambda: reg.get("v1").status == "canary", 20, what="the gate loop passing v1 to its canary")
+        lease = reg.gate_lease()  # the loop holds the gate's lease
+        assert lease is not None and lease.pid == os.getpid() and lease.beat_s == CFG.lease_beat_s
     finally:
         stop.set()
         t.join(timeout=10)
-    assert not t.is_alive()
+    assert not t.is_alive() and reg.gate_leases() == []  # released on the way out
 
 
 def test_the_gate_on_a_process_engine(reg, tiny_checkpoint):
