@@ -260,7 +260,9 @@ class RunningBaseline:
         return key is not None and self.counts.get(key, 0) >= max(self.min_count, 1)
 
     def value(self, key: str | None = None) -> float:
-        return self.values[key] if self.keyed(key) else self.global_value
+        if key is not None and self.keyed(key):
+            return self.values[key]
+        return self.global_value
 
     def update(self, reward: float, key: str | None = None) -> None:
         d = self.decay
