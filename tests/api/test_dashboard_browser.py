@@ -139,15 +139,13 @@ def next_candidate(learner: LearnerService, gate: Gate, product: Product, reg: R
         assert offline.action == "rejected", offline
     assert offline.action == "passed", reg.get(candidate).gate["offline"]["numbers"]["failed"]
     wait_until(lambda: all(candidate in r.holds for r in reg.fleet().replicas), 30, what="the replicas to load it")
-    wait_until(lambda: product.routes_to(reg, candidate), 30, what="the gateway routing the canary")
 
     def canary_passed() -> bool:
-        step = gate.step()
+        step = gate.step()  # the first one starts the canary at its first share
         if step.action == "awaiting_approval":
             return True
         assert step.action in ("canary", "next_step"), step
-        if step.action == "next_step":
-            wait_until(lambda: product.routes_to(reg, candidate), 30, what="the gateway routing the next step")
+        wait_until(lambda: product.routes_to(reg, candidate), 30, what="the gateway routing the canary's share")
         product.serve()
         return False
 
