@@ -101,7 +101,7 @@ def test_broker_outage_mid_stream_loses_and_reorders_nothing(kafka_broker, tmp_p
             if not kafka_broker.running:
                 latencies_down.append(dt)
             published[0] = i + 1
-            time.sleep(PACE_S)
+            time.sleep(PACE_S)  # the steady stream the outage interrupts
 
     def producer_alive() -> None:
         if producer.done():
