@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import pytest
@@ -75,6 +77,20 @@ def _cmdlines(pids: list[int]) -> list[str]:
         except FileNotFoundError:
             pass
     return out
+
+
+@contextmanager
+def _reaped(proc: subprocess.Popen) -> Iterator[None]:
+    """A test's own process (and what it started) never outlives the test, whatever it asserts."""
+    try:
+        yield
+    finally:
+        for pid in descendants(proc.pid):
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
 
 
 def assert_tree_ends(parent: subprocess.Popen, tree: dict[int, int], sig: int) -> None:
@@ -156,8 +172,9 @@ def test_children_and_grandchildren_die_with_a_signalled_parent(sig):
         [sys.executable, "-c", PARENT, sys.executable, "-c", grandparent], cwd=ROOT, env=env, stdout=subprocess.PIPE
     )
     assert parent.stdout is not None and parent.stdout.readline().strip() == b"ready"
-    tree = wait_until(lambda: _at_least(descendants(parent.pid), 4), 30, what="4 descendants")
-    assert_tree_ends(parent, tree, sig)
+    with _reaped(parent):
+        tree = wait_until(lambda: _at_least(descendants(parent.pid), 4), 30, what="4 descendants")
+        assert_tree_ends(parent, tree, sig)
 
 
 def test_an_engine_process_dies_with_its_owner_killed(tiny_checkpoint):
@@ -175,10 +192,11 @@ def test_an_engine_process_dies_with_its_owner_killed(tiny_checkpoint):
     proc = subprocess.Popen(
         [sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)}
     )
-    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
-    tree = descendants(proc.pid)
-    assert tree, "the engine runs in a child process"
-    assert_tree_ends(proc, tree, signal.SIGKILL)
+    with _reaped(proc):
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        tree = descendants(proc.pid)
+        assert tree, "the engine runs in a child process"
+        assert_tree_ends(proc, tree, signal.SIGKILL)
 
 
 def test_a_sandbox_worker_dies_with_its_caller_killed():
@@ -188,11 +206,12 @@ def test_a_sandbox_worker_dies_with_its_caller_killed():
         run_functions([("def f(x):\\n    while True:\\n        x += 1\\n", [(1,)])], timeout_s=300)
     """)
     proc = subprocess.Popen([sys.executable, "-c", caller], cwd=ROOT, stdout=subprocess.PIPE)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
-    # the worker is the descendant that burns CPU (the isolation probe before it is short-lived)
-    wait_until(lambda: any(_cpu_ticks(p) >= 20 for p in descendants(proc.pid)), 30, what="the worker in the loop")
-    tree = descendants(proc.pid)
-    assert_tree_ends(proc, tree, signal.SIGKILL)
+    with _reaped(proc):
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        # the worker is the descendant that burns CPU (the isolation probe before it is short-lived)
+        wait_until(lambda: any(_cpu_ticks(p) >= 20 for p in descendants(proc.pid)), 30, what="the worker in the loop")
+        tree = descendants(proc.pid)
+        assert_tree_ends(proc, tree, signal.SIGKILL)
 
 
 # ---- whole commands ----------------------------------------------------------------------------------
