@@ -88,13 +88,16 @@ def child_setup() -> None:
     """First call of a supervised service process: die with the parent, and let SIGTERM end the
     process the way Ctrl-C does (a `KeyboardInterrupt` in the main thread, so `finally` blocks run)."""
     die_with_parent()
-    signal.signal(signal.SIGTERM, _interrupt)
+    interrupt_on_sigterm()
 
 
 def interrupt_on_sigterm() -> None:
     """For a supervisor's own main thread: SIGTERM (what a process manager sends) stops it as Ctrl-C
-    does, so its `finally` stops the children."""
+    does, so its `finally` stops the children. SIGINT is set to raise `KeyboardInterrupt` too: a
+    process started in the background by a non-interactive shell inherits SIGINT ignored, and would
+    otherwise not stop on it."""
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @dataclass

@@ -91,7 +91,7 @@ def test_a_stuck_main_loop_lets_the_lease_lapse_and_moving_again_renews_it(reg, 
         wait_until(lambda: reg.gate_lease() is None, 10, what="the lease to lapse")
         beats = lease.beats
         time.sleep(0.2)
-        assert lease.beats == beats  # the thread no longer beats for a stuck loop
+        assert lease.beats <= beats + 1  # no more beats for a stuck loop (one may have been in flight)
         lease.progress()
         assert reg.gate_lease() is not None and not lease.stuck
     stuck = [r for r in caplog.records if "has not moved" in r.message]

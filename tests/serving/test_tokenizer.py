@@ -109,4 +109,6 @@ def test_a_long_run_costs_linear_time_and_leaves_other_threads_running():
     thread.join()
     assert tok.decode(ids) == text
     assert took < 2.0, took
-    assert worst < 0.05, f"encoding held the GIL for {worst * 1e3:.0f} ms"
+    # Holding the GIL through this encode blocks the probe for seconds; 250 ms leaves room for a
+    # loaded 2-core machine's scheduling noise (62 ms seen at load 4) and still fails a held GIL.
+    assert worst < 0.25, f"encoding held the GIL for {worst * 1e3:.0f} ms"
