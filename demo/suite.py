@@ -8,7 +8,7 @@ prompt plus the completion parses as Python. The suite is held out (`in_distribu
 
 Why 512 prompts: an equally good candidate must pass the gate's non-inferiority test (margin 3
 points, alpha 0.05) most of the time. At G 8 the test's power is about 26% on 62 prompts and about
-86% on 500 (bench/gate_sim.py, docs/benchmarks.md).
+87.9% on the 512-prompt gate split (bench/gate_sim_offline.py, docs/benchmarks.md).
 
 Passed to `gating.gate_process.run_gate` by `flywheel gate` and by `flywheel demo`.
 """

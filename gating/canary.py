@@ -27,7 +27,7 @@ does not report exposure (then only completions someone reacted to are compared:
 
 Guardrails are one-sided, each at `harm_alpha` (α split over guardrails and steps: peeking at three
 guardrails in three steps at α each aborted 3.7% of equally good candidates for some guardrail in
-bench/results/gate_sim.md): latency and error rate (higher is worse) from the completion events, and
+bench/gate_sim_canary.py): latency and error rate (higher is worse) from the completion events, and
 `pass_rate` (lower is worse), a metric the learner does not optimise: the product's verifier
 (`product.suites.Verifier`) run by the gate on each counted completion it can check (`add(...,
 passed=score)`; completions it cannot check carry no score).

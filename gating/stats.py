@@ -12,7 +12,7 @@ Offline (a fixed eval set, candidate and incumbent scored on the same prompts):
 - `holm`, `family_regressions`: one *harm* test per task family (is this family worse than -margin?),
   Holm's step-down correction so that an equally good candidate has some family flagged at most α of
   the time. Requiring every family to *show* non-inferiority instead would fail nearly every equal
-  candidate at a few prompts per family (bench/results/gate_sim.md: 0% at the default suite).
+  candidate at a few prompts per family (bench/gate_sim_offline.py: 0% at the default suite).
 
 Online (the canary, users split between candidate and incumbent):
 
