@@ -43,7 +43,6 @@ Every choice, stated:
 from __future__ import annotations
 
 import datetime
-import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +52,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
+from core.harness import free_port
 from learner.objective import RunningBaseline
 from learner.replay import Sequence
 from learner.trainer import NonFiniteUpdate, Shard, Trainer, TrainerConfig, UpdateResult
@@ -226,12 +226,6 @@ def _worker(rank: int, world_size: int, job: _Job) -> None:
         )
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn_update(

@@ -24,6 +24,8 @@ from demo.suite import demo_suite
 from gating.gate import GateConfig
 from learner.trainer import TrainerConfig
 
+pytestmark = pytest.mark.slow  # trains candidates: about 47 s
+
 FAMILIES = ("add", "mul", "max_default")
 BROKEN = "max_default"
 LOOP = DemoLoopConfig(
