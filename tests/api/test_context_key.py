@@ -4,21 +4,9 @@ or not, sent the way the official client sends it), and refused in the OpenAI er
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 
-from tests.api.test_openai_api import PROMPT, records_by_id, tiny_gateway
-
-
-@pytest.fixture(scope="module")
-def live(tiny_checkpoint, tmp_path_factory):
-    with tiny_gateway(tiny_checkpoint, tmp_path_factory.mktemp("home")) as server:
-        yield server
-
-
-@pytest.fixture
-def client(live):
-    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+from tests.api.test_openai_api import PROMPT, client, live, records_by_id  # noqa: F401 (fixtures)
 
 
 def test_the_context_key_rides_on_the_completion_event(live, client):
