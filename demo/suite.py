@@ -1,14 +1,18 @@
 """The demo product's offline eval suite for the gate: the gate split, scored by each task's tests.
 
 `demo_suite()` is `product.suites.EvalSuite` "demo-gate": `GATE_PROMPTS` distinct prompts of the gate
-split (`demo.split.split_tasks("gate", n)`: the held-out phrasing with values of its own, never in
-the pre-training corpus, the users' traffic or the report split), family = the task's family,
+split, `GATE_PER_FAMILY` of each of the 18 families (`demo.split.split_tasks("gate", n)`: the
+held-out phrasing with values of its own, never in the pre-training corpus, the users' traffic or the
+report split), family = the task's family,
 verifier `demo.checker.DemoVerifier` (the task's tests in the sandbox), and `well_formed` = the
 prompt plus the completion parses as Python. The suite is held out (`in_distribution=False`).
 
-Why 512 prompts: an equally good candidate must pass the gate's non-inferiority test (margin 3
-points, alpha 0.05) most of the time. At G 8 the test's power is about 26% on 62 prompts and about
-87.9% on the 512-prompt gate split (bench/gate_sim_offline.py, docs/benchmarks.md).
+Why 28 per family (504 prompts): an equally good candidate must pass the gate's non-inferiority test
+(margin 3 points, alpha 0.05) most of the time, which at G 8 takes about 500 prompts (about 26% on 62,
+about 88% on 504: bench/gate_sim_offline.py, docs/benchmarks.md); and the per-family harm test must
+catch a family dropped by 25 points, which at G 8 takes at least 16 prompts per family (78% at 16, at
+least 95% at 28: tests/gating/test_family_power.py). `split_tasks` takes the families in turn, so any
+multiple of 18 is stratified.
 
 Passed to `gating.gate_process.run_gate` by `flywheel gate` and by `flywheel demo`.
 """
@@ -20,13 +24,14 @@ from collections.abc import Sequence
 
 from demo.checker import DemoVerifier
 from demo.split import split_of, split_tasks
-from demo.tasks import Task
+from demo.tasks import FAMILIES, Task
 from product.suites import EvalSuite, SuiteItem
 
 DEMO_SUITE_NAME = "demo-gate"
 DEMO_SUITE_VERSION = "2"
 """Bump when the task set or its checks change meaning (the content hash in `suite_version` changes anyway)."""
-GATE_PROMPTS = 512
+GATE_PER_FAMILY = 28
+GATE_PROMPTS = GATE_PER_FAMILY * len(FAMILIES)
 
 
 def python_parses(prompt: str, completion: str) -> bool:

@@ -12,9 +12,9 @@ ProcessEngine` at low priority; never a live replica). It writes no events: it g
 - **Rewards.** The suite's verifier scores every completion in [0, 1]; the G scores of a prompt are
   averaged first, so prompts are the unit of analysis (`gating.stats`).
 - **Tests.** `gating.stats.paired_t_non_inferiority` on the per-prompt means (decides), the paired
-  bootstrap (`paired_bootstrap_non_inferiority`, a cross-check number, not a check), and one paired t
-  harm test per task family corrected with Holm (`family_regressions`): no family may be significantly
-  worse than -margin (an equally good candidate is flagged at most α of the time).
+  bootstrap (`paired_bootstrap_non_inferiority`, a cross-check number, not a check), and one harm test
+  per task family on the pooled variance, corrected with Holm (`family_regressions`): no family may be
+  significantly worse than -margin (an equally good candidate is flagged at most α of the time).
 - **Guardrails against reward hacking** (`Guardrails`): mean output length ratio candidate /
   incumbent (tokens) within [min, max]; the share of malformed outputs (empty, or not
   `suite.well_formed`), and the share of outputs caught in a loop (`has_loop`: a token n-gram repeated
@@ -268,25 +268,23 @@ def evaluate_offline(
 
     overall = paired_t_non_inferiority(cand, inc, margin, alpha)
     boot = paired_bootstrap_non_inferiority(cand, inc, margin, alpha, n_resamples=n_resamples, seed=seed)
-    fam_idx: dict[str, list[int]] = {}
-    for i, it in enumerate(items):
-        fam_idx.setdefault(it.family, []).append(i)
-    fam_tests = {f: paired_t_non_inferiority(cand[ix], inc[ix], margin, alpha) for f, ix in sorted(fam_idx.items())}
-    fam_checks = family_regressions(fam_tests, alpha)
-    families = {
-        f: {
-            "n_prompts": len(fam_idx[f]),
-            "candidate": float(cand[fam_idx[f]].mean()),
-            "incumbent": float(inc[fam_idx[f]].mean()),
-            "mean_diff": r.mean_diff,
-            "lower_bound": r.lower_bound,
-            "upper_bound": r.mean_diff + (r.mean_diff - r.lower_bound),
-            "p_value": r.p_value,
+    fam_names = [it.family for it in items]
+    fam_checks = family_regressions(cand - inc, fam_names, margin, alpha)
+    families = {}
+    for f in sorted(set(fam_names)):
+        ix = [i for i, name in enumerate(fam_names) if name == f]
+        lo, hi = fam_checks.bounds(f)
+        families[f] = {
+            "n_prompts": len(ix),
+            "candidate": float(cand[ix].mean()),
+            "incumbent": float(inc[ix].mean()),
+            "mean_diff": fam_checks.mean_diff[f],
+            "se_pooled": fam_checks.se[f],
+            "lower_bound": lo,
+            "upper_bound": hi,
             "p_regression": fam_checks.p_values[f],
             "passed": fam_checks.passed[f],
         }
-        for f, r in fam_tests.items()
-    }
 
     def malformed(o: Completion, prompt: str) -> bool:
         return not o.text.strip() or (suite.well_formed is not None and not suite.well_formed(prompt, o.text))

@@ -10,9 +10,9 @@ Offline (a fixed eval set, candidate and incumbent scored on the same prompts):
 - `paired_bootstrap_non_inferiority`: the same question answered by resampling prompts (pairs kept
   together) with a seeded `numpy.random.Generator`; percentile lower bound.
 - `holm`, `family_regressions`: one *harm* test per task family (is this family worse than -margin?),
-  Holm's step-down correction so that an equally good candidate has some family flagged at most α of
-  the time. Requiring every family to *show* non-inferiority instead would fail nearly every equal
-  candidate at a few prompts per family (bench/gate_sim_offline.py: 0% at the default suite).
+  on a variance pooled over every family, with Holm's step-down correction so that an equally good
+  candidate has some family flagged at most α of the time. Requiring every family to *show*
+  non-inferiority instead would fail nearly every equal candidate at a few prompts per family.
 
 Online (the canary, users split between candidate and incumbent):
 
@@ -27,7 +27,8 @@ Deliberate simplifications:
 - Prompts are the unit of analysis (prompt-clustered): the G samples of one prompt are averaged first,
   so their correlation never inflates n. The t test assumes the mean difference is close to normal
   (fine for a few dozen prompts or more); the bootstrap assumes prompts are exchangeable.
-- With zero variance (every difference equal) the bound is the mean itself and the p-value is 0 or 1.
+- With zero variance (every difference equal) the overall bound is the mean itself and the p-value is 0
+  or 1: only an identical candidate gets there (common random numbers give d = 0 on every prompt).
 - The confidence sequence plugs in the sample variances, so it is *asymptotically* valid (Waudby-Smith
   et al. 2024), not exact for a handful of users; its one-sided use for guardrails keeps the two-sided
   α, which is conservative. Users are assumed independent (one outcome per user, the mean of their
@@ -40,7 +41,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -224,11 +225,17 @@ def holm(pvalues: Mapping[str, float], alpha: float = DEFAULT_ALPHA) -> dict[str
 @dataclass(frozen=True)
 class FamilyRegressions:
     """Per-family harm tests after Holm: `regressed[name]` iff that family is significantly worse than
-    -margin (H0: diff >= -margin rejected); `passed[name]` is its negation."""
+    -margin (H0: diff >= -margin rejected); `passed[name]` is its negation. `mean_diff`, `se` and `n`
+    per family, and the pooled test's degrees of freedom `df`, are the numbers behind each p-value."""
 
     p_values: dict[str, float]
     regressed: dict[str, bool]
     alpha: float
+    mean_diff: dict[str, float]
+    se: dict[str, float]
+    n: dict[str, int]
+    df: int
+    margin: float
 
     @property
     def passed(self) -> dict[str, bool]:
@@ -238,21 +245,69 @@ class FamilyRegressions:
     def all_passed(self) -> bool:
         return not any(self.regressed.values())
 
+    def bounds(self, name: str) -> tuple[float, float]:
+        """The family's two-sided (1 - 2α) interval for its mean difference, on the pooled se."""
+        half = float(stats.t.ppf(1.0 - self.alpha, self.df)) * self.se[name]
+        return self.mean_diff[name] - half, self.mean_diff[name] + half
 
-def family_regressions(families: Mapping[str, NonInferiorityResult], alpha: float = DEFAULT_ALPHA) -> FamilyRegressions:
-    """Which families regressed beyond their margin, corrected with Holm at level α.
 
-    From each family's paired t result (mean difference, se, n, margin): the one-sided p-value of
-    H0: diff >= -margin against "worse than -margin", p = T_{n-1}((mean + margin) / se); with se 0, p is
-    0 if the mean is below -margin, else 1. A family is flagged iff Holm rejects its null.
+def family_regressions(
+    differences: npt.ArrayLike,
+    families: Sequence[str],
+    margin: float = DEFAULT_MARGIN,
+    alpha: float = DEFAULT_ALPHA,
+) -> FamilyRegressions:
+    """Which families regressed beyond `margin`, from the per-prompt differences d_i = cand_i - inc_i
+    and each prompt's family, corrected with Holm at level α.
+
+    A pooled-variance t test (one-way ANOVA's error term): with N prompts in F families, family f's
+    mean difference m_f over its n_f prompts, and the within-family residual variance pooled over every
+    family, s² = Σ_i (d_i - m_f(i))² / (N - F),
+
+        se_f = s / √n_f,   t_f = (m_f + margin) / se_f,   p_f = T_{N-F}(t_f)   (H0: diff_f >= -margin).
+
+    Pooling gives a family of a few prompts the variance estimate of the whole suite (N - F degrees of
+    freedom) instead of its own n_f - 1, so neither a handful of identical differences (zero spread,
+    hence p = 0 under a per-family t) nor a family's own noisy spread decides. It assumes the families'
+    spreads are alike; on the demo's measured pass rates, at the default suite (28 prompts per family)
+    and G 8, an equally good candidate has some family flagged 0.4% of the time (1,000 replicates) and a
+    family dropped by 25 points is flagged 95.5-100% of the time (200 each; tests/gating/
+    test_family_power.py). s = 0 (every family's differences constant) gives
+    t = ±inf: p = 0 for a family whose constant difference is below -margin, 1 otherwise (0/0, a
+    constant difference of exactly -margin, is H0's boundary: p = 1). ValueError without a degree of
+    freedom (every family a single prompt) or with differences outside [-1, 1].
     """
-    p_values = {}
-    for name, f in families.items():
-        if f.se == 0.0 or f.n_prompts < 2:
-            p_values[name] = 0.0 if f.mean_diff < -f.margin else 1.0
-        else:
-            p_values[name] = float(stats.t.cdf((f.mean_diff + f.margin) / f.se, f.n_prompts - 1))
-    return FamilyRegressions(p_values, holm(p_values, alpha), float(alpha))
+    margin, alpha = _check_margin(margin), _check_alpha(alpha)
+    d = np.asarray(differences, dtype=np.float64)
+    if d.ndim != 1 or d.size != len(families):
+        raise ValueError(f"differences has shape {d.shape} for {len(families)} family labels; need one per prompt")
+    bad = np.flatnonzero(~np.isfinite(d) | (np.abs(d) > 1.0))
+    if bad.size:
+        raise ValueError(f"differences[{int(bad[0])}] = {float(d[bad[0]])!r} is not a finite number in [-1, 1]")
+    names = sorted(set(families))
+    labels = np.array([names.index(f) for f in families])
+    counts = np.bincount(labels, minlength=len(names))
+    df = d.size - len(names)
+    if df < 1:
+        raise ValueError(f"{d.size} prompts in {len(names)} families leave no degree of freedom for the variance")
+    means = np.bincount(labels, weights=d, minlength=len(names)) / counts
+    s2 = float(((d - means[labels]) ** 2).sum() / df)
+    se = np.sqrt(s2 / counts)
+    num = means + margin
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = np.where(num == 0.0, np.inf, num / se)
+    p = stats.t.cdf(t, df)
+    p_values = {n: float(p[k]) for k, n in enumerate(names)}
+    return FamilyRegressions(
+        p_values,
+        holm(p_values, alpha),
+        alpha,
+        {n: float(means[k]) for k, n in enumerate(names)},
+        {n: float(se[k]) for k, n in enumerate(names)},
+        {n: int(counts[k]) for k, n in enumerate(names)},
+        df,
+        margin,
+    )
 
 
 # --- 3. sample ratio mismatch ------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -12,7 +13,6 @@ from scipy import stats as sps
 
 from gating.stats import (
     DEFAULT_RHO,
-    NonInferiorityResult,
     assign_arm,
     assignment_unit,
     confidence_sequence,
@@ -157,22 +157,50 @@ def test_holm_hand_examples():
     assert holm({"a": 0.05}) == {"a": True} and holm({"a": 0.0501}) == {"a": False}
 
 
-def test_family_regressions_flag_only_a_family_worse_than_the_margin():
-    # worse: t = (-0.2 + 0.03) / 0.05 = -3.4 on 9 df; equal: t = (0 + 0.03) / 0.05 = 0.6.
-    worse = NonInferiorityResult(10, -0.2, 0.05, -0.29, 0.03, 0.05, "paired_t", False, 1.0)
-    equal = NonInferiorityResult(10, 0.0, 0.05, -0.09, 0.03, 0.05, "paired_t", False, 0.28)
-    flat = NonInferiorityResult(10, -0.05, 0.0, -0.05, 0.03, 0.05, "paired_t", False, 1.0)
-    r = family_regressions({"add": worse, "mul": equal, "max": flat})
-    assert r.p_values["add"] == f64(sps.t.cdf(-3.4, 9)) and r.p_values["add"] < 0.005
-    assert r.p_values["mul"] == f64(sps.t.cdf(0.6, 9)) and r.p_values["max"] == 0.0
-    assert r.regressed == {"add": True, "mul": False, "max": True} and not r.all_passed
-    assert r.passed["mul"] and family_regressions({"mul": equal}).all_passed
-    # Holm: p = .03 alone passes at .05, but with a second family it needs <= .025 first.
-    borderline = NonInferiorityResult(10, -0.03 - 2.0 * 0.01, 0.01, 0, 0.03, 0.05, "paired_t", False, 1.0)
-    p = sps.t.cdf(-2.0, 9)
-    assert 0.025 < p < 0.05
-    assert family_regressions({"a": borderline}).regressed["a"]
-    assert not family_regressions({"a": borderline, "b": equal}).regressed["a"]
+def test_family_regressions_pool_the_variance_over_every_family():
+    # add: 4 prompts, mean -0.2; mul: 4 prompts, mean 0; residuals ±0.1 in both, so
+    # s² = 8 · 0.01 / (8 - 2) and se = s / 2 for each family, on 6 df.
+    d = [-0.1, -0.3, -0.1, -0.3, 0.1, -0.1, 0.1, -0.1]
+    fams = ["add"] * 4 + ["mul"] * 4
+    r = family_regressions(d, fams, margin=0.03)
+    se = math.sqrt(8 * 0.01 / 6) / 2
+    assert r.df == 6 and r.n == {"add": 4, "mul": 4}
+    assert r.se["add"] == approx_ulps(se, 8) and r.mean_diff["add"] == approx_ulps(-0.2, 8)
+    assert r.p_values["add"] == approx_ulps(float(sps.t.cdf((-0.2 + 0.03) / se, 6)), 64)
+    assert r.p_values["mul"] == approx_ulps(float(sps.t.cdf(0.03 / se, 6)), 64)
+    assert r.regressed == {"add": True, "mul": False} and not r.all_passed and r.passed["mul"]
+    lo, hi = r.bounds("add")
+    assert lo < -0.2 < hi and hi - (-0.2) == approx_ulps(float(sps.t.ppf(0.95, 6)) * se, 64)
+
+
+def test_family_regressions_a_few_identical_differences_are_no_proof():
+    # Two prompts of "repeat" both 0.5 worse (a per-family t would have se 0 and p 0); pooled over the
+    # suite's spread, two prompts are weak evidence and Holm over 18 families does not flag them.
+    rng = np.random.default_rng(3)
+    d = list(np.clip(rng.normal(0.0, 0.3, 34), -1, 1)) + [-0.5, -0.5]
+    fams = [f"f{k % 17}" for k in range(34)] + ["repeat", "repeat"]
+    r = family_regressions(d, fams)
+    assert 0.0 < r.p_values["repeat"] < 0.2 and not r.regressed["repeat"]
+
+
+def test_family_regressions_zero_spread_follows_the_sign():
+    # Every family's differences constant: t = ±inf, so the decision is the sign of mean + margin.
+    r = family_regressions([-0.25, -0.25, 0.0, 0.0, -0.03, -0.03], ["a", "a", "b", "b", "c", "c"], margin=0.03)
+    assert r.p_values == {"a": 0.0, "b": 1.0, "c": 1.0} and r.regressed == {"a": True, "b": False, "c": False}
+
+
+@pytest.mark.parametrize(
+    "d, fams, what",
+    [
+        ([0.1, 0.2], ["a"], "for 1 family labels"),
+        ([0.1, 0.2], ["a", "b"], "no degree of freedom"),
+        ([0.1, 1.5, 0.0], ["a", "a", "b"], "differences[1] = 1.5"),
+        ([0.1, float("nan"), 0.0], ["a", "a", "b"], "differences[1] = nan"),
+    ],
+)
+def test_family_regressions_bad_input_names_it(d, fams, what):
+    with pytest.raises(ValueError, match=re.escape(what)):
+        family_regressions(d, fams)
 
 
 # --- SRM --------------------------------------------------------------------------------------------------
