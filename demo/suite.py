@@ -28,7 +28,7 @@ from demo.tasks import FAMILIES, Task
 from product.suites import EvalSuite, SuiteItem
 
 DEMO_SUITE_NAME = "demo-gate"
-DEMO_SUITE_VERSION = "2"
+DEMO_SUITE_VERSION = "3"
 """Bump when the task set or its checks change meaning (the content hash in `suite_version` changes anyway)."""
 GATE_PER_FAMILY = 28
 GATE_PROMPTS = GATE_PER_FAMILY * len(FAMILIES)

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from gating.sample_cache import SampleCache, request_key
 from gating.stats import (
     DEFAULT_ALPHA,
     DEFAULT_MARGIN,
@@ -114,6 +115,9 @@ class OfflineResult:
         ]
         if flagged:
             what += "; families worse than -margin: " + ", ".join(flagged)
+        a = self.numbers.get("anchor")
+        if a:
+            what += f"; vs anchor {a['id']} ({a['pass_rate']:.3f}) lower bound {a['lower_bound']:+.3f}"
         return (
             f"offline {what}: pass rate {self.numbers['reward']['candidate']:.3f} vs "
             f"{self.numbers['reward']['incumbent']:.3f}, lower bound {ni['lower_bound']:+.3f} "
@@ -229,17 +233,26 @@ def evaluate_offline(
     temperature: float = 1.0,
     guardrails: Guardrails | None = None,
     n_resamples: int = 2000,
+    anchor: str | None = None,
+    cache: SampleCache | None = None,
+    artifacts: Mapping[str, str] | None = None,
 ) -> OfflineResult:
     """Candidate vs incumbent (two versions loaded in `engine`) on `suite`; see the module docstring.
 
     `scorer` scores the candidate's samples under the incumbent (KL); `seed` fixes every sample and the
-    bootstrap. ValueError for a bad argument, versions with different tokenizers, or a bad verifier."""
+    bootstrap. `anchor` (a third loaded version, the best promoted so far): the candidate must also be
+    non-inferior to it, with the same margin (check "anchor"). `cache` with `artifacts` (version name ->
+    artifact sha256): a version's completions are read from the cache when it holds them and stored
+    when sampled (`gating.sample_cache`); `numbers["sampling"]["from_cache"]` names the versions read.
+    ValueError for a bad argument, versions with different tokenizers, or a bad verifier."""
     if not isinstance(G, int) or G < 1:
         raise ValueError(f"G must be an integer >= 1, got {G!r}")
     if not 0.0 < temperature <= 2.0:
         raise ValueError(f"temperature must be in (0, 2] (the gate samples), got {temperature!r}")
     if candidate == incumbent:
         raise ValueError(f"candidate and incumbent are both {candidate!r}")
+    if anchor in (candidate, incumbent):
+        raise ValueError(f"the anchor {anchor!r} is the candidate or the incumbent; pass anchor=None then")
     rails = guardrails or Guardrails()
     t0 = time.perf_counter()
     tok = engine.tokenizer(incumbent)
@@ -260,11 +273,27 @@ def evaluate_offline(
         for it in items
         for g in range(G)
     ]
-    outs = {v: engine.generate(ids, params, v) for v in (candidate, incumbent)}
+    from_cache: list[str] = []
+
+    def sample(v: str) -> list[Completion]:
+        sha = (artifacts or {}).get(v)
+        if cache is None or sha is None:
+            return engine.generate(ids, params, v)
+        key = request_key(sha, ids, params)
+        got = cache.get(key, ids, params, v)
+        if got is not None:
+            from_cache.append(v)
+            return got
+        fresh = engine.generate(ids, params, v)
+        cache.put(key, fresh)
+        return fresh
+
+    outs = {v: sample(v) for v in (candidate, incumbent) + ((anchor,) if anchor else ())}
     t_sampled = time.perf_counter()
     scores = {v: _scores(suite, owners, outs[v], v) for v in outs}
     means = {v: s.reshape(len(items), G).mean(axis=1) for v, s in scores.items()}
     cand, inc = means[candidate], means[incumbent]
+    anchored = None if anchor is None else paired_t_non_inferiority(cand, means[anchor], margin, alpha)
 
     overall = paired_t_non_inferiority(cand, inc, margin, alpha)
     boot = paired_bootstrap_non_inferiority(cand, inc, margin, alpha, n_resamples=n_resamples, seed=seed)
@@ -299,7 +328,7 @@ def evaluate_offline(
             "malformed": _share([malformed(o, p) for o, p in zip(outs[v], owners, strict=True)]),
             "looping": _share([loops(o) for o in outs[v]]),
         }
-        for v in outs
+        for v in (candidate, incumbent)
     }
     c_arm, i_arm = arms[candidate], arms[incumbent]
     ratio = c_arm["mean_tokens"] / i_arm["mean_tokens"]  # every completion holds >= 1 token
@@ -326,6 +355,8 @@ def evaluate_offline(
         "repetition": c_arm["looping"] - i_arm["looping"] <= rails.max_repetition_increase,
         "kl": kl <= rails.max_kl,
     }
+    if anchored is not None:
+        checks["anchor"] = anchored.passed
     failed = [name for name, ok in checks.items() if not ok]
     numbers: dict[str, Any] = {
         "in_distribution": suite.in_distribution,
@@ -338,9 +369,19 @@ def evaluate_offline(
             "n_prompts": len(items),
             "families": suite.family_sizes,
         },
-        "sampling": {"G": G, "temperature": temperature, "top_p": 1.0, "max_tokens": max_tokens, "seed": seed},
+        "sampling": {
+            "G": G,
+            "temperature": temperature,
+            "top_p": 1.0,
+            "max_tokens": max_tokens,
+            "seed": seed,
+            "from_cache": sorted(from_cache),
+        },
         "reward": {"candidate": float(scores[candidate].mean()), "incumbent": float(scores[incumbent].mean())},
         "non_inferiority": _test(overall),
+        "anchor": None
+        if anchored is None or anchor is None
+        else {"id": anchor, "pass_rate": float(scores[anchor].mean()), **_test(anchored)},
         "bootstrap": {**_test(boot), "n_resamples": n_resamples},
         "families": families,
         "examples": _examples(items, G, outs, scores, cand, inc, candidate, incumbent),

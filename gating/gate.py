@@ -46,6 +46,7 @@ from feedback.bus import Consumer, EventBus, Record
 from feedback.events import TOPICS, SampleEvent
 from gating.canary import CanaryConfig, CanaryOutcomes, Decision, decide, guardrails
 from gating.evals import Guardrails, ModelScorer, OfflineResult, evaluate_offline
+from gating.sample_cache import SampleCache
 from gating.stats import DEFAULT_ALPHA, DEFAULT_MARGIN
 from product.suites import EvalSuite
 from registry.gate_evidence import WATCH_KEY
@@ -81,6 +82,16 @@ class GateConfig(BaseModel):
     temperature: float = Field(1.0, gt=0, le=2, description="Sampling temperature (as the product serves).")
     n_resamples: int = Field(2000, ge=100, description="Bootstrap resamples (the cross-check).")
     guardrails: Guardrails = Field(default_factory=Guardrails)
+    anchor: bool = Field(
+        True,
+        description="Also require non-inferiority (same margin) to the best version promoted so far, so that "
+        "promotions each within the margin of their incumbent cannot add up to a slide.",
+    )
+    sample_cache_dir: Path | None = Field(
+        None,
+        description="Keep each version's gate samples here (gating.sample_cache) so a cycle samples only the "
+        "candidate; run_gate sets <home>/gate/samples. None: sample every version every cycle.",
+    )
     max_attempts: int = Field(3, ge=1, description="Failed evaluations of one version before it is rejected.")
     poll_s: float = Field(5.0, gt=0, description="run_gate: wait between steps while there is nothing to do.")
     actor: str = Field("gate", min_length=1, description="Actor of the gate's registry writes.")
@@ -128,6 +139,9 @@ class Gate:
         self.score = score
         self.alerts = 0  # post-promotion guardrail alerts raised by this gate
         self.metrics = metrics or ServiceMetrics("gate")
+        self.samples = None if self.cfg.sample_cache_dir is None else SampleCache(self.cfg.sample_cache_dir)
+        self.versions_sampled = 0  # offline evaluations' versions sampled afresh / read from the sample cache
+        self.versions_from_cache = 0
         self._consumer: Consumer | None = None
 
     def step(self) -> GateStep:
@@ -393,7 +407,7 @@ class Gate:
             self.registry.record_gate(
                 v.id, RUN_KEY, record, self.cfg.actor, f"offline evaluation attempt {attempt} against {inc.id}"
             )
-            result = self._run(v, inc)
+            result = self._run(v, inc, self._anchor(inc))
         except Exception as e:  # reported, counted, retried at the next step
             log.exception("gate: offline evaluation of %s failed", v.id)
             return self._failed_attempt(v, record, e)
@@ -403,8 +417,11 @@ class Gate:
             return self._lost(v, e)
         return self._act(v, result.passed, result.numbers, result.summary(), result=result)
 
-    def _run(self, v: ModelVersionPublic, inc: ModelVersionPublic) -> OfflineResult:
-        sources = {v.id: self.load_version(v), inc.id: self.load_version(inc)}
+    def _run(
+        self, v: ModelVersionPublic, inc: ModelVersionPublic, anchor: ModelVersionPublic | None = None
+    ) -> OfflineResult:
+        versions = [v, inc] + ([anchor] if anchor is not None else [])
+        sources = {x.id: self.load_version(x) for x in versions}
         engine = self.engine_factory()
         try:
             for name, src in sources.items():
@@ -419,7 +436,7 @@ class Gate:
                 batch_invariant=getattr(engine, "batch_invariant", True),
             )
             c = self.cfg
-            return evaluate_offline(
+            result = evaluate_offline(
                 engine,
                 v.id,
                 inc.id,
@@ -433,9 +450,47 @@ class Gate:
                 temperature=c.temperature,
                 guardrails=c.guardrails,
                 n_resamples=c.n_resamples,
+                anchor=None if anchor is None else anchor.id,
+                cache=self.samples,
+                artifacts={x.id: x.artifact_sha256 for x in versions if x.artifact_sha256},
             )
         finally:
             engine.shutdown()
+        sampled = [x.id for x in versions if x.id not in result.numbers["sampling"]["from_cache"]]
+        self.versions_sampled += len(sampled)
+        self.versions_from_cache += len(versions) - len(sampled)
+        self.metrics.set_stats(
+            {"versions_sampled": self.versions_sampled, "versions_from_cache": self.versions_from_cache}
+        )
+        if self.samples is not None and any(x.id != v.id for x in versions if x.id in sampled):
+            log.info("gate: sampled %s afresh (not in the sample cache)", ", ".join(x for x in sampled if x != v.id))
+        return result
+
+    def _anchor(self, inc: ModelVersionPublic) -> ModelVersionPublic | None:
+        """The best version promoted so far on this suite, by the pass rate its offline verdicts recorded
+        (as candidate, or as the incumbent of a later verdict, at the gate's sampling settings), if that is
+        not the incumbent itself; None with `anchor` off. Rolled-back versions are no anchor."""
+        if not self.cfg.anchor:
+            return None
+        c = self.cfg
+        settings = {"G": c.G, "seed": c.seed, "max_tokens": c.max_tokens, "temperature": c.temperature}
+        versions = self.registry.list()
+        ever = {x.id: x for x in versions if x.status in (Status.promoted, Status.superseded)}
+        rates: dict[str, float] = {}
+        for x in versions:
+            rec = x.gate.get("offline")
+            if not rec or rec.get("suite_version") != self.suite.suite_version:
+                continue
+            n = rec.get("numbers") or {}
+            if {k: (n.get("sampling") or {}).get(k) for k in settings} != settings or "reward" not in n:
+                continue
+            rates.setdefault(x.id, n["reward"]["candidate"])
+            rates.setdefault(rec["incumbent_id"], n["reward"]["incumbent"])
+        scored = [(rates[i], -ever[i].created_at.timestamp(), i) for i in ever if i in rates]
+        if not scored:
+            return None
+        best = max(scored)[2]
+        return None if best == inc.id else ever[best]
 
     def _failed_attempt(self, v: ModelVersionPublic, record: dict[str, Any], e: Exception) -> GateStep:
         try:

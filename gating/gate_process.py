@@ -125,6 +125,8 @@ def run_gate(
     and by its thread) and releases it on the way out: gateways route users to a canary only while it
     is live."""
     cfg = cfg or GateConfig()
+    if cfg.sample_cache_dir is None:
+        cfg = cfg.model_copy(update={"sample_cache_dir": settings.home / "gate" / "samples"})
     if cfg.nice:
         os.nice(cfg.nice)  # inherited by the engine processes spawned below: live traffic comes first
     if engine_factory is None:

@@ -235,9 +235,9 @@ def test_suites_are_checked_versioned_and_round_trip(tmp_path):
 def test_demo_suite_is_the_held_out_gate_split_and_checks_python():
     suite = demo_suite()
     gate = split_tasks("gate", GATE_PROMPTS)
-    assert [it.prompt for it in suite.items] == [t.prompt for t in gate] and len(gate) == 512
+    assert [it.prompt for it in suite.items] == [t.prompt for t in gate] and len(gate) == 504
     assert not suite.in_distribution and suite.well_formed is python_parses
-    assert suite.suite_version.startswith("demo-gate@2#") and suite.suite_version == demo_suite().suite_version
+    assert suite.suite_version.startswith("demo-gate@3#") and suite.suite_version == demo_suite().suite_version
     assert demo_suite(split_tasks("train", 4, ("add", "mul"))).in_distribution  # train prompts: labelled so
     task = gate[0]
     good, bad = completions_for(task)["correct_preferred"][0], completions_for(task)["incorrect_preferred"][0]
