@@ -1,6 +1,6 @@
 """The learner service's settings: cadence, staleness, hold-back while the gate works, and its parts' configs.
 
-The reasoning behind each default is in `learner.service`'s docstring.
+The reasoning behind each default is in `learner.service`'s docstring and docs/learner.md.
 """
 
 from __future__ import annotations
@@ -22,6 +22,12 @@ class LearnerConfig(BaseModel):
     min_samples: int = Field(32, ge=1, description="Fewest samples a time-triggered update uses.")
     max_staleness: int = Field(
         2, ge=0, description="Drop samples served more than this many versions ago (in `staleness_unit`)."
+    )
+    max_lag_updates: int | None = Field(
+        8,
+        ge=0,
+        description="Drop samples served more than this many updates before the learner's tip (policy lag, "
+        "whatever `staleness_unit` says); None: no bound in updates. Dropped samples are counted (`lag`).",
     )
     staleness_unit: Literal["versions", "updates"] = Field(
         "versions",

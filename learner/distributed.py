@@ -15,8 +15,8 @@ Every choice, stated:
   makes the others fail loudly instead of waiting forever.
 - **Every rank gets the whole batch**, same sequences in the same order. It computes the advantages
   from all of it against its own copy of the running baseline, then lets that baseline learn all of
-  it (`Trainer.advantages`): deterministic, so the advantages and the baselines are identical on
-  every rank without any communication. A rank then trains on its shard only.
+  it (`Trainer.batch_advantages`, centred over the whole batch): deterministic, so the advantages
+  and the baselines are identical on every rank without any communication. A rank then trains on its shard only.
 - **Shards are contiguous chunks** (`shard_indices`): rank r takes the r-th of W consecutive slices
   whose sizes differ by at most one (the first N mod W ranks take one more, as `numpy.array_split`).
   A batch with fewer sequences than ranks is trained whole by every rank (equal gradients, so the
@@ -63,7 +63,6 @@ from serving.model import ModelArgs, Transformer
 LOSS_STATS = (
     "loss",
     "ratio_mean",
-    "ratio_max",
     "clip_frac",
     "dual_clip_frac",
     "clamp_frac",
@@ -78,7 +77,22 @@ LOSS_STATS = (
     "clipped_tokens",
     "dual_clipped_tokens",
     "clamped_tokens",
+    "truncated_frac",
+    "masked_frac",
+    "masked_ratio_frac",
+    "masked_dppo_frac",
+    "masked_top_p_frac",
+    "policy_abs_log_ratio_mean",
+    "truncated_tokens",
+    "masked_tokens",
+    "masked_ratio_tokens",
+    "masked_dppo_tokens",
+    "masked_top_p_tokens",
+    "missing_routing_sequences",
+    "replay_off_micro_batches",
 )
+"""Statistics that are maxima (over micro-batches and passes): over ranks, the largest."""
+MAX_STATS = ("ratio_max", "policy_ratio_max")
 
 
 def init_process_group(
@@ -136,13 +150,14 @@ class DataParallelTrainer:
         fewer sequences than ranks is trained whole by every rank (the all-reduce then averages equal
         gradients: still the single process's update)."""
         baseline_before = self.trainer.baseline.state_dict()
-        adv = self.trainer.advantages(seqs, group_advantages)  # whole batch: identical on every rank
+        adv = self.trainer.batch_advantages(seqs, group_advantages)  # whole batch: identical on every rank
         try:
             result = self._update(seqs, adv, behaviour_is_current)
         except NonFiniteUpdate:  # every rank raises it (the trainer all-reduces the verdict)
             self.trainer.baseline = RunningBaseline.from_state_dict(baseline_before)
             raise
         result.stats.update(self.trainer.baseline_usage)
+        result.stats.update(self.trainer.advantage_stats)
         return result
 
     def _update(self, seqs: list[Sequence], adv: torch.Tensor, behaviour_is_current: bool) -> UpdateResult:
@@ -170,6 +185,11 @@ class DataParallelTrainer:
         for k in LOSS_STATS:
             if k in stats:
                 stats[k] = sum(s[k] for s in per_rank)
+        for k in MAX_STATS:
+            if k in stats:
+                stats[k] = max(s[k] for s in per_rank)
+        for k in [k for k in stats if k.startswith("clip_frac_step")]:
+            stats[k] = sum(s[k] for s in per_rank)
         for k in ("samples", "tokens_per_s", "samples_per_s"):
             stats[k] = sum(s[k] for s in per_rank)
         stats["reward_mean"] = sum(s.reward for s in seqs) / len(seqs)

@@ -1,77 +1,75 @@
-"""The learner's objective: single-sample, off-policy-aware policy gradient. Pure functions.
+"""The learner's objective: single-sample decoupled-PPO policy gradient, bounded behaviour correction.
 
-Every choice, stated:
+Pure functions.
+
+Three policies meet in one update (AReaL's decoupled PPO, Fu et al. 2025): the **behaviour** policy
+μ that served the completion (its recorded log-probabilities), the **proximal** policy π_prox (the
+learner's weights at the start of the update: `prox_logp_BT`, computed once per update before the
+first optimizer step, no gradient) and the current policy π_θ (the weights being stepped). Every
+log-probability is taken under the *same sampling transform* the server used (temperature, top-p;
+see serving.sampling) and, with router replay, the same experts.
+
 - **Single sample, no group.** Each completion has one scalar reward r (from user feedback). The
-  advantage is A = r - b with b a running baseline (`RunningBaseline`: an exponential moving average
-  per key — task family, tenant — falling back to the global average until a key has seen
-  `min_count` rewards). No critic, no group needed. Offline rollouts come in groups of G samples
-  per prompt with verifiable rewards; their advantage is group-relative (`group_advantages`:
-  r_i - mean of the group, optionally divided by the group's std), and they mix with online samples
-  by a configurable weight (`LossConfig.offline_weight`).
-- **Staleness correction.** A completion was sampled by behaviour version μ (its recorded
-  log-probabilities); the trainer is at θ. The token ratio ρ_t = π_θ(a_t|s_t) / μ(a_t|s_t) is
-  computed in log space from the trainer's log-probabilities under the *same sampling transform*
-  the server used (temperature, top-p; see serving.sampling) and, with router replay, the same
-  experts. Two estimators:
-    * "tis" (default): truncated importance sampling, REINFORCE weighted by w_t = min(ρ_t, C),
-      w_t treated as a constant: loss_t = -w_t · A · log π_θ(a_t). Unbiased up to the truncation,
-      bounded variance; C = `is_cap`.
-    * "ppo": the PPO clipped surrogate, loss_t = -min(ρ_t A, clip(ρ_t, 1-ε, 1+ε) A), with the
-      dual clip (Ye et al. 2020, "Mastering complex control in MOBA games with deep RL") for
-      A < 0: loss_t = -max(min(ρ_t A, clip(ρ_t) A), c·A), c = `dual_clip_c` > 1. Without it a
-      stale sample whose token became much likelier (ρ ≫ 1) under a negative advantage gets a
-      surrogate ρ·A unbounded below, and a gradient that grows with ρ; with it, beyond ρ = c the
-      token's objective is the constant c·A (no gradient). "tis" needs no dual clip: its weight
-      min(ρ, C) is already at most C whatever the sign of A, so a token's gradient is at most
-      C·|A|·|∇log π|.
-  **Log-ratio clamp** (both estimators): log ρ_t is clamped to [-L, L], L = `max_log_ratio`, before
-  the exponential, so one wild token (a recorded log-prob of -80, a trainer top-p cut) cannot
-  overflow ρ to inf and the loss to nan. Under "ppo" a clamped token gets no gradient through ρ
-  (the clamp is flat there), under "tis" its weight is the capped one anyway.
-  Statistics: `clip_frac` (tokens whose weight was truncated at C, or whose PPO clip is active),
-  `dual_clip_frac` (tokens where the dual-clip bound c·A is the objective), `clamp_frac` (tokens whose
-  |log ρ| exceeded L), `logp_mean` / `behaviour_logp_mean` (mean log-prob of the sampled tokens under
-  the trainer and as recorded).
+  advantage is A = r - b with b a running baseline per key (`RunningBaseline`), centred per batch by
+  the trainer (`learner.trainer.center_advantages`). Offline rollouts come in groups of G samples per
+  prompt with verifiable rewards; their advantage is group-relative (`group_advantages`).
+- **Behaviour correction** (fixed for the update): ρ_t = π_prox(a_t|s_t) / μ(a_t|s_t), computed in
+  log space, |log ρ_t| clamped to L = `max_log_ratio` before the exponential. Each kept token carries
+  the truncated importance weight w_t = min(ρ_t, C), C = `is_cap`, detached.
+- **Behaviour mask** (`behaviour_mask`): capping alone keeps a token whose behaviour probability says
+  nothing about π_prox; such tokens are dropped from the objective (policy and KL terms), counted
+  (`masked_frac`), never silently down-weighted. A token is masked when
+    * its ratio leaves the band [`mask_ratio_low`, `mask_ratio_high`] = [1/8, 8] (the band of
+      prime-rl's masked importance sampling), or
+    * its probability moved too far in the direction of its advantage (prime-rl's default DPPO
+      mask, Qi et al. 2026, thresholds `dppo_mask_low` / `dppo_mask_high` = 0.2 / 0.2): A > 0 and
+      π_prox(a) - μ(a) > 0.2, or A < 0 and μ(a) - π_prox(a) > 0.2. A difference of probabilities,
+      not a ratio: a rare token whose probability went from 0.001 to 0.01 is kept (its weight is
+      capped), a likely one that went from 0.3 to 0.9 is not; or
+    * the trainer's own top-p cut removed it at π_prox (`exclude_BT`; its log-probability is -inf).
+- **Estimators.**
+    * "ppo" (default): the decoupled clipped surrogate, r_t = π_θ / π_prox,
+      loss_t = -w_t · min(r_t A, clip(r_t, 1-ε, 1+ε) A), with the dual clip (Ye et al. 2020) for
+      A < 0: the objective is at least c·A, c = `dual_clip_c`. On an update's first optimizer step
+      θ = prox, so r ≡ 1 and the clip cannot bind: with `steps_per_update` = 1 the whole correction
+      is the truncated-and-masked importance weight (w_t · A · ∇log π_θ, REINFORCE). From the second
+      step on, the clip bounds how far θ moves from π_prox on this batch.
+    * "tis": REINFORCE with the truncated full ratio, loss_t = -min(π_θ/μ, C) · A · log π_θ (the
+      weight detached), masked as above. No trust region: with several steps per update only the
+      truncation bounds a token's weight.
+  **Log-ratio clamp**: every log-ratio is clamped to [-L, L] before the exponential, so one wild
+  token (a recorded log-prob of -80, a trainer top-p cut) cannot overflow to inf and the loss to nan.
 - **KL to the promoted reference** (optional, `kl_coef` > 0). The penalty is the reverse KL,
-  KL(π_θ || π_ref) = E_{a~π_θ}[log π_θ(a) - log π_ref(a)], per visited token state s_t. Its gradient
-  is g = E_{a~π_θ}[δ(a) ∇log π_θ(a)] with δ = log π_θ - log π_ref (the term E_π[∇log π_θ] = ∇Σπ_θ = 0
-  drops). The tokens were drawn from the behaviour μ, not π_θ, so each sampled token carries the
-  importance weight w_t = min(ρ_t, C): the same truncated, detached ratio π_θ/μ (log-ratio clamp
-  included) that "tis" uses, for either estimator. The loss per token is
-      kl_t = w_t · ½ δ_t²            (k2, weighted),
-  whose gradient w_t δ_t ∇log π_θ(a_t) has expectation over a_t ~ μ exactly g (E_μ[ρ f] = E_π[f]),
-  up to the truncation at C; on-policy (μ = π_θ, w = 1) it is the plain k2 loss, whose gradient is g.
-  It is reduced like the policy term (same normalisation, same sample weights) and added times
-  `kl_coef`. The reported estimate `kl_k3` is the weighted k3, the token mean of
-  w_t · (e^{-δ_t} + δ_t - 1): each term ≥ 0 and, untruncated, E_μ[w k3] = E_π[k3] = KL(π_θ || π_ref).
-  Why not the alternatives:
-    * k3 = e^{-δ} + δ - 1 *as a loss* has gradient (1 - π_ref/π_θ) ∇log π_θ, whose expectation under
-      π_θ is -Σ_a π_ref(a) ∇log π_θ(a) = ∇KL(π_ref || π_θ): the forward KL's gradient, not the
-      reverse's (and without importance weights, under μ, not even that).
-    * ρ·k3 with ρ differentiable (DeepSeek-V3.2's unbiased KL) has the same gradient in exact
-      arithmetic, but forms it as k3·∇log π + (1 - π_ref/π_θ)∇log π: two terms of size π_ref/π_θ
-      that cancel, catastrophically in float32 where the policy has made a reference-likely token
-      unlikely. k2 gives δ directly.
-    * k1 folded into the advantage: the same gradient under "tis", but under "ppo" it would be
-      clipped with the reward term, and the advantages here are one per sequence.
-  Scope: this is the gradient of Σ_t KL(π_θ(·|s_t) || π_ref(·|s_t)) at the states the behaviour
-  visited; θ's effect on *which* prefixes are visited (the sequence-level KL's extra term
-  ∇log π_θ(a_t) · Σ_{t'>t} δ_{t'}) is not included, as in the usual per-token KL loss.
+  KL(π_θ || π_ref), per visited token state. Its gradient is g = E_{a~π_θ}[δ(a) ∇log π_θ(a)] with
+  δ = log π_θ - log π_ref. The tokens were drawn from μ, so each kept token carries the importance
+  weight v_t = min(π_θ/μ, C), detached (the full ratio: π_θ, not π_prox, is the policy whose KL this
+  is). The loss per token is kl_t = v_t · ½ δ_t² (k2, weighted), whose gradient v_t δ_t ∇log π_θ(a_t)
+  has expectation over a_t ~ μ exactly g, up to the truncation at C (and the mask); on-policy it is
+  the plain k2 loss. `kl_k3` reports the weighted k3 estimate, the token mean of
+  v_t · (e^{-δ_t} + δ_t - 1). Why not the alternatives:
+    * k3 = e^{-δ} + δ - 1 *as a loss* has the gradient of the forward KL(π_ref || π_θ).
+    * ρ·k3 with ρ differentiable (DeepSeek-V3.2) has the same gradient in exact arithmetic but forms
+      it as two terms of size π_ref/π_θ that cancel, catastrophically in float32.
+    * k1 folded into the advantage would be clipped with the reward term under "ppo".
+  Scope: the gradient of Σ_t KL(π_θ(·|s_t) || π_ref(·|s_t)) at the visited states.
 - **Entropy bonus** (optional, `entropy_coef` > 0): minus `entropy_coef` times the reduced per-token
-  entropy H_t = -Σ_a π_θ(a|s_t) log π_θ(a|s_t) of the trainer's sampling distribution (`entropy`,
-  from the full [B, T, V] log-probabilities; tokens a top-p cut removed add 0, with a finite gradient).
-  H_t is exact at each visited state (no sampled action, so no importance weight); descending the
-  loss raises it. The statistic `entropy` is its token mean, reported whether or not the bonus is on.
-- **Normalisation.** "token": sum of per-token losses / number of tokens in the batch (long
-  completions weigh more, every token counts the same). "sequence": mean over a sequence's
-  tokens, then mean over sequences (every completion counts the same). Default "sequence": one
-  user judgement per completion should move the model by about the same amount whatever its length.
-- Greedy completions (temperature 0, recorded log-probability 0) carry no usable ratio; callers
-  drop them before building a batch.
+  entropy of the trainer's sampling distribution (`entropy`); exact at each visited state (no sampled
+  action, so no importance weight and no mask). The statistic `entropy` is reported either way.
+- **Normalisation.** "token": sum of per-token losses / number of tokens in the batch. "sequence"
+  (default): mean over a sequence's tokens, then mean over sequences: one user judgement per
+  completion moves the model by about the same amount whatever its length. Masked tokens stay in
+  the denominators: masking removes a token's contribution, it does not re-weigh the others.
 
+Statistics (`LossOutput.stats`, plain floats): the behaviour ratio's `ratio_mean`, `ratio_max`,
+`abs_log_ratio_mean` (mean |log ρ|), `truncated_frac` (kept tokens with ρ > C), `masked_frac` (and
+its parts `masked_ratio_frac`, `masked_dppo_frac`, `masked_top_p_frac`), all over the real tokens;
+`clip_frac` (PPO clip active on r, or, under "tis", weight truncated), `dual_clip_frac`, `clamp_frac`,
+`policy_ratio_max` / `policy_abs_log_ratio_mean` (r = π_θ/π_prox), `logp_mean`, `behaviour_logp_mean`.
+
+Greedy completions (temperature 0) carry no usable ratio; callers drop them before building a batch.
 Shapes: B sequences, T completion tokens (right-padded; `mask` is 1 on real tokens).
-Called by learner.trainer; tested against values computed by hand, and the KL term's expected gradient
-against the exact reverse-KL gradient of a small categorical policy (tests/learner/test_kl.py).
+Called by learner.trainer; tested against values computed by hand, and the KL term's expected
+gradient against the exact reverse-KL gradient of a small categorical policy (tests/learner/test_kl.py).
 """
 
 from __future__ import annotations
@@ -87,18 +85,32 @@ from pydantic import BaseModel, ConfigDict, Field
 class LossConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    estimator: Literal["tis", "ppo"] = Field("tis", description="Truncated IS REINFORCE or PPO clipping.")
+    estimator: Literal["ppo", "tis"] = Field(
+        "ppo", description="Decoupled PPO (clip against the proximal policy) or truncated-IS REINFORCE."
+    )
     is_cap: float = Field(
         2.0,
         gt=0,
-        description="C in min(ρ, C): the 'tis' weight, and the KL term's importance weight (both estimators).",
+        description="C in min(ρ, C): the behaviour weight (π_prox/μ), the 'tis' weight and the KL term's weight.",
     )
-    clip_eps: float = Field(0.2, gt=0, lt=1, description="ε of the PPO clip range [1-ε, 1+ε].")
+    mask_ratio_low: float = Field(
+        0.125, ge=0, lt=1, description="Tokens whose behaviour ratio π_prox/μ is below this are masked."
+    )
+    mask_ratio_high: float = Field(
+        8.0, gt=1, description="Tokens whose behaviour ratio π_prox/μ is above this are masked."
+    )
+    dppo_mask_low: float = Field(
+        0.2, gt=0, le=1, description="A < 0: mask a token whose probability fell by more than this (μ - π_prox)."
+    )
+    dppo_mask_high: float = Field(
+        0.2, gt=0, le=1, description="A > 0: mask a token whose probability rose by more than this (π_prox - μ)."
+    )
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="ε of the PPO clip range [1-ε, 1+ε] on π_θ/π_prox.")
     dual_clip_c: float = Field(
         3.0, gt=1, description="c of the dual clip (PPO, negative advantages): the objective is at least c·A."
     )
     max_log_ratio: float = Field(
-        20.0, gt=0, description="|log ρ| is clamped to this before the exponential (no overflow to inf)."
+        20.0, gt=0, description="|log ratio| is clamped to this before the exponential (no overflow to inf)."
     )
     kl_coef: float = Field(
         0.0,
@@ -134,6 +146,31 @@ def entropy(logp_BTV: torch.Tensor) -> torch.Tensor:
     return -(logp_BTV.exp() * finite_logp).sum(-1)
 
 
+def behaviour_mask(
+    prox_logp_BT: torch.Tensor,
+    behaviour_logp_BT: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_BT: torch.Tensor,
+    cfg: LossConfig,
+    exclude_BT: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """Which real tokens the behaviour correction keeps (module docstring), as float 0/1 [B, T]
+    tensors: `keep`, and the reasons a token was masked (`ratio`, `dppo`, `top_p`; a token may have
+    several). No gradient."""
+    with torch.no_grad():
+        real = mask_BT > 0
+        L = cfg.max_log_ratio
+        rho = torch.exp(torch.clamp(prox_logp_BT - behaviour_logp_BT, -L, L))
+        by_ratio = real & ((rho < cfg.mask_ratio_low) | (rho > cfg.mask_ratio_high))
+        dp = prox_logp_BT.exp() - behaviour_logp_BT.exp()
+        A = advantages_B[:, None].expand_as(dp)
+        by_dppo = real & (((A > 0) & (dp > cfg.dppo_mask_high)) | ((A < 0) & (-dp > cfg.dppo_mask_low)))
+        by_top_p = real & (exclude_BT > 0) if exclude_BT is not None else torch.zeros_like(real)
+        keep = real & ~(by_ratio | by_dppo | by_top_p)
+        f = prox_logp_BT.dtype
+        return {"keep": keep.to(f), "ratio": by_ratio.to(f), "dppo": by_dppo.to(f), "top_p": by_top_p.to(f)}
+
+
 def policy_loss(
     logp_BT: torch.Tensor,
     behaviour_logp_BT: torch.Tensor,
@@ -143,10 +180,15 @@ def policy_loss(
     ref_logp_BT: torch.Tensor | None = None,
     weight_B: torch.Tensor | None = None,
     entropy_BT: torch.Tensor | None = None,
+    prox_logp_BT: torch.Tensor | None = None,
+    exclude_BT: torch.Tensor | None = None,
 ) -> LossOutput:
     """The loss to minimise and its statistics (`stats` are plain floats, for logging).
 
-    `ref_logp_BT`: the reference's log-probabilities of the same tokens (needed when `kl_coef` > 0;
+    `prox_logp_BT`: the proximal policy's log-probabilities of the same tokens (the weights at the
+    start of the update); None means θ is the proximal policy (an update's first step):
+    `logp_BT.detach()`. `exclude_BT`: tokens to mask whatever their ratio (1: cut by the trainer's
+    top-p at π_prox). `ref_logp_BT`: the reference's log-probabilities (needed when `kl_coef` > 0;
     `kl_k3` is reported whenever it is given). `entropy_BT`: the per-token entropy of the trainer's
     distribution (`entropy`), with its graph when `entropy_coef` > 0 (needed then)."""
     if logp_BT.shape != behaviour_logp_BT.shape or logp_BT.shape != mask_BT.shape:
@@ -156,28 +198,39 @@ def policy_loss(
         )
     if advantages_B.shape != logp_BT.shape[:1]:
         raise ValueError(f"advantages has shape {tuple(advantages_B.shape)}, expected ({logp_BT.shape[0]},)")
+    prox = logp_BT.detach() if prox_logp_BT is None else prox_logp_BT.to(logp_BT.dtype).detach()
+    if prox.shape != logp_BT.shape:
+        raise ValueError(f"prox_logp {tuple(prox.shape)} must have the shape of logp {tuple(logp_BT.shape)}")
     mask = mask_BT.to(logp_BT.dtype)
     weight = torch.ones_like(advantages_B) if weight_B is None else weight_B.to(advantages_B.dtype)
-    raw_log_ratio = logp_BT - behaviour_logp_BT
     L = cfg.max_log_ratio
-    log_ratio = torch.clamp(raw_log_ratio, -L, L)
-    clamped = (raw_log_ratio.detach().abs() > L).to(logp_BT.dtype)
-    ratio = torch.exp(log_ratio)
+    behaviour = behaviour_logp_BT.to(logp_BT.dtype)
+    parts = behaviour_mask(prox, behaviour, advantages_B, mask, cfg, exclude_BT)
+    keep = parts["keep"]
+    raw_behaviour_log_ratio = prox - behaviour
+    rho = torch.exp(torch.clamp(raw_behaviour_log_ratio, -L, L))  # no gradient: prox is detached
+    w = torch.clamp(rho, max=cfg.is_cap)
+    truncated = keep * (rho > cfg.is_cap).to(mask.dtype)
+    raw_full = logp_BT - behaviour  # π_θ / μ
+    clamped = (raw_full.detach().abs() > L).to(logp_BT.dtype)
+    full_ratio = torch.exp(torch.clamp(raw_full, -L, L)).detach()
+    log_r = torch.clamp(logp_BT - prox, -L, L)
+    r = torch.exp(log_r)  # π_θ / π_prox, with its gradient
     A = advantages_B[:, None]
     dual = torch.zeros_like(mask)
     if cfg.estimator == "tis":
-        w = torch.clamp(ratio.detach(), max=cfg.is_cap)
-        per_token = -w * A * logp_BT
-        clipped = (ratio.detach() > cfg.is_cap).to(logp_BT.dtype)
+        w_tis = torch.clamp(full_ratio, max=cfg.is_cap)
+        per_token = -w_tis * A * logp_BT * keep
+        clipped = keep * (full_ratio > cfg.is_cap).to(logp_BT.dtype)
     else:
-        unclipped = ratio * A
-        clipped_obj = torch.clamp(ratio, 1 - cfg.clip_eps, 1 + cfg.clip_eps) * A
+        unclipped = r * A
+        clipped_obj = torch.clamp(r, 1 - cfg.clip_eps, 1 + cfg.clip_eps) * A
         surrogate = torch.minimum(unclipped, clipped_obj)
-        clipped = (clipped_obj < unclipped).to(logp_BT.dtype)
+        clipped = keep * (clipped_obj < unclipped).to(logp_BT.dtype)
         floor = (cfg.dual_clip_c * A).expand_as(surrogate)
         dual_active = (A < 0) & (surrogate < floor)
-        per_token = -torch.where(dual_active, floor, surrogate)
-        dual = dual_active.to(logp_BT.dtype)
+        per_token = -w * torch.where(dual_active, floor, surrogate) * keep
+        dual = keep * dual_active.to(logp_BT.dtype)
     loss = _reduce(per_token, mask, weight, cfg.normalize)
     n = mask.sum().clamp(min=1)
     kl_estimate = 0.0
@@ -186,7 +239,7 @@ def policy_loss(
     if ref_logp_BT is not None:
         if ref_logp_BT.shape != logp_BT.shape:
             raise ValueError(f"ref_logp {tuple(ref_logp_BT.shape)} must have the shape of logp {tuple(logp_BT.shape)}")
-        w_kl = torch.clamp(ratio.detach(), max=cfg.is_cap)
+        w_kl = torch.clamp(full_ratio, max=cfg.is_cap) * keep
         delta = logp_BT - ref_logp_BT.to(logp_BT.dtype)
         if cfg.kl_coef > 0:
             loss = loss + cfg.kl_coef * _reduce(w_kl * 0.5 * delta.square(), mask, weight, cfg.normalize)
@@ -201,23 +254,37 @@ def policy_loss(
         if cfg.entropy_coef > 0:
             loss = loss - cfg.entropy_coef * _reduce(entropy_BT, mask, weight, cfg.normalize)
     with torch.no_grad():
+
+        def mean(x: torch.Tensor) -> float:
+            return float((x * mask).sum() / n)
+
+        def top(x: torch.Tensor) -> float:
+            return float(x.masked_fill(mask == 0, float("-inf")).max()) if mask.any() else 1.0
+
         stats = {
             "loss": float(loss),
-            "ratio_mean": float((ratio * mask).sum() / n),
-            "ratio_max": float(ratio.masked_fill(mask == 0, float("-inf")).max()) if mask.any() else 1.0,
-            "clip_frac": float((clipped * mask).sum() / n),
-            "dual_clip_frac": float((dual * mask).sum() / n),
-            "clamp_frac": float((clamped * mask).sum() / n),
-            "abs_log_ratio_mean": float((log_ratio.abs() * mask).sum() / n),
-            "logp_mean": float((logp_BT * mask).sum() / n),
-            "behaviour_logp_mean": float((behaviour_logp_BT * mask).sum() / n),
+            "ratio_mean": mean(rho),
+            "ratio_max": top(rho),
+            "abs_log_ratio_mean": mean(torch.clamp(raw_behaviour_log_ratio, -L, L).abs()),
+            "truncated_frac": mean(truncated),
+            "masked_frac": mean(1 - keep),
+            "masked_ratio_frac": mean(parts["ratio"]),
+            "masked_dppo_frac": mean(parts["dppo"]),
+            "masked_top_p_frac": mean(parts["top_p"]),
+            "policy_ratio_max": top(r),
+            "policy_abs_log_ratio_mean": mean(log_r.abs()),
+            "clip_frac": mean(clipped),
+            "dual_clip_frac": mean(dual),
+            "clamp_frac": mean(clamped),
+            "logp_mean": mean(logp_BT),
+            "behaviour_logp_mean": mean(behaviour),
             "adv_mean": float(advantages_B.mean()),
             "adv_std": float(advantages_B.std()) if advantages_B.numel() > 1 else 0.0,
             "kl_k3": kl_estimate,
             "tokens": float(mask.sum()),
         }
         if entropy_BT is not None:
-            stats["entropy"] = float((entropy_BT * mask).sum() / n)
+            stats["entropy"] = mean(entropy_BT)
     return LossOutput(loss, stats)
 
 

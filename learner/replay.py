@@ -143,6 +143,13 @@ def chosen_logprobs(logp_BTV: torch.Tensor, batch: Batch) -> torch.Tensor:
     return chosen * batch.mask_BT
 
 
+def top_p_cut(logp_BTV: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """1.0 [B, T] where a real output token lies outside the trainer's own top-p set (its log-probability
+    under the sampling transform is -inf; `chosen_logprobs` keeps it finite, and the objective masks it)."""
+    chosen = logp_BTV.detach().gather(-1, batch.targets_BT[..., None]).squeeze(-1)
+    return (~torch.isfinite(chosen)).to(batch.mask_BT.dtype) * batch.mask_BT
+
+
 def token_entropy(logp_BTV: torch.Tensor) -> torch.Tensor:
     """-Σ p log p per position [B, T] of a (possibly top-p truncated) distribution: cut tokens add 0."""
     p = logp_BTV.exp()

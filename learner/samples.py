@@ -2,19 +2,23 @@
 
 Owns the decoding of the recorded routing (uint8 [P + N - 1, L, K], base64 in the event) and the
 filters applied before training: greedy completions (no usable importance ratio), empty outputs,
-and samples whose behaviour version is more than `max_staleness` versions behind the trainer (as
-`learner.lineage.staleness` counts) are dropped and counted, never silently.
+samples whose behaviour version is more than `max_staleness` versions behind the trainer (as
+`learner.lineage.staleness` counts), and samples more than `max_lag` updates behind it (the policy
+lag bound) are dropped and counted, never silently.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import TypeVar
 
 import numpy as np
 
 from feedback.events import SampleEvent
 from learner.baselines import baseline_key
 from learner.replay import Sequence
+
+T = TypeVar("T")
 
 
 def sequence_from_sample(ev: SampleEvent, key: str | None = None) -> Sequence:
@@ -35,9 +39,16 @@ def sequence_from_sample(ev: SampleEvent, key: str | None = None) -> Sequence:
     )
 
 
-def drop_reason(ev: SampleEvent, staleness: dict[str, int], max_staleness: int) -> str | None:
-    """Why `ev` is not trained on ("empty", "greedy", "unknown_version", "stale"), or None.
-    `staleness`: how many versions behind the trainer each known version is."""
+def drop_reason(
+    ev: SampleEvent,
+    staleness: dict[str, int],
+    max_staleness: int,
+    lag: dict[str, int] | None = None,
+    max_lag: int | None = None,
+) -> str | None:
+    """Why `ev` is not trained on ("empty", "greedy", "unknown_version", "stale", "lag"), or None.
+    `staleness`: how many versions behind the trainer each known version is; `lag`: how many updates
+    (`learner.lineage.staleness(state, "updates")`), bounded by `max_lag` (None: no bound)."""
     c = ev.completion
     if not c.output_ids:
         return "empty"
@@ -48,7 +59,27 @@ def drop_reason(ev: SampleEvent, staleness: dict[str, int], max_staleness: int) 
         return "unknown_version"
     if behind > max_staleness:
         return "stale"
+    if lag is not None and max_lag is not None and lag.get(c.model_version, 0) > max_lag:
+        return "lag"
     return None
+
+
+def partition(
+    batch: list[tuple[T, SampleEvent]],
+    staleness: dict[str, int],
+    max_staleness: int,
+    lag: dict[str, int] | None = None,
+    max_lag: int | None = None,
+) -> tuple[list[tuple[T, SampleEvent]], Counter[str]]:
+    """The (record, event) pairs `drop_reason` keeps, in order, and the count of the rest by reason."""
+    kept, dropped = [], Counter[str]()
+    for rec, ev in batch:
+        why = drop_reason(ev, staleness, max_staleness, lag, max_lag)
+        if why is None:
+            kept.append((rec, ev))
+        else:
+            dropped[why] += 1
+    return kept, dropped
 
 
 def select(

@@ -4,10 +4,11 @@ Owns the learner's durable state and its exactly-once accounting:
 - **Cadence.** An update runs when `update_every_samples` samples are buffered, or when
   `update_every_s` has passed since the last one and at least `min_samples` are buffered (hours in
   production, seconds in the demo).
-- **Bounded staleness, in gate cycles.** A sample served by a version more than `max_staleness`
-  (default 2) *registered* versions behind the learner's anchor (`learner.lineage`) is dropped and
-  counted; what is kept is importance-corrected against its recorded behaviour log-probs, the
-  weight truncated at `is_cap` and |log ρ| clamped (`learner.objective`).
+- **Bounded staleness, in gate cycles and in updates.** A sample served by a version more than
+  `max_staleness` (default 2) *registered* versions behind the learner's anchor (`learner.lineage`),
+  or more than `max_lag_updates` (default 8) updates behind its tip, is dropped and counted
+  (`learner.update_stats`); what is kept is corrected the decoupled-PPO way (`learner.objective`,
+  docs/learner.md).
 - **Hold back while the gate is busy** (`hold_back`, default on). While a version is in flight
   (`Registry.in_flight()`: evaluating, canary, awaiting approval), or, once a gate has been seen at
   work, while the last registered candidate still waits for it, an update is checkpointed and
@@ -88,8 +89,9 @@ from feedback.events import SampleEvent
 from learner.config import LearnerConfig
 from learner.lineage import anchor, merge_covered, staleness, staleness_stats
 from learner.poisoning import screen
-from learner.samples import drop_reason, sequence_from_sample
+from learner.samples import partition, sequence_from_sample
 from learner.trainer import NonFiniteUpdate, Trainer
+from learner.update_stats import counters, since_parent
 from registry.publish import SHIPPING_DTYPE, publish_base, sha256_of
 from registry.registry import Registry, UnknownVersion
 from serving.checkpoint import CONFIG, WEIGHTS, load_checkpoint, save_checkpoint
@@ -373,14 +375,9 @@ class LearnerService:
         mine = [r for r, _ in self.buffer]  # committed by this rank once the version is durable
         records, batch, offline_all = self._whole_batch()
         behind = staleness(self.state, self.cfg.staleness_unit)
-        kept: list[tuple[Record, SampleEvent]] = []
-        dropped: Counter[str] = Counter()
-        for rec, ev in batch:
-            why = drop_reason(ev, behind, self.cfg.max_staleness)
-            if why is None:
-                kept.append((rec, ev))
-            else:
-                dropped[why] += 1
+        lag = staleness(self.state, "updates")
+        max_lag = self.cfg.max_lag_updates
+        kept, dropped = partition(batch, behind, self.cfg.max_staleness, lag, max_lag)
         screening = screen([ev for _, ev in kept], self.cfg.poisoning)
         seqs = [
             dataclasses.replace(sequence_from_sample(ev), weight=w)
@@ -399,6 +396,7 @@ class LearnerService:
             (s, a)
             for s, a in offline_all
             if behind.get(s.version, self.cfg.max_staleness + 1) <= self.cfg.max_staleness
+            and (max_lag is None or lag.get(s.version, 0) <= max_lag)
         ]
         self.counters["dropped_offline_stale"] += len(offline_all) - len(offline)
         self.offline = []
@@ -420,9 +418,10 @@ class LearnerService:
             log.warning("learner: nothing trainable in %d buffered samples (dropped: %s)", len(batch), dict(dropped))
         if trained:
             stats["offline_samples"] = len(offline)
-            stats["dropped"] = dict(dropped)
-            stats["poisoning"] = screening.summary()
+            stats.update(counters(dropped, screening, len(offline_all) - len(offline)))
             stats.update(staleness_stats(self.state, [s.version for s in seqs]))
+            stats["lag_updates_mean"] = stats["staleness_updates_mean"]
+            stats["lag_updates_max"] = stats["staleness_updates_max"]
             self.last_stats = stats
             before = {int(p): o for p, o in self.state["positions"].items()}
             touched = {r.partition for r in records}
@@ -531,6 +530,7 @@ class LearnerService:
         covered = merge_covered([h["covered"] for h in held.values()] + [covered])
         metrics = {**stats, "held_back_updates": len(held)}
         metrics["samples_since_parent"] = stats["samples"] + sum(h["stats"]["samples"] for h in held.values())
+        metrics["since_parent"] = since_parent([h["stats"] for h in held.values()] + [stats])
         if self.store.path(vid) is None:
             self.store.put(vid, shipping_state(self.model, SHIPPING_DTYPE), parent=parent)
         entry = self._store_entry(vid)

@@ -134,7 +134,9 @@ def check_same_update(ckpt, seqs, cfg, n_vocab, pad, baseline_state):
 def test_two_ranks_equal_shards_match_one_process(served, tiny_checkpoint):
     seqs, n_vocab, pad, baseline = served
     # micro_batch 3: a rank's 4 sequences run as 3 + 1 (no_sync, then the all-reduce); gradients clipped.
-    cfg = TrainerConfig(lr=LR, micro_batch=3, loss=LossConfig(normalize="sequence"))
+    # One pass: the parameter bound below follows one AdamW step's gradient difference (a second pass
+    # would start from parameters that already differ by rounding, and compound it).
+    cfg = TrainerConfig(lr=LR, micro_batch=3, steps_per_update=1, loss=LossConfig(normalize="sequence"))
     check_same_update(tiny_checkpoint, seqs, cfg, n_vocab, pad, baseline)
 
 
@@ -144,7 +146,7 @@ def test_two_ranks_unequal_shards_match_one_process(served, tiny_checkpoint):
     seqs = seqs[:7]  # shards of 4 and 3 sequences, and unequal token counts
     assert [len(shard_indices(7, 2, r)) for r in range(2)] == [4, 3]
     # Token normalisation, no clipping (the gradient is the raw one), micro-batches 3 + 1 vs 3.
-    cfg = TrainerConfig(lr=LR, micro_batch=3, grad_clip=1e9, loss=LossConfig(normalize="token"))
+    cfg = TrainerConfig(lr=LR, micro_batch=3, grad_clip=1e9, steps_per_update=1, loss=LossConfig(normalize="token"))
     _, _, grads_full, res = check_same_update(tiny_checkpoint, seqs, cfg, n_vocab, pad, baseline)
     # The check can tell: plain DDP (each rank's own token mean, averaged over ranks) is measurably off.
     halves = [
@@ -169,7 +171,7 @@ def test_shards_are_contiguous_and_cover_the_batch():
 @pytest.mark.slow
 def test_batch_smaller_than_the_ranks_is_trained_whole_by_every_rank(served, tiny_checkpoint):
     seqs, n_vocab, pad, baseline = served
-    cfg = TrainerConfig(lr=LR)
+    cfg = TrainerConfig(lr=LR, steps_per_update=1)
     sd_a, grads_a, stats_a, _ = one_process(tiny_checkpoint, seqs[:1], cfg, n_vocab, pad, baseline)
     res = spawn_update(
         2, load_checkpoint(tiny_checkpoint), seqs[:1], cfg, n_vocab, pad, baseline_state=baseline, timeout_s=60

@@ -173,7 +173,7 @@ def test_truncated_weights_are_the_policy_terms():
     logp = torch.tensor([[-0.5, -2.0]], dtype=F64, requires_grad=True)
     behaviour = torch.tensor([[-3.0, -2.0]], dtype=F64)  # ρ = e^2.5, 1
     ref = torch.tensor([[-1.0, -1.5]], dtype=F64)  # δ = 0.5, -0.5
-    cfg = LossConfig(kl_coef=1.0, is_cap=2.0, normalize="token")
+    cfg = LossConfig(kl_coef=1.0, is_cap=2.0, normalize="token", mask_ratio_high=1e9)  # truncated, not masked
     out = policy_loss(logp, behaviour, torch.zeros(1, dtype=F64), torch.ones(1, 2, dtype=F64), cfg, ref)
     out.loss.backward()
     assert logp.grad[0].tolist() == pytest.approx([2.0 * 0.5 / 2, 1.0 * -0.5 / 2], abs=1e-12)

@@ -62,14 +62,63 @@ def test_truncation_and_token_normalisation():
     assert grad[0, 0].item() == f32(-1.1 / 3)
 
 
-def test_ppo_clip():
-    # tok(0,0): ρ=1.2214,A=1 → min(1.2214, 1.2) = 1.2 ; tok(0,1): ρ=0.6065 → min(0.6065, 0.8) = 0.6065
-    # tok(1,0): ρ=1, A=-2 → -2 ; per-seq: (-1.2-0.606531)/2, +2 ; mean
-    out, grad = run(LossConfig(estimator="ppo", clip_eps=0.2, normalize="sequence"))
-    assert out.loss.item() == f32(((-1.2 - R01) / 2 + 2.0) / 2)
-    assert out.stats["clip_frac"] == f32(1 / 3)
-    assert grad[0, 0].item() == 0.0  # clipped: no gradient
-    assert grad[0, 1].item() == f32(-R01 / 4)
+def test_decoupled_ppo_clips_against_the_proximal_policy_and_weighs_by_the_behaviour_ratio():
+    # θ = LOGP, π_prox = PROX, μ = MU. r = π_θ/π_prox: e^0.2, e^-0.5, 1; ρ = π_prox/μ: e^0.1, 1, e^-0.1
+    # (all inside the masks: probability moves of 0.029 and 0.064 < 0.2), weights w = ρ (< C = 2).
+    # tok(0,0): A=1, min(r, 1.2) = 1.2, clipped (no gradient), times w = e^0.1.
+    # tok(0,1): A=1, min(0.606531, 0.8) = r, w = 1. tok(1,0): A=-2, r = 1, w = e^-0.1.
+    prox, mu = [[-1.2, -1.5], [-0.5, 0.0]], [[-1.3, -1.5], [-0.4, 0.0]]
+    logp = torch.tensor(LOGP, dtype=torch.float64, requires_grad=True)
+    f = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    cfg = LossConfig(estimator="ppo", clip_eps=0.2, normalize="sequence")
+    out = policy_loss(logp, f(mu), f(ADV), f(MASK), cfg, prox_logp_BT=f(prox))
+    out.loss.backward()
+    e = math.exp
+    assert out.loss.item() == f64((-(1.2 * e(0.1) + R01) / 2 + 2 * e(-0.1)) / 2)
+    assert logp.grad.tolist() == [[0.0, f64(-R01 / 4)], [f64(e(-0.1)), 0.0]]  # -w·A·r / tokens / sequences
+    assert out.stats["clip_frac"] == f64(1 / 3) and out.stats["masked_frac"] == 0.0
+    assert out.stats["ratio_max"] == f64(e(0.1)) and out.stats["abs_log_ratio_mean"] == f64(0.2 / 3)
+    assert out.stats["policy_ratio_max"] == f64(R00) and out.stats["truncated_frac"] == 0.0
+
+
+def test_on_the_first_step_ppo_is_the_truncated_weight_and_never_clips():
+    # No proximal log-probs given: θ is π_prox, r ≡ 1 and the clip cannot bind, whatever ε; the gradient
+    # is REINFORCE weighted by w = min(π_θ/μ, C): the "tis" gradient exactly (same ratios e^0.2, e^-0.5, 1).
+    _, tis_grad = run(LossConfig(estimator="tis", is_cap=1.5))
+    out, grad = run(LossConfig(estimator="ppo", is_cap=1.5, clip_eps=0.01))
+    assert out.stats["clip_frac"] == 0.0 and out.stats["policy_ratio_max"] == 1.0
+    assert grad.tolist() == [[f32(-R00 / 4), f32(-R01 / 4)], [f32(1.0), 0.0]]
+    assert torch.allclose(grad, tis_grad, rtol=0, atol=8 * F32_EPS)
+
+
+def test_extreme_behaviour_ratios_are_masked_with_zero_gradient_and_counted():
+    # One sequence, A = +1, π_prox = π_θ (first step). Probabilities (π_prox, μ) per token:
+    #   0: (0.9, 0.6)    ρ 1.5, inside the band, but up by 0.3 > 0.2 in the advantage's direction: DPPO-masked
+    #   1: (0.01, 0.001) ρ 10 > 8: ratio-masked (its probability moved only 0.009)
+    #   2: (0.03, 0.01)  ρ 3: kept, its weight truncated to C = 2
+    #   3: (0.5, 0.5)    ρ 1: kept, weight 1
+    #   4: (0.4, 0.4)    kept by the ratios, but cut by the trainer's top-p (exclude): masked
+    p = torch.tensor([[0.9, 0.01, 0.03, 0.5, 0.4]], dtype=torch.float64)
+    m = torch.tensor([[0.6, 0.001, 0.01, 0.5, 0.4]], dtype=torch.float64)
+    cut = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0]], dtype=torch.float64)
+    ones = torch.ones(1, 5, dtype=torch.float64)
+    for estimator in ("ppo", "tis"):
+        logp = p.log().requires_grad_(True)
+        cfg = LossConfig(estimator=estimator, is_cap=2.0, normalize="token")
+        out = policy_loss(logp, m.log(), torch.ones(1, dtype=torch.float64), ones, cfg, exclude_BT=cut)
+        out.loss.backward()
+        assert logp.grad.tolist() == [[0.0, 0.0, f64(-2 / 5), f64(-1 / 5), 0.0]]  # -w·A / 5 tokens
+        st = out.stats
+        assert (st["masked_frac"], st["masked_dppo_frac"], st["masked_ratio_frac"]) == (0.6, 0.2, 0.2)
+        assert st["masked_top_p_frac"] == 0.2 and st["truncated_frac"] == 0.2 and st["ratio_max"] == f64(10.0)
+    # The same rise with a negative advantage is not masked (the DPPO mask follows the advantage's sign):
+    # token 0 keeps its weight ρ = 1.5; the probability that fell (token-wise: none here) would be.
+    logp = p.log().requires_grad_(True)
+    out = policy_loss(logp, m.log(), -torch.ones(1, dtype=torch.float64), ones, LossConfig(normalize="token"))
+    out.loss.backward()
+    assert logp.grad[0, 0].item() == f64(1.5 / 5) and out.stats["masked_dppo_frac"] == 0.0
+    fell = policy_loss(m.log(), p.log(), -torch.ones(1, dtype=torch.float64), ones, LossConfig())
+    assert fell.stats["masked_dppo_frac"] == 0.2  # token 0 fell from 0.9 to 0.6 under A < 0
 
 
 def test_kl_penalty_is_importance_weighted_k2():
@@ -175,9 +224,11 @@ def test_running_baseline():
         RunningBaseline(decay=1.0)
 
 
-def one_row(logp, behaviour, adv, cfg):
+def one_row(logp, prox, adv, cfg):
+    """One sequence at a later step: θ = `logp`, π_prox = μ = `prox` (the behaviour ratio is 1)."""
     lp = torch.tensor([logp], requires_grad=True)
-    out = policy_loss(lp, torch.tensor([behaviour]), torch.tensor([adv]), torch.ones(1, len(logp)), cfg)
+    p = torch.tensor([prox])
+    out = policy_loss(lp, p, torch.tensor([adv]), torch.ones(1, len(logp)), cfg, prox_logp_BT=p)
     out.loss.backward()
     return out, lp.grad[0]
 
@@ -208,10 +259,11 @@ def test_log_ratio_clamp_keeps_one_wild_token_finite():
     out, grad = one_row([-1.0, -0.5], [-100.0, -0.5], -1.0, cfg)
     assert out.loss.item() == f32(2.0, scale=3) and grad.tolist() == [f32(0.0), f32(0.5)]
     # e^20 in float32: a few ulps of itself
-    assert out.stats["clamp_frac"] == 0.5 and out.stats["ratio_max"] == pytest.approx(math.exp(20), rel=8 * F32_EPS)
+    assert out.stats["clamp_frac"] == 0.5
+    assert out.stats["policy_ratio_max"] == pytest.approx(math.exp(20), rel=8 * F32_EPS)
     # What the clamp prevents: ρ = inf, so even the dual-clipped token's gradient is 0 · inf = nan.
     unclamped, g = one_row([-1.0, -0.5], [-100.0, -0.5], -1.0, LossConfig(estimator="ppo", max_log_ratio=1000.0))
-    assert math.isnan(g[0].item()) and unclamped.stats["ratio_max"] == math.inf
+    assert math.isnan(g[0].item()) and unclamped.stats["policy_ratio_max"] == math.inf
     # TIS, A = 1, cap 2: the weight is min(e^20, 2) = 2: per token -w·A·logp = 2, 0.5; mean 1.25.
     out, grad = one_row([-1.0, -0.5], [-40.0, -0.5], 1.0, LossConfig(estimator="tis", is_cap=2.0))
     assert out.loss.item() == f32(1.25, scale=2) and grad.tolist() == [f32(-1.0), f32(-0.5)]

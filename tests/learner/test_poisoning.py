@@ -3,6 +3,8 @@ summary stored with the version; numbers checked by hand."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from feedback.events import CompletionEvent, RoutedExperts, SampleEvent
@@ -36,18 +38,29 @@ def test_an_honest_crowd_is_not_flagged():
     assert s.summary()["flagged_users"] == 0
 
 
-def test_a_user_who_dominates_by_rate_and_share_is_flagged_and_weighed_down():
+def test_a_user_who_dominates_and_skews_the_reward_is_flagged_and_weighed_down():
     honest = [sample(f"u{u}", 0.5, i) for u in range(30) for i in range(2)]  # 30 users x 2 samples, mass 30
     spam = [sample("spammer", 1.0, i) for i in range(20)]  # 20 samples, mass 20: 40% of 50
     s = screen(honest + spam)
     [flag] = s.flags
     assert (flag.user, flag.samples) == ("spammer", 20) and flag.reward_share == approx_ulps(0.4)
-    # median 2, MAD floored to 1: rate threshold 2 + 5 x 1 = 7 samples
-    assert s.rate_threshold == 7.0 and len(flag.reasons) == 2
-    assert flag.weight == approx_ulps(min(0.05 / 0.4, 7 / 20))  # 0.125: the share rule is the stricter
-    assert s.weights[:60] == [1.0] * 60 and s.weights[60:] == [approx_ulps(0.125)] * 20
+    # One context (no key), leave-the-user-out means: the spammer's yardstick is the 60 honest samples
+    # (0.5: residual +0.5 x20), an honest user's the other 78 samples (49 / 78: residual 0.5 - 49/78 x2 each).
+    r_honest = 0.5 - 49 / 78
+    sigma = math.sqrt((20 * 0.5**2 + 60 * r_honest**2) / 79)
+    z = 20 * 0.5 / (sigma * math.sqrt(20))
+    assert len(flag.reasons) == 2 and z > 4
+    assert flag.weight == pytest.approx(min(0.25 / 0.4, 4 / z), rel=1e-12)  # the deviation rule is the stricter
+    assert s.weights[:60] == [1.0] * 60 and s.weights[60:] == [flag.weight] * 20
     summary = s.summary()
     assert summary["flagged_samples"] == 20 and summary["flags"][0]["user"] == "spammer"
+
+
+def test_a_heavy_user_who_rewards_like_everyone_is_not_flagged():
+    # 20% of the batch, rewards distributed as everyone's: neither dominant (share < 25%) nor skewed.
+    crowd = [sample(f"u{u}", 0.5 if (u + i) % 2 else -0.5, i) for u in range(40) for i in range(2)]
+    heavy = [sample("heavy", 0.5 if i % 2 else -0.5, i) for i in range(20)]
+    assert screen(crowd + heavy).flags == []
 
 
 def test_the_share_rule_waits_for_enough_users_and_anonymous_is_never_flagged():

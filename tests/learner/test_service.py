@@ -124,6 +124,22 @@ def test_stale_samples_are_dropped_and_counted(tmp_path, tiny_checkpoint, sample
     bus.close()
 
 
+def test_samples_beyond_the_lag_bound_are_dropped_and_counted(tmp_path, tiny_checkpoint, samples):
+    bus = EmbeddedBus(tmp_path / "bus")
+    svc = make(tmp_path, tiny_checkpoint, bus, max_lag_updates=1)  # staleness in versions: 10, not binding
+    publish(bus, samples[:30])
+    drain(svc)  # every sample served by the base: 0, 1, then 2 updates behind
+    assert svc.current == "v0002"
+    assert svc.counters["trained"] == 20 and svc.counters["dropped_lag"] == 10
+    m = svc.registry.get("v0002").metrics
+    assert (m["lag_updates_max"], m["dropped_lag"], m["dropped_stale"]) == (1.0, 0.0, 0.0)
+    for k in ("masked_frac", "truncated_frac", "abs_log_ratio_mean", "ratio_max", "missing_routing_sequences"):
+        assert k in m, k
+    assert m["since_parent"]["samples"] == 10.0 and m["poisoning_flagged_users"] == 0.0
+    svc.close()
+    bus.close()
+
+
 class Crash(RuntimeError):
     pass
 
@@ -293,7 +309,9 @@ def test_the_kl_reference_is_the_promoted_version(tmp_path, tiny_checkpoint, sam
     from learner.objective import LossConfig
 
     bus = EmbeddedBus(tmp_path / "bus")
-    trainer = TrainerConfig(lr=1e-2, loss=LossConfig(kl_coef=0.5))
+    # One pass per update: the KL of v0001's update is then the reference's own, 0 (a second pass would
+    # measure it after the first step).
+    trainer = TrainerConfig(lr=1e-2, steps_per_update=1, loss=LossConfig(kl_coef=0.5))
     cfg = LearnerConfig(update_every_samples=10, min_samples=1, max_staleness=10, trainer=trainer)
     svc = LearnerService(bus, Registry(f"sqlite:///{tmp_path}/registry.db"), tmp_path / "models", tiny_checkpoint, cfg)
     assert svc.reference_id == tiny_checkpoint.name

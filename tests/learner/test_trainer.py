@@ -82,8 +82,8 @@ def test_kl_needs_a_reference_and_uses_it(tiny_checkpoint, served):
     kl = {"loss": LossConfig(kl_coef=0.5)}
     with pytest.raises(ValueError, match="kl_coef"):
         make(tiny_checkpoint, served, **kl)
-    plain = make(tiny_checkpoint, served)
-    same = make(tiny_checkpoint, served, reference=load_checkpoint(tiny_checkpoint), **kl)
+    plain = make(tiny_checkpoint, served, steps_per_update=1)  # one step: θ is the reference throughout it
+    same = make(tiny_checkpoint, served, reference=load_checkpoint(tiny_checkpoint), steps_per_update=1, **kl)
     # Reference = policy (and the same replayed routing): k3 is 0 with zero gradient, so the update is the plain one.
     s_plain, s_same = plain.update(seqs).stats, same.update(seqs).stats
     assert s_same["kl_k3"] == 0.0 and s_same["loss"] == s_plain["loss"]
@@ -97,7 +97,7 @@ def test_kl_needs_a_reference_and_uses_it(tiny_checkpoint, served):
 
 def test_entropy_and_sampled_logprob_are_the_sampling_distributions(tiny_checkpoint, served):
     seqs, n_vocab, pad = served
-    trainer = make(tiny_checkpoint, served)
+    trainer = make(tiny_checkpoint, served, steps_per_update=1)  # the statistics of one pass, before its step
     model = load_checkpoint(tiny_checkpoint)  # an independent computation, before the update
     args = model.args
     batch = make_batch(seqs, pad, args.n_layers, args.top_k)

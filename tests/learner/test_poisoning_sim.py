@@ -1,0 +1,92 @@
+"""The poisoning screen on simulated traffic shaped as the demo's: 500 users with the demo's simulated
+preferences (`demo.users.SimulatedUser`, accept probabilities jittered by 0.1 as `demo.system` does),
+activity drawn from a Pareto(1.5) (as `demo.system`), 256 samples per update over 18 task families,
+rewards from the reactions by the default reward table's values. Seeded, vectorised with numpy."""
+
+import numpy as np
+import pytest
+
+from demo.users import SimulatedUser, UserPrefs
+from feedback.events import CompletionEvent, RoutedExperts, SampleEvent
+from learner.poisoning import screen
+
+USERS, BATCH, UPDATES, FAMILIES = 500, 256, 60, 18
+EXPERTS = RoutedExperts.from_bytes((1, 1, 1), b"\x00")
+
+
+def event(user: str, family: int, reward: float, i: int) -> SampleEvent:
+    c = CompletionEvent.model_construct(
+        completion_id=f"c{i}",
+        tenant="demo",
+        user_id=user,
+        model_version="v1",
+        endpoint="completions",
+        prompt_ids=[1],
+        output_ids=[2],
+        logprobs=[-0.1],
+        routed_experts=EXPERTS,
+        text="x",
+        finish_reason="stop",
+        params={},
+        latency_ms={},
+        context=f"f{family}",
+    )
+    return SampleEvent.model_construct(tenant="demo", completion=c, reward=reward, signals=[], reward_spec="x")
+
+
+def run(seed: int, adversarial: set[int], flood: float = 0.0) -> tuple[list[set[int]], np.ndarray]:
+    """Per update, the users flagged; and which users are adversarial. `flood`: user 0's share of the
+    traffic (0: the Pareto draw)."""
+    rng = np.random.default_rng(seed)
+    prefs = [SimulatedUser(f"u{i}", seed, UserPrefs(noise=0.1)).prefs for i in range(USERS)]
+    p_good = np.array([p.p_accept_correct_preferred for p in prefs])
+    p_other = np.array([p.p_accept_correct_other for p in prefs])
+    p_bad = np.array([p.p_accept_incorrect for p in prefs])
+    activity = rng.pareto(1.5, USERS) + 1.0
+    share = activity / activity.sum()
+    if flood:
+        share = np.r_[flood, share[1:] * (1 - flood) / share[1:].sum()]
+    pass_rate = rng.uniform(0.3, 0.9, FAMILIES)
+    adv = np.zeros(USERS, bool)
+    adv[list(adversarial)] = True
+    flagged = []
+    for _ in range(UPDATES):
+        u = rng.choice(USERS, BATCH, p=share)
+        fam = rng.integers(0, FAMILIES, BATCH)
+        passed = rng.random(BATCH) < pass_rate[fam]
+        seen = passed ^ adv[u]  # adversarial users react to the opposite of the truth
+        style = rng.random(BATCH) < 0.5
+        p_acc = np.where(seen, np.where(style, p_good[u], p_other[u]), p_bad[u])
+        acc = rng.random(BATCH) < p_acc
+        # accepted 0.75 (+0.25 copied at p_copy 0.5, +0.5 thumb up at 0.2 x 0.25 kept); else -0.25
+        # (rejected or regenerated; -0.5 more for a thumb down at 0.25 x 0.25 kept); clipped to [-1, 1]
+        up = 0.75 + 0.25 * (rng.random(BATCH) < 0.5) + 0.5 * (rng.random(BATCH) < 0.05)
+        down = -0.25 - 0.5 * (rng.random(BATCH) < 0.0625)
+        reward = np.clip(np.where(acc, up, down), -1, 1)
+        batch = [event(f"u{a}", int(f), float(r), i) for i, (a, f, r) in enumerate(zip(u, fam, reward))]
+        flagged.append({int(f.user[1:]) for f in screen(batch).flags})
+    return flagged, adv
+
+
+def share_of_updates(flagged: list[set[int]], users: set[int]) -> float:
+    return sum(bool(f & users) for f in flagged) / len(flagged)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_clean_run_flags_no_honest_user_in_nine_updates_of_ten(seed):
+    flagged, _ = run(seed, set())
+    assert share_of_updates(flagged, set(range(USERS))) <= 0.10, flagged
+
+
+def test_adversaries_measured():
+    # Printed, not asserted (docs/learner.md gives the numbers and why): a flooding adversary (user 0:
+    # 20% of the traffic, rewarding wrong completions), and the demo's 25 adversarial users of 500 with
+    # everyone's activity. With these families' pass rates (0.3-0.9) an inverted user's mean reward
+    # differs from an honest one's by about (2p - 1) x 0.55 accept probability: little to see.
+    flood, _ = run(3, {0}, flood=0.2)
+    print(f"flooding adversary: flagged in {share_of_updates(flood, {0}):.2f} of updates")
+    assert share_of_updates(flood, set(range(1, USERS))) <= 0.10
+    flagged, _ = run(4, set(range(25)))
+    adv, honest = share_of_updates(flagged, set(range(25))), share_of_updates(flagged, set(range(25, USERS)))
+    print(f"5% adversarial: updates flagging an adversarial user {adv:.2f}, an honest one {honest:.2f}")
+    assert honest <= 0.10
