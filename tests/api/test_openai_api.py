@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from api.main import create_app
+from core.harness import wait_until
 from core.security import KeyStore
 from core.settings import Settings
 from feedback.bus_embedded import EmbeddedBus
@@ -214,7 +215,6 @@ def test_openai_client_raises_typed_errors(client):
 
 
 def test_a_stream_the_client_drops_is_still_recorded(live):
-    import time
 
     with httpx.stream(
         "POST",
@@ -232,10 +232,7 @@ def test_a_stream_the_client_drops_is_still_recorded(live):
         first = next(ln for ln in lines if ln.startswith("data: "))
         cid = json.loads(first[6:])["id"]
     # the client is gone; the gateway cancels the generation and records what it served
-    deadline = time.time() + 10
-    while cid not in records_by_id(live) and time.time() < deadline:
-        time.sleep(0.05)
-    rec = records_by_id(live)[cid]
+    rec = wait_until(lambda: records_by_id(live).get(cid), 10, what="the dropped stream's record", interval_s=0.05)
     assert rec.finish_reason in ("abort", "length") and len(rec.output_ids) >= 1
     print("dropped stream recorded:", rec.finish_reason, len(rec.output_ids))
 

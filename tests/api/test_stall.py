@@ -21,12 +21,13 @@ import time
 import httpx
 import pytest
 
+from core.harness import wait_until
 from core.settings import Settings
 from tests.api.test_openai_api import PROMPT, tiny_gateway
 
 LIMIT = Settings.model_fields["max_request_bytes"].default
 REFUSAL_S = 0.5
-LAG_S = 0.05
+LAG_S = 0.25  # the stall guarded against is seconds long; a busy 2-core machine alone shows 50+ ms gaps
 HUGE, BIG, LONG = 2_000_000, 400_000, 40_000  # characters: over the body limit, under it, and a modest 40k
 TOO_LARGE = (413, "request_too_large", None)
 JSON = {"content-type": "application/json"}
@@ -108,9 +109,7 @@ class Traffic:
 
     def __enter__(self) -> Traffic:
         self.thread.start()
-        deadline = time.time() + 30
-        while not self.spans and not self.failures and time.time() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: self.spans or self.failures, 30, what="the first request of the traffic", interval_s=0.01)
         return self
 
     def __exit__(self, *exc) -> None:

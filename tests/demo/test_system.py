@@ -22,9 +22,18 @@ def run(small_trained_checkpoint, tmp_path_factory):
     return run_system(cfg, tmp_path_factory.mktemp("demo") / "home", small_trained_checkpoint, on_line=print)
 
 
+def _story(run) -> str:
+    """Each version's status and the reason of its last transition: what a failure message needs."""
+    rows = [
+        f"{v['id']} {v['status']}: {v['transitions'][-1]['reason'] if v['transitions'] else ''}"
+        for v in run["versions"]
+    ]
+    return "\n".join(rows)
+
+
 @pytest.mark.slow
 def test_the_loop_promotes_through_the_gate(run):
-    assert len(run["promotions"]) >= 2, run["versions"]  # the base, then at least one trained version
+    assert len(run["promotions"]) >= 2, _story(run)  # the base, then at least one trained version
     promoted = [v for v in run["versions"] if v["id"] in run["promotions"][1:]]
     for v in promoted:
         steps = [t["to"] for t in v["transitions"]]
@@ -39,7 +48,7 @@ def test_the_loop_promotes_through_the_gate(run):
 def test_users_are_more_satisfied_on_the_report_split(run):
     gain = run_gain(run)
     assert gain["satisfaction"]["n"] >= 200
-    assert gain["satisfaction"]["points"] >= 10.0 and gain["satisfaction"]["ci95"][0] > 0, gain
+    assert gain["satisfaction"]["points"] >= 10.0 and gain["satisfaction"]["ci95"][0] > 0, (gain, _story(run))
     assert gain["pass_rate"]["ci95"][1] > 0, gain  # not worse
 
 
