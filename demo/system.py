@@ -447,6 +447,15 @@ LEARNER_KEYS = (
     "kl_k3",
     "entropy",
     "poisoning",
+    "lag_updates_max",
+    "dropped_lag",
+    "masked_frac",
+    "truncated_frac",
+    "clip_frac_step2",
+    "missing_routing_sequences",
+    "replay_off_micro_batches",
+    "poisoning_flagged_users",
+    "since_parent",
 )
 """The learner's numbers of a version that a run's record keeps (the off-policy ones among them)."""
 
