@@ -120,6 +120,8 @@ _N, _SUM, _SQ, _LAT_N, _LAT_SUM, _ERR, _PASS_N, _PASS_SUM = range(8)  # gating.c
 _METRICS = {
     "reward": (_SUM, _N),
     "latency_ms": (_LAT_SUM, _LAT_N),
+    "ttft_ms": (_LAT_SUM, _LAT_N),  # the simulated latency stands for the time to first token
+    "tpot_ms": (_LAT_SUM, _LAT_N),  # and for the time per output token (_sample_event sends both)
     "error_rate": (_ERR, _N),
     "pass_rate": (_PASS_SUM, _PASS_N),
 }
@@ -231,13 +233,13 @@ def _sample_event(uid: str, arm: str, reward: float, latency: float, error: bool
         model_version=CANDIDATE if arm == "candidate" else INCUMBENT,
         endpoint="completions",
         prompt_ids=[1],
-        output_ids=[2],
-        logprobs=[-0.5],
-        routed_experts=RoutedExperts.from_bytes((1, 1, 1), b"\x00"),
+        output_ids=[2, 3],
+        logprobs=[-0.5, -0.5],
+        routed_experts=RoutedExperts.from_bytes((2, 1, 1), b"\x00\x00"),
         text="x",
         finish_reason="error" if error else "stop",
         params={},
-        latency_ms={"total": latency},
+        latency_ms={"first_token": latency, "total": 2 * latency},  # TTFT and TPOT both `latency`
         arm=arm,
     )
     shown = Signal(kind="shown", ts=ts, user_id=uid)  # an exposure: counted under denominator="exposures"

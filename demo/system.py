@@ -71,7 +71,12 @@ class DemoSystemConfig(BaseModel):
     canary_steps: tuple[float, ...] = Field((0.2, 0.5), description="Canary shares.")
     canary_min_users: int = Field(20, ge=2, description="Users per arm a canary step needs.")
     canary_max_step_s: float = Field(120.0, gt=0, description="A canary step not passed by then is inconclusive.")
-    canary_margin: float = Field(0.03, ge=0, description="The canary's non-inferiority margin (reward scale).")
+    canary_margin: float = Field(
+        0.13,
+        ge=0,
+        description="The canary's non-inferiority margin (reward scale): the smallest with 80% power at the demo's "
+        "~470 users per 120 s step at 20% (bench/canary_sizing.py, docs/gate.md); production's default is 0.03.",
+    )
     auto_approve: bool = Field(True, description="Approve through the admin API as soon as a version awaits it.")
     report_prompts: int = Field(1000, ge=10, description="Report-split prompts per evaluation.")
     max_tokens: int = Field(48, ge=1)
@@ -86,7 +91,7 @@ class DemoSystemConfig(BaseModel):
             gate_prompts=36,
             canary_steps=(0.5,),
             canary_min_users=10,
-            canary_margin=0.1,  # its few users decide within a minute or two; the real runs keep 0.03
+            canary_margin=0.11,  # 80% power with its 150 users in one 120 s step at 50% (bench/canary_sizing.py)
         )
 
 

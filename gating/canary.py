@@ -5,16 +5,33 @@ anonymous stratum, never eval traffic, never pooled), per ramp step, per arm, pe
 compactly in `gate["canary"]["counts"]` so that a restarted gate resumes where it was.
 `decide(progress, outcomes, cfg, now)` says what the gate does at this look (`Decision`):
 
-- `abort_invalid`: sample ratio mismatch (users per arm vs the step's share, `srm_check`): the split
-  itself is broken, so no comparison can be trusted.
-- `abort_harm`: a guardrail (latency, error rate; higher is worse) shows significant harm with the
-  always-valid interval, or the satisfaction interval lies wholly below -margin: stop at once.
+- `abort_invalid`: sample ratio mismatch (users per arm vs the step's share), by the always-valid
+  mixture e-value of `gating.sequential.srm_sequential` (valid at every look, unlike a chi-square
+  p-value recomputed at each): the split itself is broken, so no comparison can be trusted.
+- `abort_harm`: a guardrail (time to first token, time per output token, error rate: higher is worse;
+  pass rate: lower is worse) shows significant harm with the always-valid interval, or the satisfaction
+  interval lies wholly below -margin: stop at once.
 - `next_step` / `awaiting_approval`: the step passes only when each arm has `min_users_per_arm` users,
   the step has run `min_step_s`, and the always-valid lower bound on satisfaction(candidate) -
   satisfaction(incumbent) is above -margin. Absence of detected harm never passes a step.
   Passing the last step is `awaiting_approval` (a person decides; the gate never promotes).
-- `abort_inconclusive`: `max_step_s` reached without passing.
+- `extend`: `max_step_s` of the step's time ran out without passing while the candidate is ahead
+  (estimate > 0): the step gets another `max_step_s`, at most `extend_inconclusive` times, recorded
+  as a decision (the gate writes it to the audit trail).
+- `abort_inconclusive`: the step's time (with its extensions) ran out without passing; the numbers say
+  `inconclusive` with whether the candidate was ahead, and the transition's reason says so.
 - `wait`: otherwise.
+
+**ρ, from the step's traffic.** Every interval of a step is the confidence sequence at mixing
+parameter ρ = `gating.sequential.step_rho(users)`, tightest at the users (both arms) the step is
+expected to reach by `max_step_s`: `cfg.rho` if set, else `cfg.expected_users`, else what the gate
+measured before the step started (`gating.gate`). The gate stores ρ and the expected users with the
+step (`progress.rho`, `progress.expected_users`), so a restarted gate and the dashboard use the same
+one; ρ depends on user counts before the step, never on its outcomes. `decide` on a progress without
+ρ uses `cfg` (`DEFAULT_RHO` when it says nothing).
+
+**Time.** A step's time is `progress.active_s` when the gate keeps it (time with a live gate lease; a
+lapse routes nobody to the candidate and does not count), else the wall time since the step started.
 
 The unit of analysis is the user: each user's mean reward (latency, error rate, pass rate) in the
 step is one number, so a chatty user does not weigh more nor inflate n. Steps are stratified: only
@@ -27,7 +44,10 @@ does not report exposure (then only completions someone reacted to are compared:
 
 Guardrails are one-sided, each at `harm_alpha` (α split over guardrails and steps: peeking at three
 guardrails in three steps at α each aborted 3.7% of equally good candidates for some guardrail in
-bench/gate_sim_canary.py): latency and error rate (higher is worse) from the completion events, and
+bench/gate_sim_canary.py): time to first token (`latency_ms["first_token"]`), time per output token
+((total - first_token) / (output tokens - 1), completions of at least 2 tokens) and error rate (higher
+is worse) from the completion events. Whole-request latency is recorded (the dashboard shows it) but
+is no guardrail: both arms run on the same engines, so it measures output length and machine noise. And
 `pass_rate` (lower is worse), a metric the learner does not optimise: the product's verifier
 (`product.suites.Verifier`) run by the gate on each counted completion it can check (`add(...,
 passed=score)`; completions it cannot check carry no score).
@@ -47,30 +67,39 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from feedback.events import SampleEvent
+from gating.sequential import DEFAULT_SRM_ALPHA, DEFAULT_SRM_CONCENTRATION, srm_sequential, step_rho
 from gating.stats import (
     DEFAULT_ALPHA,
     DEFAULT_MARGIN,
     DEFAULT_RHO,
-    DEFAULT_SRM_THRESHOLD,
     Direction,
     Interval,
     confidence_sequence,
     guardrail,
-    srm_check,
 )
 from registry.models import CanaryProgress
 
 ARMS = ("candidate", "incumbent")
 OK_FINISH = frozenset({"stop", "length"})
 """Finish reasons that are no error."""
-COUNTS_FORMAT = 1
-Action = Literal["wait", "next_step", "awaiting_approval", "abort_invalid", "abort_harm", "abort_inconclusive"]
-GuardrailMetric = Literal["latency_ms", "error_rate", "pass_rate"]
+COUNTS_FORMAT = 2
+Action = Literal[
+    "wait", "next_step", "awaiting_approval", "extend", "abort_invalid", "abort_harm", "abort_inconclusive"
+]
+GuardrailMetric = Literal["ttft_ms", "tpot_ms", "error_rate", "pass_rate"]
 LOWER_IS_WORSE = frozenset({"pass_rate"})
+HISTORY_POINTS = 240
+"""Looks kept in `progress.history` (older ones thinned to every other)."""
 
-# Per-user record, one list of numbers (compact JSON): reward n, sum, sum of squares; latency n, sum;
-# errors; verifier-scored completions n, sum of scores.
-_N, _SUM, _SQ, _LAT_N, _LAT_SUM, _ERR, _PASS_N, _PASS_SUM = range(8)
+# Per-user record, one list of numbers (compact JSON): reward n, sum, sum of squares; whole-request
+# latency n, sum; errors; verifier-scored completions n, sum of scores; TTFT n, sum; TPOT n, sum.
+_N, _SUM, _SQ, _LAT_N, _LAT_SUM, _ERR, _PASS_N, _PASS_SUM, _TTFT_N, _TTFT_SUM, _TPOT_N, _TPOT_SUM = range(12)
+_METRIC = {
+    "latency_ms": (_LAT_SUM, _LAT_N),
+    "ttft_ms": (_TTFT_SUM, _TTFT_N),
+    "tpot_ms": (_TPOT_SUM, _TPOT_N),
+    "pass_rate": (_PASS_SUM, _PASS_N),
+}
 
 
 class CanaryConfig(BaseModel):
@@ -88,12 +117,29 @@ class CanaryConfig(BaseModel):
     max_step_s: float = Field(6 * 3600.0, gt=0, description="Longest step: not passed by then, inconclusive.")
     margin: float = Field(DEFAULT_MARGIN, ge=0, description="Non-inferiority margin of satisfaction (reward scale).")
     alpha: float = Field(DEFAULT_ALPHA, gt=0, lt=1, description="Level of every always-valid interval.")
-    rho: float = Field(DEFAULT_RHO, gt=0, description="Mixing parameter of the confidence sequences (users).")
+    expected_users: float | None = Field(
+        None,
+        gt=0,
+        description="Users (both arms) a step is expected to reach by max_step_s; ρ is tightest there. None: "
+        "the gate measures it from the traffic before each step.",
+    )
+    rho: float | None = Field(
+        None, gt=0, description="Mixing parameter of the confidence sequences (users); None: from the expected users."
+    )
     srm_threshold: float = Field(
-        DEFAULT_SRM_THRESHOLD, gt=0, lt=1, description="Sample ratio mismatch when the SRM p-value is below it."
+        DEFAULT_SRM_ALPHA,
+        gt=0,
+        lt=1,
+        description="Level of the always-valid SRM test per step: mismatch when its e-value reaches 1 / this.",
+    )
+    srm_concentration: float = Field(
+        DEFAULT_SRM_CONCENTRATION, gt=0, description="Dirichlet concentration of the SRM test's mixture."
+    )
+    extend_inconclusive: int = Field(
+        1, ge=0, le=3, description="Extensions (max_step_s each) of a step that runs out with the candidate ahead."
     )
     guardrails: tuple[GuardrailMetric, ...] = Field(
-        ("latency_ms", "error_rate", "pass_rate"),
+        ("ttft_ms", "tpot_ms", "error_rate", "pass_rate"),
         description="Guardrail metrics, one-sided (pass_rate: lower is worse; the others: higher is worse).",
     )
     guardrail_alpha: float | None = Field(
@@ -175,15 +221,21 @@ class CanaryOutcomes:
         if not c.user_id or not math.isfinite(sample.reward) or (denominator == "exposures" and not sample.exposed):
             return False
         users = self.steps.setdefault(step, {a: {} for a in ARMS})[arm]
-        rec = users.setdefault(c.user_id, [0, 0.0, 0.0, 0, 0.0, 0, 0, 0.0])
+        rec = users.setdefault(c.user_id, [0, 0.0, 0.0, 0, 0.0, 0, 0, 0.0, 0, 0.0, 0, 0.0])
         r = float(sample.reward)
         rec[_N] += 1
         rec[_SUM] += r
         rec[_SQ] += r * r
-        lat = c.latency_ms.get("total")
+        lat, first = c.latency_ms.get("total"), c.latency_ms.get("first_token")
         if lat is not None and math.isfinite(lat):
             rec[_LAT_N] += 1
             rec[_LAT_SUM] += float(lat)
+        if first is not None and math.isfinite(first):
+            rec[_TTFT_N] += 1
+            rec[_TTFT_SUM] += float(first)
+            if lat is not None and math.isfinite(lat) and len(c.output_ids) >= 2:
+                rec[_TPOT_N] += 1
+                rec[_TPOT_SUM] += (float(lat) - float(first)) / (len(c.output_ids) - 1)
         rec[_ERR] += int(c.finish_reason not in OK_FINISH)
         if passed is not None and math.isfinite(passed):
             rec[_PASS_N] += 1
@@ -202,18 +254,17 @@ class CanaryOutcomes:
         return self.steps.get(step, {}).get(arm, {})
 
     def per_user(self, step: int, arm: str, metric: str) -> list[float]:
-        """One number per user of `arm` in `step`: mean reward, mean latency (users with one), error
-        rate, pass rate (users with a scored completion)."""
+        """One number per user of `arm` in `step`: mean reward, error rate, and the mean latency, TTFT,
+        TPOT and pass rate of the users who have one."""
         out = []
         for rec in self.users(step, arm).values():
             if metric == "reward" and rec[_N]:
                 out.append(rec[_SUM] / rec[_N])
-            elif metric == "latency_ms" and rec[_LAT_N]:
-                out.append(rec[_LAT_SUM] / rec[_LAT_N])
             elif metric == "error_rate" and rec[_N]:
                 out.append(rec[_ERR] / rec[_N])
-            elif metric == "pass_rate" and rec[_PASS_N]:
-                out.append(rec[_PASS_SUM] / rec[_PASS_N])
+            elif metric in _METRIC and rec[_METRIC[metric][1]]:
+                total, n = _METRIC[metric]
+                out.append(rec[total] / rec[n])
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -252,16 +303,36 @@ def _interval(iv: Interval) -> dict[str, float]:
     return {"lower": iv.lower, "upper": iv.upper, "estimate": iv.estimate, "se": iv.se, "radius": iv.radius}
 
 
-def guardrails(outcomes: CanaryOutcomes, step: int, cfg: CanaryConfig) -> tuple[dict[str, Any], list[str]]:
+def step_rho_of(progress: CanaryProgress, cfg: CanaryConfig) -> float:
+    """The ρ of `progress`'s step: stored with it, else `cfg.rho`, else from `cfg.expected_users`, else
+    `DEFAULT_RHO`."""
+    stored = (progress.model_extra or {}).get("rho")
+    if stored is not None:
+        return float(stored)
+    if cfg.rho is not None:
+        return cfg.rho
+    return step_rho(cfg.expected_users, cfg.alpha) if cfg.expected_users is not None else DEFAULT_RHO
+
+
+def step_extra(progress: CanaryProgress, key: str, default: float) -> float:
+    """A number the gate keeps with the step (`active_s`, `extensions`, `rho`), or `default`."""
+    v = (progress.model_extra or {}).get(key)
+    return default if v is None else float(v)
+
+
+def guardrails(
+    outcomes: CanaryOutcomes, step: int, cfg: CanaryConfig, rho: float | None = None
+) -> tuple[dict[str, Any], list[str]]:
     """Every guardrail of `cfg` on `step`'s users, candidate vs incumbent: (numbers, harms in words)."""
     numbers: dict[str, Any] = {}
     harms = []
+    rho = rho if rho is not None else (cfg.rho or DEFAULT_RHO)
     for metric in cfg.guardrails:
         cand, inc = (outcomes.per_user(step, a, metric) for a in ARMS)
         if min(len(cand), len(inc)) < 2:
             continue
         direction: Direction = "lower_is_worse" if metric in LOWER_IS_WORSE else "higher_is_worse"
-        g = guardrail(metric, cand, inc, direction, cfg.harm_alpha, cfg.rho)
+        g = guardrail(metric, cand, inc, direction, cfg.harm_alpha, rho)
         numbers[metric] = {**_interval(g.interval), "harmed": g.harmed, "direction": direction}
         if g.harmed and direction == "higher_is_worse":
             harms.append(f"{metric} (+{g.interval.estimate:.4g}, lower bound {g.interval.lower:.4g} > 0)")
@@ -273,38 +344,44 @@ def guardrails(outcomes: CanaryOutcomes, step: int, cfg: CanaryConfig) -> tuple[
 def decide(progress: CanaryProgress, outcomes: CanaryOutcomes, cfg: CanaryConfig, now: datetime) -> Decision:
     """The decision at this look on the current step's users (module docstring for the rules)."""
     step, share = progress.step, progress.share
-    elapsed = (now - progress.started_at).total_seconds()
+    elapsed = step_extra(progress, "active_s", (now - progress.started_at).total_seconds())
+    extensions = int(step_extra(progress, "extensions", 0))
+    limit = cfg.max_step_s * (1 + extensions)
+    rho = step_rho_of(progress, cfg)
     n = {a: len(outcomes.users(step, a)) for a in ARMS}
     numbers: dict[str, Any] = {
         "step": step,
         "share": share,
         "last_step": step >= len(cfg.steps) - 1,
         "elapsed_s": elapsed,
+        "limit_s": limit,
+        "extensions": extensions,
         "users": n,
         "margin": cfg.margin,
         "alpha": cfg.alpha,
+        "rho": rho,
     }
 
     def out(action: Action, reason: str) -> Decision:
         return Decision(action, {**numbers, "reason": reason})
 
     if sum(n.values()) > 0 and 0.0 < share < 1.0:
-        srm = srm_check(n, {"candidate": share, "incumbent": 1.0 - share}, cfg.srm_threshold)
-        numbers["srm"] = {"statistic": srm.statistic, "p_value": srm.p_value, "threshold": srm.threshold}
+        srm = srm_sequential(
+            n, {"candidate": share, "incumbent": 1.0 - share}, cfg.srm_threshold, cfg.srm_concentration
+        )
+        numbers["srm"] = {"log_e": srm.log_e, "p_value": srm.p_value, "threshold": srm.alpha, "always_valid": True}
         if not srm.srm_ok:
-            return out("abort_invalid", f"sample ratio mismatch: users {n} at share {share} (p={srm.p_value:.3g})")
+            why = f"sample ratio mismatch: users {n} at share {share} (always-valid p={srm.p_value:.3g})"
+            return out("abort_invalid", why)
 
     reward: Interval | None = None
     if min(n.values()) >= 2:
-        reward = confidence_sequence(
-            outcomes.per_user(step, "candidate", "reward"),
-            outcomes.per_user(step, "incumbent", "reward"),
-            cfg.alpha,
-            cfg.rho,
-        )
+        per = {a: outcomes.per_user(step, a, "reward") for a in ARMS}
+        reward = confidence_sequence(per["candidate"], per["incumbent"], cfg.alpha, rho)
         numbers["reward"] = _interval(reward)
+        numbers["means"] = {a: sum(v) / len(v) for a, v in per.items()}
     if min(n.values()) >= cfg.min_users_for_harm:
-        numbers["guardrails"], harms = guardrails(outcomes, step, cfg)
+        numbers["guardrails"], harms = guardrails(outcomes, step, cfg, rho)
         if harms:
             return out("abort_harm", "guardrail harm: " + ", ".join(harms))
         if reward is not None and reward.upper < -cfg.margin:
@@ -318,9 +395,41 @@ def decide(progress: CanaryProgress, outcomes: CanaryOutcomes, cfg: CanaryConfig
         assert reward is not None
         why = f"step {step} at {share:.0%} passed: lower bound {reward.lower:.4g} > -{cfg.margin}"
         return out("awaiting_approval" if numbers["last_step"] else "next_step", why)
-    if elapsed >= cfg.max_step_s:
-        return out("abort_inconclusive", f"step {step} did not pass within {cfg.max_step_s:.0f} s")
+    if elapsed >= limit:
+        ahead = reward is not None and reward.estimate > 0
+        est = "no estimate" if reward is None else f"estimate {reward.estimate:+.4g}, lower bound {reward.lower:.4g}"
+        if ahead and extensions < cfg.extend_inconclusive:
+            why = (
+                f"step {step} inconclusive after {elapsed:.0f} s with the candidate ahead ({est} vs -{cfg.margin}): "
+                f"extended by {cfg.max_step_s:.0f} s ({extensions + 1} of {cfg.extend_inconclusive})"
+            )
+            return out("extend", why)
+        numbers["inconclusive"] = {"ahead": ahead, "extensions": extensions}
+        side = "ahead" if ahead else "not ahead"
+        why = f"step {step} inconclusive: not passed within {elapsed:.0f} s, candidate {side} ({est} vs -{cfg.margin})"
+        return out("abort_inconclusive", why)
     missing = [what for what, ok in (("users", enough_users), ("duration", long_enough)) if not ok] or [
         "the lower bound above -margin"
     ]
     return out("wait", "waiting for " + ", ".join(missing))
+
+
+def history_point(d: Decision, t_s: float) -> dict[str, Any]:
+    """One look for `progress.history` (the dashboard's plots): seconds since the canary started, step,
+    share, users, the arms' mean satisfaction and the difference's interval at the step's ρ."""
+    nums = d.numbers
+    point: dict[str, Any] = {"t": round(t_s, 3), "step": nums["step"], "share": nums["share"], "users": nums["users"]}
+    if "reward" in nums:
+        r = nums["reward"]
+        point["diff"] = [r["estimate"], r["lower"], r["upper"]]
+        point["means"] = nums["means"]
+    return point
+
+
+def add_point(history: list[dict[str, Any]], point: dict[str, Any]) -> list[dict[str, Any]]:
+    """`history` with `point` appended, its older half thinned to every other look past `HISTORY_POINTS`."""
+    out = [*history, point]
+    if len(out) > HISTORY_POINTS:
+        half = len(out) // 2
+        out = out[:half:2] + out[half:]
+    return out

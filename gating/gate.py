@@ -1,4 +1,4 @@
-"""The gate process: drives candidates through the offline part of the lifecycle, resumably.
+"""The gate process: drives candidates through the lifecycle, resumably (the online stage is `gating.canary_stage`).
 
 `Gate(registry, engine_factory, load_version, suite, cfg).step()` does one thing and returns what it did
 (`GateStep`):
@@ -21,7 +21,7 @@
    is shut down. The verdict (`OfflineResult.verdict`: passed, incumbent id, the artifact SHA-256 from the
    registry, `suite.suite_version`, every number) is stored with `record_gate(version, "offline", ...)`;
    then the version moves to `canary` if it passed, else `reject` with the numbers.
-4. A version in `canary`: `canary_step(version)`, the hook of the online stage (not built; see there).
+4. A version in `canary`: `canary_step(version)`, the online stage (`gating.canary_stage.CanaryStage`).
 5. A version `awaiting_approval`: nothing; a person approves or rejects (`approve` is the only way to
    `promoted`; the gate never promotes).
 
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -44,13 +43,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from core.service_metrics import ServiceMetrics
 from feedback.bus import Consumer, EventBus, Record
 from feedback.events import TOPICS, SampleEvent
-from gating.canary import CanaryConfig, CanaryOutcomes, Decision, decide, guardrails
+from gating.canary import CanaryConfig
+from gating.canary_stage import CanaryStage, GateStep
 from gating.evals import Guardrails, ModelScorer, OfflineResult, evaluate_offline
 from gating.sample_cache import SampleCache
 from gating.stats import DEFAULT_ALPHA, DEFAULT_MARGIN
 from product.suites import EvalSuite
-from registry.gate_evidence import WATCH_KEY
-from registry.models import CanaryProgress, ModelVersionPublic, OfflineVerdict, Status
+from registry.models import ModelVersionPublic, OfflineVerdict, Status
 from registry.registry import Registry, RegistryConflict
 from serving.interface import Engine
 from serving.model import Transformer
@@ -105,22 +104,7 @@ class GateConfig(BaseModel):
     canary: CanaryConfig = Field(default_factory=CanaryConfig, description="The online canary stage.")
 
 
-@dataclass(frozen=True)
-class GateStep:
-    """What one `Gate.step()` did. `action`: no_incumbent, idle, canary (waiting in the canary),
-    next_step (the canary ramped up), abort_invalid / abort_harm / abort_inconclusive (the canary aborted
-    the version), awaiting_approval, error (an
-    attempt failed; retried next step), passed / rejected (a verdict acted on; `resumed`: recorded by an
-    earlier gate), lost (the version left `evaluating` meanwhile, e.g. superseded)."""
-
-    action: str
-    version_id: str | None = None
-    result: OfflineResult | None = None
-    detail: str = ""
-    resumed: bool = False
-
-
-class Gate:
+class Gate(CanaryStage):
     def __init__(
         self,
         registry: Registry,
@@ -143,6 +127,8 @@ class Gate:
         self.versions_sampled = 0  # offline evaluations' versions sampled afresh / read from the sample cache
         self.versions_from_cache = 0
         self._consumer: Consumer | None = None
+        self.lease_s: float | None = None  # run_gate: lapsed lease time does not count toward a canary step
+        self._arrivals: dict[str, float] = {}  # the users metered from the samples (CanaryStage.meter)
 
     def step(self) -> GateStep:
         """One step of the lifecycle (module docstring). Never promotes. New joined samples are read
@@ -152,6 +138,7 @@ class Gate:
         if promoted is None:
             return GateStep("no_incumbent", detail="nothing is promoted: bootstrap the base model first")
         batch = self._poll()
+        self.meter(batch)
         self.watch(promoted, batch)
         done = self._lifecycle(batch)
         self._commit(batch)
@@ -181,53 +168,6 @@ class Gate:
             return self.canary_step(v, batch)
         return GateStep("awaiting_approval", v.id)
 
-    def canary_step(self, version: ModelVersionPublic, batch: list[Polled] | None = None) -> GateStep:
-        """The online stage, called by `step()` on every step while `version` is in `canary`.
-
-        Progress lives in `gate["canary"]` (`CanaryProgress`: ramp step, share, start, and the
-        `gating.canary.CanaryOutcomes` as `counts`, with the bus positions already counted), written with
-        `record_gate`, so a restarted gate resumes the ramp and never counts a sample twice. The gateway
-        assigns users with `assign_arm` salted by the candidate's id at `gate["canary"]["share"]`.
-
-        1. No `gate["canary"]`: the canary starts at step 0, share `cfg.canary.steps[0]`, now.
-        2. New samples (`batch`, read by `step()`; read here when called on its own) from
-           `TOPICS["sample"]` in the group `cfg.canary.consumer_group`: those of the candidate arm
-           served by the candidate and of the incumbent arm served by the incumbent, for completions
-           served since the step started (and reported shown, counting exposures), are counted, each
-           with its verifier score (`score`) for the pass-rate guardrail; the counts are recorded,
-           then the records committed. Without a bus (`bus=None`) the version waits.
-        3. `gating.canary.decide` at this look, acted on: `next_step` records the next share and a new
-           start (users already in stay in: `assign_arm` is monotone in share); `awaiting_approval`
-           and `abort_*` first record share 0, then `transition` to `awaiting_approval` / `aborted`
-           with the numbers. It never promotes.
-
-        While awaiting approval the candidate serves nobody (share 0, and the gateway routes only a
-        version in `canary`): no user sees an unapproved version while a person decides, and nothing
-        unguarded runs meanwhile. Once a person approves it, `watch` keeps its guardrails running."""
-        if self.bus is None:
-            return GateStep("canary", version.id, detail="no event bus: the canary waits")
-        own = batch is None
-        if batch is None:
-            batch = self._poll()
-        c, now = self.cfg.canary, self.clock()
-        raw = version.gate.get("canary")
-        if raw is None:
-            progress = CanaryProgress(step=0, share=c.steps[0], started_at=now, counts=CanaryOutcomes().to_dict())
-            self._record_canary(version.id, progress, f"canary started at {c.steps[0]:.0%}")
-        else:
-            progress = CanaryProgress.model_validate(raw)
-        outcomes = CanaryOutcomes.from_dict(progress.counts)
-        incumbent = self.registry.incumbent().id
-        since = progress.started_at.timestamp() + self.cfg.canary.route_lag_s  # routed at this step's share
-        counted = self._count(batch, outcomes, since, progress.step, version.id, incumbent)
-        progress = progress.model_copy(update={"counts": outcomes.to_dict()})
-        if counted:
-            self._record_canary(version.id, progress, f"canary step {progress.step}: {counted} new samples")
-        if own:
-            self._commit(batch)
-        d = decide(progress, outcomes, c, now)
-        return self._act_canary(version, progress, d, now)
-
     def _poll(self, max_polls: int = 100) -> list[Polled]:
         """New records of the sample topic (at most `max_polls` batches), each with its sample (None:
         unreadable, skipped). Empty without a bus."""
@@ -251,130 +191,6 @@ class Gate:
     def _commit(self, batch: list[Polled]) -> None:
         if batch and self._consumer is not None:
             self._consumer.commit([r for r, _ in batch])
-
-    def _count(
-        self,
-        batch: list[Polled],
-        outcomes: CanaryOutcomes,
-        since: float,
-        step: int,
-        candidate: str,
-        incumbent: str | None,
-    ) -> int:
-        """Count `batch`'s samples served since `since` into `outcomes` at `step`; returns how many
-        counted. With `incumbent`, the canary's two arms; without, the watch: every non-eval sample of
-        `candidate` (the promoted version) counts for the candidate arm."""
-        new = []
-        for r, sample in batch:
-            if sample is None or outcomes.seen(r.topic, r.partition, r.offset) or sample.completion.ts < since:
-                continue
-            c = sample.completion
-            arms = (("candidate", candidate), ("incumbent", incumbent))
-            if incumbent is not None and (c.arm, c.model_version) in arms:
-                new.append(sample)
-            elif incumbent is None and c.model_version == candidate and c.arm != "eval":
-                new.append(sample)
-        scores = self._scores(new)
-        denominator, counted = self.cfg.canary.denominator, 0
-        for sample, score in zip(new, scores, strict=True):
-            arm = sample.completion.arm if incumbent is not None else "candidate"
-            counted += outcomes.count(step, str(arm), sample, score, denominator)
-        return counted
-
-    def _scores(self, samples: list[SampleEvent]) -> list[float | None]:
-        if self.score is None or not samples:
-            return [None] * len(samples)
-        try:
-            return list(self.score(samples))
-        except Exception:  # the guardrail loses these scores; the canary goes on
-            log.exception("gate: scoring %d canary samples failed", len(samples))
-            return [None] * len(samples)
-
-    # -- the post-promotion watch ----------------------------------------------------------------
-
-    def watch(self, promoted: ModelVersionPublic, batch: list[Polled]) -> dict[str, Any] | None:
-        """Keep the canary's guardrails running on the promoted version for `cfg.canary.watch_s` after
-        its promotion; returns the watch record (None when there is nothing to watch).
-
-        The comparison: the promoted version's users since promotion (the candidate arm) against the
-        incumbent arm of the canary's last step (the previous version's users, just before). It is not
-        concurrent, so it only alerts: a harmed guardrail is logged at ERROR, appended to `alerts`
-        (once per metric) and counted in `self.alerts`; a person decides whether to roll back. A
-        version promoted without a canary (the bootstrap, a rollback target) has no baseline and is
-        not watched."""
-        c = self.cfg.canary
-        canary = CanaryProgress.model_validate(promoted.gate["canary"]) if "canary" in promoted.gate else None
-        if c.watch_s <= 0 or canary is None:
-            return None
-        promoted_at = self._promoted_at(promoted.id)
-        now = self.clock()
-        raw = promoted.gate.get(WATCH_KEY)
-        if raw is None or raw.get("promoted_at") != promoted_at.isoformat():
-            if (now - promoted_at).total_seconds() >= c.watch_s:
-                return None
-            base = CanaryOutcomes.from_dict(canary.counts)
-            before = dict(base.users(canary.step, "incumbent"))
-            watched = CanaryOutcomes(steps={0: {"candidate": {}, "incumbent": before}})
-            raw = {"promoted_at": promoted_at.isoformat(), "done": False, "alerts": [], "counts": watched.to_dict()}
-            self._record_watch(promoted.id, raw, f"watching the guardrails for {c.watch_s:.0f} s after promotion")
-        if raw["done"]:
-            return raw
-        outcomes = CanaryOutcomes.from_dict(raw["counts"])
-        counted = self._count(batch, outcomes, promoted_at.timestamp(), 0, promoted.id, None)
-        raw = {**raw, "counts": outcomes.to_dict()}
-        n = {a: len(outcomes.users(0, a)) for a in ("candidate", "incumbent")}
-        changed, why = counted > 0, f"watch: {counted} new samples"
-        if min(n.values()) >= c.min_users_for_harm:
-            numbers, harms = guardrails(outcomes, 0, c)
-            raw["guardrails"], raw["users"] = numbers, n
-            alerted = {a["metric"] for a in raw["alerts"]}
-            for metric, g in numbers.items():
-                if g["harmed"] and metric not in alerted:
-                    alert = {"metric": metric, "at": now.isoformat(), **g, "users": n}
-                    raw["alerts"] = [*raw["alerts"], alert]
-                    self.alerts += 1
-                    changed, why = True, f"ALERT: {metric} harmed after promotion: " + "; ".join(harms)
-                    log.error("gate: ALERT on promoted %s: %s harmed since promotion (%s)", promoted.id, metric, g)
-        if (now - promoted_at).total_seconds() >= c.watch_s:
-            raw["done"], changed, why = True, True, f"watch over after {c.watch_s:.0f} s"
-        if changed:
-            self._record_watch(promoted.id, raw, why)
-        return raw
-
-    def _promoted_at(self, version_id: str) -> datetime:
-        audit = self.registry.audit(version_id)
-        steps = [a for a in audit if a.to_status is Status.promoted and a.from_status is not Status.promoted]
-        return steps[-1].at if steps else self.clock()
-
-    def _record_watch(self, vid: str, record: dict[str, Any], reason: str) -> None:
-        try:
-            self.registry.record_gate(vid, WATCH_KEY, record, self.cfg.actor, reason)
-        except ValueError as e:  # rolled back meanwhile: nothing left to watch
-            log.info("gate: watch of %s not recorded: %s", vid, e)
-
-    def _record_canary(self, vid: str, progress: CanaryProgress, reason: str) -> None:
-        self.registry.record_gate(vid, "canary", progress.model_dump(mode="json"), self.cfg.actor, reason)
-
-    def _act_canary(self, v: ModelVersionPublic, progress: CanaryProgress, d: Decision, now: datetime) -> GateStep:
-        c = self.cfg.canary
-        if d.action == "wait":
-            return GateStep("canary", v.id, detail=d.reason)
-        if d.action == "next_step":
-            nxt = progress.step + 1
-            share = c.steps[nxt]
-            self._record_canary(
-                v.id,
-                progress.model_copy(update={"step": nxt, "share": share, "started_at": now}),
-                f"{d.reason}; ramp to {share:.0%}",
-            )
-            return GateStep("next_step", v.id, detail=d.reason)
-        self._record_canary(v.id, progress.model_copy(update={"share": 0.0}), f"{d.reason}; share 0")
-        to = Status.awaiting_approval if d.action == "awaiting_approval" else Status.aborted
-        try:
-            self.registry.transition(v.id, to, self.cfg.actor, f"canary: {d.reason}", d.numbers)
-        except ValueError as e:
-            return self._lost(v, e)
-        return GateStep("awaiting_approval" if to is Status.awaiting_approval else d.action, v.id, detail=d.reason)
 
     # -- the offline stage ----------------------------------------------------------------------
 
@@ -522,12 +338,6 @@ class Gate:
         except ValueError as e:
             return self._lost(v, e)
         return GateStep("passed" if passed else "rejected", v.id, result, reason, resumed)
-
-    def _lost(self, v: ModelVersionPublic, e: Exception) -> GateStep:
-        now = self.registry.get(v.id).status
-        if now is Status.evaluating:
-            raise e
-        return GateStep("lost", v.id, detail=f"{v.id} is {now.value} now: {e}")
 
 
 # -- loading versions the way the learner stores them -------------------------------------------------

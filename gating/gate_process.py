@@ -146,6 +146,7 @@ def run_gate(
     metrics = ServiceMetrics("gate", settings.home / "metrics")
     gate = Gate(registry, engine_factory, load_version, suite, cfg, bus=bus, score=score, metrics=metrics)
     lease = GateLease(registry, cfg.lease_beat_s, cfg.lease_stuck_s).start()
+    gate.lease_s = lease.lease_s  # a canary step's time runs only while the lease is live
     log.info("gate: started on %s with suite %s", settings.db_url, suite.suite_version)
     try:
         while not stop_event.is_set():

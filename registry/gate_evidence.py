@@ -39,13 +39,22 @@ class GateEvidence(RegistryStore):
     """`record_gate` and `approve` (mixed into `Registry`)."""
 
     def record_gate(
-        self, version_id: str, key: str, payload: Mapping[str, Any], actor: str, reason: str | None = None
+        self,
+        version_id: str,
+        key: str,
+        payload: Mapping[str, Any],
+        actor: str,
+        reason: str | None = None,
+        *,
+        audit: bool = True,
     ) -> ModelVersionPublic:
         """Store the gate's record `key` on a waiting version (`gate[key] = payload`, replacing it), audited.
 
         `offline` is an `OfflineVerdict` and `canary` a `CanaryProgress` (validated, `format_version`
         added); other keys any JSON object. `watch` (the post-promotion guardrails) is recorded on the
-        promoted version only. Not a status change: the audit row's from and to are equal."""
+        promoted version only. Not a status change: the audit row's from and to are equal. `audit=False`
+        stores progress (a look of the canary, new counts) without an audit row: the trail holds the
+        gate's decisions, not every look."""
         actor = need("actor", actor)
         if not isinstance(key, str) or not _GATE_KEY.fullmatch(key):
             raise ValueError(f"gate key {key!r} must be 1-64 lowercase letters, digits or '_'")
@@ -68,15 +77,16 @@ class GateEvidence(RegistryStore):
                 raise UnknownVersion(f"unknown incumbent {value['incumbent_id']!r} in the offline verdict")
             row.gate = {**row.gate, key: value}
             s.add(row)
-            ch.audit(
-                version_id,
-                status,
-                status,
-                actor,
-                reason or f"gate {key} recorded",
-                "record_gate",
-                {"key": key, "record": value},
-            )
+            if audit:
+                ch.audit(
+                    version_id,
+                    status,
+                    status,
+                    actor,
+                    reason or f"gate {key} recorded",
+                    "record_gate",
+                    {"key": key, "record": value},
+                )
             ch.commit()
             return self._public(s, version_id)
 

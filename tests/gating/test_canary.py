@@ -13,6 +13,7 @@ from feedback.bus_embedded import EmbeddedBus
 from feedback.events import TOPICS, CompletionEvent, RoutedExperts, SampleEvent, Signal
 from gating.canary import CanaryConfig, CanaryOutcomes, decide
 from gating.gate import Gate, GateConfig
+from gating.sequential import step_rho
 from gating.stats import assign_arm
 from registry.models import CanaryProgress
 from registry.registry import Registry
@@ -32,6 +33,7 @@ def sample(
     ts: float | None = None,
     n: int = 0,
     shown: bool = True,
+    ttft: float = 5.0,
 ) -> SampleEvent:
     version = version or ("cand" if arm == "candidate" else "inc")
     ts = T0.timestamp() + 1 if ts is None else ts
@@ -43,13 +45,13 @@ def sample(
         model_version=version,
         endpoint="completions",
         prompt_ids=[1, 2],
-        output_ids=[3],
-        logprobs=[-0.5],
-        routed_experts=RoutedExperts.from_bytes((2, 1, 1), b"\x00\x01"),
+        output_ids=[3, 4],
+        logprobs=[-0.5, -0.5],
+        routed_experts=RoutedExperts.from_bytes((3, 1, 1), b"\x00\x01\x00"),
         text="x",
         finish_reason=finish,
         params={},
-        latency_ms={"queued": 1.0, "first_token": 5.0, "total": latency},
+        latency_ms={"queued": 1.0, "first_token": ttft, "total": latency},
         arm=arm,
     )
     signals = [Signal(kind="shown", ts=ts + 1, user_id=user)] if shown else []
@@ -85,11 +87,12 @@ def test_sample_ratio_mismatch_aborts_invalid():
     assert d.action == "abort_invalid" and d.numbers["srm"]["p_value"] < 0.001 and d.numbers["users"]["candidate"] == 10
 
 
-def test_clear_latency_harm_aborts_at_once():
+def test_clear_time_per_token_harm_aborts_at_once():
     lat = lambda arm, i: (300.0 if arm == "candidate" else 100.0) + (i % 5)  # noqa: E731
     d = decide(progress(), outcomes(40, 40, latency=lat), CFG, at(10))  # before min duration: harm stops at once
-    assert d.action == "abort_harm" and d.numbers["guardrails"]["latency_ms"]["harmed"]
-    assert "latency_ms" in d.reason
+    g = d.numbers["guardrails"]
+    assert d.action == "abort_harm" and g["tpot_ms"]["harmed"] and not g["ttft_ms"]["harmed"]
+    assert "tpot_ms" in d.reason and "latency_ms" not in g  # whole-request latency is no guardrail
 
 
 def test_equal_arms_pass_the_step_and_the_last_step_awaits_approval():
@@ -147,7 +150,7 @@ def test_a_drop_in_pass_rate_aborts_even_when_users_are_as_satisfied():
     g = d.numbers["guardrails"]["pass_rate"]
     assert d.action == "abort_harm" and g["harmed"] and g["direction"] == "lower_is_worse"
     assert g["estimate"] == approx_ulps(0.25 - 0.75) and "pass_rate" in d.reason
-    assert not d.numbers["guardrails"]["latency_ms"]["harmed"]
+    assert not d.numbers["guardrails"]["tpot_ms"]["harmed"]
     same = outcomes(40, 40)  # no scores at all: the guardrail has nothing to judge, and does not block
     assert "pass_rate" not in decide(progress(), same, CFG, at(700)).numbers["guardrails"]
 
@@ -317,9 +320,9 @@ def test_guardrails_keep_running_after_promotion_and_raise_an_alert(world):
     bus.publish_many(TOPICS["sample"], [(s.completion.completion_id, s.model_dump_json().encode()) for s in ignored])
     gate.step()
     w = reg.get("v1").gate["watch"]
-    assert [a["metric"] for a in w["alerts"]] == ["latency_ms"] and gate.alerts == 1
+    assert [a["metric"] for a in w["alerts"]] == ["tpot_ms"] and gate.alerts == 1
     assert w["users"] == {"candidate": 40, "incumbent": 40} and not w["guardrails"]["error_rate"]["harmed"]
-    assert reg.audit("v1")[-1].reason.startswith("ALERT: latency_ms")
+    assert reg.audit("v1")[-1].reason.startswith("ALERT: tpot_ms")
     gate.step()  # no new alert for the same metric
     assert gate.alerts == 1 and reg.promoted().id == "v1"  # it alerts; a person decides on a rollback
 
@@ -344,6 +347,82 @@ def test_the_verifier_scores_canary_completions_from_their_token_ids(tiny_checkp
 
 
 def test_guardrail_harm_tests_split_alpha_over_guardrails_and_steps():
-    assert CanaryConfig().harm_alpha == approx_ulps(0.05 / 9)  # 3 guardrails x 3 steps
-    assert CanaryConfig(steps=(0.5,), guardrails=("latency_ms",)).harm_alpha == approx_ulps(0.05)
+    assert CanaryConfig().harm_alpha == approx_ulps(0.05 / 12)  # 4 guardrails x 3 steps
+    assert CanaryConfig(steps=(0.5,), guardrails=("ttft_ms",)).harm_alpha == approx_ulps(0.05)
     assert CanaryConfig(guardrail_alpha=0.01).harm_alpha == 0.01
+
+
+# ---- progress is state; decisions are audited; ρ, extensions, lapsed time --------------------------
+def test_looks_are_stored_on_the_version_and_only_decisions_are_audited(world):
+    reg, bus = world
+    cfg = GateConfig(
+        canary=CanaryConfig(steps=(0.5,), min_step_s=0, max_step_s=3600, min_users_per_arm=60, route_lag_s=0)
+    )
+    gate = Gate(reg, lambda: pytest.fail("no engine"), lambda v: pytest.fail("no load"), None, cfg, bus=bus)  # type: ignore[arg-type]
+    gate.step()
+    for _ in range(3):  # three looks with new samples, 40 users per arm (< 60): it waits
+        publish_traffic(bus, 0.5, cand_reward=1.0)
+        assert gate.step().action == "canary"
+    c = reg.get("v1").gate["canary"]
+    reasons = [a.reason for a in reg.audit("v1") if a.action == "record_gate"]
+    assert len(reasons) == 1 and reasons[0].startswith("canary started at 50%; ρ "), reasons
+    assert len(c["history"]) == 3 and c["history"][-1]["users"] == {"candidate": 40, "incumbent": 40}
+    assert c["rho"] > 0 and c["expected_users"] >= 120 and c["active_s"] >= 0  # at least what the step needs
+    lo, hi = c["history"][-1]["diff"][1:]
+    assert lo <= 0.0 <= hi
+
+
+def test_the_step_is_sized_from_the_users_metered_before_it(world):
+    reg, bus = world
+    cfg = GateConfig(canary=CanaryConfig(steps=(0.5,), min_users_per_arm=2, max_step_s=3600, route_lag_s=0))
+    gate = Gate(reg, lambda: None, lambda v: None, None, cfg, bus=bus)  # type: ignore[arg-type, return-value]
+    now = time.time()
+    before = [sample(f"m{i}", None, 0.0, version="base", ts=now - 100) for i in range(500)]
+    gate.meter([(None, s) for s in before])  # type: ignore[misc]
+    plan = gate.step_plan(0.5)
+    assert plan["expected_users"] == 500 and plan["expected_from"] == "measured"
+    assert plan["rho"] == approx_ulps(step_rho(500))
+    pinned = Gate(reg, lambda: None, lambda v: None, None, GateConfig(canary=CanaryConfig(expected_users=2000)))  # type: ignore[arg-type, return-value]
+    assert pinned.step_plan(0.2)["rho"] == approx_ulps(step_rho(2000))
+
+
+def test_a_step_that_runs_out_ahead_is_extended_once_then_inconclusive():
+    ahead = lambda arm, i: (0.6 if arm == "candidate" else 0.5) + 0.3 * (i % 2)  # noqa: E731
+    cfg = CanaryConfig(min_users_per_arm=30, min_step_s=600, max_step_s=3600, margin=0.01)
+    p = progress().model_copy(update={"rho": 10.0, "active_s": 3600.0})
+    o = outcomes(31, 31, reward=ahead)
+    d = decide(p, o, cfg, at(3600))
+    assert d.action == "extend" and "inconclusive" in d.reason and "extended" in d.reason
+    again = decide(p.model_copy(update={"extensions": 1, "active_s": 3700.0}), o, cfg, at(3700))
+    assert again.action == "wait"  # within its extension
+    out = decide(p.model_copy(update={"extensions": 1, "active_s": 7200.0}), o, cfg, at(7200))
+    assert out.action == "abort_inconclusive" and out.numbers["inconclusive"] == {"ahead": True, "extensions": 1}
+    behind = decide(
+        p,
+        outcomes(31, 31, reward=lambda a, i: ahead("incumbent" if a == "candidate" else "candidate", i)),
+        cfg,
+        at(3600),
+    )
+    assert behind.action == "abort_inconclusive" and not behind.numbers["inconclusive"]["ahead"]
+
+
+def test_time_without_a_live_lease_does_not_count_toward_the_step(world):
+    reg, bus = world
+    clock = [T0 + timedelta(days=3650)]
+    cfg = GateConfig(canary=CanaryConfig(steps=(0.5,), min_step_s=0, max_step_s=3600, route_lag_s=0))
+    gate = Gate(reg, lambda: None, lambda v: None, None, cfg, bus=bus, clock=lambda: clock[0])  # type: ignore[arg-type, return-value]
+    gate.lease_s = 15.0
+    reg.beat_gate("g1", host="h", pid=1, beat_s=5.0, at=clock[0])
+    gate.step()
+    clock[0] += timedelta(seconds=10)
+    reg.beat_gate("g1", host="h", pid=1, beat_s=5.0, at=clock[0])
+    gate.step()
+    clock[0] += timedelta(seconds=100)  # the gate was down: its lease lapsed 15 s after its last beat
+    reg.beat_gate("g1", host="h", pid=1, beat_s=5.0, at=clock[0])
+    gate.step()
+    c = reg.get("v1").gate["canary"]
+    assert c["active_s"] == pytest.approx(25.0) and c["lapsed_s"] == pytest.approx(85.0)
+    clock[0] += timedelta(seconds=30)  # no beat for 30 s: no live lease now
+    gate.step()
+    c = reg.get("v1").gate["canary"]
+    assert c["active_s"] == pytest.approx(25.0) and c["lapsed_s"] == pytest.approx(115.0)
