@@ -8,13 +8,14 @@
   over time, the learner's metrics for the updates behind the version, its audit log.
 - `fleet_page`: the replicas' heartbeats (`Registry.fleet`), grouped by gateway.
 
-The canary's history is rebuilt from the audit log: every `record_gate` of `canary` stores the whole
-`CanaryProgress` (share, step, per-user counts), so each row is a point in time. Its satisfaction per
-arm is the mean of the users' mean rewards in the row's step, and the band is the always-valid
-interval of `gating.stats.confidence_sequence` at the gate's recorded α (ρ is not recorded: the
-default). The final numbers in the verdict panel are the gate's own (the details of its
-canary → awaiting_approval / aborted transition); during a canary they are `gating.canary.decide` on
-the stored counts with the default `CanaryConfig`, marked as such.
+The canary's plots come from its stored progress (`gate["canary"]["history"]`, one point per look,
+written by `gating.canary_stage`): share, each arm's mean of its users' mean rewards, and the
+difference with the always-valid band the gate computed at the step's own ρ and α. The audit log
+holds only the gate's decisions. The final numbers in the verdict panel are the gate's own (the
+details of its canary → awaiting_approval / aborted transition); during a canary they are
+`gating.canary.decide` on the stored counts (at the stored ρ and step time) with the default
+`CanaryConfig`, marked as such. The gate's lease (`lease_state`) is shown on the version page of a
+canary and on the fleet page: while it is lapsed, gateways route nobody to the candidate.
 
 Which step the lifecycle allows is asked of `gating` (`Registry.why_not_approve`, `LIFECYCLE`,
 `Registry.last_superseded`), never restated here.
@@ -30,7 +31,7 @@ from typing import Any, Literal
 
 from api.dashboard.svg import COLORS, Band, HLine, Series, chart, share_bar
 from gating.canary import ARMS, CanaryConfig, CanaryOutcomes, decide
-from gating.stats import DEFAULT_ALPHA, DEFAULT_RHO, confidence_sequence
+from gating.stats import DEFAULT_ALPHA
 from registry.models import (
     AuditEntryPublic,
     CanaryProgress,
@@ -116,39 +117,29 @@ def canary_look(progress: CanaryProgress) -> dict[str, Any]:
     return {"step": progress.step, "share": progress.share, "arms": arms, "diff": None if c is None else c - (i or 0)}
 
 
-def canary_history(audit: list[AuditEntryPublic]) -> list[tuple[datetime, CanaryProgress]]:
-    return [
-        (a.at, CanaryProgress.model_validate(a.details["record"]))
-        for a in audit
-        if a.action == "record_gate" and a.details.get("key") == "canary" and "record" in a.details
-    ]
-
-
 def canary_decision(audit: list[AuditEntryPublic]) -> dict[str, Any] | None:
     """The gate's numbers at its last canary decision (the transition out of `canary`), if any."""
     rows = [a for a in audit if a.from_status is S.canary and a.to_status is not S.canary and "reward" in a.details]
     return rows[-1].details if rows else None
 
 
-def canary_charts(history: list[tuple[datetime, CanaryProgress]], alpha: float, margin: float) -> dict[str, Any]:
+def canary_charts(progress: CanaryProgress | None, alpha: float, margin: float) -> dict[str, Any]:
+    """The share, satisfaction per arm and difference plots from `progress.history` (module docstring)."""
+    history = list(((progress.model_extra or {}) if progress is not None else {}).get("history", []))
     if not history:
         return {}
-    t0 = min(p.started_at for _, p in history)
-    share: list[tuple[float, float]] = []
+    share = [(float(p["t"]), float(p["share"])) for p in history]
     sat: dict[str, list[tuple[float, float]]] = {a: [] for a in ARMS}
     diff, band = [], []
-    for at, p in history:
-        t = (at - t0).total_seconds()
-        share.append((t, p.share))
-        out = CanaryOutcomes.from_dict(p.counts)
-        per = {a: out.per_user(p.step, a, "reward") for a in ARMS}
+    for p in history:
+        t = float(p["t"])
         for a in ARMS:
-            if per[a]:
-                sat[a].append((t, sum(per[a]) / len(per[a])))
-        if min(len(v) for v in per.values()) >= 2:
-            iv = confidence_sequence(per["candidate"], per["incumbent"], alpha, DEFAULT_RHO)
-            diff.append((t, iv.estimate))
-            band.append((t, iv.lower, iv.upper))
+            if a in p.get("means", {}):
+                sat[a].append((t, float(p["means"][a])))
+        if "diff" in p:
+            est, lo, hi = p["diff"]
+            diff.append((t, float(est)))
+            band.append((t, float(lo), float(hi)))
     return {
         "share": chart(
             "Canary share over time",
@@ -162,13 +153,33 @@ def canary_charts(history: list[tuple[datetime, CanaryProgress]], alpha: float, 
             x_title="seconds since the canary started",
         ),
         "difference": chart(
-            "Candidate − incumbent, with its always-valid band",
+            "Candidate − incumbent, with its always-valid band (at the step's ρ)",
             [Series("difference", diff, COLORS["candidate"])],
             bands=[Band(f"{1 - alpha:.0%} always-valid band", band, COLORS["candidate"])],
             hlines=[HLine(f"−margin ({margin:g})", -margin), HLine("0", 0.0, COLORS["axis"])],
             x_title="seconds since the canary started",
         ),
     }
+
+
+def lease_state(reg: Registry, now: datetime) -> dict[str, Any]:
+    """The gate's lease: `live` (a gate is watching), the latest beat's gate, host, pid and age."""
+    last = next(iter(reg.gate_leases()), None)
+    live = reg.gate_lease(now) is not None
+    if last is None:
+        return {"live": live, "text": "no gate has ever beaten: a canary is routed to nobody"}
+    who = f"gate {last.gate_id} ({last.host} pid {last.pid})"
+    text = f"{who}, last beat {last.age_s(now):.1f} s ago (lease {last.lease_s:g} s)"
+    return {"live": live, "text": text if live else f"lapsed: {text}; a canary is routed to nobody"}
+
+
+def step_time(progress: CanaryProgress | None) -> dict[str, Any] | None:
+    """The step's time with a live lease, its lapsed time, extensions and ρ, as the gate stores them."""
+    if progress is None:
+        return None
+    extra = progress.model_extra or {}
+    keys = ("active_s", "lapsed_s", "extensions", "rho", "expected_users", "expected_from")
+    return {k: extra.get(k) for k in keys}
 
 
 # -- the verdict panel -------------------------------------------------------------------------------
@@ -292,6 +303,14 @@ def verdict(
             )
         else:
             checks.append(Check("Canary difference", "wait", f"not estimated yet{tag}", "fewer than 2 users in an arm"))
+        inc = nums.get("inconclusive")
+        if inc is not None:
+            ahead = "ahead" if inc.get("ahead") else "not ahead"
+            checks.append(Check("Canary time", "fail",
+                f"inconclusive: not passed within {num(nums.get('elapsed_s'), '.0f')} s "
+                f"({inc.get('extensions', 0)} extension(s)), the candidate {ahead}",
+                "the step ran out before the band cleared −margin: more traffic, a longer step or a larger "
+                "margin would decide it"))  # fmt: skip
         srm = nums.get("srm")
         if srm:
             ok = srm["p_value"] >= srm["threshold"]
@@ -300,14 +319,16 @@ def verdict(
                     "Sample ratio (SRM)",
                     "pass" if ok else "fail",
                     f"users {_arms(nums.get('users', {}))} at share {nums.get('share', 0):.0%}: "
-                    f"p = {srm['p_value']:.3g} (mismatch below {srm['threshold']:g})",
+                    f"always-valid p = {srm['p_value']:.3g} (mismatch below {srm['threshold']:g})",
                     "" if ok else "the split itself is broken: users per arm do not match the share",
                 )
             )
         rails = nums.get("guardrails")
         if rails is None:
             checks.append(
-                Check("Canary guardrails", "wait", "latency and error rate not judged yet", "too few users per arm")
+                Check(
+                    "Canary guardrails", "wait", "TTFT, TPOT, errors, passes: not judged yet", "too few users per arm"
+                )
             )
         for metric, g in (rails or {}).items():
             lower_worse = g.get("direction") == "lower_is_worse"
@@ -495,7 +516,9 @@ def version_page(reg: Registry, version_id: str, now: datetime | None = None) ->
         "look": look,
         "verdict": verdict(v, offline, decision or live, live is not None, look, promoted),
         "actions": actions(reg, v, promoted),
-        "canary": canary_charts(canary_history(audit), alpha, margin),
+        "canary": canary_charts(progress, alpha, margin),
+        "step_time": step_time(progress),
+        "lease": lease_state(reg, now) if v.status is S.canary else None,
         "lineage": list(reversed(lineage)),
         "learner_metrics": LEARNER_METRICS,
         "audit": audit,
@@ -515,4 +538,5 @@ def fleet_page(reg: Registry, interval_s: float) -> dict[str, Any]:
     parts = [(st.promoted_id or "none", 1.0 - share, COLORS["incumbent"])]
     if st.canary_id is not None:
         parts.append((st.canary_id, share, COLORS["candidate"]))
-    return {"fleet": st, "gateways": gateways, "split_bar": share_bar(parts), "interval_s": interval_s}
+    lease = lease_state(reg, datetime.now(UTC))
+    return {"fleet": st, "gateways": gateways, "split_bar": share_bar(parts), "interval_s": interval_s, "lease": lease}

@@ -6,7 +6,7 @@ change nothing, and the pages' content."""
 from __future__ import annotations
 
 import re
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
@@ -45,10 +45,15 @@ def to_awaiting_approval(reg: Registry, vid: str, cand: float = 0.5) -> None:
                "suite_version": "s1", "numbers": offline_numbers(cand, 0.4)}  # fmt: skip
     reg.record_gate(vid, "offline", verdict, "gate")
     reg.transition(vid, "canary", "gate", "offline passed")
-    # per user: reward n, sum, sum of squares; latency n, sum; errors; verifier-scored n, sum
-    counts = CanaryOutcomes(steps={0: {"candidate": {"u1": [2, 1.0, 0.5, 2, 200.0, 0, 2, 1.0], "u2": [1, 0.5, 0.25, 1, 90.0, 0, 1, 1.0]},
-                                       "incumbent": {"u3": [1, 0.0, 0.0, 1, 80.0, 0, 1, 0.0], "u4": [1, 1.0, 1.0, 1, 95.0, 1, 1, 1.0]}}})  # fmt: skip
-    progress = {"step": 0, "share": 0.5, "started_at": datetime.now(UTC), "counts": counts.to_dict()}
+    # per user: reward n, sum, sum of squares; latency n, sum; errors; verifier-scored n, sum; TTFT n, sum; TPOT n, sum
+    counts = CanaryOutcomes(steps={0: {"candidate": {"u1": [2, 1.0, 0.5, 2, 200.0, 0, 2, 1.0, 2, 40.0, 2, 30.0], "u2": [1, 0.5, 0.25, 1, 90.0, 0, 1, 1.0, 1, 20.0, 1, 15.0]},
+                                       "incumbent": {"u3": [1, 0.0, 0.0, 1, 80.0, 0, 1, 0.0, 1, 20.0, 1, 15.0], "u4": [1, 1.0, 1.0, 1, 95.0, 1, 1, 1.0, 1, 21.0, 1, 16.0]}}})  # fmt: skip
+    history = [{"t": 1.0, "step": 0, "share": 0.5, "users": {"candidate": 1, "incumbent": 1}},
+               {"t": 2.0, "step": 0, "share": 0.5, "users": {"candidate": 2, "incumbent": 2},
+                "diff": [0.25, -0.01, 0.5], "means": {"candidate": 0.5, "incumbent": 0.25}}]  # fmt: skip
+    progress = {"step": 0, "share": 0.5, "started_at": datetime.now(UTC), "counts": counts.to_dict(),
+                "history": history, "rho": 5.0, "expected_users": 41.0, "expected_from": "measured",
+                "active_s": 2.0, "lapsed_s": 30.0}  # fmt: skip
     reg.record_gate(vid, "canary", progress, "gate")
     numbers = {"margin": 0.03, "alpha": 0.05, "share": 0.5, "users": {"candidate": 2, "incumbent": 2},
                "reward": {"lower": -0.01, "upper": 0.5, "estimate": 0.25, "se": 0.1, "radius": 0.26},
@@ -292,3 +297,40 @@ def test_charts_escape_text_and_say_when_there_is_nothing():
     svg = chart("<b>t</b>", [Series("a&b", [(0, 1.0), (1, 2.0)], "#000")])
     assert "<b>" not in svg and "&lt;b&gt;" in svg and "a&amp;b" in svg and "<polyline" in svg
     assert "no data yet" in chart("empty", [Series("a", [], "#000")])
+
+
+def test_the_canary_plots_come_from_the_stored_progress_and_a_lapsed_lease_shows(live):
+    """The plots read `gate["canary"]["history"]` (no audit row per look); a canary with no live gate
+    lease says so on its page and on the fleet page; the step's lapsed time is shown as not counted."""
+    c = sign_in(live, live.viewer_token)
+    live.reg.reject("v1", "test", "one version in flight at a time")
+    live.reg.register(version_id="v3", parent_id="base", files=files("v3"))
+    live.reg.transition("v3", "evaluating", "gate", "eval")
+    live.reg.transition("v3", "canary", "gate", "ok")
+    counts = CanaryOutcomes().to_dict()
+    history = [{"t": 5.0, "step": 0, "share": 0.2, "users": {"candidate": 3, "incumbent": 9},
+                "diff": [0.1, -0.2, 0.4], "means": {"candidate": 0.3, "incumbent": 0.2}}]  # fmt: skip
+    progress = {
+        "step": 0,
+        "share": 0.2,
+        "started_at": datetime.now(UTC),
+        "counts": counts,
+        "history": history,
+        "rho": 7.5,
+        "expected_users": 62.0,
+        "expected_from": "measured",
+        "active_s": 5.0,
+        "lapsed_s": 40.0,
+    }
+    live.reg.record_gate("v3", "canary", progress, "gate", "canary started", audit=True)
+    page = c.get("/dashboard/versions/v3").text
+    assert "Canary share over time" in page and "always-valid band (at the step" in page
+    assert 'id="gate-lease"' in page and "a canary is routed to nobody" in page
+    assert "40 s lapsed (not counted)" in page and "ρ 7.5 for 62 expected users (measured)" in page
+    live.reg.beat_gate("g1", host="h", pid=7, beat_s=5.0)
+    page = c.get("/dashboard/versions/v3").text
+    assert "gate g1 (h pid 7), last beat" in page and "lapsed:" not in page
+    fleet = c.get("/dashboard/fleet").text
+    assert 'id="gate-lease"' in fleet and "gate g1 (h pid 7)" in fleet
+    live.reg.beat_gate("g1", host="h", pid=7, beat_s=5.0, at=datetime.now(UTC) - timedelta(seconds=60))
+    assert "lapsed: gate g1" in c.get("/dashboard/fleet").text
