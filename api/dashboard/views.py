@@ -303,12 +303,12 @@ def verdict(
             )
         else:
             checks.append(Check("Canary difference", "wait", f"not estimated yet{tag}", "fewer than 2 users in an arm"))
-        inc = nums.get("inconclusive")
-        if inc is not None:
-            ahead = "ahead" if inc.get("ahead") else "not ahead"
+        ran_out = nums.get("inconclusive")
+        if ran_out is not None:
+            ahead = "ahead" if ran_out.get("ahead") else "not ahead"
             checks.append(Check("Canary time", "fail",
                 f"inconclusive: not passed within {num(nums.get('elapsed_s'), '.0f')} s "
-                f"({inc.get('extensions', 0)} extension(s)), the candidate {ahead}",
+                f"({ran_out.get('extensions', 0)} extension(s)), the candidate {ahead}",
                 "the step ran out before the band cleared −margin: more traffic, a longer step or a larger "
                 "margin would decide it"))  # fmt: skip
         srm = nums.get("srm")
