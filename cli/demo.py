@@ -1,5 +1,7 @@
 """`flywheel demo`: one run of the demo product through the whole system (`demo.system`), or with
-`--report DIR` the published set of runs (seeds and two controls) and `DIR/report.{md,json,png}`."""
+`--report DIR` the published set of runs (seeds, and both controls on as many seeds) and
+`DIR/report.{md,json,png}`. Every run records its provenance (`demo.provenance`); `--resume` reuses a
+saved run only when its config and its source hash match this checkout's."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ def demo(args) -> None:
     import time
 
     from demo import report as demo_report
+    from demo.provenance import provenance
     from demo.system import DemoSystemConfig, run_system, version_records
 
     for noisy in ("httpx", "httpx2", "openai"):  # one line per request otherwise
@@ -32,12 +35,19 @@ def demo(args) -> None:
     common = common.model_copy(update={**overrides, "auto_approve": not args.no_auto_approve})
     seed = settings.seed if args.seed is None else args.seed
 
+    here = provenance()
+
     def one(name: str, cfg: DemoSystemConfig, keep: bool) -> dict:
         saved = runs_dir / f"{name}.json"
         if args.resume and saved.is_file():
             result = json.loads(saved.read_text())
-            if result["config"] == cfg.model_dump(mode="json"):
-                print(f"flywheel demo: run {name!r} reused from {saved} (same config)", flush=True)
+            theirs = (result.get("provenance") or {}).get("source_sha256")
+            if result["config"] != cfg.model_dump(mode="json"):
+                print(f"flywheel demo: run {name!r} is not reused: its config differs", flush=True)
+            elif theirs != here["source_sha256"]:
+                print(f"flywheel demo: run {name!r} is not reused: made from other sources ({theirs})", flush=True)
+            else:
+                print(f"flywheel demo: run {name!r} reused from {saved} (same config and sources)", flush=True)
                 if (runs_dir / name / "registry.db").is_file():  # its versions as this code records them
                     result["versions"] = version_records(runs_dir / name)
                     saved.write_text(json.dumps(result, indent=2))
@@ -46,6 +56,7 @@ def demo(args) -> None:
         shutil.rmtree(home, ignore_errors=True)
         print(f"flywheel demo: run {name!r} in {home}", flush=True)
         result = run_system(cfg, home, base, keep_serving=_wait_for_ctrl_c if keep else None)
+        result["provenance"] = here
         (runs_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
         gain = demo_report.run_gain(result) if len(result["promotions"]) > 1 else None
         print(json.dumps({"run": name, "promotions": result["promotions"], "gain": gain, "wall_s": result["wall_s"]}))
@@ -60,11 +71,17 @@ def demo(args) -> None:
         one(name, cfg, keep=not args.exit)
         return
     t0 = time.monotonic()
-    seeds = [one(f"seed{s}", common.model_copy(update={"seed": s}), False) for s in range(args.seeds)]
-    shuffled = one("seed0-shuffled", common.model_copy(update={"seed": 0, "shuffle_rewards": True}), False)
-    adversarial = one("seed0-adversarial5", common.model_copy(update={"seed": 0, "adversarial_share": 0.05}), False)
+    n = range(args.seeds)
+    seeds = [one(f"seed{s}", common.model_copy(update={"seed": s}), False) for s in n]
+    shuffled = [
+        one(f"seed{s}-shuffled", common.model_copy(update={"seed": s, "shuffle_rewards": True}), False) for s in n
+    ]
+    adversarial = [
+        one(f"seed{s}-adversarial5", common.model_copy(update={"seed": s, "adversarial_share": 0.05}), False) for s in n
+    ]
     summary = demo_report.summarize(seeds, shuffled, adversarial)
     summary["total_wall_s"] = round(time.monotonic() - t0, 1)
+    summary["provenance"] = here
     command = "flywheel demo " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "flywheel demo --report docs/demo"
     for path in demo_report.write(summary, Path(args.report), command):
         print(f"flywheel demo: wrote {path}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from demo.checker import check_batch
-from demo.tasks import Task, completions_for
+from demo.tasks import Task, completions_for, is_preferred_style
 from demo.users import satisfaction
 from serving.interface import Engine
 from serving.sampling import SamplingParams
@@ -44,5 +44,9 @@ def evaluate(
         "satisfaction": sum(sats) / len(sats),
         "pass_rate_by_family": {f: sum(v) / len(v) for f, v in sorted(per_family.items())},
         "mean_output_tokens": sum(len(o.output_ids) for o in outs) / len(outs),
-        "per_task": {"satisfaction": sats, "passed": [int(r.passed) for r in checks]},  # paired comparisons
+        "per_task": {  # paired comparisons
+            "satisfaction": sats,
+            "passed": [int(r.passed) for r in checks],
+            "styled": [int(r.passed and is_preferred_style(c)) for c, r in zip(texts, checks)],  # correct, house style
+        },
     }

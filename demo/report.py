@@ -1,17 +1,23 @@
 """The demo's report: runs of `demo.system.run_system` become `docs/demo/report.{md,json}` and a plot.
 
-Runs: one per seed (the main result), plus two controls on seed 0 — shuffled rewards (users react to
-another completion's outcome, so feedback carries no information about the completion) and 5%
-adversarial users. Every number is on the report split, which neither pre-training, user traffic nor
-the gate ever saw, and is paired: the same report prompts, sampled with the same seeds, for every
-version, so a gain is the mean of per-prompt differences.
+Runs: one per seed (the main result), and the two controls on as many seeds: shuffled rewards (users
+react to another completion's outcome, so feedback carries no information about the completion) and
+5% adversarial users. Every number is on the report split, which neither pre-training, user traffic
+nor the gate ever saw, and is paired: the same report prompts, sampled with the same seeds, for every
+version, so one run's gain is the mean of per-prompt differences. Across seeds the interval is a
+t-interval over the seeds' gains (seed-level: what another run would give), `None` with one seed.
 
-- `satisfaction_gain_points`: last promoted version minus the base, in points (x 100), per seed; the
-  headline is their mean, with a 95% t-interval over seeds (and each seed's paired interval).
-- `pass_rate_gain_points`: the same for the verifiable pass rate (co-primary).
-- `shuffled_control.satisfaction_gain_points`: the shuffled run's gain (should be about 0).
-- `adversarial_5pct.satisfaction_cost_points`: seed 0's gain minus the adversarial run's, paired by
-  prompt between the two final versions.
+- `pass_rate_gain_points` (the headline: correctness, what a user would call better code): last
+  promoted version minus the base, in points (x 100), mean over seeds with its seed-level interval.
+- `satisfaction_gain_points`: the same for the simulated users' satisfaction, and
+  `style_share_of_satisfaction_gain`: how much of it is house style rather than correctness
+  (`style_split`).
+- `controls.shuffled`: the shuffled runs' gains over seeds, and `promotions_worse_than_base`: promoted
+  versions whose report pass rate is below the base's with the paired 95% interval wholly below 0.
+- `controls.adversarial_5pct`: per seed, the clean run's final version minus the adversarial run's
+  (satisfaction, paired by prompt), over seeds.
+- `candidates.collapses`: candidates whose offline pass rate fell more than 5 points below their
+  verdict's incumbent, over every run.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ from typing import Any
 from scipy import stats
 
 from core.files import atomic_write
+from demo.users import UserPrefs
+
+COLLAPSE_POINTS = 5.0
 
 
 def _paired(a: list[float], b: list[float]) -> dict[str, Any]:
@@ -48,50 +57,129 @@ def _over_seeds(values: list[float]) -> dict[str, Any]:
     return {"points": round(mean, 2), "ci95": [round(mean - half, 2), round(mean + half, 2)], "seeds": n}
 
 
+def style_split(base: dict[str, list[int]], final: dict[str, list[int]], prefs: UserPrefs | None = None) -> dict:
+    """The satisfaction gain in points, split into correctness and house style (exactly).
+
+    Per prompt, satisfaction is a_inc + passed (a_other - a_inc) + styled (a_pref - a_other) (`demo.users.
+    satisfaction`; styled = correct and in the house style). With P the pass rate and s = styled / passed
+    the style share among correct completions, the mean is a_inc + P (c1 + s c2); the change splits at
+    the midpoints: ΔP (c1 + s̄ c2) is correctness, P̄ Δs c2 is style, and they add up to the gain."""
+    prefs = prefs or UserPrefs()
+    c1 = prefs.p_accept_correct_other - prefs.p_accept_incorrect
+    c2 = prefs.p_accept_correct_preferred - prefs.p_accept_correct_other
+
+    def rates(pt: dict[str, list[int]]) -> tuple[float, float]:
+        p = sum(pt["passed"]) / len(pt["passed"])
+        return p, (sum(pt["styled"]) / sum(pt["passed"]) if sum(pt["passed"]) else 0.0)
+
+    (p0, s0), (p1, s1) = rates(base), rates(final)
+    correctness = 100 * (p1 - p0) * (c1 + (s0 + s1) / 2 * c2)
+    style = 100 * (p0 + p1) / 2 * (s1 - s0) * c2
+    total = correctness + style
+    return {
+        "correctness_points": round(correctness, 2),
+        "style_points": round(style, 2),
+        "style_share": round(style / total, 3) if abs(total) > 1e-9 else None,
+    }
+
+
 def run_gain(run: dict[str, Any]) -> dict[str, Any]:
     """Base vs the last promoted version of one run, paired per report prompt."""
     evals = run["evaluations"]
     base_id, final_id = run["promotions"][0], run["promotions"][-1]
     base, final = evals[base_id]["per_task"], evals[final_id]["per_task"]
-    return {
+    out = {
         "base": base_id,
         "final": final_id,
         "promotions": len(run["promotions"]) - 1,
-        "satisfaction": _paired(base["satisfaction"], final["satisfaction"]),
         "pass_rate": _paired(base["passed"], final["passed"]),
+        "satisfaction": _paired(base["satisfaction"], final["satisfaction"]),
     }
+    if "styled" in base and "styled" in final:
+        out["satisfaction_split"] = style_split(base, final)
+    return out
 
 
-def summarize(seeds: list[dict], shuffled: dict | None, adversarial: dict | None) -> dict[str, Any]:
-    """The report's JSON (module docstring)."""
+def worse_than_base(run: dict[str, Any]) -> list[str]:
+    """Promoted versions whose report pass rate is below the base's, the paired 95% interval below 0."""
+    evals, base = run["evaluations"], run["promotions"][0]
+    return [
+        v
+        for v in run["promotions"][1:]
+        if _paired(evals[base]["per_task"]["passed"], evals[v]["per_task"]["passed"])["ci95"][1] < 0
+    ]
+
+
+def collapses(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Candidates whose offline pass rate fell more than `COLLAPSE_POINTS` below their verdict's incumbent."""
+    out = []
+    for run in runs:
+        for v in run["versions"]:
+            off = v.get("offline") or {}
+            if off.get("candidate") is None or off.get("incumbent") is None:
+                continue
+            drop = 100 * (off["incumbent"] - off["candidate"])
+            if drop > COLLAPSE_POINTS:
+                out.append({"seed": run["config"]["seed"], "version": v["id"], "drop_points": round(drop, 1)})
+    return out
+
+
+def _seeds_of(gains: list[dict], key: str) -> dict[str, Any]:
+    return _over_seeds([g[key]["points"] for g in gains])
+
+
+def summarize(
+    seeds: list[dict], shuffled: list[dict] | None = None, adversarial: list[dict] | None = None
+) -> dict[str, Any]:
+    """The report's JSON (module docstring). `adversarial[k]` is paired with `seeds[k]` (same seed)."""
     if not seeds:
         raise ValueError("the report needs at least one seed's run")
+    shuffled, adversarial = shuffled or [], adversarial or []
     gains = [run_gain(r) for r in seeds]
-    sat = _over_seeds([g["satisfaction"]["points"] for g in gains])
+    sat, pr = _seeds_of(gains, "satisfaction"), _seeds_of(gains, "pass_rate")
+    splits = [g["satisfaction_split"] for g in gains if "satisfaction_split" in g]
+    style = sum(x["style_points"] for x in splits)
+    total = style + sum(x["correctness_points"] for x in splits)
     out: dict[str, Any] = {
         "report_split": {
+            "pass_rate_gain_points": pr["points"],
+            "pass_rate_gain_ci95": pr["ci95"],
             "satisfaction_gain_points": sat["points"],
             "satisfaction_gain_ci95": sat["ci95"],
-            "pass_rate_gain_points": _over_seeds([g["pass_rate"]["points"] for g in gains])["points"],
-            "pass_rate_gain_ci95": _over_seeds([g["pass_rate"]["points"] for g in gains])["ci95"],
+            "style_share_of_satisfaction_gain": round(style / total, 3) if splits and abs(total) > 1e-9 else None,
+            "seeds": len(seeds),
             "per_seed": [{"seed": r["config"]["seed"], **g} for r, g in zip(seeds, gains, strict=True)],
             "prompts": seeds[0]["evaluations"][gains[0]["base"]]["n"],
         },
-        "runs": [_run_summary(r) for r in [*seeds, *(x for x in (shuffled, adversarial) if x is not None)]],
+        "candidates": {"collapses": collapses([*seeds, *shuffled, *adversarial])},
+        "controls": {},
+        "runs": [_run_summary(r) for r in [*seeds, *shuffled, *adversarial]],
     }
-    if shuffled is not None:
-        g = run_gain(shuffled)
-        out["shuffled_control"] = {"satisfaction_gain_points": g["satisfaction"]["points"], **g}
-    if adversarial is not None:
-        clean, adv = seeds[0], adversarial
-        a = clean["evaluations"][clean["promotions"][-1]]["per_task"]["satisfaction"]
-        b = adv["evaluations"][adv["promotions"][-1]]["per_task"]["satisfaction"]
-        cost = _paired(b, a)  # how much better the clean run's final is than the adversarial run's
-        out["adversarial_5pct"] = {
-            "satisfaction_cost_points": cost["points"],
-            "satisfaction_cost_ci95": cost["ci95"],
-            "share": adv["config"]["adversarial_share"],
-            **run_gain(adv),
+    if shuffled:
+        g = [run_gain(r) for r in shuffled]
+        out["controls"]["shuffled"] = {
+            "seeds": len(shuffled),
+            "pass_rate_gain": _seeds_of(g, "pass_rate"),
+            "satisfaction_gain": _seeds_of(g, "satisfaction"),
+            "promotions": sum(x["promotions"] for x in g),
+            "promotions_worse_than_base": sum(len(worse_than_base(r)) for r in shuffled),
+            "per_seed": [{"seed": r["config"]["seed"], **x} for r, x in zip(shuffled, g, strict=True)],
+        }
+    if adversarial:
+        by_seed = {r["config"]["seed"]: r for r in seeds}
+        costs = []
+        for adv in adversarial:
+            clean = by_seed.get(adv["config"]["seed"])
+            if clean is None:
+                raise ValueError(f"adversarial run of seed {adv['config']['seed']} has no clean run to pair with")
+            a = clean["evaluations"][clean["promotions"][-1]]["per_task"]["satisfaction"]
+            b = adv["evaluations"][adv["promotions"][-1]]["per_task"]["satisfaction"]
+            costs.append({"seed": adv["config"]["seed"], **_paired(b, a), **{"gain": run_gain(adv)}})
+        out["controls"]["adversarial_5pct"] = {
+            "seeds": len(adversarial),
+            "share": adversarial[0]["config"]["adversarial_share"],
+            "satisfaction_cost": _over_seeds([c["points"] for c in costs]),
+            "per_seed": costs,
         }
     return out
 
@@ -124,39 +212,62 @@ def write(summary: dict[str, Any], out_dir: Path, command: str) -> list[Path]:
     return paths
 
 
+def _ci(x: Any) -> str:
+    return "inconclusive (one seed)" if x is None else f"[{x[0]}, {x[1]}]"
+
+
 def markdown(s: dict[str, Any], command: str) -> str:
     r = s["report_split"]
+    share = r.get("style_share_of_satisfaction_gain")
     lines = [
         "# The demo, through the running system",
         "",
         f"Made by `{command}`. Every number is on the report split ({r['prompts']} prompts per evaluation, "
-        "never seen by pre-training, user traffic or the gate), paired per prompt against the base.",
+        "never seen by pre-training, user traffic or the gate), paired per prompt against the base. "
+        "Intervals over seeds are t-intervals of the seeds' gains; a seed's own interval is over prompts.",
         "",
-        "| | satisfaction gain (points) | 95% CI | pass-rate gain (points) | 95% CI |",
-        "|---|---:|---|---:|---|",
-        f"| mean over {len(r['per_seed'])} seed(s) | {r['satisfaction_gain_points']} | "
-        f"{r['satisfaction_gain_ci95']} | {r['pass_rate_gain_points']} | {r['pass_rate_gain_ci95']} |",
+        f"**Pass rate: {r['pass_rate_gain_points']:+} points** over {r['seeds']} seed(s), 95% CI "
+        f"{_ci(r['pass_rate_gain_ci95'])}. Satisfaction: {r['satisfaction_gain_points']:+} points, "
+        f"{_ci(r['satisfaction_gain_ci95'])}"
+        + (f", of which {100 * share:.0f}% is house style rather than correctness." if share is not None else "."),
+        "",
+        "| | pass-rate gain (points) | 95% CI | satisfaction gain (points) | 95% CI | of it: correctness / style |",
+        "|---|---:|---|---:|---|---|",
+        f"| mean over {r['seeds']} seed(s) | {r['pass_rate_gain_points']} | {_ci(r['pass_rate_gain_ci95'])} | "
+        f"{r['satisfaction_gain_points']} | {_ci(r['satisfaction_gain_ci95'])} | |",
     ]
     for g in r["per_seed"]:
+        sp = g.get("satisfaction_split") or {}
         lines.append(
             f"| seed {g['seed']} ({g['base']} → {g['final']}, {g['promotions']} promotions) | "
-            f"{g['satisfaction']['points']} | {g['satisfaction']['ci95']} | {g['pass_rate']['points']} | "
-            f"{g['pass_rate']['ci95']} |"
+            f"{g['pass_rate']['points']} | {g['pass_rate']['ci95']} | {g['satisfaction']['points']} | "
+            f"{g['satisfaction']['ci95']} | {sp.get('correctness_points', '')} / {sp.get('style_points', '')} |"
         )
-    if "shuffled_control" in s:
-        c = s["shuffled_control"]
-        lines.append(
-            f"| control: shuffled rewards (seed 0) | {c['satisfaction']['points']} | {c['satisfaction']['ci95']} | "
-            f"{c['pass_rate']['points']} | {c['pass_rate']['ci95']} |"
-        )
-    if "adversarial_5pct" in s:
-        a = s["adversarial_5pct"]
-        lines.append(
-            f"| 5% adversarial users (seed 0) | {a['satisfaction']['points']} | {a['satisfaction']['ci95']} | "
-            f"{a['pass_rate']['points']} | {a['pass_rate']['ci95']} |"
-        )
-        lines += ["", f"Cost of 5% adversarial users: {a['satisfaction_cost_points']} points "
-                  f"(95% CI {a['satisfaction_cost_ci95']}), paired against seed 0's final version."]  # fmt: skip
+    c = s.get("controls", {})
+    if "shuffled" in c:
+        sh = c["shuffled"]
+        lines += [
+            "",
+            f"**Shuffled-reward control** ({sh['seeds']} seeds): pass rate {sh['pass_rate_gain']['points']:+} "
+            f"{_ci(sh['pass_rate_gain']['ci95'])}, satisfaction {sh['satisfaction_gain']['points']:+} "
+            f"{_ci(sh['satisfaction_gain']['ci95'])}; {sh['promotions']} promotions, "
+            f"{sh['promotions_worse_than_base']} of them worse than the base on the report split.",
+        ]
+    if "adversarial_5pct" in c:
+        ad = c["adversarial_5pct"]
+        lines += [
+            "",
+            f"**{ad['share']:.0%} adversarial users** ({ad['seeds']} seeds): they cost "
+            f"{ad['satisfaction_cost']['points']} points of satisfaction {_ci(ad['satisfaction_cost']['ci95'])}, "
+            "each seed's final version paired against the clean run's of the same seed.",
+        ]
+    col = s.get("candidates", {}).get("collapses", [])
+    lines += [
+        "",
+        f"**Collapses** (a candidate's offline pass rate more than {COLLAPSE_POINTS:g} points below its "
+        f"incumbent's): {len(col)}"
+        + (": " + ", ".join(f"seed {x['seed']} {x['version']} −{x['drop_points']}" for x in col) if col else "."),
+    ]
     lines += ["", "![satisfaction per version](report.png)", "", "## Runs", ""]
     for run in s["runs"]:
         lines += _run_section(run)

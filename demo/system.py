@@ -489,7 +489,23 @@ def _version_record(v: Any, audit: list) -> dict:
         ],
         "learner": {k: v.metrics.get(k) for k in LEARNER_KEYS if k in v.metrics},
         "offline_passed": (v.gate.get("offline") or {}).get("passed"),
+        "offline": _offline_rates(v.gate.get("offline")),
         "canary": {k: (v.gate.get("canary") or {}).get(k) for k in ("step", "share")},
+    }
+
+
+def _offline_rates(verdict: dict | None) -> dict | None:
+    """The offline verdict's pass rates (candidate, incumbent and which) and, if checked, the anchor's."""
+    if not verdict or "reward" not in (verdict.get("numbers") or {}):
+        return None
+    n = verdict["numbers"]
+    anchor = n.get("anchor") or {}
+    return {
+        "candidate": n["reward"]["candidate"],
+        "incumbent": n["reward"]["incumbent"],
+        "incumbent_id": verdict.get("incumbent_id"),
+        "anchor_id": anchor.get("id"),
+        "anchor": anchor.get("pass_rate"),
     }
 
 
@@ -516,34 +532,46 @@ def logged_prompt_leaks(home: Path, base: Path) -> dict:
 
 
 def evaluate_versions(home: Path, base: Path, version_ids: list[str], cfg: DemoSystemConfig) -> dict:
-    """Satisfaction and pass rate of each version on the report split, with 95% CIs (this process)."""
+    """Satisfaction and pass rate of each version on the report split, with 95% CIs (this process).
+
+    Each version is the artifact replicas serve: rebuilt from the weight store and checked against the
+    registry's SHA-256 (`gating.gate_process.weight_store_loader`), recorded as `artifact_sha256`. A
+    version whose artifact is missing or does not match is a ValueError, never replaced by another
+    model. `base` is unused: the base is served from its own weight-store snapshot like any version."""
     from tqdm import tqdm
 
     from demo.evaluation import evaluate
     from demo.split import split_tasks
+    from gating.gate_process import weight_store_loader
+    from registry.registry import Registry
     from serving.engine import EmbeddedEngine
 
     tasks = split_tasks("report", cfg.report_prompts)
+    load = weight_store_loader(home / "models" / "learner", home / "report" / "versions", keep=2)
+    registry = Registry(f"sqlite:///{home / 'registry.db'}")
     out = {}
-    for vid in tqdm(version_ids, desc="report split", unit="version", dynamic_ncols=True, leave=False):
-        folder = home / "models" / "learner" / vid
-        if not (folder / "config.json").is_file():
-            folder = base
-        engine = EmbeddedEngine(max_batch=64, max_model_len=256)
-        try:
-            engine.add_version(vid, folder, default=True)
-            r = evaluate(engine, vid, tasks, seed=REPORT_SEED, max_tokens=cfg.max_tokens)
-        finally:
-            engine.shutdown()
-        out[vid] = {
-            "satisfaction": r["satisfaction"],
-            "satisfaction_ci95": mean_ci(r["per_task"]["satisfaction"]),
-            "pass_rate": r["pass_rate"],
-            "pass_rate_ci95": mean_ci(r["per_task"]["passed"]),
-            "satisfaction_ceiling": r["satisfaction_ceiling"],
-            "n": r["n"],
-            "per_task": r["per_task"],
-        }
+    try:
+        for vid in tqdm(version_ids, desc="report split", unit="version", dynamic_ncols=True, leave=False):
+            version = registry.get(vid)
+            folder = load(version)
+            engine = EmbeddedEngine(max_batch=64, max_model_len=256)
+            try:
+                engine.add_version(vid, folder, default=True)
+                r = evaluate(engine, vid, tasks, seed=REPORT_SEED, max_tokens=cfg.max_tokens)
+            finally:
+                engine.shutdown()
+            out[vid] = {
+                "artifact_sha256": version.artifact_sha256,
+                "satisfaction": r["satisfaction"],
+                "satisfaction_ci95": mean_ci(r["per_task"]["satisfaction"]),
+                "pass_rate": r["pass_rate"],
+                "pass_rate_ci95": mean_ci(r["per_task"]["passed"]),
+                "satisfaction_ceiling": r["satisfaction_ceiling"],
+                "n": r["n"],
+                "per_task": r["per_task"],
+            }
+    finally:
+        registry.close()
     return out
 
 

@@ -1,11 +1,11 @@
 """The demo report's numbers from hand-made runs: paired gains in points, the t-interval over seeds,
-the controls, and the markdown naming the command."""
+the controls over seeds, the style split, collapses, and the markdown leading with the pass rate."""
 
 from __future__ import annotations
 
 import pytest
 
-from demo.report import markdown, summarize
+from demo.report import markdown, style_split, summarize
 
 
 def run(seed: int, base: list[float], final: list[float], passed=(0, 1), adversarial=0.0, shuffled=False) -> dict:
@@ -34,6 +34,7 @@ def run(seed: int, base: list[float], final: list[float], passed=(0, 1), adversa
                 "id": "v0003",
                 "parent": "base",
                 "status": "promoted",
+                "offline": {"candidate": 0.6, "incumbent": 0.5, "incumbent_id": "base"},
                 "learner": {"ratio_mean": 0.99, "clip_frac": 0.01},
                 "transitions": [
                     {"to": "candidate", "at": "2026-12-01T16:01:00+00:00", "reason": "learner update 8"},
@@ -49,28 +50,60 @@ def run(seed: int, base: list[float], final: list[float], passed=(0, 1), adversa
 
 def test_gains_are_paired_per_prompt_and_averaged_over_seeds():
     seeds = [run(0, [0.2, 0.4], [0.5, 0.7]), run(1, [0.2, 0.4], [0.6, 0.8]), run(2, [0.2, 0.4], [0.4, 0.6])]
-    s = summarize(seeds, shuffled=run(0, [0.2, 0.4], [0.2, 0.5], shuffled=True), adversarial=None)
+    shuffled = [run(k, [0.2, 0.4], [0.2, 0.5], shuffled=True) for k in range(3)]
+    s = summarize(seeds, shuffled=shuffled)
     r = s["report_split"]
     assert [g["satisfaction"]["points"] for g in r["per_seed"]] == [30.0, 40.0, 20.0]
     assert r["satisfaction_gain_points"] == 30.0
     # sd of (30, 40, 20) is 10; t(0.975, 2) = 4.303: half-width 4.303 * 10 / sqrt(3) = 24.84
     assert r["satisfaction_gain_ci95"] == [5.16, 54.84]  # the report rounds to 2 decimals: exactly these
     assert r["pass_rate_gain_points"] == 50.0  # (0 + 1) / 2 - 0, in points
-    assert s["shuffled_control"]["satisfaction_gain_points"] == 5.0
-    assert "adversarial_5pct" not in s
+    sh = s["controls"]["shuffled"]
+    assert (
+        sh["seeds"] == 3 and sh["satisfaction_gain"]["points"] == 5.0 and sh["satisfaction_gain"]["ci95"] == [5.0, 5.0]
+    )
+    assert sh["promotions"] == 3 and sh["promotions_worse_than_base"] == 0
+    assert "adversarial_5pct" not in s["controls"] and s["candidates"]["collapses"] == []
 
 
-def test_the_adversarial_cost_is_paired_against_seed_zero():
+def test_a_promotion_worse_than_the_base_and_a_collapse_are_counted():
+    bad = run(0, [0.2, 0.4], [0.2, 0.4], passed=(0, 0), shuffled=True)
+    n = 40
+    bad["evaluations"]["base"]["per_task"]["passed"] = [1] * n
+    bad["evaluations"]["v0003"]["per_task"]["passed"] = [1] * (n // 2) + [0] * (n // 2)  # -50 points, CI < 0
+    bad["versions"][1]["offline"] = {"candidate": 0.40, "incumbent": 0.50, "incumbent_id": "base"}  # 10 points down
+    s = summarize([run(0, [0.2, 0.4], [0.5, 0.7])], shuffled=[bad])
+    assert s["controls"]["shuffled"]["promotions_worse_than_base"] == 1
+    assert s["candidates"]["collapses"] == [{"seed": 0, "version": "v0003", "drop_points": 10.0}]
+    assert "**Collapses**" in markdown(s, "x") and "seed 0 v0003 −10.0" in markdown(s, "x")
+
+
+def test_the_satisfaction_gain_splits_into_correctness_and_style():
+    # Default users: 0.05 wrong, 0.3 right in another style, 0.9 right in house style: c1 0.25, c2 0.6.
+    base = {"passed": [1, 1, 0, 0], "styled": [0, 0, 0, 0]}  # P 0.5, s 0: satisfaction 0.175
+    final = {"passed": [1, 1, 1, 0], "styled": [1, 1, 1, 0]}  # P 0.75, s 1: satisfaction 0.7125
+    sp = style_split(base, final)
+    # correctness: 0.25 * (0.25 + 0.5 * 0.6) = 0.1375; style: 0.625 * 1 * 0.6 = 0.375; total 0.5125
+    assert sp == {"correctness_points": 13.75, "style_points": 37.5, "style_share": round(37.5 / 51.25, 3)}
+    sat = lambda pt: sum(0.05 + p * 0.25 + t * 0.6 for p, t in zip(pt["passed"], pt["styled"])) / 4  # noqa: E731
+    assert round(100 * (sat(final) - sat(base)), 6) == round(sp["correctness_points"] + sp["style_points"], 6)
+
+
+def test_the_adversarial_cost_is_paired_per_seed_and_the_headline_is_the_pass_rate():
     clean = run(0, [0.2, 0.4], [0.6, 0.8])
     adv = run(0, [0.2, 0.4], [0.5, 0.6], adversarial=0.05)
-    s = summarize([clean], shuffled=None, adversarial=adv)
-    a = s["adversarial_5pct"]
-    assert a["satisfaction_cost_points"] == 15.0 and a["share"] == 0.05  # ((0.6-0.5) + (0.8-0.6)) / 2
+    s = summarize([clean], adversarial=[adv])
+    a = s["controls"]["adversarial_5pct"]
+    assert a["satisfaction_cost"]["points"] == 15.0 and a["share"] == 0.05  # ((0.6-0.5) + (0.8-0.6)) / 2
     assert s["report_split"]["satisfaction_gain_ci95"] is None  # one seed: no interval over seeds
     text = markdown(s, "flywheel demo --seeds 1")
-    assert "`flywheel demo --seeds 1`" in text and "Cost of 5% adversarial users: 15.0 points" in text
+    assert "`flywheel demo --seeds 1`" in text and "cost 15.0 points" in text
+    assert text.index("**Pass rate: +50.0 points**") < text.index("Satisfaction:")
+    assert "inconclusive (one seed)" in text
     assert "| v0003 | promoted | 8 | offline passed: pass rate 0.6 | canary: step 1 passed | 200 s |" in text
     assert "leaks found: 0" in text and "| v0003 | 0.99 |" in text
+    with pytest.raises(ValueError, match="seed 3 has no clean run"):
+        summarize([clean], adversarial=[run(3, [0.2, 0.4], [0.5, 0.6], adversarial=0.05)])
 
 
 def test_a_report_needs_a_run():
