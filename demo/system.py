@@ -554,6 +554,7 @@ def evaluate_versions(home: Path, base: Path, version_ids: list[str], cfg: DemoS
         for vid in tqdm(version_ids, desc="report split", unit="version", dynamic_ncols=True, leave=False):
             version = registry.get(vid)
             folder = load(version)
+            assert isinstance(folder, Path)  # the weight-store loader returns a folder
             engine = EmbeddedEngine(max_batch=64, max_model_len=256)
             try:
                 engine.add_version(vid, folder, default=True)
