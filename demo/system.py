@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from core.harness import free_port, http_ok, wait_until
 from core.supervisor import Supervisor
+from demo.suite import GATE_PROMPTS
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,10 @@ class DemoSystemConfig(BaseModel):
     updates_per_candidate: int = Field(
         8, ge=1, description="Updates a candidate holds beyond its parent (min_updates_per_candidate)."
     )
-    gate_G: int = Field(4, ge=1, description="Offline samples per prompt and version.")
-    gate_prompts: int = Field(64, ge=4, description="Prompts of the offline suite.")
+    gate_G: int = Field(8, ge=1, description="Offline samples per prompt and version.")
+    gate_prompts: int = Field(
+        GATE_PROMPTS, ge=4, description="Prompts of the offline suite (a multiple of 18 is stratified by family)."
+    )
     canary_steps: tuple[float, ...] = Field((0.2, 0.5), description="Canary shares.")
     canary_min_users: int = Field(20, ge=2, description="Users per arm a canary step needs.")
     canary_max_step_s: float = Field(120.0, gt=0, description="A canary step not passed by then is inconclusive.")
@@ -88,7 +91,8 @@ class DemoSystemConfig(BaseModel):
             users=150,
             traffic_s=240.0,
             report_prompts=200,  # the learner as in a full run: its first candidate (8 x 256 samples) is ~+18 points
-            gate_prompts=36,
+            gate_prompts=36,  # 2 per family at G 4: the overall test decides, the family test has no power
+            gate_G=4,
             canary_steps=(0.5,),
             canary_min_users=10,
             canary_margin=0.11,  # 80% power with its 150 users in one 120 s step at 50% (bench/canary_sizing.py)

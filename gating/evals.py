@@ -58,6 +58,7 @@ from serving.engine import Completion, score
 from serving.interface import Engine
 from serving.model import Transformer
 from serving.sampling import SamplingParams
+from serving.tokenizer import Tokenizer
 
 Scorer = Callable[[str, Sequence[Completion], int], list[list[float]]]
 """`scorer(version, completions, n_vocab)`: per completion, the log-probability under `version` of each of
@@ -218,6 +219,49 @@ def _scores(suite: EvalSuite, prompts: list[str], outs: list[Completion], versio
     return scores
 
 
+def suite_requests(
+    tok: Tokenizer, suite: EvalSuite, G: int, seed: int, max_tokens: int, temperature: float
+) -> tuple[list[str], list[list[int]], list[SamplingParams]]:
+    """The gate's requests for one version on `suite`: each prompt G times (its owner prompt, its ids,
+    its own seeded sampling parameters, top_p 1)."""
+    owners = [it.prompt for it in suite.items for _ in range(G)]
+    ids = [tok.encode_prompt(p) for p in owners]
+    params = [
+        SamplingParams(
+            temperature=temperature,
+            top_p=1.0,
+            max_tokens=max_tokens,
+            stop=suite.stop,
+            seed=sample_seed(seed, it.prompt, g),
+        )
+        for it in suite.items
+        for g in range(G)
+    ]
+    return owners, ids, params
+
+
+def warm_samples(
+    engine: Engine,
+    version: str,
+    artifact_sha256: str,
+    suite: EvalSuite,
+    cache: SampleCache,
+    *,
+    G: int,
+    seed: int,
+    max_tokens: int,
+    temperature: float,
+) -> bool:
+    """Sample `version` (loaded in `engine`) on `suite` into `cache` unless it holds them already, with
+    exactly the requests `evaluate_offline` makes; True if it sampled."""
+    _, ids, params = suite_requests(engine.tokenizer(version), suite, G, seed, max_tokens, temperature)
+    key = request_key(artifact_sha256, ids, params)
+    if cache.has(key):
+        return False
+    cache.put(key, engine.generate(ids, params, version))
+    return True
+
+
 def evaluate_offline(
     engine: Engine,
     candidate: str,
@@ -260,19 +304,7 @@ def evaluate_offline(
         raise ValueError(f"{candidate!r} and {incumbent!r} have different tokenizers; the gate compares like with like")
     n_vocab = min(engine.model_args(incumbent).vocab_size, tok.vocab_size)
     items = suite.items
-    owners = [it.prompt for it in items for _ in range(G)]
-    ids = [tok.encode_prompt(p) for p in owners]
-    params = [
-        SamplingParams(
-            temperature=temperature,
-            top_p=1.0,
-            max_tokens=max_tokens,
-            stop=suite.stop,
-            seed=sample_seed(seed, it.prompt, g),
-        )
-        for it in items
-        for g in range(G)
-    ]
+    owners, ids, params = suite_requests(tok, suite, G, seed, max_tokens, temperature)
     from_cache: list[str] = []
 
     def sample(v: str) -> list[Completion]:

@@ -45,7 +45,7 @@ from feedback.bus import Consumer, EventBus, Record
 from feedback.events import TOPICS, SampleEvent
 from gating.canary import CanaryConfig
 from gating.canary_stage import CanaryStage, GateStep
-from gating.evals import Guardrails, ModelScorer, OfflineResult, evaluate_offline
+from gating.evals import Guardrails, ModelScorer, OfflineResult, evaluate_offline, warm_samples
 from gating.sample_cache import SampleCache
 from gating.stats import DEFAULT_ALPHA, DEFAULT_MARGIN
 from product.suites import EvalSuite
@@ -126,6 +126,8 @@ class Gate(CanaryStage):
         self.samples = None if self.cfg.sample_cache_dir is None else SampleCache(self.cfg.sample_cache_dir)
         self.versions_sampled = 0  # offline evaluations' versions sampled afresh / read from the sample cache
         self.versions_from_cache = 0
+        self.warm_failures = 0
+        self._warmed: str | None = None  # the incumbent last sampled ahead of its candidates
         self._consumer: Consumer | None = None
         self.lease_s: float | None = None  # run_gate: lapsed lease time does not count toward a canary step
         self._arrivals: dict[str, float] = {}  # the users metered from the samples (CanaryStage.meter)
@@ -152,7 +154,7 @@ class Gate(CanaryStage):
         if v is None:
             waiting = self.registry.list(Status.candidate)
             if not waiting:
-                return GateStep("idle")
+                return self._warm()
             try:
                 v = self.registry.transition(
                     waiting[0].id,
@@ -167,6 +169,46 @@ class Gate(CanaryStage):
         if v.status is Status.canary:
             return self.canary_step(v, batch)
         return GateStep("awaiting_approval", v.id)
+
+    def _warm(self) -> GateStep:
+        """Idle: sample the incumbent into the sample cache (once per incumbent), so that the next
+        evaluation samples only its candidate. A failure is logged and counted; the evaluation will
+        sample the incumbent itself."""
+        inc = self.registry.promoted()
+        if self.samples is None or inc is None or inc.artifact_sha256 is None or self._warmed == inc.id:
+            return GateStep("idle")
+        self._warmed = inc.id
+        c = self.cfg
+        try:
+            src = self.load_version(inc)
+            engine = self.engine_factory()
+            try:
+                if isinstance(src, tuple):
+                    engine.add_version(inc.id, src[0], src[1])  # type: ignore[arg-type]  # embedded engines take models
+                else:
+                    engine.add_version(inc.id, src)
+                sampled = warm_samples(
+                    engine,
+                    inc.id,
+                    inc.artifact_sha256,
+                    self.suite,
+                    self.samples,
+                    G=c.G,
+                    seed=c.seed,
+                    max_tokens=c.max_tokens,
+                    temperature=c.temperature,
+                )
+            finally:
+                engine.shutdown()
+        except Exception as e:  # the evaluation samples it instead
+            log.exception("gate: could not sample the incumbent %s ahead of its candidates", inc.id)
+            self.warm_failures += 1
+            self.metrics.set_stats({"warm_failures": self.warm_failures})
+            return GateStep("idle", inc.id, detail=f"warm-up failed: {e!r}")
+        if sampled:
+            self.versions_sampled += 1
+            log.info("gate: sampled the incumbent %s on %s ahead of its candidates", inc.id, self.suite.suite_version)
+        return GateStep("idle", inc.id, detail="incumbent sampled" if sampled else "")
 
     def _poll(self, max_polls: int = 100) -> list[Polled]:
         """New records of the sample topic (at most `max_polls` batches), each with its sample (None:

@@ -57,6 +57,10 @@ class SampleCache:
     def _path(self, key: str) -> Path:
         return self.folder / f"{key}.json"
 
+    def has(self, key: str) -> bool:
+        """Whether an entry for `key` exists (not whether it reads back: `get` checks that)."""
+        return self._path(key).is_file()
+
     def get(
         self, key: str, prompt_ids: Sequence[Sequence[int]], params: Sequence[SamplingParams], version: str
     ) -> list[Completion] | None:

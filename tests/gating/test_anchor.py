@@ -150,3 +150,17 @@ def test_the_anchor_bounds_creep():
     assert slid < binomial_ceiling(reps, DEFAULT_ALPHA), slid
     assert slid_control > 2 * slid + 10, (slid_control, slid)  # the control slides: the check has teeth
     assert anchored.max() <= 2 * DEFAULT_MARGIN
+
+
+def test_an_idle_gate_samples_the_incumbent_ahead_of_its_candidates(reg, tiny_checkpoint, tmp_path):
+    setup(reg)
+    calls: list[str] = []
+    cfg = CFG.model_copy(update={"sample_cache_dir": tmp_path / "samples"})
+    make = lambda: Counting(EmbeddedEngine(max_batch=64, max_model_len=128), calls)  # noqa: E731
+    gate = Gate(reg, make, folders(tiny_checkpoint), SUITE, cfg)
+    step = gate.step()
+    assert (step.action, step.detail, calls) == ("idle", "incumbent sampled", ["base"])
+    assert gate.step().detail == "" and calls == ["base"]  # once per incumbent
+    reg.register(version_id="v1", parent_id="base", files=files("v1"))
+    assert gate.step().action == "passed" and calls == ["base", "v1"]
+    assert reg.get("v1").gate["offline"]["numbers"]["sampling"]["from_cache"] == ["base"]
