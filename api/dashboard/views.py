@@ -50,11 +50,27 @@ LEARNER_METRICS = (
     ("ratio_mean", "ratio mean"),
     ("ratio_max", "ratio max"),
     ("clip_frac", "clip fraction"),
-    ("clamp_frac", "truncated fraction"),
+    ("clamp_frac", "clamped fraction"),
+    ("truncated_frac", "behaviour weight truncated"),
+    ("masked_frac", "masked share"),
+    ("lag_updates_max", "lag max (updates)"),
     ("adv_std", "advantage std"),
     ("grad_norm", "grad norm"),
     ("tokens", "tokens"),
 )
+
+COUNTERS = (
+    ("samples", "samples"),
+    ("masked_tokens", "masked tokens"),
+    ("masked_top_p_tokens", "masked by top-p"),
+    ("truncated_tokens", "truncated tokens"),
+    ("missing_routing_sequences", "sequences without routing"),
+    ("replay_off_micro_batches", "micro-batches without replay"),
+    ("poisoning_flagged_users", "users flagged"),
+    ("dropped_lag", "dropped: lag"),
+    ("dropped_stale", "dropped: stale"),
+)
+"""`metrics["since_parent"]`: the learner's counters summed over a version's updates (learner.update_stats)."""
 
 
 @dataclass(frozen=True)
@@ -521,6 +537,7 @@ def version_page(reg: Registry, version_id: str, now: datetime | None = None) ->
         "lease": lease_state(reg, now) if v.status is S.canary else None,
         "lineage": list(reversed(lineage)),
         "learner_metrics": LEARNER_METRICS,
+        "counters": COUNTERS,
         "audit": audit,
     }
 

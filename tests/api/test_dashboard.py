@@ -61,6 +61,12 @@ def to_awaiting_approval(reg: Registry, vid: str, cand: float = 0.5) -> None:
     reg.transition(vid, "awaiting_approval", "gate", "canary passed", numbers)
 
 
+COUNTED = {  # the learner's counters: the last update's shares, and the sums since the parent
+    "masked_frac": 0.0364,
+    "since_parent": {"samples": 2048, "masked_tokens": 1761, "replay_off_micro_batches": 3, "dropped_lag": 57},
+}
+
+
 @pytest.fixture
 def live(tiny_checkpoint, tmp_path):
     settings = Settings(home=tmp_path, model_dir=tiny_checkpoint)
@@ -75,7 +81,7 @@ def live(tiny_checkpoint, tmp_path):
         "flagged_reward_share": 0.41,
         "flags": [{"user": "u9abcdef", "reasons": ["share 41.0% of the reward > 20.0%"]}],
     }
-    reg.register(version_id="v1", parent_id="base", files=files("v1"), metrics={"reward_mean": 0.25, "poisoning": poisoning},
+    reg.register(version_id="v1", parent_id="base", files=files("v1"), metrics={"reward_mean": 0.25, "poisoning": poisoning, **COUNTED},
                  data_range={"feedback.samples": {0: (0, 40), 1: (0, 24)}})  # fmt: skip
     to_awaiting_approval(reg, "v1")
     keys, index = KeyStore(settings.key_store_path), CompletionIndex(tmp_path / "index.db")
@@ -282,6 +288,10 @@ def test_the_pages_show_the_evidence(live):
                  "Reward from flagged users", "record_gate canary"):  # fmt: skip
         assert text in page, text
     assert "41.0% of the update reward, from 1 of 12 users" in page and "share 41.0% of the reward" in page
+    counters = page[page.index("Counted since each version") :]
+    assert "micro-batches without replay" in counters and "dropped: lag" in counters
+    assert all(f"<td>{n}</td>" in counters for n in ("2048", "1761", "3", "57")), counters[:2000]
+    assert "masked share" in page and "<td>0.0364</td>" in page
     live.reg.approve("v1", "test", "promote")
     alert = {"metric": "latency_ms", "harmed": True}
     watch = {"promoted_at": "2026-01-01T00:00:00+00:00", "done": False, "alerts": [alert], "users": {"candidate": 12},
