@@ -46,7 +46,10 @@ Guardrails are one-sided, each at `harm_alpha` (α split over guardrails and ste
 guardrails in three steps at α each aborted 3.7% of equally good candidates for some guardrail in
 bench/gate_sim_canary.py): time to first token (`latency_ms["first_token"]`), time per output token
 ((total - first_token) / (output tokens - 1), completions of at least 2 tokens) and error rate (higher
-is worse) from the completion events. Whole-request latency is recorded (the dashboard shows it) but
+is worse) from the completion events; a latency guardrail fires only when the candidate is slower by
+more than `latency_tolerance` (half) of the incumbent's mean, significantly, because arms sharing
+engines differ by scheduling (a CI demo run aborted a better candidate for +9 ms, +40%, of time to
+first token). Whole-request latency is recorded (the dashboard shows it) but
 is no guardrail: both arms run on the same engines, so it measures output length and machine noise. And
 `pass_rate` (lower is worse), a metric the learner does not optimise: the product's verifier
 (`product.suites.Verifier`) run by the gate on each counted completion it can check (`add(...,
@@ -87,6 +90,8 @@ Action = Literal[
     "wait", "next_step", "awaiting_approval", "extend", "abort_invalid", "abort_harm", "abort_inconclusive"
 ]
 GuardrailMetric = Literal["ttft_ms", "tpot_ms", "error_rate", "pass_rate"]
+LATENCY_METRICS = ("ttft_ms", "tpot_ms")
+"""Guardrails judged against `CanaryConfig.latency_tolerance` (the others: any significant harm)."""
 LOWER_IS_WORSE = frozenset({"pass_rate"})
 HISTORY_POINTS = 240
 """Looks kept in `progress.history` (older ones thinned to every other)."""
@@ -141,6 +146,13 @@ class CanaryConfig(BaseModel):
     guardrails: tuple[GuardrailMetric, ...] = Field(
         ("ttft_ms", "tpot_ms", "error_rate", "pass_rate"),
         description="Guardrail metrics, one-sided (pass_rate: lower is worse; the others: higher is worse).",
+    )
+    latency_tolerance: float = Field(
+        0.5,
+        ge=0,
+        description="A latency guardrail (ttft_ms, tpot_ms) flags harm only when the candidate is slower than "
+        "the incumbent by more than this share of the incumbent's mean, significantly: arms on shared engines "
+        "differ by scheduling and load (the busier arm queues longer), which is no harm of the model.",
     )
     guardrail_alpha: float | None = Field(
         None,
@@ -333,9 +345,11 @@ def guardrails(
             continue
         direction: Direction = "lower_is_worse" if metric in LOWER_IS_WORSE else "higher_is_worse"
         g = guardrail(metric, cand, inc, direction, cfg.harm_alpha, rho)
-        numbers[metric] = {**_interval(g.interval), "harmed": g.harmed, "direction": direction}
-        if g.harmed and direction == "higher_is_worse":
-            harms.append(f"{metric} (+{g.interval.estimate:.4g}, lower bound {g.interval.lower:.4g} > 0)")
+        allowed = cfg.latency_tolerance * (sum(inc) / len(inc)) if metric in LATENCY_METRICS else 0.0
+        harmed = g.interval.lower > allowed if direction == "higher_is_worse" else g.harmed
+        numbers[metric] = {**_interval(g.interval), "harmed": harmed, "direction": direction, "allowed": allowed}
+        if harmed and direction == "higher_is_worse":
+            harms.append(f"{metric} (+{g.interval.estimate:.4g}, lower bound {g.interval.lower:.4g} > {allowed:.4g})")
         elif g.harmed:
             harms.append(f"{metric} ({g.interval.estimate:+.4g}, upper bound {g.interval.upper:.4g} < 0)")
     return numbers, harms

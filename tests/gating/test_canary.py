@@ -95,6 +95,21 @@ def test_clear_time_per_token_harm_aborts_at_once():
     assert "tpot_ms" in d.reason and "latency_ms" not in g  # whole-request latency is no guardrail
 
 
+@pytest.mark.parametrize("slower, harmed", [(1.2, False), (1.4, False), (2.0, True)])
+def test_time_to_first_token_is_harm_only_beyond_its_tolerance(slower, harmed):
+    # 40 users per arm, TTFT 20 ms (+ a little spread) vs `slower` times that: +20% and +40% are
+    # significant but within the 50% tolerance (shared engines: the busier arm queues longer), 2x is harm.
+    o = CanaryOutcomes()
+    for arm in ("candidate", "incumbent"):
+        for i in range(40):
+            ttft = 20.0 * (slower if arm == "candidate" else 1.0) + (i % 5) * 0.1
+            for k in range(2):
+                o.add(0, sample(f"{arm}-u{i}", arm, 1.0, ttft=ttft, n=k), "cand", "inc")
+    g = decide(progress(), o, CFG, at(10)).numbers["guardrails"]["ttft_ms"]
+    assert g["lower"] > 0 and g["allowed"] == pytest.approx(10.0, abs=0.1)  # half the incumbent's mean
+    assert g["harmed"] is harmed
+
+
 def test_equal_arms_pass_the_step_and_the_last_step_awaits_approval():
     o = outcomes(40, 40)
     d = decide(progress(step=0, share=0.5), o, CFG, at(700))
