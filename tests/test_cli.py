@@ -98,29 +98,3 @@ def test_up_makes_a_fresh_admin_key_and_revokes_the_last_sessions(tmp_path):
     store = KeyStore(settings.key_store_path)
     assert store.verify(first) is None and store.verify(second).allows("admin")
     assert first not in settings.key_store_path.read_text()
-
-
-def test_up_runs_the_joiner_the_learner_and_the_gate_and_stops_them(tiny_checkpoint, tmp_path):
-    from cli.main import UP_SERVICES, start_services
-    from core.harness import wait_until
-    from core.settings import Settings
-    from core.supervisor import Supervisor
-    from registry.registry import Registry
-
-    settings = Settings(home=tmp_path, model_dir=tiny_checkpoint)
-    supervisor = Supervisor("test up")
-    try:
-        start_services(settings, supervisor)
-        with Registry(settings.db_url) as reg:  # published before any service started
-            assert reg.promoted().id == tiny_checkpoint.name
-        # each service reports its metrics once its loop runs: it imported, opened the bus and looped
-        metrics = [tmp_path / "metrics" / f"{name}.prom" for name in UP_SERVICES]
-        wait_until(
-            lambda: all(m.is_file() for m in metrics), 120, what="every service's first metrics", check=supervisor.check
-        )
-        assert sorted(supervisor.children) == sorted(UP_SERVICES)
-    finally:
-        children = list(supervisor.children.values())
-        supervisor.stop(timeout_s=30)
-    assert all(c.returncode is not None for c in children)
-    assert supervisor.died is None

