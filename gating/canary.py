@@ -350,7 +350,7 @@ def guardrails(
         numbers[metric] = {**_interval(g.interval), "harmed": harmed, "direction": direction, "allowed": allowed}
         if harmed and direction == "higher_is_worse":
             harms.append(f"{metric} (+{g.interval.estimate:.4g}, lower bound {g.interval.lower:.4g} > {allowed:.4g})")
-        elif g.harmed:
+        elif harmed:
             harms.append(f"{metric} ({g.interval.estimate:+.4g}, upper bound {g.interval.upper:.4g} < 0)")
     return numbers, harms
 

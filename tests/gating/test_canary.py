@@ -105,9 +105,10 @@ def test_time_to_first_token_is_harm_only_beyond_its_tolerance(slower, harmed):
             ttft = 20.0 * (slower if arm == "candidate" else 1.0) + (i % 5) * 0.1
             for k in range(2):
                 o.add(0, sample(f"{arm}-u{i}", arm, 1.0, ttft=ttft, n=k), "cand", "inc")
-    g = decide(progress(), o, CFG, at(10)).numbers["guardrails"]["ttft_ms"]
+    d = decide(progress(), o, CFG, at(10))
+    g = d.numbers["guardrails"]["ttft_ms"]
     assert g["lower"] > 0 and g["allowed"] == pytest.approx(10.0, abs=0.1)  # half the incumbent's mean
-    assert g["harmed"] is harmed
+    assert g["harmed"] is harmed and (d.action == "abort_harm") is harmed, d.reason
 
 
 def test_equal_arms_pass_the_step_and_the_last_step_awaits_approval():
