@@ -47,7 +47,7 @@ from demo.suite import demo_suite
 from demo.tasks import Task
 from demo.users import FeedbackSignal, SimulatedUser
 from feedback.events import SampleEvent
-from gating.evals import sample_seed
+from gating.evals import suite_requests
 from gating.gate import Gate, GateConfig, GateStep
 from gating.gate_process import weight_store_loader
 from learner.trainer import TrainerConfig
@@ -57,7 +57,6 @@ from registry.publish import SHIPPING_DTYPE, STORE, file_entry, publish_base
 from registry.registry import Registry
 from serving.checkpoint import load_checkpoint
 from serving.engine import EmbeddedEngine
-from serving.sampling import SamplingParams
 from serving.weight_store import WeightStore, shipping_state
 
 NAME = "damaged_candidates"
@@ -138,20 +137,8 @@ def train(base: Path, kind: str, cfg: DemoLoopConfig, out: Path, family: str | N
 def measure(engine: EmbeddedEngine, version: str, suite: EvalSuite, G: int, max_tokens: int = 48) -> dict[str, Any]:
     """Pass rate of `version` on the suite's prompts, G samples each at temperature 1 (seeds of the
     measurement's own): overall (mean over prompts, as the gate weighs them) and per family."""
-    tok = engine.tokenizer(version)
-    prompts = [it.prompt for it in suite.items for _ in range(G)]
-    params = [
-        SamplingParams(
-            temperature=1.0,
-            top_p=1.0,
-            max_tokens=max_tokens,
-            stop=suite.stop,
-            seed=sample_seed(MEASURE_SEED, it.prompt, g),
-        )
-        for it in suite.items
-        for g in range(G)
-    ]
-    outs = engine.generate([tok.encode_prompt(p) for p in prompts], params, version)
+    prompts, ids, params = suite_requests(engine.tokenizer(version), suite, G, MEASURE_SEED, max_tokens, 1.0)
+    outs = engine.generate(ids, params, version)
     per_prompt = np.asarray(suite.verifier.verify(prompts, [o.text for o in outs])).reshape(len(suite.items), G)
     means = per_prompt.mean(axis=1)
     fams: dict[str, list[float]] = {}
