@@ -57,6 +57,11 @@ class DemoSystemConfig(BaseModel):
         description="Control: each reaction is about another completion (its text and outcome), so it says nothing.",
     )
     traffic_s: float = Field(600.0, gt=0, description="Seconds of user traffic (wall clock).")
+    stop_after_promotions: int | None = Field(
+        None,
+        ge=1,
+        description="End the traffic early, once this many trained versions are promoted (None: all of traffic_s).",
+    )
     concurrency: int = Field(16, ge=1, description="Completions in flight at once.")
     window_s: float = Field(4.0, gt=0, description="The joiner's attribution window (the compressed clock).")
     p_implicit: float = Field(0.8, ge=0, le=1, description="Share of completions that get an implicit signal.")
@@ -89,7 +94,8 @@ class DemoSystemConfig(BaseModel):
         """The short variant CI runs: fewer users and minutes, the same system."""
         return cls(
             users=150,
-            traffic_s=240.0,
+            traffic_s=240.0,  # at most: the traffic ends at the first trained promotion (about 120 s in)
+            stop_after_promotions=1,
             report_prompts=200,  # the learner as in a full run: its first candidate (8 x 256 samples) is ~+18 points
             gate_prompts=36,  # 2 per family at G 4: the overall test decides, the family test has no power
             gate_G=4,
@@ -118,6 +124,7 @@ class Traffic:
 
     completions: int = 0
     errors: int = 0
+    ended_early: bool = False  # set by the run once `stop_after_promotions` versions are promoted
     feedback: int = 0
     served: dict[str, int] = field(default_factory=dict)
     passed: dict[str, list[int]] = field(default_factory=dict)
@@ -172,8 +179,11 @@ async def _drive_users(
     later: list[asyncio.Task] = []
     task_seed = [cfg.seed * 1_000_003]
 
+    def running() -> bool:
+        return time.monotonic() < deadline and not traffic.ended_early
+
     async def one_user() -> None:
-        while time.monotonic() < deadline:
+        while running():
             user = rng.choices(users, weights)[0]
             task_seed[0] += 1
             task = sample_tasks(1, seed=task_seed[0])[0]
@@ -199,7 +209,7 @@ async def _drive_users(
             traffic_model[r.id] = r.model
 
     async def react() -> None:
-        while time.monotonic() < deadline or pending:
+        while running() or pending:
             await asyncio.sleep(0.3)
             batch, pending[:] = pending[:], []
             if not batch:
@@ -343,6 +353,7 @@ def run_system(
         )
         approver = _Approver(url, token)
         seen: dict[str, str] = {}
+        trained: set[str] = set()  # trained versions seen promoted
         start = time.monotonic()
 
         def watch(traffic: Traffic) -> None:
@@ -356,6 +367,10 @@ def run_system(
                     seen[v.id] = v.status.value
                     if v.parent_id is not None:
                         bar.write(_version_line(v, time.monotonic() - t0, traffic), on_line)
+                if v.parent_id is not None and v.status.value == "promoted":
+                    trained.add(v.id)
+            if cfg.stop_after_promotions is not None and len(trained) >= cfg.stop_after_promotions:
+                traffic.ended_early = True
             bar.update(min(cfg.traffic_s, time.monotonic() - start), traffic)
 
         deadline = time.monotonic() + cfg.traffic_s
@@ -372,7 +387,9 @@ def run_system(
     try:
         promoted = list(dict.fromkeys(a.version_id for a in audit if a.to_status.value == "promoted"))
         on_line(
-            f"[{time.monotonic() - t0:6.0f}s] traffic over; evaluating {len(promoted)} versions on the report split"
+            f"[{time.monotonic() - t0:6.0f}s] traffic over"
+            + (f" at the {cfg.stop_after_promotions} trained promotion(s) asked for" if traffic.ended_early else "")
+            + f"; evaluating {len(promoted)} versions on the report split"
         )
         evals = evaluate_versions(home, base, promoted, cfg)
         leaks = logged_prompt_leaks(home, base)
@@ -384,6 +401,7 @@ def run_system(
                 "completions": traffic.completions,
                 "errors": traffic.errors,
                 "feedback": traffic.feedback,
+                "ended_early": traffic.ended_early,
                 "served": traffic.served,
                 "pass_rate_served": {k: sum(v) / len(v) for k, v in traffic.passed.items() if v},
             },

@@ -148,6 +148,7 @@ def run_gate(
     lease = GateLease(registry, cfg.lease_beat_s, cfg.lease_stuck_s).start()
     gate.lease_s = lease.lease_s  # a canary step's time runs only while the lease is live
     log.info("gate: started on %s with suite %s", settings.db_url, suite.suite_version)
+    metrics.report(force=True)  # up and in its loop: its first step may sample for minutes
     try:
         while not stop_event.is_set():
             lease.progress()

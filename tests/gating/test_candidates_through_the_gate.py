@@ -39,6 +39,7 @@ SUITE = demo_suite(split_tasks("gate", 16 * len(FAMILIES), FAMILIES))
 def verdicts(small_trained_checkpoint, tmp_path_factory):
     """One gate step on each candidate, each in a registry of its own."""
     root = tmp_path_factory.mktemp("candidates")
+    gate = GATE.model_copy(update={"sample_cache_dir": root / "samples"})  # the base is sampled once, for all three
     out = {}
     adversarial = half_adversarial(LOOP.users, LOOP.seed)
     for name, rewards, users in (
@@ -50,7 +51,7 @@ def verdicts(small_trained_checkpoint, tmp_path_factory):
         run_demo_loop(small_trained_checkpoint, LOOP, rewards=rewards, users=users, save_to=folder)
         work = root / f"gate-{name}"
         work.mkdir()
-        out[name] = gate_one(small_trained_checkpoint, folder, f"cand-{name}", SUITE, GATE, work)
+        out[name] = gate_one(small_trained_checkpoint, folder, f"cand-{name}", SUITE, gate, work)
     return out
 
 
