@@ -41,6 +41,15 @@ def assert_close_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: float,
 
 
 @pytest.fixture(scope="session")
+def demo_corpus():
+    """The shipped base's pre-training corpus (`demo.bootstrap.corpus_of` of the default recipe): made
+    once per session, for the split and shipped-base tests."""
+    from demo.bootstrap import BootstrapConfig, corpus_of
+
+    return tuple(corpus_of(BootstrapConfig()))
+
+
+@pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """A checkpoint folder in the demo's format: demo-corpus tokenizer, random tiny weights."""
     folder = tmp_path_factory.mktemp("ckpt") / "tiny-v1"

@@ -17,7 +17,6 @@ from demo.bootstrap import (
     SHIPPED_BASE,
     BootstrapConfig,
     bootstrap,
-    corpus_of,
     encode_example,
     make_model,
     make_tokenizer,
@@ -33,8 +32,9 @@ CFG = BootstrapConfig(**REPORTED["config"])
 
 
 @pytest.fixture(scope="module")
-def corpus():
-    return corpus_of(CFG)
+def corpus(demo_corpus):
+    assert CFG == BootstrapConfig(threads=CFG.threads), "models/demo-base was made with another recipe"
+    return demo_corpus  # corpus_of(CFG): the default recipe's
 
 
 def test_it_is_the_default_recipe_and_small_enough_to_ship():

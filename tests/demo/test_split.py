@@ -6,7 +6,6 @@ from string import ascii_lowercase
 
 import pytest
 
-from demo.bootstrap import BootstrapConfig, corpus_of
 from demo.corpus import format_example
 from demo.split import (
     HELD_OUT_PHRASING,
@@ -22,32 +21,31 @@ from demo.split import (
 from demo.tasks import FAMILIES, build_task, phrasings, template_words, twin
 from serving.tokenizer import train_tokenizer
 
-CORPUS = corpus_of(BootstrapConfig())  # exactly what `flywheel bootstrap` pre-trains the shipped base on
-TRAFFIC = [t.prompt for seed in range(4) for t in sample_tasks(5_000, seed=100 + seed)]
-
 
 @pytest.mark.slow  # the whole corpus and traffic scanned
-def test_the_split_test_corpus_and_traffic_hold_nothing_of_gate_or_report():
-    texts = [format_example(task, completion) for task, completion in CORPUS]
+def test_the_split_test_corpus_and_traffic_hold_nothing_of_gate_or_report(demo_corpus):
+    corpus = demo_corpus  # exactly what `flywheel bootstrap` pre-trains the shipped base on
+    traffic = [t.prompt for seed in range(4) for t in sample_tasks(5_000, seed=100 + seed)]
+    texts = [format_example(task, completion) for task, completion in corpus]
     assert find_leaks(texts) == []
-    assert find_leaks(TRAFFIC) == []
-    assert {split_of(task) for task, _ in CORPUS} == {"train"}
+    assert find_leaks(traffic) == []
+    assert {split_of(task) for task, _ in corpus} == {"train"}
     held_out = {t.prompt for split in ("gate", "report") for t in split_tasks(split, 2000)}
-    assert not held_out & ({t.prompt for t, _ in CORPUS} | set(TRAFFIC))
+    assert not held_out & ({t.prompt for t, _ in corpus} | set(traffic))
     # Spelled out once more without the split's own functions: no held-out comment line, and no
     # held-out value as a whole digit run or quoted string, anywhere.
     held_comments = [
         re.compile(re.sub(r"\\\{\w+\\\}", ".+", re.escape(phrasings(f)[HELD_OUT_PHRASING]))) for f in FAMILIES
     ]
-    numbers = {int(n) for text in texts + TRAFFIC for n in re.findall(r"\d+", text)}
-    quoted = {s for text in texts + TRAFFIC for s in re.findall(r"'([a-z]+)'", text)}
+    numbers = {int(n) for text in texts + traffic for n in re.findall(r"\d+", text)}
+    quoted = {s for text in texts + traffic for s in re.findall(r"'([a-z]+)'", text)}
     assert len(numbers) > 500 and len(quoted) > 1000
     assert {value_split(v) for v in numbers} == {value_split(s) for s in quoted} == {"train"}
-    comments = {line[2:] for text in texts + TRAFFIC for line in text.splitlines() if line.startswith("# ")}
+    comments = {line[2:] for text in texts + traffic for line in text.splitlines() if line.startswith("# ")}
     assert not [c for c in comments for regex in held_comments if regex.fullmatch(c)]
 
 
-def test_find_leaks_finds_each_kind_of_leak():
+def test_find_leaks_finds_each_kind_of_leak(demo_corpus):
     gate, report = split_tasks("gate", 1)[0], split_tasks("report", 1)[0]
     gate_int = next(v for v in range(10, 1000) if value_split(v) == "gate")
     report_str = next(
@@ -55,7 +53,7 @@ def test_find_leaks_finds_each_kind_of_leak():
     )
     cross = build_task("add", 0, {"k": gate_int})  # train phrasing, gate value: no split
     held_phrasing = build_task("add", HELD_OUT_PHRASING, {"k": 5})  # held-out phrasing, train value
-    clean = CORPUS[0][0].prompt + CORPUS[0][1]
+    clean = demo_corpus[0][0].prompt + demo_corpus[0][1]
     cases = {
         gate.prompt: "gate prompt",
         report.prompt: "report prompt",
@@ -114,9 +112,9 @@ def test_fixed_sets_are_distinct_deterministic_and_disjoint():
     assert n_prompts("report")["add"] == 1 * sum(value_split(k) == "report" for k in range(1, 1000))
 
 
-def test_held_out_prompts_are_made_of_tokens_the_corpus_has():
+def test_held_out_prompts_are_made_of_tokens_the_corpus_has(demo_corpus):
     """With quoted strings spelled out, a gate or report prompt is new text in old tokens."""
-    texts = [format_example(t, c) for t, c in CORPUS[:3000]]
+    texts = [format_example(t, c) for t, c in demo_corpus[:3000]]
     tok = train_tokenizer(texts, vocab_size=512, spell_quoted_strings=True)
     seen = {i for text in texts for i in tok.encode(text)}
     for task in split_tasks("gate", 100) + split_tasks("report", 100):

@@ -8,7 +8,8 @@ users, the regression with `max_default`'s rewards negated (`bench.damaged_candi
 registered as the learner registers a version (weight-store delta on the published base) and goes through
 one `Gate.step` (embedded engine, `weight_store_loader`, the gate split on those families: 48 prompts,
 G = 8). Everything is seeded: the loop, the engine's samples and the gate's samples; the base is the
-shipped one.
+shipped one. The better one's loop also shows the twin's bookkeeping: every served completion is joined
+and trained on, and the trainer replays the served log-probabilities bit for bit.
 (bench/damaged_candidates.py does the same on the whole suite, with shuffled rewards and adversarial
 users too.)
 """
@@ -48,7 +49,9 @@ def verdicts(small_trained_checkpoint, tmp_path_factory):
         ("adversarial", None, adversarial),
     ):
         folder = root / name
-        run_demo_loop(small_trained_checkpoint, LOOP, rewards=rewards, users=users, save_to=folder)
+        out[f"{name}_loop"] = run_demo_loop(
+            small_trained_checkpoint, LOOP, rewards=rewards, users=users, save_to=folder
+        )
         work = root / f"gate-{name}"
         work.mkdir()
         out[name] = gate_one(small_trained_checkpoint, folder, f"cand-{name}", SUITE, gate, work)
@@ -79,3 +82,13 @@ def test_a_candidate_trained_with_half_its_users_adversarial_is_rejected(verdict
     step, recorded = verdicts["adversarial"]
     assert step.action == "rejected" and recorded.to_status == "rejected", recorded.reason
     assert "non_inferiority" in recorded.details["failed"], recorded.details["checks"]
+
+
+def test_the_loop_trains_on_every_served_completion_and_replays_it_exactly(verdicts):
+    report = verdicts["better_loop"]
+    rounds = [h for h in report["history"] if h["round"] > 0]
+    assert all(h["samples"] == LOOP.samples_per_round for h in rounds)  # every served completion joined and trained
+    # Router replay at the behaviour version, batch-invariant numerics in the engine and the trainer (the
+    # defaults): the trainer reproduces the served log-probs bit for bit.
+    assert max(h["abs_dlogp_max"] for h in rounds) == 0.0
+    assert report["joiner"]["late"] == 0 and report["joiner"]["samples"] == LOOP.rounds * LOOP.samples_per_round
