@@ -155,6 +155,17 @@ CompletionsCaller = Annotated[Caller, Depends(needs("completions"))]
 FeedbackCaller = Annotated[Caller, Depends(needs("feedback:write"))]
 
 
+OFF_LOOP_BYTES = 64 << 10  # a body larger than this is parsed on a worker thread, off the event loop
+
+
+async def off_the_loop_if_large(raw: bytes, parse: Callable[..., Any], *args: Any) -> Any:
+    """`parse(raw, *args)`: inline for a small body, on a worker thread for one over `OFF_LOOP_BYTES`
+    (parsing the largest body the limit admits takes tens of milliseconds: the loop serves meanwhile)."""
+    if len(raw) > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(parse, raw, *args)
+    return parse(raw, *args)
+
+
 def parse_json(raw: bytes) -> Any:
     """`json.loads` with the garbage collector paused: the objects of one document hold no cycles,
     and a body of many small containers (`[[],[],...]`) would otherwise set off collections that scan
@@ -171,12 +182,12 @@ def parse_json(raw: bytes) -> Any:
 class _JSONRequest(Request):
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            self._json = parse_json(await self.body())
+            self._json = await off_the_loop_if_large(await self.body(), parse_json)
         return self._json
 
 
 class JSONRoute(APIRoute):
-    """An `APIRoute` whose JSON body FastAPI parses with `parse_json`."""
+    """An `APIRoute` whose JSON body FastAPI parses with `parse_json` (off the loop when large)."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()

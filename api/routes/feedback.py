@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import Field, ValidationError
 
-from api.deps import FeedbackCaller, GatewayDep, parse_json
+from api.deps import FeedbackCaller, GatewayDep, off_the_loop_if_large, parse_json
 from api.errors import APIError
 from api.schemas import first_unknown_only
 from feedback import ingest
@@ -51,7 +51,7 @@ async def post_feedback(request: Request, gw: GatewayDep, caller: FeedbackCaller
     `completion_not_found`, 409 `idempotency_key_reused`, 413 `request_too_large` (a body over
     FLYWHEEL_MAX_REQUEST_BYTES), 503 (retry).
     """
-    items, batch = _parse(await request.body(), request.headers.get("idempotency-key"))
+    items, batch = await off_the_loop_if_large(await request.body(), _parse, request.headers.get("idempotency-key"))
     try:
         done = await asyncio.to_thread(ingest.accept, gw.index, gw.bus, caller.tenant, items)
     except ingest.IngestError as e:
