@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing as mp
+import os
 import signal
 import threading
 import uuid
@@ -47,11 +48,13 @@ log = logging.getLogger(__name__)
 
 
 def _child_main(conn, cfg: dict) -> None:
-    import torch
-
     from core.supervisor import die_with_parent
 
-    die_with_parent()  # a gateway or gate that dies, even by SIGKILL, takes its engines with it
+    # A gateway or gate that dies, even by SIGKILL, takes its engines with it; asked for first, and with
+    # the parent's pid from the parent: one that died before this line still ends this process.
+    die_with_parent(parent_pid=cfg.pop("parent_pid"))
+    import torch
+
     # Ctrl-C reaches the whole process group: the parent stops this process, after its requests.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -154,6 +157,7 @@ class ProcessEngine(GenerateMixin):
             threads=threads,
             seed=seed,
             max_prefill_tokens=max_prefill_tokens,
+            parent_pid=os.getpid(),
         )
         self._proc = ctx.Process(target=_child_main, args=(child, cfg), name="flywheel-engine", daemon=True)
         self._proc.start()

@@ -159,11 +159,13 @@ PARENT = textwrap.dedent("""
 def test_children_and_grandchildren_die_with_a_signalled_parent(sig):
     # each child starts a grandchild of its own that also dies with its parent (a sandbox-like worker)
     grandparent = textwrap.dedent("""
-        import subprocess, sys, time
-        from core.supervisor import child_setup
+        import os, subprocess, sys, time
+        from core.supervisor import PARENT_ENV, child_setup
         child_setup()
         code = "from core.supervisor import die_with_parent; die_with_parent(); import time; time.sleep(600)"
-        g = subprocess.Popen([sys.executable, "-c", code])
+        # Its parent's pid goes with it: a signal in the middle of this Popen ends this process before the
+        # grandchild asks for the death signal, and it must still end.
+        g = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, PARENT_ENV: str(os.getpid())})
         try:
             time.sleep(600)
         finally:
