@@ -19,6 +19,7 @@ both versions; a database of another version is refused before any table is crea
 from __future__ import annotations
 
 import logging
+import sqlite3
 import time
 from pathlib import Path
 
@@ -76,10 +77,24 @@ def make_engine(url: str, echo: bool = False) -> Engine:
         cur = dbapi_conn.cursor()
         cur.execute("PRAGMA foreign_keys = ON")
         if not memory:
-            cur.execute("PRAGMA journal_mode = WAL")
+            _switch_to_wal(cur)
         cur.close()
 
     return engine
+
+
+def _switch_to_wal(cur, attempts: int = 50) -> None:
+    """`PRAGMA journal_mode = WAL`, tried again while a new file is locked: switching needs the file to
+    itself, and SQLite answers "database is locked" at once, without waiting out the busy timeout, while
+    another process opening the same new file holds it (seen with six at once)."""
+    for attempt in range(attempts):
+        try:
+            cur.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or attempt == attempts - 1:
+                raise
+            time.sleep(0.02)
 
 
 def create_all(engine: Engine, attempts: int = 5) -> None:
