@@ -7,7 +7,7 @@ TTFT and TPOT guardrails at `harm_alpha`, min users, min step time, the max step
 for a candidate ahead when time runs out. `check_decide` replays one replicate through the real
 `decide` on real `CanaryOutcomes` records at every look and requires the same action.
 
-**Traffic, measured.** The demo's users (`demo.system._users`): N users, activity Pareto(1.5), each
+**Traffic, measured.** The demo's users (`demo.traffic._users`): N users, activity Pareto(1.5), each
 completion drawn in proportion to it. Completions per second: the lowest of the report's runs
 (docs/demo/report.json: 14,064 completions in 600 s of traffic, seed 0; the others 24-39 /s) and
 32.5 /s in a quick run's sample topic. The gate counts a completion from `route_lag_s` (3 s) after the

@@ -7,7 +7,8 @@ What runs, each in a process of its own, on embedded defaults under one `FLYWHEE
 - the **learner** (`learner.service.LearnerService`, an update every `learner_every_samples`);
 - the **gate** (`gating.gate_process.run_gate`: the offline suite, then a short canary ramp).
 
-This process plays the product's users. Each of `users` simulated users (`demo.users.SimulatedUser`,
+This process plays the product's users (`demo.traffic.drive_users`). Each of `users` simulated users
+(`demo.users.SimulatedUser`,
 heterogeneous: their own accept probabilities, activity drawn from a heavy-tailed distribution, an
 `adversarial_share` of them rewarding wrong completions) asks for completions of training-split
 tasks through the `openai` client, sees them (`shown`, through the feedback SDK) and reacts sparsely:
@@ -29,10 +30,8 @@ import json
 import logging
 import math
 import os
-import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from core.harness import free_port, http_ok, wait_until
 from core.supervisor import Supervisor
 from demo.suite import GATE_PROMPTS
+from demo.traffic import Traffic, drive_users
 
 log = logging.getLogger(__name__)
 
@@ -107,142 +107,6 @@ class DemoSystemConfig(BaseModel):
             canary_min_users=10,
             canary_margin=0.11,  # 80% power with its 150 users in one 120 s step at 50% (bench/canary_sizing.py)
         )
-
-
-# ---- the services, each in its own process -------------------------------------------------------
-
-
-# ---- the users -----------------------------------------------------------------------------------
-
-
-@dataclass
-class _User:
-    sim: Any  # demo.users.SimulatedUser
-    adversarial: bool
-    activity: float
-
-
-@dataclass
-class Traffic:
-    """What the users did: counts, and each completion's served version and outcome."""
-
-    completions: int = 0
-    errors: int = 0
-    ended_early: bool = False  # set by the run once `stop_after_promotions` versions are promoted
-    feedback: int = 0
-    served: dict[str, int] = field(default_factory=dict)
-    passed: dict[str, list[int]] = field(default_factory=dict)
-
-
-def _users(cfg: DemoSystemConfig) -> list[_User]:
-    from demo.users import SimulatedUser, UserPrefs
-
-    rng = random.Random(f"users:{cfg.seed}")
-    n_adv = round(cfg.users * cfg.adversarial_share)
-    out = []
-    for i in range(cfg.users):
-        prefs = UserPrefs(noise=0.1)  # heterogeneous: each user's accept probabilities jittered by 0.1
-        out.append(_User(SimulatedUser(f"user-{cfg.seed}-{i}", cfg.seed, prefs), i < n_adv, rng.paretovariate(1.5)))
-    rng.shuffle(out)
-    return out
-
-
-def _signals(user: _User, task: Any, text: str, check: Any, cfg: DemoSystemConfig, rng: random.Random) -> list:
-    """The signals this user sends about one completion: sparse, as a product sees them."""
-    from demo.checker import CheckResult
-
-    seen = check
-    if user.adversarial:  # rewards wrong completions, punishes right ones
-        seen = CheckResult(not check.passed, check.n_tests - check.n_passed, check.n_tests, check.error)
-    out = []
-    for s in user.sim.react(task, text, seen):
-        explicit = s.kind in ("thumb_up", "thumb_down", "rating")
-        keep = cfg.p_explicit if explicit else (1.0 if s.kind == "dwell" else cfg.p_implicit)
-        if rng.random() < keep:
-            out.append(s)
-    return out
-
-
-async def _drive_users(
-    cfg: DemoSystemConfig, url: str, deadline: float, progress: Callable[[Traffic], None] | None = None
-) -> Traffic:
-    import openai
-
-    from demo.checker import check_batch
-    from demo.split import sample_tasks
-    from feedback.sdk.client import FeedbackClient
-
-    users = _users(cfg)
-    weights = [u.activity for u in users]
-    rng = random.Random(f"traffic:{cfg.seed}")
-    traffic = Traffic()
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="local", max_retries=2, timeout=30)
-    fb = FeedbackClient(url, batch_size=200, flush_interval_s=0.5)
-    pending: list[tuple[_User, Any, str, str]] = []
-    traffic_model: dict[str, str] = {}  # completion id -> the version that served it
-    later: list[asyncio.Task] = []
-    task_seed = [cfg.seed * 1_000_003]
-
-    def running() -> bool:
-        return time.monotonic() < deadline and not traffic.ended_early
-
-    async def one_user() -> None:
-        while running():
-            user = rng.choices(users, weights)[0]
-            task_seed[0] += 1
-            task = sample_tasks(1, seed=task_seed[0])[0]
-            try:
-                r = await client.completions.create(
-                    model="flywheel",
-                    prompt=task.prompt,
-                    max_tokens=cfg.max_tokens,
-                    temperature=1.0,
-                    user=user.sim.user_id,
-                    seed=task_seed[0],
-                    extra_body={"metadata": {"context": task.family}},  # the reward baseline's key
-                )
-            except openai.OpenAIError as e:
-                traffic.errors += 1
-                log.warning("demo user: completion failed: %r", e)
-                await asyncio.sleep(0.5)
-                continue
-            traffic.completions += 1
-            traffic.served[r.model] = traffic.served.get(r.model, 0) + 1
-            fb.shown(r.id, user=user.sim.user_id)
-            pending.append((user, task, r.id, r.choices[0].text))
-            traffic_model[r.id] = r.model
-
-    async def react() -> None:
-        while running() or pending:
-            await asyncio.sleep(0.3)
-            batch, pending[:] = pending[:], []
-            if not batch:
-                continue
-            checks = await asyncio.to_thread(check_batch, [t for _, t, _, _ in batch], [x for *_, x in batch])
-            seen = list(range(len(batch)))  # what each reaction is about: its own completion...
-            if cfg.shuffle_rewards:  # ...or, in the control, another one (its task, text and outcome)
-                rng.shuffle(seen)
-            for (user, _, cid, _), real, j in zip(batch, checks, seen):
-                model = traffic_model.pop(cid, "?")
-                traffic.passed.setdefault(model, []).append(int(real.passed))
-                _, task, _, text = batch[j]
-                for s in _signals(user, task, text, checks[j], cfg, rng):
-                    delay = rng.uniform(0.0, cfg.window_s * 0.8)
-                    later.append(asyncio.create_task(_send_later(fb, s, cid, user.sim.user_id, delay, traffic)))
-            if progress is not None:
-                progress(traffic)
-
-    await asyncio.gather(*(one_user() for _ in range(cfg.concurrency)), react())
-    await asyncio.gather(*later)
-    await asyncio.to_thread(fb.close, 30)
-    await client.close()
-    return traffic
-
-
-async def _send_later(fb: Any, s: Any, cid: str, user: str, delay: float, traffic: Traffic) -> None:
-    await asyncio.sleep(delay)
-    if fb.send(s.kind, cid, s.value, user=user) is not None:
-        traffic.feedback += 1
 
 
 # ---- the run -------------------------------------------------------------------------------------
@@ -378,7 +242,7 @@ def run_system(
             bar.update(min(cfg.traffic_s, time.monotonic() - start), traffic)
 
         deadline = time.monotonic() + cfg.traffic_s
-        traffic = asyncio.run(_drive_users(cfg, url, deadline, _throttled(watch, 2.0)))
+        traffic = asyncio.run(drive_users(cfg, url, deadline, _throttled(watch, 2.0)))
         watch(traffic)
         bar.close()
         wall = time.monotonic() - t0

@@ -1,0 +1,153 @@
+"""The demo's simulated users, over HTTP: what `flywheel demo` (`demo.system.run_system`) plays.
+
+Each of `cfg.users` users (`demo.users.SimulatedUser`, heterogeneous: accept probabilities jittered by
+0.1, activity drawn from Pareto(1.5), an `adversarial_share` of them rewarding wrong completions) asks
+for completions of train-split tasks through the `openai` client, sees them (`shown`, through the
+feedback SDK) and reacts sparsely: an implicit signal on most completions, explicit ones on a minority,
+each at a delay spread over the attribution window. `drive_users` returns what they did (`Traffic`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from demo.system import DemoSystemConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _User:
+    sim: Any  # demo.users.SimulatedUser
+    adversarial: bool
+    activity: float
+
+
+@dataclass
+class Traffic:
+    """What the users did: counts, and each completion's served version and outcome."""
+
+    completions: int = 0
+    errors: int = 0
+    ended_early: bool = False  # set by the run once `stop_after_promotions` versions are promoted
+    feedback: int = 0
+    served: dict[str, int] = field(default_factory=dict)
+    passed: dict[str, list[int]] = field(default_factory=dict)
+
+
+def _users(cfg: DemoSystemConfig) -> list[_User]:
+    from demo.users import SimulatedUser, UserPrefs
+
+    rng = random.Random(f"users:{cfg.seed}")
+    n_adv = round(cfg.users * cfg.adversarial_share)
+    out = []
+    for i in range(cfg.users):
+        prefs = UserPrefs(noise=0.1)  # heterogeneous: each user's accept probabilities jittered by 0.1
+        out.append(_User(SimulatedUser(f"user-{cfg.seed}-{i}", cfg.seed, prefs), i < n_adv, rng.paretovariate(1.5)))
+    rng.shuffle(out)
+    return out
+
+
+def _signals(user: _User, task: Any, text: str, check: Any, cfg: DemoSystemConfig, rng: random.Random) -> list:
+    """The signals this user sends about one completion: sparse, as a product sees them."""
+    from demo.checker import CheckResult
+
+    seen = check
+    if user.adversarial:  # rewards wrong completions, punishes right ones
+        seen = CheckResult(not check.passed, check.n_tests - check.n_passed, check.n_tests, check.error)
+    out = []
+    for s in user.sim.react(task, text, seen):
+        explicit = s.kind in ("thumb_up", "thumb_down", "rating")
+        keep = cfg.p_explicit if explicit else (1.0 if s.kind == "dwell" else cfg.p_implicit)
+        if rng.random() < keep:
+            out.append(s)
+    return out
+
+
+async def drive_users(
+    cfg: DemoSystemConfig, url: str, deadline: float, progress: Callable[[Traffic], None] | None = None
+) -> Traffic:
+    import openai
+
+    from demo.checker import check_batch
+    from demo.split import sample_tasks
+    from feedback.sdk.client import FeedbackClient
+
+    users = _users(cfg)
+    weights = [u.activity for u in users]
+    rng = random.Random(f"traffic:{cfg.seed}")
+    traffic = Traffic()
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="local", max_retries=2, timeout=30)
+    fb = FeedbackClient(url, batch_size=200, flush_interval_s=0.5)
+    pending: list[tuple[_User, Any, str, str]] = []
+    traffic_model: dict[str, str] = {}  # completion id -> the version that served it
+    later: list[asyncio.Task] = []
+    task_seed = [cfg.seed * 1_000_003]
+
+    def running() -> bool:
+        return time.monotonic() < deadline and not traffic.ended_early
+
+    async def one_user() -> None:
+        while running():
+            user = rng.choices(users, weights)[0]
+            task_seed[0] += 1
+            task = sample_tasks(1, seed=task_seed[0])[0]
+            try:
+                r = await client.completions.create(
+                    model="flywheel",
+                    prompt=task.prompt,
+                    max_tokens=cfg.max_tokens,
+                    temperature=1.0,
+                    user=user.sim.user_id,
+                    seed=task_seed[0],
+                    extra_body={"metadata": {"context": task.family}},  # the reward baseline's key
+                )
+            except openai.OpenAIError as e:
+                traffic.errors += 1
+                log.warning("demo user: completion failed: %r", e)
+                await asyncio.sleep(0.5)
+                continue
+            traffic.completions += 1
+            traffic.served[r.model] = traffic.served.get(r.model, 0) + 1
+            fb.shown(r.id, user=user.sim.user_id)
+            pending.append((user, task, r.id, r.choices[0].text))
+            traffic_model[r.id] = r.model
+
+    async def react() -> None:
+        while running() or pending:
+            await asyncio.sleep(0.3)
+            batch, pending[:] = pending[:], []
+            if not batch:
+                continue
+            checks = await asyncio.to_thread(check_batch, [t for _, t, _, _ in batch], [x for *_, x in batch])
+            seen = list(range(len(batch)))  # what each reaction is about: its own completion...
+            if cfg.shuffle_rewards:  # ...or, in the control, another one (its task, text and outcome)
+                rng.shuffle(seen)
+            for (user, _, cid, _), real, j in zip(batch, checks, seen):
+                model = traffic_model.pop(cid, "?")
+                traffic.passed.setdefault(model, []).append(int(real.passed))
+                _, task, _, text = batch[j]
+                for s in _signals(user, task, text, checks[j], cfg, rng):
+                    delay = rng.uniform(0.0, cfg.window_s * 0.8)
+                    later.append(asyncio.create_task(_send_later(fb, s, cid, user.sim.user_id, delay, traffic)))
+            if progress is not None:
+                progress(traffic)
+
+    await asyncio.gather(*(one_user() for _ in range(cfg.concurrency)), react())
+    await asyncio.gather(*later)
+    await asyncio.to_thread(fb.close, 30)
+    await client.close()
+    return traffic
+
+
+async def _send_later(fb: Any, s: Any, cid: str, user: str, delay: float, traffic: Traffic) -> None:
+    await asyncio.sleep(delay)
+    if fb.send(s.kind, cid, s.value, user=user) is not None:
+        traffic.feedback += 1
