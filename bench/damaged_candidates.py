@@ -13,7 +13,7 @@ signals, the joiner's rewards, policy-gradient updates), each on the same traini
   (`invert_family`) and which is served more often, so that it drops by >= 15 points while the overall
   pass rate moves < 2 points.
 
-Each candidate is measured (`measure`: the gate split's 512 prompts, `--measure-g` samples each at
+Each candidate is measured (`measure`: the gate suite's 504 prompts, `--measure-g` samples each at
 temperature 1, seeds of the measurement's own, so the numbers are not the gate's) and then goes through
 the real offline gate: registered with its weights in the weight store as the learner publishes them, the
 base published and promoted by `registry.publish.publish_base`, `gating.gate.Gate.step` with an embedded

@@ -6,8 +6,8 @@ Every verdict comes from the gate's own functions: `paired_t_non_inferiority` an
 against a real `evaluate_offline` by the spot check below). Nothing here re-implements a test.
 
 **Measured rates.** The demo base (`models/demo-base`, `demo.bootstrap.SHIPPED_BASE`; bootstrapped if
-missing) is sampled on the gate's suite (`demo.suite.demo_suite()`: the gate split, 512 prompts of 18
-families), `--samples` samples per prompt at the gate's settings (temperature 1, 48 tokens, seeds
+missing) is sampled on the gate's suite (`demo.suite.demo_suite()`: the gate split, 504 prompts: 28 in each of
+the 18 families), `--samples` samples per prompt at the gate's settings (temperature 1, 48 tokens, seeds
 `sample_seed(seed, prompt, g)`), scored by `DemoVerifier`; each sample also keeps what the guardrails look
 at (malformed, in a loop, length) and the demo users' expected satisfaction (`demo.users.satisfaction`).
 
@@ -56,7 +56,7 @@ from serving.sampling import SamplingParams
 
 NAME = "gate_sim_offline"
 GRID = ((8, 1), (16, 1), (32, 1), (64, 1), (128, 1), (8, 2), (8, 4))
-"""(G, r): samples per prompt, and the suite repeated r times (512 r prompts). (8, 1) is the gate's default."""
+"""(G, r): samples per prompt, and the suite repeated r times (504 r prompts). (8, 1) is the gate's default."""
 
 
 def ensure_model(model_dir: Path) -> dict[str, Any]:
