@@ -13,10 +13,11 @@ completion drawn in proportion to it. Completions per second: the lowest of the 
 32.5 /s in a quick run's sample topic. The gate counts a completion from `route_lag_s` (3 s) after the
 step starts, one attribution window (4 s) after it is served: `lag_s` 7. Per-request reward: user
 effect N(0, 0.10²) plus noise N(0, 0.47²), the between- and within-user parts measured on a quick
-run's 7,741 joined samples (per-user sd 0.21 at 11 completions per user: the issue's σ ≈ 0.2). TTFT
-and TPOT per request: log-normal, log-mean 3.07 / 2.91 (21.8 / 19.0 ms medians), log-sd 0.58 / 0.41,
-from the same samples (`latency_ms.first_token`; (total - first_token) / (tokens - 1)), the same on
-both arms (an A/A: both arms run the same engines).
+run's 7,741 joined samples (per-user sd 0.21 at 11 completions per user: the σ ≈ 0.2 that
+docs/gate.md sizes production's margin with). TTFT and TPOT per request: log-normal, log-mean
+3.07 / 2.91 (21.8 / 19.0 ms medians), log-sd 0.58 / 0.41, from the same samples
+(`latency_ms.first_token`; (total - first_token) / (tokens - 1)), the same on both arms (an A/A:
+both arms run the same engines).
 
 Run: `python -m bench.canary_sizing [--reps N] [--seed S]`; tests/gating/test_canary_sizing.py runs
 the same functions at fewer replicates.

@@ -1,20 +1,23 @@
 """Weight-delta benchmark: how small and how fast lossless deltas are on real updates of the demo model.
 
 What is measured (one run, one machine, numbers as they come):
+- Dtype: what the product ships, `registry.publish.SHIPPING_DTYPE` (float32: replicas serve the
+  trainer's own weights). Every size, word and throughput below is in that dtype.
 - Parent: the shipped demo base, `models/demo-base` (`demo.bootstrap.SHIPPED_BASE`; float32 master
-  weights), shipped as bf16 (`shipping_state`).
-- Update: a trainer copy keeps the float32 masters and a fresh AdamW with the demo's recipe
-  (betas (0.9, 0.95), weight decay 0.01 on matrices, gradient clipping at 1.0) and takes k
-  optimizer steps at learning rate lr on the demo's LM objective: next-token cross-entropy on
-  fresh demo-corpus batches (`demo.corpus.make_corpus` with a seed the bootstrap never used,
-  `--batch` sequences a step; the same batches for every lr). Child: the masters shipped as bf16.
-- Sweep: lr in {1e-6, 1e-5, 1e-4, 3e-3 (the demo's own)} x steps in {1, 4}. Nothing is tuned per
-  cell; the demo's ratio is reported as measured.
-- Sizes are ratios to the bf16 snapshot (raw bytes of every tensor): zstd(snapshot) at level 3;
+  weights), as shipped (`shipping_state` in the shipping dtype).
+- Update: a trainer copy keeps the float32 masters and a fresh AdamW with pre-training's recipe
+  (`demo.bootstrap`: betas (0.9, 0.95), weight decay 0.01 on matrices, gradient clipping at 1.0)
+  and takes k optimizer steps at learning rate lr on pre-training's LM objective: next-token
+  cross-entropy on fresh demo-corpus batches (`demo.corpus.make_corpus` with a seed the bootstrap
+  never used, `--batch` sequences a step; the same batches for every lr). Child: the masters as
+  shipped.
+- Sweep: lr in {1e-6, 1e-5, 1e-4, 3e-4 (the demo learner's), 3e-3 (pre-training's peak)} x steps
+  in {1, 4}. Nothing is tuned per cell; the demo's ratio is reported as measured.
+- Sizes are ratios to the snapshot (raw bytes of every tensor): zstd(snapshot) at level 3;
   the naive baseline, zstd of the XOR of the raw bytes, at level 3 and at our sparse level (the
   better of the two is the baseline in "ours/naive"); ours: the whole `encode_delta` file,
   manifest (names, shapes, per-tensor SHA-256 of parent and child) included.
-- Throughput in MB of bf16 snapshot per second, median of `--reps` runs: encode = `encode_delta`
+- Throughput in MB of snapshot per second, median of `--reps` runs: encode = `encode_delta`
   (hashing both versions included); decode = `apply_delta` with the base's hashes known (as a
   replica holds them), every blob and rebuilt tensor verified by SHA-256; "+base hash" also
   hashes the base. Bit-exact: every rebuilt tensor equals the child's bits.
@@ -37,19 +40,20 @@ import zstandard
 from bench import common
 from demo.bootstrap import SHIPPED_BASE, encode_example
 from demo.corpus import make_corpus
+from registry.publish import SHIPPING_DTYPE
 from serving.checkpoint import load_checkpoint
 from serving.codec import Codec, apply_delta, encode_delta, encode_snapshot, read_manifest
 from serving.tokenizer import Tokenizer
 from serving.weight_store import shipping_state
 
 NAME = "deltas"
-LRS = (1e-6, 1e-5, 1e-4, 3e-3)
+LRS = (1e-6, 1e-5, 1e-4, 3e-4, 3e-3)  # 3e-4: the demo learner's; 3e-3: pre-training's peak
 STEPS = (1, 4)
 CORPUS_SEED = 4242  # the bootstrap trained on seed 0 (train-split prompts, as these)
 
 
 def update(master, seqs, lr: float, steps: int, batch: int, seed: int):
-    """k AdamW steps on the demo LM loss from the given float32 masters (the demo's optimizer recipe)."""
+    """k AdamW steps on the demo LM loss from the given float32 masters (pre-training's optimizer recipe)."""
     model = copy.deepcopy(master).train()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -74,11 +78,15 @@ def update(master, seqs, lr: float, steps: int, batch: int, seed: int):
 
 
 def shipped(model) -> dict[str, torch.Tensor]:
-    return shipping_state(model, torch.bfloat16)
+    return shipping_state(model, SHIPPING_DTYPE)
+
+
+WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def bits(t):
-    return t.view(torch.int16)
+    """The tensor's raw words (an integer view of its width), to compare and XOR bits."""
+    return t.view(WORD[t.element_size()])
 
 
 def raw_bytes(state) -> bytes:
@@ -86,7 +94,7 @@ def raw_bytes(state) -> bytes:
 
 
 def naive_xor_delta(parent, child, level: int) -> bytes:
-    """The baseline: zstd of the XOR of the raw bf16 bytes (no planes, no positions)."""
+    """The baseline: zstd of the XOR of the raw bytes (no planes, no positions)."""
     p = bits(torch.cat([parent[k].reshape(-1) for k in sorted(parent)]))
     c = bits(torch.cat([child[k].reshape(-1) for k in sorted(child)]))
     return zstandard.ZstdCompressor(level=level).compress((p ^ c).numpy().tobytes())
@@ -127,7 +135,7 @@ def main() -> None:
     snapshot = encode_snapshot("parent", parent)
     parent_hashes = {k: e["sha256"] for k, e in read_manifest(snapshot)["tensors"].items()}
     n_words = sum(t.numel() for t in parent.values())
-    snapshot_bytes = 2 * n_words
+    snapshot_bytes = sum(t.numel() * t.element_size() for t in parent.values())
     zstd_snapshot = len(zstandard.ZstdCompressor(level=3).compress(raw_bytes(parent)))
     codec = Codec()
     rows: list[dict[str, Any]] = []
@@ -172,6 +180,7 @@ def main() -> None:
         "objective": f"LM cross-entropy on fresh demo-corpus batches (seed {CORPUS_SEED}, {args.batch} seqs/step)",
         "optimizer": "AdamW betas (0.9, 0.95), wd 0.01 on matrices, clip 1.0, fresh state per update",
         "model": common.shown(args.model),
+        "dtype": str(SHIPPING_DTYPE).removeprefix("torch."),
         "parameters": n_words,
         "snapshot_MB": snapshot_bytes / 1e6,
         "zstd_snapshot_ratio": snapshot_bytes / zstd_snapshot,

@@ -1,6 +1,6 @@
 """Calibrates the demo product's base model: how good it is already, and how much room it leaves.
 
-The issue asks for a base that is "good already, but improvable": a verifiable pass rate of 25-60% on the
+The target is a base that is good already but improvable: a verifiable pass rate of 25-60% on the
 report split and at least 50 points of satisfaction headroom (the mean satisfaction of always answering the
 known correct, house-style completion, minus the base's). This measures a base on fixed sets of distinct
 prompts, one completion per prompt at temperature 1 (as the product serves; one seed per prompt), each

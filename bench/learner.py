@@ -14,19 +14,21 @@ throughput part, which needs a real loss).
      differing. Trainer bf16 = a copy of the model cast with `.to(torch.bfloat16)`; serving bf16 =
      an engine version holding that copy (its KV cache is bf16 too). The first micro-batch of every
      pair is cross-checked against `mismatch_stats`, which the learner logs every update.
-   Target (issue): |Δlogprob| with replay <= 1e-6, serving and trainer both float32. Replay cannot
+   Target: |Δlogprob| with replay <= 1e-6, serving and trainer both float32. Replay cannot
    close the float32 gap by itself: the engine computes decode steps against a KV cache, the trainer
    one full forward. Both use the model's batch-invariant kernels by default (`serving/model.py`),
    which make the two bit-identical; one more pair, "float32 (default kernels)", serves and re-scores
-   with torch's default kernels (`batch_invariant=False` on both sides), the numerics before them.
+   with torch's default kernels (`batch_invariant=False` on both sides).
    The floor under any gap: the float32 trainer against itself, micro-batch 64 vs 1, in both modes.
-2. Throughput. `Trainer.update` (float32, micro_batch 64, one Adam step, no mismatch measurement)
-   on 64 / 256 / 512 of those completions, replay on and off (batch-invariant kernels), plus 512 with
-   replay on and the default kernels (the cost of invariance): samples/s and completion tokens/s
-   from the update's own stats, median over `--repeats` timed updates after one warm-up. The grid
-   runs with `--threads` intra-op threads (default 1); one extra row repeats 64 samples / replay on
-   with 2 threads, because on the shared 2-core dev machine (load ~2-4 from other work) 2 OpenMP
-   threads were measured 2-10x *slower* than 1: every parallel region waits for a descheduled thread.
+2. Throughput. `Trainer.update` (float32, micro_batch 64, the default `steps_per_update`: two Adam
+   steps, each a pass over the batch; no mismatch measurement) on 64 / 256 / 512 of those
+   completions, replay on and off (batch-invariant kernels), plus 512 with replay on and the default
+   kernels (the cost of invariance): samples/s and completion tokens/s from the update's own stats
+   (each pass counts, so a sample counts twice), median over `--repeats` timed updates after one
+   warm-up. The grid runs with `--threads` intra-op threads (default 1); one extra row repeats 64
+   samples / replay on with 2 threads, because on the shared 2-core dev machine (load ~2-4 from
+   other work) 2 OpenMP threads were measured 2-10x *slower* than 1: every parallel region waits
+   for a descheduled thread.
 
 The engine runs on its own thread with 1 intra-op thread and is shut down before anything is timed;
 the serving wall time of each engine (512 requests, 64 at a time) is recorded as a rough measure of

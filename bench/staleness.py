@@ -1,54 +1,69 @@
 """Staleness over 5 gate cycles: what the learner drops as stale and clips, at the default cadence.
 
-**The question** (issue F22): over 5 candidate cycles at the default cadence, at most 20% of the
-samples may be dropped as stale and at most 10% of the trained tokens clipped (importance weight
-beyond the cap) or truncated (|log ρ| beyond the clamp), with the importance correction against the
-recorded behaviour log-probs.
+**The question.** Over 5 candidate cycles at the default cadence, at most 20% of the samples may be
+dropped as stale, and at most 10% of the trained tokens may be PPO-clipped (`clip_frac`) or
+log-ratio-clamped (`clamp_frac`), the two together.
 
-**Why the design before this bench failed it** (worked out from the defaults). The fleet serves the
-promoted version P to everyone and the in-flight candidate to a canary share (5% → 20% → 50%, then 0
-while a person decides). The gate takes one candidate at a time, the oldest waiting one, through an
-offline eval, three canary steps of at least `min_step_s` = 600 s and `min_users_per_arm` = 30 users
-per arm each, and a person's approval: hours. The learner updated every 512 samples (or 4 h) and
-registered a candidate per update, and counted staleness in its own updates (`max_staleness` = 2).
-With K updates per gate cycle, once the learner is 3 updates past P every sample P serves (50-100%
-of the traffic) is dropped; only canary samples train it, and they go stale too once it is 3 past
-the canary. The learner then stalls 3 updates ahead of P, trains on the canary share alone, and the
-gate, taking the oldest candidate, evaluates one update per cycle while candidates pile up. Any K ≥ 3
-drops most samples; K = 2 keeps them for a cycle or two until the backlog grows the gap. Measured
-below as the "before" design (`hold_back=False, staleness_unit="updates"` reproduce it exactly).
+**The gate's pace.** The fleet serves the promoted version P to everyone and the in-flight candidate
+to a canary share (5% → 20% → 50%, then 0 while a person decides). The gate takes one candidate at a
+time, the oldest waiting one, through an offline eval, three canary steps of at least `min_step_s` =
+600 s and `min_users_per_arm` = 30 users per arm each, and a person's approval: hours. At the default
+cadence (an update every 512 samples or 4 h) the learner makes K updates per gate cycle.
 
-**The design now** (`learner.service`, `learner.lineage`): while a version is in flight the learner
-keeps training its lineage but registers no candidate (`hold_back`); the tip is registered as soon
-as the gate is free, so the gate always evaluates the newest weights and sees one candidate of the
-lineage per cycle. Staleness counts registered versions (`staleness_unit="versions"`): P's samples are
-1 behind (the in-flight candidate was registered after P), the canary's 0, and `max_staleness` = 2
-keeps samples served up to about two gate cycles ago. The price is policy lag in updates: P's samples
-are trained up to ~2K updates after P; the token clip fraction below measures whether the truncated
-importance weights still hold (they do not need to be exact: the cap bounds the variance).
+**Two designs on the same traffic** (`DESIGNS`; in brackets, the run's name in the JSON and for
+`--design`):
+- Per-update candidates, staleness in updates ("before": `hold_back=False, staleness_unit="updates"`).
+  The learner registers a candidate every update and counts staleness in its own updates
+  (`max_staleness` = 2). Worked out from the defaults: once the learner is 3 updates past P, every
+  sample P serves (50-100% of the traffic) is dropped; only canary samples train it, and they go
+  stale too once it is 3 past the canary. The learner stalls 3 updates ahead of P and trains on the
+  canary share alone, and the gate, taking the oldest candidate, evaluates one update per cycle
+  while candidates pile up. Any K ≥ 3 drops most samples; K = 2 keeps them for a cycle or two,
+  until the backlog grows the gap.
+- Hold back while the gate is busy, staleness in registered versions ("now": the `LearnerConfig`
+  defaults; `learner.service`, `learner.lineage`). While a version is in flight the learner keeps
+  training its lineage but registers no candidate (`hold_back`). The tip is registered as soon as
+  the gate is free, so the gate always evaluates the newest weights and sees one candidate of the
+  lineage per cycle. Staleness counts registered versions (`staleness_unit="versions"`): P's samples
+  are 1 behind (the in-flight candidate was registered after P), the canary's 0, and
+  `max_staleness` = 2 keeps samples served up to about two gate cycles ago. The cost is policy lag
+  in updates, bounded by `max_lag_updates` = 8; the clipped and clamped shares show how much of it
+  the objective cuts.
 
-**The simulation.** The REAL `LearnerService` (default `LearnerConfig`: 512 samples / 4 h, lr 1e-4,
-truncated IS with cap 2, |log ρ| clamp 20) on an embedded bus and a SQLite registry, the demo base
-model (`models/demo-base`, `demo.bootstrap.SHIPPED_BASE`: the shipped `flywheel bootstrap` recipe; made
-if missing) served by the embedded engine to whatever the registry says the fleet serves: the promoted
-version, and the in-flight candidate to users `gating.stats.assign_arm` puts in the canary at the
-recorded share. Demo tasks,
-simulated users (`demo.users`) and the real joiner core (`feedback.joiner.JoinerCore`,
-default reward spec, 600 s window) make the samples. Time is a compressed clock: each tick serves
-the requests of `tick_s` simulated seconds at the scenario's traffic; the learner's time trigger and
-the joiner's window run on it. The gate is simulated on the registry with its own transitions
-(`transition`, `record_gate`, `approve`), taking the oldest candidate as `gating.gate.Gate` does;
-every candidate passes. A phase lasts: offline eval `eval_s`; canary step k the attribution window
-plus max(`min_step_s`, `min_users_per_arm` / (share_k × users per second)), counting every request
-as a new user (a floor: the real step also waits for its confidence bound); approval `approval_s`.
-Scenarios: "defaults" — the traffic at which the learner's two triggers agree (512 samples per 4 h:
-128 per hour), where the canary's 30 users at 5% take ~4.7 h; "busy" — 1 sample per second, where
-the steps take their time floor.
+**The simulation.** The real `LearnerService` (default `LearnerConfig`: 512 samples / 4 h, lr 1e-4,
+the default objective of docs/learner.md: decoupled PPO, `estimator="ppo"`, 2 optimizer steps per
+update, clip ε 0.2 on π_θ/π_prox, behaviour weight min(π_prox/μ, 2) with the behaviour mask,
+|log ratio| clamped at 20) on an embedded bus and a SQLite registry, the demo base model
+(`models/demo-base`, `demo.bootstrap.SHIPPED_BASE`: the shipped `flywheel bootstrap` recipe; made
+if missing) served by the embedded engine to whatever the registry says the fleet serves: the
+promoted version, and the in-flight candidate to users `gating.stats.assign_arm` puts in the canary
+at the recorded share. Demo tasks, simulated users (`demo.users`) and the real joiner core
+(`feedback.joiner.JoinerCore`, default reward spec, 600 s window) make the samples. Time is a
+compressed clock: each tick serves the requests of `tick_s` simulated seconds at the scenario's
+traffic; the learner's time trigger and the joiner's window run on it. The gate is simulated on the
+registry with its own transitions (`transition`, `record_gate`, `approve`), taking the oldest
+candidate as `gating.gate.Gate` does; every candidate passes. A phase lasts: offline eval `eval_s`;
+canary step k the attribution window plus max(`min_step_s`, `min_users_per_arm` / (share_k × users
+per second)), counting every request as a new user (a floor: the real step also waits for its
+confidence bound); approval `approval_s`. Scenarios: "defaults" — the traffic at which the learner's
+two triggers agree (512 samples per 4 h: 128 per hour), where the canary's 30 users at 5% take
+~4.7 h; "busy" — 1 sample per second, where the steps take their time floor.
 
-Per cycle (from one promotion to the next; the first from the start) and in total: samples the
-learner consumed, the share dropped as stale, trained tokens and the shares with ρ > cap (clipped)
-and |log ρ| > 20 (truncated), updates, candidates registered, staleness of the trained samples in
-registered versions and in updates. The peer, in the same run: the "before" design on the same traffic.
+**Measured**, per cycle (from one promotion to the next; the first from the start) and in total:
+- samples: those the learner consumed, trained or dropped as stale, for an unknown version, empty or
+  greedy (the service's counters; samples dropped for lag, `dropped_lag`, are not counted here);
+- dropped stale (JSON `dropped_share`): `dropped_stale` over samples;
+- clipped (JSON `clipped_share`): the updates' `clipped_tokens` over their `tokens`, i.e. the
+  learner's `clip_frac`: kept tokens where the PPO clip on π_θ/π_prox is active, averaged over the
+  update's passes (the first pass cannot clip);
+- clamped (JSON `truncated_share`): `clamped_tokens` over `tokens`, i.e. the learner's `clamp_frac`:
+  tokens whose |log π_θ/μ| exceeds `max_log_ratio` = 20. This is not the learner's `truncated_frac`
+  (behaviour weight capped at C), which this benchmark does not record;
+- updates, candidates registered, updates held back, and the staleness of the trained samples in
+  registered versions and in updates (the updates' `staleness_versions_*` and `staleness_updates_*`).
+A run meets the floors (`floors_met`) when dropped_share ≤ 20% and clipped_share + truncated_share ≤
+10% (JSON `floors.clipped_or_truncated`). The peer, in the same run: per-update candidates on the
+same traffic.
 """
 
 from __future__ import annotations
@@ -86,7 +101,7 @@ MAX_TOKENS = 48
 FLOOR_DROPPED, FLOOR_CLIPPED = 0.20, 0.10
 DESIGNS: dict[str, dict] = {
     "now": {},  # LearnerConfig defaults: hold back while in flight, staleness in registered versions
-    "before": {"hold_back": False, "staleness_unit": "updates"},
+    "before": {"hold_back": False, "staleness_unit": "updates"},  # a candidate per update, staleness in updates
 }
 LEARNER_COUNTERS = ("trained", "dropped_stale", "dropped_unknown_version", "dropped_empty", "dropped_greedy")
 
@@ -403,7 +418,7 @@ def main() -> None:
                 runs.append(run)
                 print(
                     f"{name} / {d}: dropped {t['dropped_share']:.1%}, clipped {t['clipped_share']:.2%}, "
-                    f"truncated {t['truncated_share']:.2%}, {t['updates']} updates, {run['wall_s']:.0f} s",
+                    f"clamped {t['truncated_share']:.2%}, {t['updates']} updates, {run['wall_s']:.0f} s",
                     flush=True,
                 )
     res = {

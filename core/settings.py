@@ -19,7 +19,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_", extra="ignore")
 
     env: Literal["local", "test", "production"] = Field(
-        "local", description="Deployment kind; production refuses embedded defaults that lose data on one disk."
+        "local",
+        description="Deployment kind. Outside local mode the gateway needs a session secret, and in production "
+        "API keys too (`check_production`).",
     )
     home: Path = Field(Path("var"), description="Root folder for models, logs and embedded stores.")
     model_dir: Path | None = Field(
@@ -52,7 +54,10 @@ class Settings(BaseSettings):
         "loop (JSON parsing is linear in the size, on the loop).",
     )
     torch_threads: int | None = Field(
-        None, ge=1, description="torch threads of the engine's compute thread; None: 1 (see serving/engine.py)."
+        None,
+        ge=1,
+        description="torch threads of an engine's compute thread; None: 2 for an engine process (the default "
+        "engine, and the gate's), 1 for the embedded engine (see serving/engine.py).",
     )
     batch_invariant: bool = Field(
         True,
@@ -128,7 +133,8 @@ class Settings(BaseSettings):
         return self.home / "session.secret"
 
     def check_production(self) -> None:
-        """Refuse to start a gateway on defaults that are only safe on one's own machine."""
+        """Refuse to start a gateway without API keys in production, without a session secret outside
+        local mode, or with a session secret shorter than 32 characters."""
         if self.env == "production" and not self.api_keys:
             raise ValueError("FLYWHEEL_API_KEYS must be set when FLYWHEEL_ENV=production")
         if self.env != "local" and self.session_secret is None:

@@ -1,11 +1,13 @@
 """Offline group rollouts (GRPO-style) for the same learner: G samples per prompt, verifiable rewards.
 
-Off-peak, idle serving capacity samples G completions for each of a set of prompts; a verifier
-(`product.suites.Verifier`, implemented by the product: the demo's runs each task's tests)
-scores each; advantages are group-relative (`learner.objective.group_advantages`: r_i - mean of
-the group, divided by its std). A group whose samples all scored the same carries no signal and
+`rollout_groups` has an engine sample G completions for each of a set of prompts (meant for
+idle serving capacity off-peak; no production process calls it: off-peak lending is not built);
+a verifier (`product.suites.Verifier`, implemented by the product: the demo's runs each task's
+tests) scores each; advantages are group-relative (`learner.objective.group_advantages`: r_i -
+mean of the group, divided by its std). A group whose samples all scored the same carries no signal and
 is dropped (counted). The resulting sequences carry their advantage and `weight = offline_weight`,
-and are mixed into an online update by `Trainer.update(..., group_advantages=...)`.
+and `LearnerService.add_offline` queues them to be mixed into the next online update
+(`Trainer.update(..., group_advantages=...)`).
 """
 
 from __future__ import annotations

@@ -47,7 +47,9 @@ class MissingVersionError(ValueError):
 
 
 def shipping_state(model: torch.nn.Module, dtype: torch.dtype | None = torch.bfloat16) -> dict:
-    """A model's weights as shipped: HF names (tied lm_head left out, as in a checkpoint), `dtype`."""
+    """A model's weights as shipped: HF names (tied lm_head left out, as in a checkpoint), in `dtype`
+    (None: as stored). Callers pass the dtype: the learner, `registry.publish` and the benchmarks pass
+    `registry.publish.SHIPPING_DTYPE` (float32); only tests use the bf16 default."""
     tied = getattr(getattr(model, "args", None), "tie_embeddings", False)
     out = {}
     for name, t in model.state_dict().items():
