@@ -12,7 +12,7 @@ cadence (an update every 512 samples or 4 h) the learner makes K updates per gat
 
 **Two designs on the same traffic** (`DESIGNS`; in brackets, the run's name in the JSON and for
 `--design`):
-- Per-update candidates, staleness in updates ("before": `hold_back=False, staleness_unit="updates"`).
+- Per-update candidates, staleness in updates ("per_update": `hold_back=False, staleness_unit="updates"`).
   The learner registers a candidate every update and counts staleness in its own updates
   (`max_staleness` = 2). Worked out from the defaults: once the learner is 3 updates past P, every
   sample P serves (50-100% of the traffic) is dropped; only canary samples train it, and they go
@@ -20,15 +20,15 @@ cadence (an update every 512 samples or 4 h) the learner makes K updates per gat
   canary share alone, and the gate, taking the oldest candidate, evaluates one update per cycle
   while candidates pile up. Any K ≥ 3 drops most samples; K = 2 keeps them for a cycle or two,
   until the backlog grows the gap.
-- Hold back while the gate is busy, staleness in registered versions ("now": the `LearnerConfig`
+- Hold back while the gate is busy, staleness in registered versions ("hold_back": the `LearnerConfig`
   defaults; `learner.service`, `learner.lineage`). While a version is in flight the learner keeps
   training its lineage but registers no candidate (`hold_back`). The tip is registered as soon as
   the gate is free, so the gate always evaluates the newest weights and sees one candidate of the
   lineage per cycle. Staleness counts registered versions (`staleness_unit="versions"`): P's samples
   are 1 behind (the in-flight candidate was registered after P), the canary's 0, and
   `max_staleness` = 2 keeps samples served up to about two gate cycles ago. The cost is policy lag
-  in updates, bounded by `max_lag_updates` = 8; the clipped and clamped shares show how much of it
-  the objective cuts.
+  in updates, bounded by `max_lag_updates` = 8 (samples beyond it are dropped and counted with the
+  stale ones); the clipped, clamped, masked and capped shares show how much of it the objective cuts.
 
 **The simulation.** The real `LearnerService` (default `LearnerConfig`: 512 samples / 4 h, lr 1e-4,
 the default objective of docs/learner.md: decoupled PPO, `estimator="ppo"`, 2 optimizer steps per
@@ -50,15 +50,19 @@ two triggers agree (512 samples per 4 h: 128 per hour), where the canary's 30 us
 ~4.7 h; "busy" — 1 sample per second, where the steps take their time floor.
 
 **Measured**, per cycle (from one promotion to the next; the first from the start) and in total:
-- samples: those the learner consumed, trained or dropped as stale, for an unknown version, empty or
-  greedy (the service's counters; samples dropped for lag, `dropped_lag`, are not counted here);
-- dropped stale (JSON `dropped_share`): `dropped_stale` over samples;
+- samples: those the learner consumed, trained or dropped (as stale in `staleness_unit`, beyond the lag
+  bound in updates, for an unknown version, empty or greedy: the service's counters);
+- dropped (JSON `dropped_share`): samples dropped as stale (`dropped_stale`, in `dropped_stale_share`)
+  or beyond the lag bound (`dropped_lag`, in `dropped_lag_share`), over samples;
 - clipped (JSON `clipped_share`): the updates' `clipped_tokens` over their `tokens`, i.e. the
   learner's `clip_frac`: kept tokens where the PPO clip on π_θ/π_prox is active, averaged over the
   update's passes (the first pass cannot clip);
 - clamped (JSON `truncated_share`): `clamped_tokens` over `tokens`, i.e. the learner's `clamp_frac`:
-  tokens whose |log π_θ/μ| exceeds `max_log_ratio` = 20. This is not the learner's `truncated_frac`
-  (behaviour weight capped at C), which this benchmark does not record;
+  tokens whose |log π_θ/μ| exceeds `max_log_ratio` = 20;
+- masked (JSON `masked_share`): `masked_tokens` over `tokens`: tokens given no gradient because their
+  behaviour ratio is extreme or the DPPO divergence mask holds (the learner's `masked_frac`);
+- capped (JSON `capped_share`): `truncated_tokens` over `tokens`: tokens whose behaviour weight
+  π_prox/μ was capped (the learner's `truncated_frac`);
 - updates, candidates registered, updates held back, and the staleness of the trained samples in
   registered versions and in updates (the updates' `staleness_versions_*` and `staleness_updates_*`).
 A run meets the floors (`floors_met`) when dropped_share ≤ 20% and clipped_share + truncated_share ≤
@@ -100,10 +104,17 @@ TENANT = "demo"
 MAX_TOKENS = 48
 FLOOR_DROPPED, FLOOR_CLIPPED = 0.20, 0.10
 DESIGNS: dict[str, dict] = {
-    "now": {},  # LearnerConfig defaults: hold back while in flight, staleness in registered versions
-    "before": {"hold_back": False, "staleness_unit": "updates"},  # a candidate per update, staleness in updates
+    "hold_back": {},  # LearnerConfig defaults: hold back while in flight, staleness in registered versions
+    "per_update": {"hold_back": False, "staleness_unit": "updates"},  # a candidate per update, staleness in updates
 }
-LEARNER_COUNTERS = ("trained", "dropped_stale", "dropped_unknown_version", "dropped_empty", "dropped_greedy")
+LEARNER_COUNTERS = (
+    "trained",
+    "dropped_stale",
+    "dropped_lag",
+    "dropped_unknown_version",
+    "dropped_empty",
+    "dropped_greedy",
+)
 
 
 @dataclass(frozen=True)
@@ -198,9 +209,12 @@ class GateSim:
 class CycleStats:
     samples: int = 0
     dropped_stale: int = 0
+    dropped_lag: int = 0
     tokens: float = 0.0
     clipped_tokens: float = 0.0
     clamped_tokens: float = 0.0
+    masked_tokens: float = 0.0
+    capped_tokens: float = 0.0
     updates: int = 0
     registered: int = 0
     held_back: int = 0
@@ -217,8 +231,13 @@ class CycleStats:
         return {
             "samples": self.samples,
             "dropped_stale": self.dropped_stale,
-            "dropped_share": self.dropped_stale / self.samples if self.samples else 0.0,
+            "dropped_lag": self.dropped_lag,
+            "dropped_share": (self.dropped_stale + self.dropped_lag) / self.samples if self.samples else 0.0,
+            "dropped_stale_share": self.dropped_stale / self.samples if self.samples else 0.0,
+            "dropped_lag_share": self.dropped_lag / self.samples if self.samples else 0.0,
             "tokens": self.tokens,
+            "masked_share": self.masked_tokens / self.tokens if self.tokens else 0.0,
+            "capped_share": self.capped_tokens / self.tokens if self.tokens else 0.0,
             "clipped_share": self.clipped_tokens / self.tokens if self.tokens else 0.0,
             "truncated_share": self.clamped_tokens / self.tokens if self.tokens else 0.0,
             "updates": self.updates,
@@ -326,12 +345,15 @@ def simulate(
                     cur.tokens += st["tokens"]
                     cur.clipped_tokens += st["clipped_tokens"]
                     cur.clamped_tokens += st["clamped_tokens"]
+                    cur.masked_tokens += st["masked_tokens"]
+                    cur.capped_tokens += st["truncated_tokens"]
                     n = st["samples"]
                     cur.staleness_versions.append((st["staleness_versions_mean"], st["staleness_versions_max"], n))
                     cur.staleness_updates.append((st["staleness_updates_mean"], st["staleness_updates_max"], n))
                 counts = {k: learner.counters[k] for k in LEARNER_COUNTERS}
                 cur.samples += sum(counts[k] - seen[k] for k in LEARNER_COUNTERS)
                 cur.dropped_stale += counts["dropped_stale"] - seen["dropped_stale"]
+                cur.dropped_lag += counts["dropped_lag"] - seen["dropped_lag"]
                 seen.update({k: counts[k] - seen[k] for k in LEARNER_COUNTERS})
             before = len(gate.promotions)
             gate.step(now[0])
@@ -355,7 +377,18 @@ def simulate(
         promo["cycle_h"] = (promo["promoted"] - (previous or start_time)) / 3600
         previous = promo["promoted"]
     total = CycleStats()
-    sums = ("samples", "dropped_stale", "tokens", "clipped_tokens", "clamped_tokens", "updates", "held_back")
+    sums = (
+        "samples",
+        "dropped_stale",
+        "dropped_lag",
+        "tokens",
+        "clipped_tokens",
+        "clamped_tokens",
+        "masked_tokens",
+        "capped_tokens",
+        "updates",
+        "held_back",
+    )
     for cyc in per_cycle:
         for k in (*sums, "registered"):
             setattr(total, k, getattr(total, k) + getattr(cyc, k))
@@ -417,8 +450,9 @@ def main() -> None:
                 )
                 runs.append(run)
                 print(
-                    f"{name} / {d}: dropped {t['dropped_share']:.1%}, clipped {t['clipped_share']:.2%}, "
-                    f"clamped {t['truncated_share']:.2%}, {t['updates']} updates, {run['wall_s']:.0f} s",
+                    f"{name} / {d}: dropped {t['dropped_share']:.1%} (lag {t['dropped_lag_share']:.1%}), "
+                    f"clipped {t['clipped_share']:.2%}, clamped {t['truncated_share']:.2%}, "
+                    f"{t['updates']} updates, {run['wall_s']:.0f} s",
                     flush=True,
                 )
     res = {
