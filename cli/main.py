@@ -166,6 +166,7 @@ def _joiner(args) -> None:
 def _learner(args) -> None:
     import time
 
+    from demo.checker import DemoVerifier
     from feedback.connect import open_bus
     from learner.service import LearnerConfig, LearnerService
     from registry.registry import Registry
@@ -180,8 +181,15 @@ def _learner(args) -> None:
     bus = open_bus(settings)
     cfg = LearnerConfig(update_every_samples=args.every_samples, update_every_s=args.every_s)
     metrics = ServiceMetrics("learner", settings.home / "metrics")
+    # The verifier of the suite the gate runs (`_gate`): the demo's, until the product plugs in its own.
     service = LearnerService(
-        bus, Registry(settings.db_url), settings.learner_models_dir, settings.served_model_dir, cfg, metrics=metrics
+        bus,
+        Registry(settings.db_url),
+        settings.learner_models_dir,
+        settings.served_model_dir,
+        cfg,
+        metrics=metrics,
+        verifier=DemoVerifier(),
     )
     try:
         while True:

@@ -48,6 +48,7 @@ def learner(home: str, base: str, cfg_json: str) -> None:
     import torch
 
     from core.service_metrics import ServiceMetrics
+    from demo.checker import DemoVerifier
     from feedback.connect import open_bus
     from learner.service import LearnerConfig, LearnerService
     from registry.registry import Registry
@@ -59,7 +60,7 @@ def learner(home: str, base: str, cfg_json: str) -> None:
     cfg = LearnerConfig.model_validate_json(cfg_json)
     metrics = ServiceMetrics("learner", settings.home / "metrics")
     models, base_dir = settings.learner_models_dir, settings.served_model_dir
-    service = LearnerService(bus, registry, models, base_dir, cfg, metrics=metrics)
+    service = LearnerService(bus, registry, models, base_dir, cfg, metrics=metrics, verifier=DemoVerifier())
     try:
         while True:
             service.run_once(timeout_s=0.2)

@@ -18,10 +18,21 @@ completions a user may reward per window. This is the second line, over the samp
   with ~150 users an update flags an honest user with probability under 1% unless their own taste
   is far from everyone's). Users who reward what others punish (and the reverse) show up here once
   they have enough samples; a light adversary, one sample per update, cannot be told from an honest
-  user by rewards alone (the product's verifier would be needed).
+  user by rewards alone: the next rule is for them;
+- **verified** (only when the learner has the product's verifier, `product.suites.Verifier`): the
+  user's rewards run against correctness. Each rewarded completion is scored by the verifier (pass:
+  score ≥ 0.5; a prompt it cannot check is counted and left out). Over every update so far
+  (`VerifiedTally`, kept with the learner's state), a user's mean residual on passing completions
+  minus their mean residual on failing ones, Δ, has z = Δ / (σ √(1/n_pass + 1/n_fail)), σ everyone's
+  residual deviation within each kind, pooled; flagged when z < -`verified_z_max` (3: 0.13% one-sided
+  per look for a user whose rewards ignore correctness) with at least `verified_min_samples` (4)
+  verified samples, one of each kind. One-sided on purpose: an honest user, however harsh or lenient,
+  rewards passing code more than failing code (Δ > 0), so evidence accumulated over many updates
+  gains power against an inverted user without flagging taste.
 
 A flagged user's samples keep their rewards but get a weight below 1: `max_share / share` for the
-share rule, `z_max / |z|` for the deviation rule (the smaller when both hold). The trainer multiplies
+share rule, `z_max / |z|` for the deviation rule, `verified_z_max / |z|` for the verified one (the
+smallest when several hold). The trainer multiplies
 each sample's loss by its weight. Flags are returned as plain data, stored with the version's metrics
 in the registry (`poisoning`) and counted in every update's statistics
 (`poisoning_flagged_users`, `poisoning_flagged_samples`). Anonymous completions (no user) are one
@@ -32,7 +43,7 @@ Simulated against the demo's users in tests/learner/test_poisoning_sim.py.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from feedback.events import SampleEvent
 from learner.baselines import baseline_key
+from product.suites import Verifier
 
 
 class PoisoningConfig(BaseModel):
@@ -50,6 +62,12 @@ class PoisoningConfig(BaseModel):
     min_users: int = Field(20, ge=2, description="Users a batch needs before the share rule applies.")
     z_max: float = Field(4.0, gt=0, description="A user's reward residuals more than this many σ/√n from 0: flagged.")
     min_samples: int = Field(8, ge=2, description="Samples a user needs in a batch before the deviation rule applies.")
+    verified_z_max: float = Field(
+        3.0, gt=0, description="With a verifier: a user rewarding failing over passing code by this many SE is flagged."
+    )
+    verified_min_samples: int = Field(
+        4, ge=2, description="Verified samples (over all updates, one of each kind) before the verified rule applies."
+    )
 
 
 @dataclass(frozen=True)
@@ -78,6 +96,10 @@ class Screening:
     """One per sample, in input order: 1.0, or a flagged user's weight."""
     flags: list[Flag] = field(default_factory=list)
     users: int = 0
+    verified: int = 0
+    """Samples the verifier scored in this update (0 without a verifier)."""
+    unverifiable: int = 0
+    """Samples whose prompt the verifier could not check (counted, left out of the verified rule)."""
 
     def summary(self) -> dict[str, Any]:
         """What the registry stores with the version (`metrics["poisoning"]`)."""
@@ -87,13 +109,86 @@ class Screening:
             "flagged_users": len(self.flags),
             "flagged_samples": flagged,
             "flagged_reward_share": round(sum(f.reward_share for f in self.flags), 6),
+            "verified": self.verified,
+            "unverifiable": self.unverifiable,
             "flags": [f.as_dict() for f in self.flags],
         }
 
 
-def screen(samples: Sequence[SampleEvent], cfg: PoisoningConfig | None = None) -> Screening:
-    """Flag the users who dominate or skew `samples` and weigh their samples down (module docstring)."""
+@dataclass
+class VerifiedTally:
+    """The verified rule's evidence over every update so far: per user (tenant, user id), the count and
+    residual sum of their passing and of their failing samples; over everyone, the count, sum and sum of
+    squares of the residuals of each kind (for the pooled within-kind deviation σ). Plain data, so the
+    learner keeps it with its optimizer state."""
+
+    users: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    """(tenant, user) -> [n_pass, sum_pass, n_fail, sum_fail]."""
+    kinds: list[float] = field(default_factory=lambda: [0.0] * 6)
+    """Everyone's [n_pass, sum_pass, sumsq_pass, n_fail, sum_fail, sumsq_fail]."""
+
+    def add(self, user: tuple[str, str], passed: bool, residual: float) -> None:
+        acc = self.users.setdefault(user, [0.0, 0.0, 0.0, 0.0])
+        at = 0 if passed else 2
+        acc[at] += 1
+        acc[at + 1] += residual
+        k = 0 if passed else 3
+        self.kinds[k] += 1
+        self.kinds[k + 1] += residual
+        self.kinds[k + 2] += residual * residual
+
+    def sigma(self) -> float:
+        """The residuals' standard deviation within each kind, pooled (0 until both kinds have 2)."""
+        n_p, s_p, q_p, n_f, s_f, q_f = self.kinds
+        if n_p < 2 or n_f < 2:
+            return 0.0
+        within = (q_p - s_p * s_p / n_p) + (q_f - s_f * s_f / n_f)
+        return math.sqrt(max(within, 0.0) / (n_p + n_f - 2))
+
+    def z(self, user: tuple[str, str], min_samples: int) -> float | None:
+        """The user's z (module docstring), or None while their evidence is short of the rule's minimum:
+        `min_samples` verified samples, at least one passing and one failing."""
+        n_p, s_p, n_f, s_f = self.users.get(user, (0.0, 0.0, 0.0, 0.0))
+        sigma = self.sigma()
+        if n_p < 1 or n_f < 1 or n_p + n_f < min_samples or sigma <= 0:
+            return None
+        return (s_p / n_p - s_f / n_f) / (sigma * math.sqrt(1 / n_p + 1 / n_f))
+
+
+def verify_samples(verifier: Verifier, prompts: Sequence[str], texts: Sequence[str]) -> list[bool | None]:
+    """Pass (score ≥ 0.5) or fail per completion; None where the verifier cannot check the prompt (its
+    `ValueError`). A refused batch is split in halves until each part is scored or a lone prompt is
+    refused: a few foreign prompts cost a few calls each, not one call per completion."""
+    try:
+        return [score >= 0.5 for score in verifier.verify(prompts, texts)]
+    except ValueError:
+        if len(prompts) == 1:
+            return [None]
+        mid = len(prompts) // 2
+        head = verify_samples(verifier, prompts[:mid], texts[:mid])
+        return head + verify_samples(verifier, prompts[mid:], texts[mid:])
+
+
+def verdicts(
+    verifier: Verifier, decode: Callable[[list[int]], str], samples: Sequence[SampleEvent]
+) -> list[bool | None]:
+    """`verify_samples` on the samples' prompts (their token ids decoded) and completions."""
+    prompts = [decode(s.completion.prompt_ids) for s in samples]
+    return verify_samples(verifier, prompts, [s.completion.text for s in samples])
+
+
+def screen(
+    samples: Sequence[SampleEvent],
+    cfg: PoisoningConfig | None = None,
+    passed: Sequence[bool | None] | None = None,
+    tally: VerifiedTally | None = None,
+) -> Screening:
+    """Flag the users who dominate or skew `samples` and weigh their samples down (module docstring).
+    `passed`: the verifier's verdict per sample (None: not checkable), with the `tally` it adds to; the
+    verified rule runs only when both are given."""
     cfg = cfg or PoisoningConfig()
+    if passed is not None and len(passed) != len(samples):
+        raise ValueError(f"got {len(passed)} verdicts for {len(samples)} samples")
     weights = [1.0] * len(samples)
     by_user: dict[tuple[str, str], list[int]] = {}
     for i, s in enumerate(samples):
@@ -105,6 +200,14 @@ def screen(samples: Sequence[SampleEvent], cfg: PoisoningConfig | None = None) -
     total = sum(abs(s.reward) for s in samples)
     residual = _residuals(samples)
     sigma = math.sqrt(sum(r * r for r in residual) / max(len(samples) - 1, 1))
+    vt = tally if passed is not None else None
+    if vt is not None and passed is not None:
+        for i, (s, ok) in enumerate(zip(samples, passed, strict=True)):
+            if ok is None:
+                out.unverifiable += 1
+            elif s.completion.user_id:
+                vt.add((s.tenant, s.completion.user_id), ok, residual[i])
+                out.verified += 1
     for (tenant, user), ix in sorted(by_user.items()):
         share = sum(abs(samples[i].reward) for i in ix) / total if total > 0 else 0.0
         reasons, weight = [], 1.0
@@ -116,6 +219,14 @@ def screen(samples: Sequence[SampleEvent], cfg: PoisoningConfig | None = None) -
             if abs(z) > cfg.z_max:
                 reasons.append(f"rewards {z:+.1f} σ/√n from their contexts' ({len(ix)} samples) > {cfg.z_max:g}")
                 weight = min(weight, cfg.z_max / abs(z))
+        vz = vt.z((tenant, user), cfg.verified_min_samples) if vt is not None else None
+        if vt is not None and vz is not None and vz < -cfg.verified_z_max:
+            n_p, _, n_f, _ = vt.users[(tenant, user)]
+            reasons.append(
+                f"rewards against the verifier: z {vz:+.1f} < -{cfg.verified_z_max:g} "
+                f"({int(n_p)} passing, {int(n_f)} failing completions so far)"
+            )
+            weight = min(weight, cfg.verified_z_max / abs(vz))
         if reasons:
             out.flags.append(Flag(tenant, user, len(ix), share, tuple(reasons), weight))
             for i in ix:

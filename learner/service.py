@@ -10,18 +10,15 @@ Owns the learner's durable state and its exactly-once accounting:
   (`learner.update_stats`); what is kept is corrected the decoupled-PPO way (`learner.objective`,
   docs/learner.md).
 - **Hold back while the gate is busy** (`hold_back`, default on). While a version is in flight
-  (`Registry.in_flight()`: evaluating, canary, awaiting approval), or, once a gate has been seen at
-  work, while the last registered candidate still waits for it, an update is checkpointed and
-  becomes the lineage's tip as usual, but is not registered; once the gate is free (asked every
-  `hold_check_s`, in `run_once`) the tip is registered as the next candidate, a child of the last
-  registered version, covering the held-back updates' samples. (Without a gate nothing is ever in
-  flight and every update is registered.) Why: a gate cycle takes hours, in which the learner makes
-  several updates; registering each and counting staleness in updates would drop every sample the
-  promoted version served once the learner is `max_staleness` + 1 updates past it. Holding back, the
-  gate always gets the newest weights and at most one candidate per cycle, so a bound in registered
-  versions is a bound in gate cycles; the cost is policy lag in updates, absorbed by the truncated
-  importance weights (measured by bench/staleness.py). `hold_back=False, staleness_unit="updates"`
-  is the per-update mode that benchmark compares against.
+  (`Registry.in_flight()`), or, once a gate has been seen at work, while the last registered
+  candidate still waits for it, an update becomes the lineage's tip but is not registered; once the
+  gate is free (asked every `hold_check_s`) the tip is registered as the next candidate, covering the
+  held-back updates' samples. Why: a gate cycle takes hours and several updates; registering each and
+  counting staleness in updates would drop every sample the promoted version served. Holding back,
+  the gate gets the newest weights, one candidate per cycle, and a bound in registered versions is a
+  bound in gate cycles; the cost is policy lag in updates, bounded and corrected (bench/staleness.py
+  compares it with `hold_back=False, staleness_unit="updates"`).
+- **Poisoning screen** (`learner.poisoning`), with the product's `verifier` when it has one.
 - **Never twice, never lost.** After an update the new version's checkpoint (HF folder: weights,
   tokenizer, `learner_state.pt` with optimizer and baseline) is written and renamed into place;
   then `learner.json` (current version, version list, the bus positions included in that version,
@@ -35,13 +32,10 @@ Owns the learner's durable state and its exactly-once accounting:
   bus positions it covers (`data_range`), its update statistics (with `held_back_updates` and
   `samples_since_parent`) and its files with hashes; `learner.json` lists the registered versions,
   their parents and the held-back ones.
-- **What a long run meets.** A record that is not a valid `SampleEvent` (invalid JSON, a schema
-  violation) is published on the dead-letter topic (`feedback.dead_letter`: its topic, partition,
-  offset, the error, the raw value) and skipped; its offset is committed with the next update. A
-  batch whose loss or gradient is not finite (`learner.trainer.NonFiniteUpdate`: nothing was
-  changed, no optimizer step) is quarantined: counted (`quarantined_batches`, `quarantined_samples`),
-  its samples dead-lettered, its positions and ids recorded and committed like a trained batch's, so
-  it is never retried; no version is published for it.
+- **What a long run meets.** A record that is not a valid `SampleEvent` goes to the dead-letter topic
+  (`feedback.dead_letter`) and is skipped. A batch whose loss or gradient is not finite
+  (`learner.trainer.NonFiniteUpdate`: no optimizer step) is quarantined: counted, dead-lettered, its
+  positions committed like a trained batch's (never retried); no version is published for it.
 - **KL reference.** With `trainer.loss.kl_coef` > 0 the trainer's frozen reference is the promoted
   version, loaded from its checkpoint folder (the lineage's, else `<models>/<version>`) and reloaded
   before an update when the registry promotes another version.
@@ -51,15 +45,13 @@ Owns the learner's durable state and its exactly-once accounting:
 - **Data-parallel instances split the partitions.** Started once per rank after
   `learner.distributed.init_process_group` (torchrun, or `flywheel learner` with
   FLYWHEEL_LEARNER_DISTRIBUTED=1), every rank is a member of the same consumer group on the sample
-  topic and polls only the partitions the group gives it. Each round the ranks exchange their
-  buffered counts (and rank 0's elapsed time) so they decide on the cadence together; an update
-  gathers every rank's buffered samples, ordered by (partition, offset) and de-duplicated by offset
-  and sample id (a rebalance can hand a partition's uncommitted records to two ranks), so every rank
-  holds the same whole batch, which `learner.distributed.DataParallelTrainer` trains on (each rank
-  its shard, gradients all-reduced). Rank 0 alone writes the version, the registry, the weight
-  store and `learner.json` (the models folder is shared); it then broadcasts the new state, and
-  only after that does each rank commit the offsets it consumed. A rank that dies makes the others'
-  collectives time out: the job is restarted as a whole and resumes from `learner.json` as above.
+  topic and polls only the partitions the group gives it. The ranks decide on the cadence together
+  (buffered counts, rank 0's clock); an update gathers every rank's samples, ordered by (partition,
+  offset) and de-duplicated (a rebalance can hand uncommitted records to two ranks), so every rank
+  holds the same batch, which `learner.distributed.DataParallelTrainer` trains on (gradients
+  all-reduced). Rank 0 alone writes the version, the registry, the store and `learner.json`, then
+  broadcasts the new state; only then does each rank commit its offsets. A dead rank makes the
+  others' collectives time out: the job restarts as a whole and resumes from `learner.json`.
 
 Called by the `flywheel learner` process; the demo loop (`demo.loop`) drives the same trainer in
 memory.
@@ -88,10 +80,11 @@ from feedback.dead_letter import dead_letter
 from feedback.events import SampleEvent
 from learner.config import LearnerConfig
 from learner.lineage import anchor, merge_covered, staleness, staleness_stats
-from learner.poisoning import screen
+from learner.poisoning import VerifiedTally, screen, verdicts
 from learner.samples import partition, sequence_from_sample
 from learner.trainer import NonFiniteUpdate, Trainer
 from learner.update_stats import counters, since_parent
+from product.suites import Verifier
 from registry.publish import SHIPPING_DTYPE, publish_base, sha256_of
 from registry.registry import Registry, UnknownVersion
 from serving.checkpoint import CONFIG, WEIGHTS, load_checkpoint, save_checkpoint
@@ -119,17 +112,20 @@ class LearnerService:
         cfg: LearnerConfig | None = None,
         clock=time.time,
         metrics: ServiceMetrics | None = None,
+        verifier: Verifier | None = None,
     ):
         cfg = cfg or LearnerConfig()
         self.bus, self.registry, self.cfg, self.clock = bus, registry, cfg, clock
+        self.verifier, self.tally = verifier, VerifiedTally()
+        if verifier is None and cfg.poisoning.enabled:
+            log.warning("learner: no verifier: the poisoning screen's verified rule is off")
         self.models_dir = Path(models_dir)
         self.models_dir.mkdir(parents=True, exist_ok=True)
         self.state_path = self.models_dir / STATE
-        # What the serving fleet pulls: bf16 shipping weights, snapshots every N versions, lossless deltas.
+        # What the serving fleet pulls: shipping weights, snapshots every N versions, lossless deltas.
         self.store = WeightStore(self.models_dir / "store", snapshot_every=cfg.snapshot_every)
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        # A batch smaller than the rank count is fine: `DataParallelTrainer` then trains it whole on every
-        # rank (so min_samples=1 lets the time trigger train a last lone sample under DDP too).
+        # A batch smaller than the rank count is trained whole on every rank (`DataParallelTrainer`).
         if self.rank == 0:
             self._init_state(base_dir)
         if self.world_size > 1:
@@ -155,6 +151,7 @@ class LearnerService:
             self.trainer.opt.load_state_dict(saved["optimizer"])
             self.trainer.baseline = saved["baseline"]
             self.trainer.updates = saved["updates"]
+            self.tally = saved["verified_tally"]
         self.dp = None
         if self.world_size > 1:
             from learner.distributed import DataParallelTrainer
@@ -378,7 +375,10 @@ class LearnerService:
         lag = staleness(self.state, "updates")
         max_lag = self.cfg.max_lag_updates
         kept, dropped = partition(batch, behind, self.cfg.max_staleness, lag, max_lag)
-        screening = screen([ev for _, ev in kept], self.cfg.poisoning)
+        events = [ev for _, ev in kept]
+        v = self.verifier if events and self.cfg.poisoning.enabled else None
+        passed = verdicts(v, self.tokenizer.decode, events) if v is not None else None
+        screening = screen(events, self.cfg.poisoning, passed, self.tally)
         seqs = [
             dataclasses.replace(sequence_from_sample(ev), weight=w)
             for (_, ev), w in zip(kept, screening.weights, strict=True)
@@ -491,6 +491,7 @@ class LearnerService:
                 "optimizer": self.trainer.opt.state_dict(),
                 "baseline": self.trainer.baseline,
                 "updates": self.trainer.updates,
+                "verified_tally": self.tally,
             },
             tmp / OPT_STATE,
         )

@@ -2,7 +2,8 @@
 
 Counted, never silent: samples dropped by reason (`learner.samples.drop_reason`: empty, greedy,
 unknown version, stale in `staleness_unit`, beyond the lag bound in updates), offline samples
-dropped for the same bounds, users and samples the poisoning screen flagged (`learner.poisoning`),
+dropped for the same bounds, users and samples the poisoning screen flagged (`learner.poisoning`)
+and the samples its verifier scored or could not check,
 and, from the trainer, masked, truncated and clipped tokens, tokens cut by the trainer's own top-p,
 sequences without recorded routing and the micro-batches trained without replay. Each update's
 statistics hold them (registered with the version's metrics, or kept with a held-back update); a
@@ -31,6 +32,8 @@ SUMMED = (
     "replay_off_micro_batches",
     "poisoning_flagged_users",
     "poisoning_flagged_samples",
+    "poisoning_verified_samples",
+    "poisoning_unverifiable_samples",
     "dropped_offline",
     *(f"dropped_{why}" for why in DROP_REASONS),
 )
@@ -46,6 +49,8 @@ def counters(dropped: Counter[str], screening: Screening, offline_dropped: int) 
     out["poisoning"] = screening.summary()
     out["poisoning_flagged_users"] = float(len(screening.flags))
     out["poisoning_flagged_samples"] = float(sum(f.samples for f in screening.flags))
+    out["poisoning_verified_samples"] = float(screening.verified)
+    out["poisoning_unverifiable_samples"] = float(screening.unverifiable)
     return out
 
 

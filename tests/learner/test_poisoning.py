@@ -8,7 +8,7 @@ import math
 import pytest
 
 from feedback.events import CompletionEvent, RoutedExperts, SampleEvent
-from learner.poisoning import PoisoningConfig, screen
+from learner.poisoning import PoisoningConfig, VerifiedTally, screen, verify_samples
 from tests.conftest import approx_ulps
 
 
@@ -81,3 +81,64 @@ def test_config_is_validated_and_can_be_off():
         PoisoningConfig(max_share=0)
     spam = [sample("u0", 1.0, 0)] * 1 + [sample("spam", 1.0, i) for i in range(30)]
     assert screen(spam, PoisoningConfig(enabled=False)).flags == []
+
+
+def test_the_verified_rule_flags_a_user_whose_rewards_run_against_correctness_by_hand():
+    # 30 honest users reward passing code +1 and failing code -1 (2 each); the inverted user does the
+    # opposite on 2 passing and 2 failing completions. One context, leave-the-user-out means.
+    honest = [sample(f"u{u}", r, i) for u in range(30) for i, r in enumerate((1.0, 1.0, -1.0, -1.0))]
+    bad = [sample("inv", r, i) for i, r in enumerate((-1.0, -1.0, 1.0, 1.0))]
+    passed = [True, True, False, False] * 31
+    tally = VerifiedTally()
+    s = screen(honest + bad, PoisoningConfig(z_max=100.0), passed, tally)
+    # Residuals: every other user's mean is 0 (honest +-1 cancel; so do the inverted user's), so each
+    # residual is the reward itself. Within each kind: honest +1 x60 and inverted -1 x2 on passing code.
+    n, mean_p = 62, (60 - 2) / 62
+    within = 2 * (60 * (1 - mean_p) ** 2 + 2 * (-1 - mean_p) ** 2)
+    sigma = math.sqrt(within / (2 * n - 2))
+    assert tally.sigma() == pytest.approx(sigma, rel=1e-12)
+    z = (-1 - 1) / (sigma * math.sqrt(1 / 2 + 1 / 2))
+    [flag] = s.flags
+    assert flag.user == "inv" and "against the verifier" in flag.reasons[0]
+    assert flag.weight == pytest.approx(3.0 / abs(z), rel=1e-12) and s.weights[-4:] == [flag.weight] * 4
+    assert s.verified == 124 and s.unverifiable == 0 and s.summary()["verified"] == 124
+    assert tally.z(("t", "u0"), 4) == pytest.approx(2 / (sigma * 1.0), rel=1e-12)  # honest: z > 0, never flagged
+
+
+def test_the_verified_rule_waits_for_both_kinds_and_its_minimum():
+    tally = VerifiedTally()
+    for i in range(6):
+        tally.add(("t", f"h{i}"), True, 1.0 + 0.1 * i)
+        tally.add(("t", f"h{i}"), False, -1.0 - 0.1 * i)
+    for _ in range(5):
+        tally.add(("t", "only-passing"), True, -1.0)
+    tally.add(("t", "small"), True, -1.0)
+    tally.add(("t", "small"), False, 1.0)
+    assert tally.z(("t", "only-passing"), 4) is None  # no failing sample: no Δ
+    assert tally.z(("t", "small"), 4) is None  # 2 samples < 4
+    assert tally.z(("t", "small"), 2) is not None and tally.z(("t", "small"), 2) < 0
+    assert tally.z(("t", "nobody"), 2) is None
+
+
+def test_verify_samples_counts_what_the_verifier_cannot_check():
+    class Halting:
+        calls = 0
+
+        def verify(self, prompts, completions):
+            self.calls += 1
+            if any(p == "?" for p in prompts):
+                raise ValueError("not a task")
+            return [1.0 if c == "ok" else 0.25 for c in completions]
+
+    assert verify_samples(Halting(), ["a", "b"], ["ok", "no"]) == [True, False]
+    v = Halting()
+    prompts = ["a"] * 16
+    prompts[5] = "?"
+    got = verify_samples(v, prompts, ["ok"] * 15 + ["no"])
+    assert got == [True] * 5 + [None] + [True] * 9 + [False]
+    assert v.calls <= 1 + 2 * 4  # halving: two calls per level of the one refused prompt's path
+    batch = [sample(f"u{i}", 1.0, i) for i in range(3)]
+    s = screen(batch, None, [True, None, False], VerifiedTally())
+    assert (s.verified, s.unverifiable) == (2, 1)
+    with pytest.raises(ValueError, match="2 verdicts for 3 samples"):
+        screen(batch, None, [True, False], VerifiedTally())

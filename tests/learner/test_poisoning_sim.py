@@ -8,7 +8,7 @@ import pytest
 
 from demo.users import SimulatedUser, UserPrefs
 from feedback.events import CompletionEvent, RoutedExperts, SampleEvent
-from learner.poisoning import screen
+from learner.poisoning import VerifiedTally, screen
 
 USERS, BATCH, UPDATES, FAMILIES = 500, 256, 60, 18
 EXPERTS = RoutedExperts.from_bytes((1, 1, 1), b"\x00")
@@ -34,9 +34,12 @@ def event(user: str, family: int, reward: float, i: int) -> SampleEvent:
     return SampleEvent.model_construct(tenant="demo", completion=c, reward=reward, signals=[], reward_spec="x")
 
 
-def run(seed: int, adversarial: set[int], flood: float = 0.0) -> tuple[list[set[int]], np.ndarray]:
+def run(
+    seed: int, adversarial: set[int], flood: float = 0.0, verified: bool = False
+) -> tuple[list[set[int]], np.ndarray]:
     """Per update, the users flagged; and which users are adversarial. `flood`: user 0's share of the
-    traffic (0: the Pareto draw)."""
+    traffic (0: the Pareto draw). `verified`: the screen gets the verifier's verdicts (the task's
+    truth, as `demo.checker.DemoVerifier` gives it) and keeps its tally over the updates."""
     rng = np.random.default_rng(seed)
     prefs = [SimulatedUser(f"u{i}", seed, UserPrefs(noise=0.1)).prefs for i in range(USERS)]
     p_good = np.array([p.p_accept_correct_preferred for p in prefs])
@@ -49,7 +52,7 @@ def run(seed: int, adversarial: set[int], flood: float = 0.0) -> tuple[list[set[
     pass_rate = rng.uniform(0.3, 0.9, FAMILIES)
     adv = np.zeros(USERS, bool)
     adv[list(adversarial)] = True
-    flagged = []
+    flagged, tally = [], VerifiedTally()
     for _ in range(UPDATES):
         u = rng.choice(USERS, BATCH, p=share)
         fam = rng.integers(0, FAMILIES, BATCH)
@@ -64,7 +67,8 @@ def run(seed: int, adversarial: set[int], flood: float = 0.0) -> tuple[list[set[
         down = -0.25 - 0.5 * (rng.random(BATCH) < 0.0625)
         reward = np.clip(np.where(acc, up, down), -1, 1)
         batch = [event(f"u{a}", int(f), float(r), i) for i, (a, f, r) in enumerate(zip(u, fam, reward))]
-        flagged.append({int(f.user[1:]) for f in screen(batch).flags})
+        verdicts = [bool(x) for x in passed] if verified else None
+        flagged.append({int(f.user[1:]) for f in screen(batch, None, verdicts, tally).flags})
     return flagged, adv
 
 
@@ -90,3 +94,30 @@ def test_adversaries_measured():
     adv, honest = share_of_updates(flagged, set(range(25))), share_of_updates(flagged, set(range(25, USERS)))
     print(f"5% adversarial: updates flagging an adversarial user {adv:.2f}, an honest one {honest:.2f}")
     assert honest <= 0.10
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_with_the_verifier_a_clean_run_still_flags_no_honest_user(seed):
+    flagged, _ = run(seed, set(), verified=True)
+    assert share_of_updates(flagged, set(range(USERS))) <= 0.10, flagged
+
+
+def test_with_the_verifier_the_five_percent_adversaries_are_flagged_in_four_updates_of_five():
+    # The demo's 25 adversarial users of 500, with everyone's activity (Pareto): the verified rule's
+    # evidence accumulates over updates, so an adversary who shows up often is flagged in the updates
+    # they appear in. Which users are adversarial decides how soon: when all 25 happen to be light,
+    # the first flag comes later. So the target is on the mean over 8 activity draws; the thresholds
+    # (z 3, 4 samples) were chosen on seeds 4-9, and these seeds were not looked at before.
+    adv, honest = [], []
+    for seed in range(10, 18):
+        flagged, _ = run(seed, set(range(25)), verified=True)
+        adv.append(share_of_updates(flagged, set(range(25))))
+        honest.append(share_of_updates(flagged, set(range(25, USERS))))
+    print(f"updates flagging an adversarial user, per seed: {[round(a, 2) for a in adv]}; an honest one: {honest}")
+    assert np.mean(adv) >= 0.80 and max(honest) <= 0.10
+
+
+def test_with_the_verifier_a_flooding_adversary_is_flagged_and_weighed_down():
+    flagged, _ = run(3, {0}, flood=0.2, verified=True)
+    assert share_of_updates(flagged, {0}) >= 0.9
+    assert share_of_updates(flagged, set(range(1, USERS))) <= 0.10

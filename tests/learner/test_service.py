@@ -433,3 +433,57 @@ def test_a_user_dominating_an_update_is_flagged_in_the_versions_metrics(tmp_path
     assert svc.metrics.consumed == {TOPICS["sample"]: 40} and svc.metrics.stats["flagged_samples"] == 15
     svc.close()
     bus.close()
+
+
+class ParityVerifier:
+    """A product's verifier in miniature: a completion passes when its text has an even length; the one
+    prompt it was not built for is refused, as `product.suites.Verifier` says."""
+
+    def __init__(self, foreign: str):
+        self.foreign = foreign
+
+    def verify(self, prompts, completions):
+        if self.foreign in prompts:
+            raise ValueError(f"not a task of mine: {self.foreign!r}")
+        return [float(len(c) % 2 == 0) for c in completions]
+
+
+def test_with_a_verifier_a_user_rewarding_against_correctness_is_flagged_and_the_tally_survives_a_restart(
+    tmp_path, tiny_checkpoint, samples
+):
+    from serving.tokenizer import Tokenizer
+
+    def as_user(ev, user, reward):
+        return ev.model_copy(
+            update={"reward": reward, "completion": ev.completion.model_copy(update={"user_id": user})}
+        )
+
+    decode = Tokenizer.from_file(tiny_checkpoint).decode
+    foreign = decode(samples[0].completion.prompt_ids)
+    passes = [len(ev.completion.text) % 2 == 0 for ev in samples]
+    assert 3 <= sum(passes[30:]) <= 7  # the inverted user sees code of both kinds
+    batch = [
+        as_user(ev, f"user-{i % 10}", 0.75 if ok else -0.25) for i, (ev, ok) in enumerate(zip(samples[:30], passes))
+    ]
+    batch += [as_user(ev, "inverted", -0.25 if ok else 0.75) for ev, ok in zip(samples[30:], passes[30:])]
+    bus = EmbeddedBus(tmp_path / "bus")
+    publish(bus, batch)
+    cfg = LearnerConfig(update_every_samples=40, min_samples=1, trainer=TrainerConfig(lr=1e-3), max_staleness=10)
+    reg = Registry(f"sqlite:///{tmp_path}/registry.db")
+    verifier = ParityVerifier(foreign)
+    svc = LearnerService(bus, reg, tmp_path / "models", tiny_checkpoint, cfg, verifier=verifier)
+    assert drain(svc, rounds=5) == ["v0001"]
+    m = reg.get("v0001").metrics
+    unverifiable = sum(decode(ev.completion.prompt_ids) == foreign for ev in batch)
+    assert m["poisoning_unverifiable_samples"] == unverifiable >= 1
+    assert m["poisoning_verified_samples"] == 40 - unverifiable
+    [flag] = m["poisoning"]["flags"]
+    assert flag["user"] == "inverted" and "against the verifier" in flag["reasons"][0] and 0 < flag["weight"] < 1
+    inverted = [ev for ev in batch[30:] if decode(ev.completion.prompt_ids) != foreign]
+    n_pass, _, n_fail, _ = svc.tally.users[("t", "inverted")]
+    assert (n_pass, n_pass + n_fail) == (sum(len(ev.completion.text) % 2 == 0 for ev in inverted), len(inverted))
+    svc.close()
+    again = LearnerService(bus, reg, tmp_path / "models", tiny_checkpoint, cfg, verifier=verifier)
+    assert again.tally.users == svc.tally.users and again.tally.kinds == svc.tally.kinds
+    again.close()
+    bus.close()
