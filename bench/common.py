@@ -81,7 +81,8 @@ def loadavg() -> list[float]:
 def stamp() -> dict[str, Any]:
     """Where and on what this run happens: commit (and the paths that differ from it), machine,
     versions, the UTC start and the command line. `save` adds the end."""
-    dirty = [line[3:] for line in _git("status", "--porcelain", "--untracked-files=no").splitlines()]
+    # Porcelain lines are "XY path": split, not sliced (the stripped output loses the first line's X).
+    dirty = [line.split(maxsplit=1)[1] for line in _git("status", "--porcelain", "--untracked-files=no").splitlines()]
     mem = _proc_field("/proc/meminfo", "MemTotal")
     return {
         "commit": _git("rev-parse", "HEAD") or None,
