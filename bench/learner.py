@@ -26,9 +26,9 @@ throughput part, which needs a real loss).
    kernels (the cost of invariance): samples/s and completion tokens/s from the update's own stats
    (each pass counts, so a sample counts twice), median over `--repeats` timed updates after one
    warm-up. The grid runs with `--threads` intra-op threads (default 1); one extra row repeats 64
-   samples / replay on with 2 threads, because on the shared 2-core dev machine (load ~2-4 from
-   other work) 2 OpenMP threads were measured 2-10x *slower* than 1: every parallel region waits
-   for a descheduled thread.
+   samples / replay on with 2 threads: on the shared 2-core dev machine 2 OpenMP threads have been
+   measured both faster than 1 and, at load ~3-4 from other work, 2-10x slower (every parallel
+   region waits for a descheduled thread).
 
 The engine runs on its own thread with 1 intra-op thread and is shut down before anything is timed;
 the serving wall time of each engine (512 requests, 64 at a time) is recorded as a rough measure of
