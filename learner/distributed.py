@@ -53,6 +53,8 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from core.harness import free_port
+from feedback.bus import Record
+from feedback.events import SampleEvent
 from learner.objective import RunningBaseline
 from learner.replay import Sequence
 from learner.trainer import NonFiniteUpdate, Shard, Trainer, TrainerConfig, UpdateResult
@@ -226,6 +228,32 @@ class _Job:
     port: int
     timeout_s: float
     out_dir: str
+
+
+def gather_batch(
+    buffer: list[tuple[Record, SampleEvent | None]], offline: list, trained: set[str], world_size: int
+) -> tuple[list[Record], list[tuple[Record, SampleEvent]], list]:
+    """The learner service's whole batch under data parallelism (a collective): every rank's buffered
+    records ordered by (partition, offset) and de-duplicated (a rebalance can hand a partition's
+    uncommitted records to two ranks), the (record, event) pairs among them without an event already
+    trained on, and rank 0's offline groups; the same lists, in the same order, on every rank."""
+    mine = [(r, ev.model_dump_json() if ev is not None else None) for r, ev in buffer]
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, (mine, offline))
+    by_position: dict[tuple[int, int], tuple[Record, str | None]] = {}
+    for rank_records, _ in gathered:
+        for r, ev_json in rank_records:
+            by_position[(r.partition, r.offset)] = (Record(r.topic, r.partition, r.offset, r.key, b""), ev_json)
+    records, events, seen = [], [], set(trained)
+    for pos in sorted(by_position):
+        rec, ev_json = by_position[pos]
+        records.append(rec)
+        if ev_json is not None:
+            ev = SampleEvent.model_validate_json(ev_json)
+            if ev.event_id not in seen:
+                seen.add(ev.event_id)
+                events.append((rec, ev))
+    return records, events, gathered[0][1]
 
 
 def _worker(rank: int, world_size: int, job: _Job) -> None:

@@ -7,51 +7,41 @@ Owns the learner's durable state and its exactly-once accounting:
 - **Bounded staleness, in gate cycles and in updates.** A sample served by a version more than
   `max_staleness` (default 2) *registered* versions behind the learner's anchor (`learner.lineage`),
   or more than `max_lag_updates` (default 8) updates behind its tip, is dropped and counted
-  (`learner.update_stats`); what is kept is corrected the decoupled-PPO way (`learner.objective`,
-  docs/learner.md).
-- **Hold back while the gate is busy** (`hold_back`, default on). While a version is in flight
-  (`Registry.in_flight()`), or, once a gate has been seen at work, while the last registered
-  candidate still waits for it, an update becomes the lineage's tip but is not registered; once the
-  gate is free (asked every `hold_check_s`) the tip is registered as the next candidate, covering the
-  held-back updates' samples. Why: a gate cycle takes hours and several updates; registering each and
-  counting staleness in updates would drop every sample the promoted version served. Holding back,
-  the gate gets the newest weights, one candidate per cycle, and a bound in registered versions is a
-  bound in gate cycles; the cost is policy lag in updates, bounded and corrected (bench/staleness.py
-  compares it with `hold_back=False, staleness_unit="updates"`).
+  (`learner.update_stats`); what is kept is corrected the decoupled-PPO way (docs/learner.md). The
+  learner waits at the lag bound (`_at_lag_bound`) rather than drop what the promoted version serves.
+- **Hold back while the gate is busy** (`hold_back`, default on). While a version is in flight, or
+  its last candidate still waits for the gate, an update becomes the lineage's tip but is not
+  registered; once the gate is free (asked every `hold_check_s`) the tip is registered, covering the
+  held-back updates' samples. So the gate gets the newest weights, one candidate per cycle, and a
+  bound in registered versions is a bound in gate cycles (bench/staleness.py compares it with
+  `hold_back=False, staleness_unit="updates"`).
 - **Poisoning screen** (`learner.poisoning`), with the product's `verifier` when it has one.
-- **Never twice, never lost.** After an update the new version's checkpoint (HF folder: weights,
-  tokenizer, `learner_state.pt` with optimizer and baseline) is written and renamed into place;
-  then `learner.json` (current version, version list, the bus positions included in that version,
-  the ids of the samples trained on recently) is replaced atomically; only then are the bus offsets
-  committed. A crash before `learner.json` is replaced leaves the previous version current and
-  its positions: the samples are consumed again and trained on once. A crash after it but before
-  the bus commit makes the bus redeliver samples the learner already used: their offsets are below
-  the positions in `learner.json` and they are skipped (and sample ids are checked too, so a sample
-  re-published by the joiner under a new offset is skipped as well).
-- **Registry.** Each registered version is a `candidate` (`registry.registry`) with its parent, the
-  bus positions it covers (`data_range`), its update statistics (with `held_back_updates` and
-  `samples_since_parent`) and its files with hashes; `learner.json` lists the registered versions,
-  their parents and the held-back ones.
+- **Never twice, never lost.** After an update the new version's checkpoint (weights, tokenizer,
+  `learner_state.pt`: optimizer, baseline, the screen's tally) is renamed into place; then
+  `learner.json` (current version, versions, the bus positions they cover, recent sample ids) is
+  replaced atomically; only then are the bus offsets committed. A crash before `learner.json` trains
+  the samples again, once; a crash after it makes the bus redeliver samples below the recorded
+  positions (or with a recorded id), which are skipped.
+- **Registry.** Each registered version is a `candidate` with its parent, the bus positions it
+  covers (`data_range`), its update statistics and its files with hashes.
 - **What a long run meets.** A record that is not a valid `SampleEvent` goes to the dead-letter topic
   (`feedback.dead_letter`) and is skipped. A batch whose loss or gradient is not finite
   (`learner.trainer.NonFiniteUpdate`: no optimizer step) is quarantined: counted, dead-lettered, its
   positions committed like a trained batch's (never retried); no version is published for it.
 - **KL reference.** With `trainer.loss.kl_coef` > 0 the trainer's frozen reference is the promoted
-  version, loaded from its checkpoint folder (the lineage's, else `<models>/<version>`) and reloaded
-  before an update when the registry promotes another version.
+  version's checkpoint, reloaded before an update when the registry promotes another version.
+- **Fleet pulls** the weight store (`serving.weight_store`): snapshots every `snapshot_every`
+  versions, lossless deltas between them.
 - **Paths.** `learner.json` names checkpoint folders relative to the models folder, so the folder
   (FLYWHEEL_HOME) can move.
 
-- **Data-parallel instances split the partitions.** Started once per rank after
-  `learner.distributed.init_process_group` (torchrun, or `flywheel learner` with
-  FLYWHEEL_LEARNER_DISTRIBUTED=1), every rank is a member of the same consumer group on the sample
-  topic and polls only the partitions the group gives it. The ranks decide on the cadence together
-  (buffered counts, rank 0's clock); an update gathers every rank's samples, ordered by (partition,
-  offset) and de-duplicated (a rebalance can hand uncommitted records to two ranks), so every rank
-  holds the same batch, which `learner.distributed.DataParallelTrainer` trains on (gradients
-  all-reduced). Rank 0 alone writes the version, the registry, the store and `learner.json`, then
-  broadcasts the new state; only then does each rank commit its offsets. A dead rank makes the
-  others' collectives time out: the job restarts as a whole and resumes from `learner.json`.
+- **Data-parallel instances split the partitions.** One instance per rank
+  (`learner.distributed.init_process_group`), all in one consumer group on the sample topic. The
+  ranks decide the cadence together; an update gathers every rank's samples
+  (`learner.distributed.gather_batch`), so every rank trains the same batch (`DataParallelTrainer`).
+  Rank 0 alone writes the version, the registry, the store and `learner.json`, then broadcasts the
+  state; only then does each rank commit its offsets. A dead rank times the others out: the job
+  restarts as a whole and resumes from `learner.json`.
 
 Called by the `flywheel learner` process; the demo loop (`demo.loop`) drives the same trainer in
 memory.
@@ -122,10 +112,8 @@ class LearnerService:
         self.models_dir = Path(models_dir)
         self.models_dir.mkdir(parents=True, exist_ok=True)
         self.state_path = self.models_dir / STATE
-        # What the serving fleet pulls: shipping weights, snapshots every N versions, lossless deltas.
         self.store = WeightStore(self.models_dir / "store", snapshot_every=cfg.snapshot_every)
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        # A batch smaller than the rank count is trained whole on every rank (`DataParallelTrainer`).
         if self.rank == 0:
             self._init_state(base_dir)
         if self.world_size > 1:
@@ -137,7 +125,6 @@ class LearnerService:
         self.model = load_checkpoint(cur_dir)
         if self.tokenizer.pad_id is None:
             raise ValueError(f"{cur_dir}: the tokenizer has no padding token; the trainer needs one")
-        # kl_coef > 0: the KL term's frozen reference is the promoted version (reloaded when it changes).
         self.reference_id: str | None = None
         reference = None
         if cfg.trainer.loss.kl_coef > 0:
@@ -170,6 +157,7 @@ class LearnerService:
         self.last_update = clock()
         self.last_stats: dict[str, Any] = {}  # the last update's statistics (also in the registry once registered)
         self._held_checked = float("-inf")
+        self._lag_wait, self._lag_checked = False, float("-inf")
         self._gate_seen = False  # a gate takes candidates from this registry (one was seen in flight)
 
     def _init_state(self, base_dir: str | Path) -> None:
@@ -265,9 +253,10 @@ class LearnerService:
         """Buffer new samples; returns how many were taken (duplicates and replays are counted, not taken)."""
         taken = 0
         positions = {int(p): o for p, o in self.state["positions"].items()}
-        # An update trains on about this many (ranks: all of them together, as of the last cadence check);
-        # records that are skipped do not count (a run of them must not stop the polling).
-        room = self.cfg.update_every_samples - max(len(self._buffered_ids), self._group_buffered)
+        # An update's worth (all ranks together; skipped records do not count); waiting at the lag bound,
+        # up to the bound's worth of updates, to train in one update when the gate moves on.
+        cap = self.cfg.update_every_samples * ((self.cfg.max_lag_updates or 1) if self._lag_wait else 1)
+        room = cap - max(len(self._buffered_ids), self._group_buffered)
         if room <= 0:
             return 0
         for rec in self.consumer.poll(max_records=room, timeout_s=timeout_s):
@@ -314,25 +303,11 @@ class LearnerService:
     def _whole_batch(self) -> tuple[list[Record], list[tuple[Record, SampleEvent]], list]:
         """Every rank's buffered records, the (record, event) pairs among them, and rank 0's offline
         groups: the same lists, in the same order, on every rank (one rank: its own)."""
-        mine = [(r, ev.model_dump_json() if ev is not None else None) for r, ev in self.buffer]
         if self.world_size == 1:
             return [r for r, _ in self.buffer], [(r, ev) for r, ev in self.buffer if ev is not None], self.offline
-        gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, (mine, self.offline if self.rank == 0 else []))
-        by_position: dict[tuple[int, int], tuple[Record, str | None]] = {}
-        for rank_records, _ in gathered:
-            for r, ev_json in rank_records:
-                by_position[(r.partition, r.offset)] = (Record(r.topic, r.partition, r.offset, r.key, b""), ev_json)
-        records, events, seen = [], [], set(self._trained_set)
-        for pos in sorted(by_position):
-            rec, ev_json = by_position[pos]
-            records.append(rec)
-            if ev_json is not None:
-                ev = SampleEvent.model_validate_json(ev_json)
-                if ev.event_id not in seen:
-                    seen.add(ev.event_id)
-                    events.append((rec, ev))
-        return records, events, gathered[0][1]
+        from learner.distributed import gather_batch
+
+        return gather_batch(self.buffer, self.offline if self.rank == 0 else [], self._trained_set, self.world_size)
 
     def rebase(self) -> bool:
         """A lineage whose tip was withdrawn, rejected, aborted or rolled back continues from the
@@ -366,9 +341,14 @@ class LearnerService:
 
     def update(self) -> str | None:
         """Train on the buffer and make the next version; its id (registered, or held back while the
-        gate is busy: `state["held"]`), or None if nothing was trainable or the batch was quarantined."""
+        gate is busy: `state["held"]`), or None if nothing was trainable, the batch was quarantined, or
+        the learner waits at the lag bound (`_at_lag_bound`: the samples stay buffered)."""
+        if self._lag_wait and not self._recheck_due():
+            return None
         self.rebase()
         self._sync_reference()
+        if self._at_lag_bound():
+            return None
         mine = [r for r, _ in self.buffer]  # committed by this rank once the version is durable
         records, batch, offline_all = self._whole_batch()
         behind = staleness(self.state, self.cfg.staleness_unit)
@@ -463,6 +443,27 @@ class LearnerService:
             value = rec.value or ev.model_dump_json().encode()  # data-parallel: other ranks' records travel bare
             full = Record(rec.topic, rec.partition, rec.offset, rec.key, value)
             dead_letter(self.bus, full, reason, "learner.quarantine")
+
+    def _at_lag_bound(self) -> bool:
+        """While the promoted version (most of the traffic) is `max_lag_updates` behind the tip, another
+        update would put all it serves beyond the bound: wait (counted) for a promotion or a rebase,
+        buffering up to the bound's worth of updates (`poll`), then train them in one update."""
+        bound = self.cfg.max_lag_updates
+        lag = staleness(self.state, "updates").get(self._promoted_id()) if bound is not None else None
+        wait = lag is not None and bound is not None and lag >= bound
+        if wait and not self._lag_wait:
+            self.counters["lag_bound_waits"] += 1
+            log.info("learner: the promoted version is %s updates behind the tip: waiting for the gate", lag)
+        self._lag_wait = wait
+        return wait
+
+    def _recheck_due(self) -> bool:  # waiting at the lag bound: look again every `hold_check_s` (a collective)
+        box = [self.rank == 0 and self.clock() - self._lag_checked >= self.cfg.hold_check_s]
+        if box[0]:
+            self._lag_checked = self.clock()
+        if self.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        return bool(box[0])
 
     def _enough_updates(self, pending: int) -> bool:
         """The tip holds `min_updates_per_candidate` updates beyond the last registered version

@@ -124,18 +124,41 @@ def test_stale_samples_are_dropped_and_counted(tmp_path, tiny_checkpoint, sample
     bus.close()
 
 
-def test_samples_beyond_the_lag_bound_are_dropped_and_counted(tmp_path, tiny_checkpoint, samples):
+def test_the_learner_waits_at_the_lag_bound_and_drops_only_what_is_beyond_it(tmp_path, tiny_checkpoint, samples):
     bus = EmbeddedBus(tmp_path / "bus")
-    svc = make(tmp_path, tiny_checkpoint, bus, max_lag_updates=1)  # staleness in versions: 10, not binding
+    # Staleness in versions: 10, not binding; the lag bound: 2 updates; recheck at once (no gate clock).
+    svc = make(tmp_path, tiny_checkpoint, bus, max_lag_updates=2, hold_check_s=0.0)
     publish(bus, samples[:30])
-    drain(svc)  # every sample served by the base: 0, 1, then 2 updates behind
-    assert svc.current == "v0002"
-    assert svc.counters["trained"] == 20 and svc.counters["dropped_lag"] == 10
-    m = svc.registry.get("v0002").metrics
-    assert (m["lag_updates_max"], m["dropped_lag"], m["dropped_stale"]) == (1.0, 0.0, 0.0)
+    # Every sample served by the base. After v0002 the base is 2 updates behind the tip: one more update
+    # would leave all it serves beyond the bound, so the learner waits, buffering (up to 2 updates' worth).
+    assert drain(svc) == ["v0001", "v0002"]
+    assert svc.counters["trained"] == 20 and svc.counters["dropped_lag"] == 0
+    assert svc.counters["lag_bound_waits"] == 1 and len(svc.buffer) == 10
+    promote(svc.registry, "v0001")  # the gate moves on: the buffered samples, 2 behind, train
+    assert drain(svc) == ["v0003"]
+    assert svc.counters["trained"] == 30 and svc.counters["dropped_lag"] == 0
+    m = svc.registry.get("v0003").metrics
+    assert (m["lag_updates_max"], m["dropped_lag"], m["dropped_stale"], m["samples"]) == (2.0, 0.0, 0.0, 10.0)
     for k in ("masked_frac", "truncated_frac", "abs_log_ratio_mean", "ratio_max", "missing_routing_sequences"):
         assert k in m, k
     assert m["since_parent"]["samples"] == 10.0 and m["poisoning_flagged_users"] == 0.0
+    promote(svc.registry, "v0002")
+    publish(bus, samples[30:40])  # late samples of the base, now 3 updates behind: dropped and counted
+    assert drain(svc) == [] and svc.counters["dropped_lag"] == 10 and svc.counters["trained"] == 30
+    svc.close()
+    bus.close()
+
+
+def test_a_rejected_tip_releases_the_wait_at_the_lag_bound(tmp_path, tiny_checkpoint, samples):
+    bus = EmbeddedBus(tmp_path / "bus")
+    svc = make(tmp_path, tiny_checkpoint, bus, max_lag_updates=1, hold_check_s=0.0)
+    publish(bus, samples[:20])
+    assert drain(svc) == ["v0001"] and svc._lag_wait
+    svc.registry.transition("v0001", "evaluating", "gate", "offline eval")
+    svc.registry.reject("v0001", "gate", "worse")
+    # The lineage rebases onto the base, which is then 0 behind: the 10 buffered samples train.
+    assert drain(svc) == ["v0002"] and svc.counters["rebased"] == 1 and svc.counters["trained"] == 20
+    assert svc.registry.get("v0002").parent_id == tiny_checkpoint.name
     svc.close()
     bus.close()
 
