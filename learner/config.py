@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from feedback.events import TOPICS
 from learner.poisoning import PoisoningConfig
@@ -25,9 +25,10 @@ class LearnerConfig(BaseModel):
     )
     max_lag_updates: int | None = Field(
         8,
-        ge=0,
+        ge=1,
         description="Drop samples served more than this many updates before the learner's tip (policy lag, "
-        "whatever `staleness_unit` says); None: no bound in updates. Dropped samples are counted (`lag`).",
+        "whatever `staleness_unit` says), and wait while the promoted version is this far behind; None: no "
+        "bound in updates. Dropped samples are counted (`lag`).",
     )
     staleness_unit: Literal["versions", "updates"] = Field(
         "versions",
@@ -53,3 +54,14 @@ class LearnerConfig(BaseModel):
     poisoning: PoisoningConfig = Field(
         default_factory=PoisoningConfig, description="Flag and weigh down users who dominate an update's reward."
     )
+
+    @model_validator(mode="after")
+    def _candidates_fit_under_the_lag_bound(self) -> LearnerConfig:
+        # The learner waits once the promoted version is `max_lag_updates` behind its tip; a candidate that
+        # needs more updates than that could never be registered, and the learner would wait forever.
+        if self.max_lag_updates is not None and self.min_updates_per_candidate > self.max_lag_updates:
+            raise ValueError(
+                f"min_updates_per_candidate={self.min_updates_per_candidate} exceeds max_lag_updates="
+                f"{self.max_lag_updates}: a candidate could never be registered under the lag bound"
+            )
+        return self

@@ -21,14 +21,16 @@ completions a user may reward per window. This is the second line, over the samp
   user by rewards alone: the next rule is for them;
 - **verified** (only when the learner has the product's verifier, `product.suites.Verifier`): the
   user's rewards run against correctness. Each rewarded completion is scored by the verifier (pass:
-  score ≥ 0.5; a prompt it cannot check is counted and left out). Over every update so far
-  (`VerifiedTally`, kept with the learner's state), a user's mean residual on passing completions
-  minus their mean residual on failing ones, Δ, has z = Δ / (σ √(1/n_pass + 1/n_fail)), σ everyone's
-  residual deviation within each kind, pooled; flagged when z < -`verified_z_max` (3: 0.13% one-sided
-  per look for a user whose rewards ignore correctness) with at least `verified_min_samples` (4)
-  verified samples, one of each kind. One-sided on purpose: an honest user, however harsh or lenient,
-  rewards passing code more than failing code (Δ > 0), so evidence accumulated over many updates
-  gains power against an inverted user without flagging taste.
+  score ≥ 0.5; a prompt it cannot check, or a verifier that fails, is counted and left out). Over
+  every update so far (`VerifiedTally`, kept with the learner's state), a user's mean reward on
+  passing completions minus their mean reward on failing ones, Δ, has z = Δ / (σ √(1/n_pass +
+  1/n_fail)), σ everyone's reward deviation within each kind, pooled; flagged when z <
+  -`verified_z_max` (2.5) with at least `verified_min_samples` (4) verified samples, one of each kind.
+  Raw rewards, not the context residuals above: a context's mean tracks its pass rate, so residuals
+  would push a user whose rewards ignore correctness below 0. One-sided on purpose: an honest user,
+  however harsh or lenient, rewards passing code more than failing code (Δ > 0); a user whose rewards
+  ignore correctness has Δ = 0 (0.6% per look below -2.5, though looks accumulate over a long run);
+  only one who rewards against correctness drifts below.
 
 A flagged user's samples keep their rewards but get a weight below 1: `max_share / share` for the
 share rule, `z_max / |z|` for the deviation rule, `verified_z_max / |z|` for the verified one (the
@@ -42,6 +44,7 @@ Simulated against the demo's users in tests/learner/test_poisoning_sim.py.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -53,6 +56,8 @@ from feedback.events import SampleEvent
 from learner.baselines import baseline_key
 from product.suites import Verifier
 
+log = logging.getLogger(__name__)
+
 
 class PoisoningConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -63,7 +68,7 @@ class PoisoningConfig(BaseModel):
     z_max: float = Field(4.0, gt=0, description="A user's reward residuals more than this many σ/√n from 0: flagged.")
     min_samples: int = Field(8, ge=2, description="Samples a user needs in a batch before the deviation rule applies.")
     verified_z_max: float = Field(
-        3.0, gt=0, description="With a verifier: a user rewarding failing over passing code by this many SE is flagged."
+        2.5, gt=0, description="With a verifier: a user rewarding failing over passing code by this many SE is flagged."
     )
     verified_min_samples: int = Field(
         4, ge=2, description="Verified samples (over all updates, one of each kind) before the verified rule applies."
@@ -118,8 +123,8 @@ class Screening:
 @dataclass
 class VerifiedTally:
     """The verified rule's evidence over every update so far: per user (tenant, user id), the count and
-    residual sum of their passing and of their failing samples; over everyone, the count, sum and sum of
-    squares of the residuals of each kind (for the pooled within-kind deviation σ). Plain data, so the
+    reward sum of their passing and of their failing samples; over everyone, the count, sum and sum of
+    squares of the rewards of each kind (for the pooled within-kind deviation σ). Plain data, so the
     learner keeps it with its optimizer state."""
 
     users: dict[tuple[str, str], list[float]] = field(default_factory=dict)
@@ -127,18 +132,18 @@ class VerifiedTally:
     kinds: list[float] = field(default_factory=lambda: [0.0] * 6)
     """Everyone's [n_pass, sum_pass, sumsq_pass, n_fail, sum_fail, sumsq_fail]."""
 
-    def add(self, user: tuple[str, str], passed: bool, residual: float) -> None:
+    def add(self, user: tuple[str, str], passed: bool, reward: float) -> None:
         acc = self.users.setdefault(user, [0.0, 0.0, 0.0, 0.0])
         at = 0 if passed else 2
         acc[at] += 1
-        acc[at + 1] += residual
+        acc[at + 1] += reward
         k = 0 if passed else 3
         self.kinds[k] += 1
-        self.kinds[k + 1] += residual
-        self.kinds[k + 2] += residual * residual
+        self.kinds[k + 1] += reward
+        self.kinds[k + 2] += reward * reward
 
     def sigma(self) -> float:
-        """The residuals' standard deviation within each kind, pooled (0 until both kinds have 2)."""
+        """The rewards' standard deviation within each kind, pooled (0 until both kinds have 2)."""
         n_p, s_p, q_p, n_f, s_f, q_f = self.kinds
         if n_p < 2 or n_f < 2:
             return 0.0
@@ -172,9 +177,15 @@ def verify_samples(verifier: Verifier, prompts: Sequence[str], texts: Sequence[s
 def verdicts(
     verifier: Verifier, decode: Callable[[list[int]], str], samples: Sequence[SampleEvent]
 ) -> list[bool | None]:
-    """`verify_samples` on the samples' prompts (their token ids decoded) and completions."""
+    """`verify_samples` on the samples' prompts (their token ids decoded) and completions. A verifier
+    that fails otherwise (a crashed sandbox, say) leaves the whole batch unverified: logged and counted
+    as unverifiable, so that a broken plug-in does not stop the learner."""
     prompts = [decode(s.completion.prompt_ids) for s in samples]
-    return verify_samples(verifier, prompts, [s.completion.text for s in samples])
+    try:
+        return verify_samples(verifier, prompts, [s.completion.text for s in samples])
+    except Exception:
+        log.exception("poisoning: the verifier failed on %d samples: the verified rule skips them", len(samples))
+        return [None] * len(samples)
 
 
 def screen(
@@ -202,12 +213,11 @@ def screen(
     sigma = math.sqrt(sum(r * r for r in residual) / max(len(samples) - 1, 1))
     vt = tally if passed is not None else None
     if vt is not None and passed is not None:
-        for i, (s, ok) in enumerate(zip(samples, passed, strict=True)):
-            if ok is None:
-                out.unverifiable += 1
-            elif s.completion.user_id:
-                vt.add((s.tenant, s.completion.user_id), ok, residual[i])
-                out.verified += 1
+        for s, ok in zip(samples, passed, strict=True):
+            out.verified += ok is not None
+            out.unverifiable += ok is None
+            if ok is not None and s.completion.user_id:
+                vt.add((s.tenant, s.completion.user_id), ok, s.reward)
     for (tenant, user), ix in sorted(by_user.items()):
         share = sum(abs(samples[i].reward) for i in ix) / total if total > 0 else 0.0
         reasons, weight = [], 1.0

@@ -18,10 +18,10 @@ Owns the learner's durable state and its exactly-once accounting:
 - **Poisoning screen** (`learner.poisoning`), with the product's `verifier` when it has one.
 - **Never twice, never lost.** After an update the new version's checkpoint (weights, tokenizer,
   `learner_state.pt`: optimizer, baseline, the screen's tally) is renamed into place; then
-  `learner.json` (current version, versions, the bus positions they cover, recent sample ids) is
-  replaced atomically; only then are the bus offsets committed. A crash before `learner.json` trains
-  the samples again, once; a crash after it makes the bus redeliver samples below the recorded
-  positions (or with a recorded id), which are skipped.
+  `learner.json` (versions and their folders, relative so the home can move; the bus positions they
+  cover; recent sample ids) is replaced atomically; only then are the bus offsets committed. A crash
+  before `learner.json` trains the samples again, once; a crash after it makes the bus redeliver
+  samples below the recorded positions (or with a recorded id), which are skipped.
 - **Registry.** Each registered version is a `candidate` with its parent, the bus positions it
   covers (`data_range`), its update statistics and its files with hashes.
 - **What a long run meets.** A record that is not a valid `SampleEvent` goes to the dead-letter topic
@@ -32,8 +32,6 @@ Owns the learner's durable state and its exactly-once accounting:
   version's checkpoint, reloaded before an update when the registry promotes another version.
 - **Fleet pulls** the weight store (`serving.weight_store`): snapshots every `snapshot_every`
   versions, lossless deltas between them.
-- **Paths.** `learner.json` names checkpoint folders relative to the models folder, so the folder
-  (FLYWHEEL_HOME) can move.
 
 - **Data-parallel instances split the partitions.** One instance per rank
   (`learner.distributed.init_process_group`), all in one consumer group on the sample topic. The
@@ -43,8 +41,7 @@ Owns the learner's durable state and its exactly-once accounting:
   state; only then does each rank commit its offsets. A dead rank times the others out: the job
   restarts as a whole and resumes from `learner.json`.
 
-Called by the `flywheel learner` process; the demo loop (`demo.loop`) drives the same trainer in
-memory.
+Called by the `flywheel learner` process; the demo loop (`demo.loop`) drives the same trainer in memory.
 """
 
 from __future__ import annotations
@@ -90,6 +87,14 @@ MAX_REMEMBERED_IDS = 100_000
 
 def _at(rec: Record) -> tuple[str, int, int]:
     return rec.topic, rec.partition, rec.offset
+
+
+def _from_rank0(value: Any, world_size: int) -> Any:
+    """Rank 0's `value` on every rank (a collective when there are several)."""
+    box = [value]
+    if world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 class LearnerService:
@@ -138,6 +143,8 @@ class LearnerService:
             self.trainer.opt.load_state_dict(saved["optimizer"])
             self.trainer.baseline = saved["baseline"]
             self.trainer.updates = saved["updates"]
+            if "verified_tally" not in saved:
+                raise ValueError(f"{cur_dir / OPT_STATE}: no verified_tally (an older learner's state): use a new home")
             self.tally = saved["verified_tally"]
         self.dp = None
         if self.world_size > 1:
@@ -189,11 +196,9 @@ class LearnerService:
 
     def _promoted_id(self) -> str:
         """The promoted version, as rank 0 read it (every rank must call this: a collective)."""
-        box = [self.registry.incumbent().id if self.rank == 0 else None]
-        if self.world_size > 1:
-            dist.broadcast_object_list(box, src=0)
-        assert box[0] is not None
-        return box[0]
+        promoted = _from_rank0(self.registry.incumbent().id if self.rank == 0 else None, self.world_size)
+        assert promoted is not None
+        return promoted
 
     def _load_version(self, version_id: str) -> Transformer:
         """A version's weights from its checkpoint folder: the lineage's, else `<models>/<version>`."""
@@ -257,7 +262,8 @@ class LearnerService:
         # up to the bound's worth of updates, to train in one update when the gate moves on.
         cap = self.cfg.update_every_samples * ((self.cfg.max_lag_updates or 1) if self._lag_wait else 1)
         room = cap - max(len(self._buffered_ids), self._group_buffered)
-        if room <= 0:
+        if room <= 0:  # full (waiting at the lag bound, say): wait as an empty poll would, not spin
+            time.sleep(timeout_s)
             return 0
         for rec in self.consumer.poll(max_records=room, timeout_s=timeout_s):
             self.partitions_read.add(rec.partition)
@@ -356,8 +362,8 @@ class LearnerService:
         max_lag = self.cfg.max_lag_updates
         kept, dropped = partition(batch, behind, self.cfg.max_staleness, lag, max_lag)
         events = [ev for _, ev in kept]
-        v = self.verifier if events and self.cfg.poisoning.enabled else None
-        passed = verdicts(v, self.tokenizer.decode, events) if v is not None else None
+        v = self.verifier if events and self.cfg.poisoning.enabled and self.rank == 0 else None  # for all ranks
+        passed = _from_rank0(verdicts(v, self.tokenizer.decode, events) if v is not None else None, self.world_size)
         screening = screen(events, self.cfg.poisoning, passed, self.tally)
         seqs = [
             dataclasses.replace(sequence_from_sample(ev), weight=w)
@@ -414,9 +420,7 @@ class LearnerService:
             self.state.update(positions={str(p): o for p, o in positions.items()}, trained_ids=list(self.trained_ids))
             atomic_write(self.state_path, json.dumps(self.state))  # the point of no return: these samples are used
         if self.world_size > 1:  # after rank 0 made the update durable: every rank takes its state
-            box = [self.state if self.rank == 0 else None]
-            dist.broadcast_object_list(box, src=0)
-            self.state = box[0]
+            self.state = _from_rank0(self.state if self.rank == 0 else None, self.world_size)
             new_id = self.state["current"] if trained else None
         self.consumer.commit(mine)
         self._trained_set = set(self.trained_ids)
@@ -458,12 +462,10 @@ class LearnerService:
         return wait
 
     def _recheck_due(self) -> bool:  # waiting at the lag bound: look again every `hold_check_s` (a collective)
-        box = [self.rank == 0 and self.clock() - self._lag_checked >= self.cfg.hold_check_s]
-        if box[0]:
+        due = self.rank == 0 and self.clock() - self._lag_checked >= self.cfg.hold_check_s
+        if due:
             self._lag_checked = self.clock()
-        if self.world_size > 1:
-            dist.broadcast_object_list(box, src=0)
-        return bool(box[0])
+        return bool(_from_rank0(due, self.world_size))
 
     def _enough_updates(self, pending: int) -> bool:
         """The tip holds `min_updates_per_candidate` updates beyond the last registered version
@@ -577,9 +579,7 @@ class LearnerService:
         if self.world_size > 1:
             dist.broadcast_object_list(go, src=0)
             if go[0]:
-                box = [self.state if self.rank == 0 else None]
-                dist.broadcast_object_list(box, src=0)
-                self.state = box[0]
+                self.state = _from_rank0(self.state if self.rank == 0 else None, self.world_size)
         if not go[0]:
             return None
         self.counters["published_held"] += 1

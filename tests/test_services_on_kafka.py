@@ -163,6 +163,7 @@ def _learner_rank(rank: int, world_size: int, port: int, bootstrap: str, root: s
         update_every_s=2.0,
         topic=topic,
         max_staleness=1000,
+        max_lag_updates=None,  # no gate promotes here: the learner would wait at the bound
         trainer=TrainerConfig(lr=1e-3),
     )
     svc = LearnerService(bus, Registry(f"sqlite:///{root_dir}/registry.db"), root_dir / "models", base, cfg)

@@ -85,14 +85,13 @@ def test_config_is_validated_and_can_be_off():
 
 def test_the_verified_rule_flags_a_user_whose_rewards_run_against_correctness_by_hand():
     # 30 honest users reward passing code +1 and failing code -1 (2 each); the inverted user does the
-    # opposite on 2 passing and 2 failing completions. One context, leave-the-user-out means.
+    # opposite on 2 passing and 2 failing completions. The verified rule compares raw rewards.
     honest = [sample(f"u{u}", r, i) for u in range(30) for i, r in enumerate((1.0, 1.0, -1.0, -1.0))]
     bad = [sample("inv", r, i) for i, r in enumerate((-1.0, -1.0, 1.0, 1.0))]
     passed = [True, True, False, False] * 31
     tally = VerifiedTally()
     s = screen(honest + bad, PoisoningConfig(z_max=100.0), passed, tally)
-    # Residuals: every other user's mean is 0 (honest +-1 cancel; so do the inverted user's), so each
-    # residual is the reward itself. Within each kind: honest +1 x60 and inverted -1 x2 on passing code.
+    # Within each kind: on passing code honest +1 x60 and inverted -1 x2 (mirrored on failing code).
     n, mean_p = 62, (60 - 2) / 62
     within = 2 * (60 * (1 - mean_p) ** 2 + 2 * (-1 - mean_p) ** 2)
     sigma = math.sqrt(within / (2 * n - 2))
@@ -101,7 +100,7 @@ def test_the_verified_rule_flags_a_user_whose_rewards_run_against_correctness_by
     z = (-1 - 1) / (sigma * math.sqrt(1 / 2 + 1 / 2))
     [flag] = s.flags
     assert flag.user == "inv" and "against the verifier" in flag.reasons[0]
-    assert flag.weight == approx_ulps(3.0 / abs(z), ulps=64) and s.weights[-4:] == [flag.weight] * 4
+    assert flag.weight == approx_ulps(2.5 / abs(z), ulps=64) and s.weights[-4:] == [flag.weight] * 4
     assert s.verified == 124 and s.unverifiable == 0 and s.summary()["verified"] == 124
     assert tally.z(("t", "u0"), 4) == approx_ulps(2 / (sigma * 1.0), ulps=64)  # honest: z > 0, never flagged
 
@@ -143,3 +142,17 @@ def test_verify_samples_counts_what_the_verifier_cannot_check():
     assert (s.verified, s.unverifiable) == (2, 1)
     with pytest.raises(ValueError, match="2 verdicts for 3 samples"):
         screen(batch, None, [True, False], VerifiedTally())
+
+
+def test_a_verifier_that_fails_leaves_the_batch_unverified_and_says_so(caplog):
+    from learner.poisoning import verdicts
+
+    class Broken:
+        def verify(self, prompts, completions):
+            raise RuntimeError("sandbox child failed to start")
+
+    batch = [sample(f"u{i}", 1.0, i) for i in range(3)]
+    got = verdicts(Broken(), lambda ids: "prompt", batch)
+    assert got == [None, None, None] and "the verifier failed on 3 samples" in caplog.text
+    s = screen(batch, None, got, VerifiedTally())
+    assert (s.verified, s.unverifiable) == (0, 3)

@@ -97,7 +97,7 @@ def test_adversaries_measured():
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_with_the_verifier_a_clean_run_still_flags_no_honest_user(seed):
+def test_with_the_verifier_a_clean_run_flags_an_honest_user_in_at_most_one_update_in_ten(seed):
     flagged, _ = run(seed, set(), verified=True)
     assert share_of_updates(flagged, set(range(USERS))) <= 0.10, flagged
 
@@ -107,9 +107,9 @@ def test_with_the_verifier_the_five_percent_adversaries_are_flagged_in_four_upda
     # evidence accumulates over updates, so an adversary who shows up often is flagged in the updates
     # they appear in. Which users are adversarial decides how soon: when all 25 happen to be light,
     # the first flag comes later. So the target is on the mean over 8 activity draws; the thresholds
-    # (z 3, 4 samples) were chosen on seeds 4-9, and these seeds were not looked at before.
+    # (z 2.5, 4 samples, raw rewards) were chosen on seeds 4-9, and these seeds were not looked at before.
     adv, honest = [], []
-    for seed in range(10, 18):
+    for seed in range(18, 26):
         flagged, _ = run(seed, set(range(25)), verified=True)
         adv.append(share_of_updates(flagged, set(range(25))))
         honest.append(share_of_updates(flagged, set(range(25, USERS))))

@@ -149,6 +149,36 @@ def test_the_learner_waits_at_the_lag_bound_and_drops_only_what_is_beyond_it(tmp
     bus.close()
 
 
+def test_waiting_at_the_lag_bound_buffers_the_bounds_worth_and_looks_again_every_hold_check(
+    tmp_path, tiny_checkpoint, samples
+):
+    bus = EmbeddedBus(tmp_path / "bus")
+    now = [0.0]
+    cfg = LearnerConfig(
+        update_every_samples=5, min_samples=1, max_staleness=10, max_lag_updates=2, hold_check_s=60.0,
+        trainer=TrainerConfig(lr=1e-3),
+    )  # fmt: skip
+    reg = Registry(f"sqlite:///{tmp_path}/registry.db")
+    svc = LearnerService(bus, reg, tmp_path / "models", tiny_checkpoint, cfg, clock=lambda: now[0])
+    publish(bus, samples[:40])
+    assert drain(svc) == ["v0001", "v0002"] and svc._lag_wait
+    assert len(svc.buffer) == 10  # 2 updates' worth; the other 20 samples wait on the bus
+    promote(svc.registry, "v0001")
+    assert drain(svc) == []  # within hold_check_s of the last look: not looked at again
+    now[0] += 60.0
+    assert drain(svc) == ["v0003"] and svc.registry.get("v0003").metrics["samples"] == 10.0
+    svc.close()
+    bus.close()
+
+
+def test_settings_that_would_wait_forever_are_refused():
+    with pytest.raises(ValueError, match="min_updates_per_candidate=9 exceeds max_lag_updates=8"):
+        LearnerConfig(min_updates_per_candidate=9)
+    with pytest.raises(ValueError, match="max_lag_updates"):
+        LearnerConfig(max_lag_updates=0)
+    assert LearnerConfig(min_updates_per_candidate=9, max_lag_updates=None).max_lag_updates is None
+
+
 def test_a_rejected_tip_releases_the_wait_at_the_lag_bound(tmp_path, tiny_checkpoint, samples):
     bus = EmbeddedBus(tmp_path / "bus")
     svc = make(tmp_path, tiny_checkpoint, bus, max_lag_updates=1, hold_check_s=0.0)
