@@ -211,8 +211,9 @@ def screen(
     total = sum(abs(s.reward) for s in samples)
     residual = _residuals(samples)
     sigma = math.sqrt(sum(r * r for r in residual) / max(len(samples) - 1, 1))
-    vt = tally if passed is not None else None
-    if vt is not None and passed is not None:
+    vt = tally if passed is not None else None  # the verified rule runs with both
+    if vt is not None:
+        assert passed is not None
         for s, ok in zip(samples, passed, strict=True):
             out.verified += ok is not None
             out.unverifiable += ok is None
@@ -230,7 +231,8 @@ def screen(
                 reasons.append(f"rewards {z:+.1f} σ/√n from their contexts' ({len(ix)} samples) > {cfg.z_max:g}")
                 weight = min(weight, cfg.z_max / abs(z))
         vz = vt.z((tenant, user), cfg.verified_min_samples) if vt is not None else None
-        if vt is not None and vz is not None and vz < -cfg.verified_z_max:
+        if vz is not None and vz < -cfg.verified_z_max:
+            assert vt is not None
             n_p, _, n_f, _ = vt.users[(tenant, user)]
             reasons.append(
                 f"rewards against the verifier: z {vz:+.1f} < -{cfg.verified_z_max:g} "

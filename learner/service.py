@@ -562,25 +562,24 @@ class LearnerService:
         Data-parallel ranks: a collective while the tip is held (rank 0 decides and writes)."""
         if self.current not in self.state["held"]:
             return None
-        go = [False]
+        go = False
         if self.rank == 0 and self.clock() - self._held_checked >= self.cfg.hold_check_s:
             self._held_checked = self.clock()
             tip = anchor(self.state)
-            go[0] = (
+            go = (
                 self.registry.base_for_next_candidate(tip).id == tip
                 and self._enough_updates(pending=0)
                 and not self._gate_busy()
             )
-            if go[0]:
+            if go:
                 last = self.state["held"].pop(self.current)
                 self._register(self.current, self._dir(self.current), last["stats"], last["covered"])
                 atomic_write(self.state_path, json.dumps(self.state))
                 log.info("learner: gate free: published the held-back tip %s", self.current)
-        if self.world_size > 1:
-            dist.broadcast_object_list(go, src=0)
-            if go[0]:
-                self.state = _from_rank0(self.state if self.rank == 0 else None, self.world_size)
-        if not go[0]:
+        go = _from_rank0(go, self.world_size)
+        if go and self.world_size > 1:
+            self.state = _from_rank0(self.state if self.rank == 0 else None, self.world_size)
+        if not go:
             return None
         self.counters["published_held"] += 1
         return self.current
