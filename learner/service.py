@@ -125,7 +125,7 @@ class LearnerService:
             dist.barrier()  # rank 0 has created or found learner.json
             if self.rank != 0:
                 self.state = json.loads(self.state_path.read_text())
-        cur_dir = self._dir(self.state["current"])
+        cur_dir = self.checkpoint_dir(self.state["current"])
         self.tokenizer = Tokenizer.from_file(cur_dir)
         self.model = load_checkpoint(cur_dir)
         if self.tokenizer.pad_id is None:
@@ -191,7 +191,8 @@ class LearnerService:
         """How `learner.json` names a checkpoint folder: relative to the models folder (which can move)."""
         return os.path.relpath(folder, self.models_dir)
 
-    def _dir(self, version_id: str) -> Path:
+    def checkpoint_dir(self, version_id: str) -> Path:
+        """A version's checkpoint folder in this lineage (relative in `learner.json`)."""
         return self.models_dir / self.state["dirs"][version_id]
 
     def _promoted_id(self) -> str:
@@ -202,7 +203,7 @@ class LearnerService:
 
     def _load_version(self, version_id: str) -> Transformer:
         """A version's weights from its checkpoint folder: the lineage's, else `<models>/<version>`."""
-        folder = self._dir(version_id) if version_id in self.state["dirs"] else self.models_dir / version_id
+        folder = self.checkpoint_dir(version_id) if version_id in self.state["dirs"] else self.models_dir / version_id
         if not (folder / CONFIG).is_file():
             raise ValueError(f"no checkpoint of version {version_id!r} in {folder} (needed as the KL reference)")
         return load_checkpoint(folder)
@@ -323,7 +324,7 @@ class LearnerService:
         base = self.registry.base_for_next_candidate(tip)
         if base.id == tip:
             return False
-        folder = self._dir(base.id) if base.id in self.state["dirs"] else self.models_dir / base.id
+        folder = self.checkpoint_dir(base.id) if base.id in self.state["dirs"] else self.models_dir / base.id
         if not (folder / CONFIG).is_file():
             log.warning("learner: cannot rebase onto %s: no checkpoint of it in %s", base.id, self.models_dir)
             return False
@@ -573,7 +574,7 @@ class LearnerService:
             )
             if go:
                 last = self.state["held"].pop(self.current)
-                self._register(self.current, self._dir(self.current), last["stats"], last["covered"])
+                self._register(self.current, self.checkpoint_dir(self.current), last["stats"], last["covered"])
                 atomic_write(self.state_path, json.dumps(self.state))
                 log.info("learner: gate free: published the held-back tip %s", self.current)
         go = _from_rank0(go, self.world_size)
