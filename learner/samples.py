@@ -80,20 +80,3 @@ def partition(
         else:
             dropped[why] += 1
     return kept, dropped
-
-
-def select(
-    events: list[SampleEvent], version_index: dict[str, int], current: int, max_staleness: int, key_of=None
-) -> tuple[list[Sequence], Counter[str]]:
-    """Trainable sequences and the count of what was dropped, by reason (versions at `version_index`,
-    the trainer at `current`)."""
-    staleness = {v: current - i for v, i in version_index.items()}
-    dropped: Counter[str] = Counter()
-    out = []
-    for ev in events:
-        why = drop_reason(ev, staleness, max_staleness)
-        if why is not None:
-            dropped[why] += 1
-            continue
-        out.append(sequence_from_sample(ev, key_of(ev) if key_of else None))
-    return out, dropped

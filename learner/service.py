@@ -41,7 +41,7 @@ Owns the learner's durable state and its exactly-once accounting:
   state; only then does each rank commit its offsets. A dead rank times the others out: the job
   restarts as a whole and resumes from `learner.json`.
 
-Called by the `flywheel learner` process; the demo loop (`demo.loop`) drives the same trainer in memory.
+Called by the `flywheel learner` process; the in-process demo loop (`demo.loop`) drives this class too.
 """
 
 from __future__ import annotations
