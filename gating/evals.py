@@ -54,7 +54,7 @@ from gating.stats import (
 )
 from product.suites import EvalSuite
 from serving.checkpoint import load_checkpoint
-from serving.engine import Completion, score
+from serving.engine import Completion, score_many
 from serving.interface import Engine
 from serving.model import Transformer
 from serving.sampling import SamplingParams
@@ -129,8 +129,9 @@ class OfflineResult:
 
 class ModelScorer:
     """A `Scorer` over models held in this process: `sources[version]` is a checkpoint folder (loaded
-    on first use) or a `Transformer`. Runs a full forward per completion (`serving.engine.score`) on the
-    caller's thread; `batch_invariant` as the engine that sampled (float32 models: bit-identical log-probs)."""
+    on first use) or a `Transformer`. Full forwards over padded batches of completions
+    (`serving.engine.score_many`, each row equal to its own `score`) on the caller's thread;
+    `batch_invariant` as the engine that sampled (float32 models: bit-identical log-probs)."""
 
     def __init__(self, sources: Mapping[str, str | Path | Transformer], batch_invariant: bool = True):
         self._sources = dict(sources)
@@ -146,13 +147,9 @@ class ModelScorer:
         return self._models[version]
 
     def __call__(self, version: str, completions: Sequence[Completion], n_vocab: int) -> list[list[float]]:
-        model = self.model(version)
-        return [
-            score(model, c.prompt_ids, c.output_ids, c.params, n_vocab=n_vocab, batch_invariant=self.batch_invariant)[
-                0
-            ].tolist()
-            for c in completions
-        ]
+        requests = [(list(c.prompt_ids), list(c.output_ids), c.params) for c in completions]
+        scored = score_many(self.model(version), requests, n_vocab=n_vocab, batch_invariant=self.batch_invariant)
+        return [lp.tolist() for lp in scored]
 
 
 def sample_seed(seed: int, prompt: str, g: int) -> int:
@@ -323,6 +320,7 @@ def evaluate_offline(
     outs = {v: sample(v) for v in (candidate, incumbent) + ((anchor,) if anchor else ())}
     t_sampled = time.perf_counter()
     scores = {v: _scores(suite, owners, outs[v], v) for v in outs}
+    t_verified = time.perf_counter()
     means = {v: s.reshape(len(items), G).mean(axis=1) for v, s in scores.items()}
     cand, inc = means[candidate], means[incumbent]
     anchored = None if anchor is None else paired_t_non_inferiority(cand, means[anchor], margin, alpha)
@@ -364,7 +362,9 @@ def evaluate_offline(
     }
     c_arm, i_arm = arms[candidate], arms[incumbent]
     ratio = c_arm["mean_tokens"] / i_arm["mean_tokens"]  # every completion holds >= 1 token
+    t_kl = time.perf_counter()
     inc_lp = scorer(incumbent, outs[candidate], n_vocab)
+    t_kl = time.perf_counter() - t_kl
     per_token, per_seq = [], []
     for o, lp_i in zip(outs[candidate], inc_lp, strict=True):
         if len(lp_i) != len(o.logprobs):
@@ -453,6 +453,11 @@ def evaluate_offline(
         "checks": checks,
         "failed": failed,
         "per_prompt": {"candidate": cand.tolist(), "incumbent": inc.tolist()},
-        "timing_s": {"sampling": t_sampled - t0, "total": time.perf_counter() - t0},
+        "timing_s": {
+            "sampling": t_sampled - t0,
+            "verifying": t_verified - t_sampled,
+            "kl_scoring": t_kl,
+            "total": time.perf_counter() - t0,
+        },
     }
     return OfflineResult(not failed, candidate, incumbent, suite.suite_version, failed, numbers)

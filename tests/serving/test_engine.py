@@ -14,7 +14,7 @@ import torch
 
 from core.harness import wait_until
 from serving.checkpoint import load_checkpoint
-from serving.engine import EmbeddedEngine, score
+from serving.engine import EmbeddedEngine, score, score_many
 from serving.sampling import SamplingParams
 from serving.tokenizer import Tokenizer
 from serving.versions import VersionBusy
@@ -92,6 +92,26 @@ def test_recorded_logprobs_are_bit_identical_to_a_full_forward(engine, model):
         lp, experts = score(model, c.prompt_ids, c.output_ids, c.params, n_vocab=tok.vocab_size)
         assert torch.equal(lp, torch.tensor(c.logprobs)), (lp - torch.tensor(c.logprobs)).abs().max()
         assert np.array_equal(c.routed_experts, experts.numpy())
+
+
+def test_scoring_many_at_once_equals_scoring_each_alone(engine, model):
+    """`score_many` (padded batches, as the gate's scorer runs) gives every completion its lone `score`
+    bit for bit, whatever the lengths and sampling settings of its batch mates, and the recorded values."""
+    tok = engine.tokenizer()
+    ps = prompts(tok, 7)
+    params = [
+        SamplingParams(temperature=1.0 if i % 2 else 0.7, top_p=1.0 if i % 3 else 0.8, max_tokens=4 + 5 * i, seed=i)
+        for i in range(len(ps))
+    ]
+    outs = engine.generate(ps, params)
+    many = score_many(
+        model, [(c.prompt_ids, c.output_ids, c.params) for c in outs], n_vocab=tok.vocab_size, micro_batch=3
+    )
+    for c, lp in zip(outs, many, strict=True):
+        alone, _ = score(model, c.prompt_ids, c.output_ids, c.params, n_vocab=tok.vocab_size)
+        assert torch.equal(lp, alone) and torch.equal(lp, torch.tensor(c.logprobs))
+    with pytest.raises(ValueError, match="micro_batch"):
+        score_many(model, [], micro_batch=0)
 
 
 def test_default_kernels_are_still_available(tiny_checkpoint, model):
