@@ -33,6 +33,7 @@ from feedback.events import ContextKey
 MAX_TOKENS_LIMIT = 4096
 MAX_CHOICES = 128  # prompts x n of one request
 MAX_MESSAGES = 1024
+INT64 = (-(2**63), 2**63 - 1)  # the range of `seed`, as OpenAI's
 
 
 def first_unknown_only(data: Any, model: type[BaseModel]) -> Any:
@@ -59,15 +60,19 @@ class _Body(BaseModel):
 def _prompt_kind(v: Any) -> str:
     if isinstance(v, list) and v and isinstance(v[0], int):
         return "ids"
+    if isinstance(v, list) and v and isinstance(v[0], list):
+        return "id_lists"
     return "texts" if isinstance(v, list) else "text"
 
 
 Prompt = Annotated[
     Annotated[str, Tag("text")]
     | Annotated[list[str], Tag("texts"), Field(fail_fast=True)]
-    | Annotated[list[StrictInt], Tag("ids"), Field(fail_fast=True)],
+    | Annotated[list[StrictInt], Tag("ids"), Field(fail_fast=True)]
+    | Annotated[list[Annotated[list[StrictInt], Field(fail_fast=True)]], Tag("id_lists"), Field(fail_fast=True)],
     Discriminator(_prompt_kind),
 ]
+PROMPT_KINDS = "a string, a list of strings, a list of token ids or a list of lists of token ids"
 
 
 class StreamOptions(_Body):
@@ -88,7 +93,7 @@ class _Common(_Body):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | Annotated[list[str], Field(fail_fast=True)] | None = None
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(None, ge=INT64[0], le=INT64[1])
     user: str | None = Field(None, max_length=256)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -113,6 +118,13 @@ class _Common(_Body):
             raise ValueError("at most 4 non-empty stop sequences")
         return stops
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, v, info):
+        if v is not None and not info.data.get("stream", False):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return v
+
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
     def _neutral(cls, v):
@@ -135,12 +147,12 @@ class CompletionRequest(_Common):
         try:
             return handler(v)
         except ValidationError:
-            raise ValueError("prompt must be a string, a list of strings or a list of token ids") from None
+            raise ValueError(f"prompt must be {PROMPT_KINDS}") from None
 
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v):
-        if isinstance(v, list) and not v:
+        if isinstance(v, list) and (not v or any(isinstance(x, list) and not x for x in v)):
             raise ValueError("prompt must not be empty")
         if isinstance(v, str) and not v:
             raise ValueError("prompt must not be empty")
@@ -161,10 +173,33 @@ class CompletionRequest(_Common):
         return v
 
 
+class TextPart(_Body):
+    """One part of a message's `content` given as a list: only text parts (a model of text alone)."""
+
+    type: Literal["text"]
+    text: str
+
+
+def _content(v: Any, handler: Any) -> Any:
+    if isinstance(v, list):
+        bad = next((p for p in v if not (isinstance(p, dict) and p.get("type") == "text")), None)
+        if bad is not None:
+            kind = bad.get("type") if isinstance(bad, dict) else type(bad).__name__
+            raise ValueError(f"only text content parts are supported, got {kind!r}")
+    return handler(v)
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer"]
-    content: str
+    content: str | Annotated[list[TextPart], Field(fail_fast=True)]
     name: str | None = Field(None, max_length=256)
+
+    _parts = field_validator("content", mode="wrap")(_content)
+
+    @property
+    def text(self) -> str:
+        """The content as text: a list of text parts is joined in order."""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class ChatRequest(_Common):
@@ -182,4 +217,4 @@ class ChatRequest(_Common):
 def chat_prompt(messages: list[ChatMessage]) -> str:
     """The demo product's chat convention: it is a code-completion model, so the conversation's
     text (system, then the turns in order) is the code context, joined without role markers."""
-    return "".join(m.content for m in messages)
+    return "".join(m.text for m in messages)

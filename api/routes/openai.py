@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from api.deps import ALIAS, CompletionsCaller, GatewayDep, JSONRoute
 from api.errors import APIError, error_body
-from api.schemas import MAX_CHOICES, ChatRequest, CompletionRequest, chat_prompt
+from api.schemas import MAX_CHOICES, PROMPT_KINDS, ChatRequest, CompletionRequest, chat_prompt
 from feedback.events import CompletionEvent
 from serving.requests import Completion, EngineError
 from serving.sampling import SamplingParams
@@ -72,17 +72,17 @@ async def list_models(gw: GatewayDep, caller: CompletionsCaller):
 @router.post("/completions")
 async def completions(req: CompletionRequest, gw: GatewayDep, caller: CompletionsCaller):
     prompt = req.prompt
-    # The schema admits a string, or a list of only strings or only token ids.
+    # The schema admits a string, or a list of only strings, only token ids or only lists of token ids.
     if isinstance(prompt, str):
         prompts = _Prompts(texts=[prompt])
     elif isinstance(prompt[0], int):
         prompts = _Prompts(ids=[cast(list[int], prompt)])
+    elif isinstance(prompt[0], list):
+        prompts = _Prompts(ids=cast(list[list[int]], prompt))
     else:
         texts = cast(list[str], prompt)
         if not all(texts):
-            raise APIError(
-                400, "prompt must be a string, a list of strings or a list of token ids", "prompt", "invalid_value"
-            )
+            raise APIError(400, f"prompt must be {PROMPT_KINDS}", "prompt", "invalid_value")
         prompts = _Prompts(texts=texts)
     if len(prompts) * req.n > MAX_CHOICES:
         raise APIError(

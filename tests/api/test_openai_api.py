@@ -183,6 +183,17 @@ def test_models_health_metrics(live, client):
         ({"model": "flywheel", "prompt": "x", "stop": "s" * 5000}, 400, "stop", "invalid_value"),
         ({"model": "flywheel", "prompt": ["x"] * 65, "n": 2}, 400, "prompt", "invalid_value"),
         ({"model": "flywheel", "prompt": list(range(120)), "max_tokens": 10}, 400, "prompt", "context_length_exceeded"),
+        ({"model": "flywheel", "prompt": "x", "seed": 2**63}, 400, "seed", "invalid_value"),
+        ({"model": "flywheel", "prompt": "x", "seed": -(2**63) - 1, "stream": True}, 400, "seed", "invalid_value"),
+        (
+            {"model": "flywheel", "prompt": "x", "stream_options": {"include_usage": True}},
+            400,
+            "stream_options",
+            "invalid_value",
+        ),
+        ({"model": "flywheel", "prompt": [[1, 2], []]}, 400, "prompt", "invalid_value"),
+        ({"model": "flywheel", "prompt": [[1, 2], ["x"]]}, 400, "prompt", "invalid_value"),
+        ({"model": "flywheel", "prompt": [[1, 99999]]}, 400, "prompt", "invalid_value"),
     ],
 )
 def test_bad_completion_requests_get_openai_errors(live, body, status, param, code):
@@ -206,6 +217,40 @@ def test_malformed_json_and_chat_errors(live):
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages.0.role")
     r = httpx.get(live.url + "/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_request_shapes_the_sdks_send(live, client):
+    """Text content parts, a seed at int64's ends (streamed too: [DONE], no in-stream error) and a prompt of
+    token-id lists are served as OpenAI serves them; an image part is a 400 naming the message's content."""
+    parts = [{"type": "text", "text": PROMPT[:10]}, {"type": "text", "text": PROMPT[10:]}]
+    as_parts = client.chat.completions.create(
+        model="flywheel", messages=[{"role": "user", "content": parts}], max_tokens=6, seed=4
+    )
+    as_text = client.chat.completions.create(
+        model="flywheel", messages=[{"role": "user", "content": PROMPT}], max_tokens=6, seed=4
+    )
+    assert as_parts.choices[0].message.content == as_text.choices[0].message.content
+    for seed in (2**63 - 1, -(2**63)):
+        assert client.completions.create(model="flywheel", prompt=PROMPT, max_tokens=3, seed=seed).choices
+        body = {"model": "flywheel", "prompt": PROMPT, "max_tokens": 3, "seed": seed, "stream": True, "n": 2}
+        r = httpx.post(live.url + "/v1/completions", json=body)
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text
+    ids = [client.completions.create(model="flywheel", prompt=PROMPT, max_tokens=1).usage.prompt_tokens]
+    tok = live.engine.tokenizer()
+    lists = [tok.encode_prompt(PROMPT), tok.encode_prompt(PROMPT[:20])]
+    out = client.completions.create(model="flywheel", prompt=lists, max_tokens=4, seed=1)
+    assert (
+        [c.index for c in out.choices] == [0, 1]
+        and out.usage.prompt_tokens == sum(map(len, lists))
+        and ids[0] == len(lists[0])
+    )
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/x.png"}}
+    r = httpx.post(
+        live.url + "/v1/chat/completions",
+        json={"model": "flywheel", "messages": [{"role": "user", "content": [image]}]},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages.0.content"), r.text
+    assert "image_url" in r.json()["error"]["message"]
 
 
 def test_openai_client_raises_typed_errors(client):
