@@ -70,11 +70,10 @@ class DemoSystemConfig(BaseModel):
     learner_every_samples: int = Field(256, ge=1, description="Samples per learner update.")
     lr: float = Field(3e-4, gt=0, description="The learner's learning rate.")
     kl_coef: float = Field(
-        0.05,
+        0.2,
         ge=0,
-        description="The learner's KL penalty to the promoted version (`learner.objective`): 0.05 was chosen on "
-        "the gate split with the in-process loop (docs/demo.md): no lower pass rate than without, with KL to "
-        "the base held near 0.13 nats/token where 0.01 let it reach 0.41.",
+        description="The learner's KL penalty to the promoted version (`learner.objective`): the largest size "
+        "tried whose gate-split pass rate was no lower than KL off's (bench/kl_size.py, docs/demo.md).",
     )
     updates_per_candidate: int = Field(
         8, ge=1, description="Updates a candidate holds beyond its parent (min_updates_per_candidate)."
