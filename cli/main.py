@@ -22,7 +22,9 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
+from core.config_file import ConfigError
 from core.security import SCOPES
 from core.service_metrics import ServiceMetrics
 from core.settings import Settings, get_settings
@@ -89,6 +91,12 @@ def _serve(args) -> None:
     if args.cmd != "up":
         serve(settings)
         return
+    from cli.config import reward_spec
+    from cli.product_config import eval_suite, load_product_config
+
+    product = load_product_config()  # a bad file or plug-in stops `up` here, before any service starts
+    reward_spec(product.rewards)
+    eval_suite(product)
     print(f"flywheel: admin API key for this session: {up_admin_key(settings)}", flush=True)
     supervisor = Supervisor("flywheel up")
     try:
@@ -134,16 +142,20 @@ def up_admin_key(settings: Settings) -> str:
 
 
 @contextmanager
-def joiner_service(settings: Settings, window_s: float) -> Iterator:
-    """The joiner on the configured bus (a `feedback.joiner.JoinerService`); both closed on exit."""
+def joiner_service(settings: Settings, window_s: float | None = None) -> Iterator:
+    """The joiner on the configured bus (a `feedback.joiner.JoinerService`) with the config file's reward
+    table and window (`window_s` overrides it); both closed on exit."""
+    from cli.config import RewardsSection, reward_spec, validate_section
     from feedback.connect import open_bus
     from feedback.joiner import JoinerService
-    from feedback.rewards import RewardSpec
 
+    rewards = validate_section("rewards", RewardsSection)
+    spec = reward_spec(rewards)
     bus = open_bus(settings)
     try:
         metrics = ServiceMetrics("joiner", settings.home / "metrics")
-        service = JoinerService(bus, RewardSpec(), window_s=window_s, metrics=metrics)
+        window = rewards.window_s if window_s is None else window_s
+        service = JoinerService(bus, spec, window_s=window, metrics=metrics)
         try:
             yield service
         finally:
@@ -166,9 +178,9 @@ def _joiner(args) -> None:
 def _learner(args) -> None:
     import time
 
-    from demo.checker import DemoVerifier
+    from cli.product_config import eval_suite, load_product_config
     from feedback.connect import open_bus
-    from learner.service import LearnerConfig, LearnerService
+    from learner.service import LearnerService
     from registry.registry import Registry
 
     settings = get_settings()
@@ -178,10 +190,12 @@ def _learner(args) -> None:
         from learner.distributed import init_process_group
 
         init_process_group()
+    product = load_product_config()
+    flags = {"update_every_samples": args.every_samples, "update_every_s": args.every_s}
+    cfg = product.learner.model_copy(update={k: v for k, v in flags.items() if v is not None})
+    verifier = eval_suite(product).verifier  # the verifier of the suite the gate runs (`_gate`)
     bus = open_bus(settings)
-    cfg = LearnerConfig(update_every_samples=args.every_samples, update_every_s=args.every_s)
     metrics = ServiceMetrics("learner", settings.home / "metrics")
-    # The verifier of the suite the gate runs (`_gate`): the demo's, until the product plugs in its own.
     service = LearnerService(
         bus,
         Registry(settings.db_url),
@@ -189,7 +203,7 @@ def _learner(args) -> None:
         settings.served_model_dir,
         cfg,
         metrics=metrics,
-        verifier=DemoVerifier(),
+        verifier=verifier,
     )
     try:
         while True:
@@ -207,14 +221,16 @@ def _learner(args) -> None:
 def _gate(args) -> None:
     import threading
 
-    from demo.suite import demo_suite
+    from cli.product_config import eval_suite, load_product_config
     from feedback.connect import open_bus
     from gating.gate_process import run_gate
 
     settings, stop = get_settings(), threading.Event()
+    product = load_product_config()
+    suite = eval_suite(product)
     bus = open_bus(settings)  # the canary reads the joined samples from it
     try:
-        run_gate(settings, stop, demo_suite(), bus=bus)
+        run_gate(settings, stop, suite, product.gate_config(), bus=bus)
     except KeyboardInterrupt:
         stop.set()
     finally:
@@ -256,7 +272,12 @@ def _port(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flywheel", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--config", metavar="PATH", default=None, help="the config file (default: $FLYWHEEL_HOME/flywheel.toml)"
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("config", help="show the effective config (and where each value came from), or check it")
+    c.add_argument("config_cmd", choices=("show", "check"))
     b = sub.add_parser("bootstrap", help="pre-train the demo base model")
     b.add_argument("--force", action="store_true", help="retrain even if a cached model exists")
     b.add_argument("--steps", type=int, default=None, help="override the number of optimizer steps")
@@ -267,10 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
             "--port", type=_port, default=None, help="port to bind to, 0: any free one (default: FLYWHEEL_PORT)"
         )
     j = sub.add_parser("joiner", help="join feedback to completions into rewarded samples")
-    j.add_argument("--window-s", type=float, default=600.0, help="attribution window in seconds")
+    j.add_argument("--window-s", type=float, default=None, help="attribution window in seconds (rewards.window_s)")
     le = sub.add_parser("learner", help="train on samples, publish candidate versions")
-    le.add_argument("--every-samples", type=int, default=512, help="update after this many samples")
-    le.add_argument("--every-s", type=float, default=4 * 3600.0, help="...or after this many seconds")
+    le.add_argument("--every-samples", type=int, default=None, help="update after this many samples (learner.*)")
+    le.add_argument("--every-s", type=float, default=None, help="...or after this many seconds (learner.*)")
     sub.add_parser("gate", help="evaluate candidates offline and move them on (a person approves)")
     d = sub.add_parser("demo", help="the demo product through the whole running system, with simulated users")
     d.add_argument("--seed", type=int, default=None, help="the run's seed (default: FLYWHEEL_SEED)")
@@ -303,6 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.config is not None:  # every process this command starts reads the same file
+        os.environ["FLYWHEEL_CONFIG"] = str(Path(args.config).resolve())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from core.supervisor import PARENT_ENV, die_with_parent, interrupt_on_sigterm
 
@@ -313,6 +336,8 @@ def main(argv: list[str] | None = None) -> None:
         _run(args)
     except KeyboardInterrupt:
         sys.exit(130)
+    except ConfigError as e:
+        sys.exit(f"flywheel {args.cmd}: {e}")
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -332,6 +357,10 @@ def _run(args: argparse.Namespace) -> None:
         demo(args)
     elif args.cmd == "keys":
         _keys(args)
+    elif args.cmd == "config":
+        from cli.product_config import config_command
+
+        config_command(args)
 
 
 if __name__ == "__main__":

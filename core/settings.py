@@ -1,22 +1,75 @@
 """Deployment settings: the one place that reads the environment (prefix `FLYWHEEL_`).
 
 Algorithm and experiment knobs (learning rates, corpus mixes, reward specs) are *not* here: they
-are typed config models next to the code that uses them. This class holds where things live and
-which real component backs each part. Every process gets its settings from `get_settings()`.
+are typed config models next to the code that uses them (and sections of the config file, `cli.config`).
+This class holds where things live and which real component backs each part. Every process gets its
+settings from `get_settings()`: the environment over the config file's `gateway`, `bus` and `database`
+sections (`core.config_file`; `FILE_KEYS` maps them) over the defaults. A bad value is a `ConfigError`
+naming the file's key and line, or the variable.
 """
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+
+from core.config_file import ConfigError, read_config, where
+
+SECTIONS = {
+    "bus": {"kind": "bus", "kafka_bootstrap": "kafka_bootstrap"},
+    "database": {"url": "database_url", "index_url": "index_url"},
+}
+NOT_IN_FILE = ("home",)  # where the file itself is found
+
+
+def file_keys() -> dict[str, str]:
+    """Settings field -> its dotted key in the config file: `bus.*`, `database.*`, the rest `gateway.*`."""
+    out = {field: f"{section}.{key}" for section, keys in SECTIONS.items() for key, field in keys.items()}
+    return {name: out.get(name, f"gateway.{name}") for name in Settings.model_fields if name not in NOT_IN_FILE}
+
+
+class _FileSource(PydanticBaseSettingsSource):
+    """The config file's `gateway`, `bus` and `database` sections as field values; an unknown key there
+    is a `ConfigError` naming it."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        raise NotImplementedError  # __call__ reads the whole file at once
+
+    def __call__(self) -> dict[str, Any]:
+        path, data, text = read_config()
+        by_key = {dotted: field for field, dotted in file_keys().items()}
+        out: dict[str, Any] = {}
+        for section in ("gateway", *SECTIONS):
+            table = data.get(section, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"{where(path, text, section)}: must be a table ([{section}])")
+            for key, value in table.items():
+                dotted = f"{section}.{key}"
+                if dotted not in by_key:
+                    raise ConfigError(f"{where(path, text, dotted)}: unknown key (docs/config.md lists them)")
+                out[by_key[dotted]] = value
+        return out
 
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_", extra="ignore")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, _FileSource(settings_cls)
 
     env: Literal["local", "test", "production"] = Field(
         "local",
@@ -150,6 +203,23 @@ class Settings(BaseSettings):
             )
 
 
+def load_settings() -> Settings:
+    """Settings from the environment and the config file; a bad value is a `ConfigError` naming where it
+    was set (the file's key and line, or the variable)."""
+    try:
+        return Settings()
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = str(err["loc"][0]) if err["loc"] else ""
+        env = f"FLYWHEEL_{field.upper()}"
+        path, data, text = read_config()
+        dotted = file_keys().get(field, "")
+        section, _, key = dotted.partition(".")
+        in_file = key in (data.get(section) or {}) and env not in os.environ
+        place = where(path, text, dotted) if in_file else env
+        raise ConfigError(f"{place}: {err['msg']}") from None
+
+
 @lru_cache
 def get_settings() -> Settings:
-    return Settings()
+    return load_settings()

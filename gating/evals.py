@@ -21,7 +21,10 @@ ProcessEngine` at low priority; never a live replica). It writes no events: it g
   back to back), each at most a few points above the incumbent's; and KL(candidate ‖ incumbent) per
   token, estimated on the candidate's own samples as the mean over their tokens of log π_cand - log
   π_inc: the first is recorded with each sample, the second comes from `scorer` (the candidate's
-  tokens scored under the incumbent with `serving.engine.score`; `ModelScorer`).
+  tokens scored under the incumbent in padded batches, `serving.engine.score_many`; `ModelScorer`),
+  on the first `kl_samples_per_prompt` (2) of each prompt's G samples: a forward each, this was most
+  of a cycle's time at G 8 (133 of 195 s for 504 x 8 under the demo's traffic), and 2 per prompt
+  still give thousands of tokens against a bound of 0.5 nats.
 
 The result (`OfflineResult`) has `passed` (every check passed) and `numbers`, every number behind it,
 JSON-serialisable; `verdict(artifact_sha256)` is the `registry.models.OfflineVerdict` payload that
@@ -79,6 +82,12 @@ class Guardrails(BaseModel):
         0.10, ge=0, le=1, description="Share of outputs in a loop, at most this far above the incumbent's."
     )
     max_kl: float = Field(0.5, ge=0, description="KL(candidate ‖ incumbent) per token (nats), at most.")
+    kl_samples_per_prompt: int = Field(
+        2,
+        ge=1,
+        description="The KL estimate scores the first this many of each prompt's G candidate samples under the "
+        "incumbent (a full forward each: most of a cycle's time at G 8); all of them when G is smaller.",
+    )
     loop_max_ngram: int = Field(8, ge=1, description="Longest n-gram a loop may repeat.")
     loop_min_repeats: int = Field(3, ge=2, description="Back-to-back repeats that make a loop.")
     loop_min_span: int = Field(12, ge=2, description="Tokens a loop must cover at least.")
@@ -363,10 +372,12 @@ def evaluate_offline(
     c_arm, i_arm = arms[candidate], arms[incumbent]
     ratio = c_arm["mean_tokens"] / i_arm["mean_tokens"]  # every completion holds >= 1 token
     t_kl = time.perf_counter()
-    inc_lp = scorer(incumbent, outs[candidate], n_vocab)
+    k = min(rails.kl_samples_per_prompt, G)
+    scored = [outs[candidate][i * G + g] for i in range(len(items)) for g in range(k)]
+    inc_lp = scorer(incumbent, scored, n_vocab)
     t_kl = time.perf_counter() - t_kl
     per_token, per_seq = [], []
-    for o, lp_i in zip(outs[candidate], inc_lp, strict=True):
+    for o, lp_i in zip(scored, inc_lp, strict=True):
         if len(lp_i) != len(o.logprobs):
             raise ValueError(f"the scorer returned {len(lp_i)} log-probs for {len(o.logprobs)} tokens")
         d = np.asarray(o.logprobs, dtype=np.float64) - np.asarray(lp_i, dtype=np.float64)
@@ -446,6 +457,7 @@ def evaluate_offline(
                 "per_token": kl,
                 "per_sequence_mean": float(np.mean(per_seq)),
                 "n_tokens": int(diffs.size),
+                "samples_per_prompt": k,
                 "max": rails.max_kl,
                 "estimator": "mean over the candidate's sampled tokens of logp_candidate - logp_incumbent",
             },

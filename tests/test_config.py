@@ -1,0 +1,168 @@
+"""`flywheel.toml`: sections, precedence, errors naming key and line, plug-ins, `flywheel config`, and
+docs/config.md generated from the models."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from cli import main as cli
+from cli.config import load_plugin
+from cli.product_config import docs, effective, load_product_config
+from core.config_file import ConfigError, line_of
+from core.settings import get_settings, load_settings
+from feedback.rewards import RewardSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+FILE = """\
+# a product's config
+[gateway]
+port = 9001
+
+[rewards]
+window_s = 30
+
+[rewards.spec]
+name = "mine-v1"
+accepted = 0.9
+
+[learner]
+update_every_samples = 64
+
+[learner.trainer]
+lr = 0.001
+
+[gate]
+G = 4
+
+[canary]
+steps = [0.1, 0.5]
+"""
+SUITE_MODULE = """
+from product.suites import EvalSuite
+
+class Exact:
+    def verify(self, prompts, completions):
+        return [1.0 if c.strip() == "ok" else 0.0 for c in completions]
+
+def suite(n=2):
+    items = [(f"{fam}: say ok {i}:", fam) for fam in ("a", "b") for i in range(n)]
+    return EvalSuite.of("tiny", "1", items, Exact())
+"""
+
+
+@pytest.fixture
+def home(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path))
+    monkeypatch.delenv("FLYWHEEL_CONFIG", raising=False)
+    for name in ("FLYWHEEL_PORT", "FLYWHEEL_BUS"):
+        monkeypatch.delenv(name, raising=False)
+    get_settings.cache_clear()
+    yield tmp_path
+    get_settings.cache_clear()
+
+
+def test_docs_config_md_is_generated_from_the_models():
+    assert (ROOT / "docs" / "config.md").read_text() == docs(), (
+        "run: python -m cli.product_config docs > docs/config.md"
+    )
+
+
+def test_the_file_sets_every_section_and_the_environment_overrides_it(home, monkeypatch):
+    (home / "flywheel.toml").write_text(FILE)
+    assert load_settings().port == 9001
+    cfg = load_product_config()
+    assert cfg.rewards.window_s == 30 and cfg.rewards.spec == RewardSpec(name="mine-v1", accepted=0.9)
+    assert cfg.learner.update_every_samples == 64 and cfg.learner.trainer.lr == 0.001
+    gate = cfg.gate_config()
+    assert gate.G == 4 and gate.canary.steps == (0.1, 0.5)
+    monkeypatch.setenv("FLYWHEEL_PORT", "9005")
+    assert load_settings().port == 9005
+    rows = {r["key"]: r for r in effective()}
+    assert rows["gateway.port"]["value"] == 9005 and rows["gateway.port"]["from"] == "env FLYWHEEL_PORT"
+    assert rows["learner.trainer.lr"]["from"].startswith("file ") and rows["learner.trainer.betas"]["from"] == "default"
+    with cli.joiner_service(get_settings()) as joiner:  # the joiner takes the file's reward table and window
+        assert joiner.spec.name == "mine-v1" and joiner.core.window_s == 30
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        (
+            "[learner]\nupdate_every_samples = 64\n\n[learner.trainer]\nlrr = 0.1\n",
+            ":5: learner.trainer.lrr: unknown key",
+        ),
+        ("[gate]\nG = 0\n", ":2: gate.G: Input should be greater than or equal to 1"),
+        ("[lerner]\nx = 1\n", ":1: lerner: unknown section"),
+        ("[gateway]\nprot = 1\n", ":2: gateway.prot: unknown key"),
+        ("[gateway]\n\nport = 'high'\n", ":3: gateway.port: Input should be a valid integer"),
+        ("[database]\nurl = 3\n", ":2: database.url: Input should be a valid string"),
+        ("[gate\n", "not valid TOML"),
+    ],
+)
+def test_a_bad_file_names_the_key_and_its_line(home, text, expected):
+    path = home / "flywheel.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_settings()
+        load_product_config()
+    assert str(e.value).startswith(str(path)) and expected in str(e.value), str(e.value)
+
+
+def test_line_of_finds_keys_and_tables():
+    text = 'a = 1\n[x]\nb = 2\n[x.y]\n  c = "d"\n'
+    assert [line_of(text, k) for k in ("a", "x", "x.b", "x.y", "x.y.c", "x.z")] == [1, 2, 3, 4, 5, None]
+
+
+def test_plug_ins_by_import_path(tmp_path, monkeypatch):
+    (tmp_path / "tinysuite.py").write_text(SUITE_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert len(load_plugin("tinysuite:suite", {"n": 3}).items) == 6
+    assert load_plugin("feedback.rewards:RewardSpec", {"name": "x"}).name == "x"  # a class is a factory
+    for path, message in (
+        ("tinysuite", "expected 'module:attribute'"),
+        ("nope.mod:x", "cannot import 'nope.mod'"),
+        ("tinysuite:missing", "has no attribute 'missing'"),
+        ("tinysuite:suite", "calling it with"),
+    ):
+        with pytest.raises(ConfigError, match=message) as e:
+            load_plugin(path, {"bogus": 1} if path == "tinysuite:suite" else None)
+        assert path in str(e.value)
+
+
+def test_the_gate_imports_no_demo_code_with_a_product_suite(tmp_path):
+    """`flywheel gate`'s imports and the suite the file names, in a fresh process: no `demo` module."""
+    (tmp_path / "tinysuite.py").write_text(SUITE_MODULE)
+    (tmp_path / "flywheel.toml").write_text('[gate]\nsuite = "tinysuite:suite"\nsuite_kwargs = {n = 2}\n')
+    code = textwrap.dedent("""
+        import sys
+        import cli.main, gating.gate_process
+        from cli.product_config import eval_suite, load_product_config
+        suite = eval_suite(load_product_config())
+        assert suite.name == "tiny", suite.name
+        demo = sorted(m for m in sys.modules if m == "demo" or m.startswith("demo."))
+        assert not demo, demo
+    """)
+    env = {**os.environ, "FLYWHEEL_HOME": str(tmp_path), "PYTHONPATH": str(tmp_path)}
+    env.pop("FLYWHEEL_CONFIG", None)
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, timeout=120)
+
+
+def test_flywheel_config_check_and_show(tmp_path):
+    good, bad = tmp_path / "good.toml", tmp_path / "bad.toml"
+    good.write_text(FILE)
+    bad.write_text("[learner]\nupdate_evry_samples = 3\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")} | {"FLYWHEEL_HOME": str(tmp_path)}
+    flywheel = [sys.executable, "-m", "cli"]
+    ok = subprocess.run([*flywheel, "--config", str(good), "config", "check"], env=env, capture_output=True, text=True)
+    assert ok.returncode == 0 and "is valid" in ok.stdout, ok.stderr
+    show = subprocess.run([*flywheel, "--config", str(good), "config", "show"], env=env, capture_output=True, text=True)
+    assert '{"key": "gate.G", "value": 4, "from": "file ' in show.stdout, show.stderr
+    no = subprocess.run([*flywheel, "--config", str(bad), "config", "check"], env=env, capture_output=True, text=True)
+    assert no.returncode == 1 and f"{bad}:2: learner.update_evry_samples: unknown key" in no.stderr, no.stderr
+    assert "Traceback" not in no.stderr
