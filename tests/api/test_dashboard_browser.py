@@ -219,18 +219,29 @@ def browser():
 def click(driver, element) -> None:
     """Click, and wait until the page it leads to has replaced this one."""
     from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
-    from selenium.webdriver.support import expected_conditions
     from selenium.webdriver.support.wait import WebDriverWait
+
+    def gone(e: Exception) -> bool:
+        """The element's page was replaced: stale, or chromedriver's word for the same race."""
+        return isinstance(e, StaleElementReferenceException) or "does not belong to the document" in str(e)
 
     old = driver.find_element("tag name", "html")
     try:
         element.click()
-    except StaleElementReferenceException:
-        pass  # the page it submitted already replaced this one
-    except WebDriverException as e:  # chromedriver racing the same unload
-        if "does not belong to the document" not in str(e):
+    except WebDriverException as e:
+        if not gone(e):  # else: the page it submitted already replaced this one
             raise
-    WebDriverWait(driver, 15).until(expected_conditions.staleness_of(old))
+
+    def replaced(_) -> bool:
+        try:
+            old.is_enabled()
+        except WebDriverException as e:
+            if gone(e):
+                return True
+            raise
+        return False
+
+    WebDriverWait(driver, 15).until(replaced)
 
 
 def sign_in(driver, world, token: str) -> None:
