@@ -520,10 +520,7 @@ def score(
     logits = out.logits[0, P - 1 :, :n_vocab]
     n = logits.shape[0]
     logp = sampling_logprobs(logits, torch.full((n,), float(params.temperature)), torch.full((n,), float(params.top_p)))
-    chosen = logp.gather(-1, torch.tensor(output_ids)[:, None]).squeeze(-1)
-    if params.greedy:
-        chosen = torch.zeros_like(chosen)
-    return chosen, out.experts[0]
+    return logp.gather(-1, torch.tensor(output_ids)[:, None]).squeeze(-1), out.experts[0]
 
 
 def score_many(
@@ -554,5 +551,5 @@ def score_many(
                 logits, torch.full((N,), float(params.temperature)), torch.full((N,), float(params.top_p))
             )
             chosen = logp.gather(-1, torch.tensor(output, dtype=torch.int64)[:, None]).squeeze(-1)
-            out.append(torch.zeros_like(chosen) if params.greedy else chosen)
+            out.append(chosen)
     return out

@@ -54,8 +54,9 @@ class SamplingParams:
 def sampling_logprobs(logits_NV: torch.Tensor, temperature_N: torch.Tensor, top_p_N: torch.Tensor) -> torch.Tensor:
     """Log-probabilities of the distribution sampled from, per row, float32 `[N, V]`.
 
-    Rows with temperature 0 are returned as log_softmax of the raw logits (the caller treats them
-    as greedy). Tokens cut by top-p get -inf. Every row's result depends on that row alone: only the
+    Rows with temperature 0 are returned as log_softmax of the raw logits (the caller takes their
+    argmax, and records the model's own log-probability of it, as OpenAI and vLLM report it).
+    Tokens cut by top-p get -inf. Every row's result depends on that row alone: only the
     rows with top_p < 1 go through the top-p cut and its renormalisation (renormalising a top_p = 1
     row too would move it by a float32 ulp or two, measured 4.8e-7 of a log-prob, so the recorded
     value would depend on the other requests of a decode step and the trainer's on its micro-batch).
@@ -87,5 +88,4 @@ def sample_rows(logp_NV: torch.Tensor, greedy_N: torch.Tensor, uniforms_N: torch
     u = torch.minimum(torch.maximum(uniforms_N.to(cdf.dtype) * total, total * 1e-9), total * (1 - 1e-7))[:, None]
     drawn = torch.searchsorted(cdf, u).squeeze(-1).clamp(max=logp_NV.shape[-1] - 1)
     tokens = torch.where(greedy_N, logp_NV.argmax(dim=-1), drawn)
-    chosen = logp_NV.gather(-1, tokens[:, None]).squeeze(-1)
-    return tokens, torch.where(greedy_N, torch.zeros_like(chosen), chosen)
+    return tokens, logp_NV.gather(-1, tokens[:, None]).squeeze(-1)

@@ -4,7 +4,8 @@ Owns one `AsyncLLM` per model version, driven from a private asyncio loop on a b
 thread, and translates its outputs into our `Completion` / `StreamEvent` records:
 - log-probabilities: the engine is created with `logprobs_mode="processed_logprobs"`, so the value
   vLLM reports for a sampled token is that of the distribution it was drawn from (temperature and
-  top-p applied), the same convention as the embedded engine; greedy tokens are recorded as 0;
+  top-p applied), the same convention as the embedded engine; at temperature 0, the model's own
+  log-probabilities (vLLM's processed values there are the raw logits' log-softmax), as OpenAI reports;
 - routed experts: `enable_return_routed_experts=True` where vLLM supports it (the GPU model
   runner). On vLLM's CPU build there is no routing output: records then carry an empty
   `[0, L, K]` array, and the learner cannot replay their routing;
@@ -264,7 +265,7 @@ class VLLMEngine(GenerateMixin):
             new_lps, new_tops = [], []
             for j, t in enumerate(new_ids):
                 entry = o.logprobs[n_seen + j] if o.logprobs else {}
-                lp = 0.0 if params.greedy else float(entry[t].logprob) if t in entry else float("nan")
+                lp = float(entry[t].logprob) if t in entry else float("nan")
                 new_lps.append(lp)
                 if params.logprobs:
                     ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)[: params.logprobs]

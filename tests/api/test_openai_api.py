@@ -244,6 +244,10 @@ def test_request_shapes_the_sdks_send(live, client):
         and out.usage.prompt_tokens == sum(map(len, lists))
         and ids[0] == len(lists[0])
     )
+    greedy = client.completions.create(model="flywheel", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2)
+    lp = greedy.choices[0].logprobs  # the model's own log-probabilities at temperature 0, as OpenAI's
+    assert all(x <= 0 for x in lp.token_logprobs) and any(x < 0 for x in lp.token_logprobs)
+    assert all(x == max(top.values()) for x, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True))
     image = {"type": "image_url", "image_url": {"url": "https://example.com/x.png"}}
     r = httpx.post(
         live.url + "/v1/chat/completions",
