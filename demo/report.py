@@ -18,6 +18,8 @@ t-interval over the seeds' gains (seed-level: what another run would give), `Non
   (satisfaction, paired by prompt), over seeds.
 - `candidates.collapses`: candidates whose offline pass rate fell more than 5 points below their
   verdict's incumbent, over every run.
+- `poisoning`: over the clean runs' learner updates, the share that flagged no honest user; over the
+  adversarial runs', the share that flagged at least one adversarial user (`demo.system.poisoning_by_update`).
 """
 
 from __future__ import annotations
@@ -154,6 +156,7 @@ def summarize(
         "candidates": {"collapses": collapses([*seeds, *shuffled, *adversarial])},
         "controls": {},
         "runs": [_run_summary(r) for r in [*seeds, *shuffled, *adversarial]],
+        "poisoning": _poisoning(seeds, adversarial),
     }
     if shuffled:
         g = [run_gain(r) for r in shuffled]
@@ -181,6 +184,28 @@ def summarize(
             "satisfaction_cost": _over_seeds([c["points"] for c in costs]),
             "per_seed": costs,
         }
+    return out
+
+
+def _poisoning(clean: list[dict], adversarial: list[dict]) -> dict[str, Any]:
+    """Updates of the clean runs with no honest user flagged, of the adversarial runs with one flagged."""
+
+    def of(runs: list[dict], key: str) -> dict[str, Any]:
+        p = [r["poisoning"] for r in runs if r.get("poisoning")]
+        n, k = sum(x["updates"] for x in p), sum(x[key] for x in p)
+        return {"runs": len(p), "updates": n, key: k}
+
+    out = {
+        "clean": of(clean, "updates_flagging_honest"),
+        "adversarial": of(adversarial, "updates_flagging_adversarial"),
+    }
+    c, a = out["clean"], out["adversarial"]
+    c["share_without_honest_flags"] = (
+        round(1 - c["updates_flagging_honest"] / c["updates"], 3) if c["updates"] else None
+    )
+    a["share_flagging_adversarial"] = (
+        round(a["updates_flagging_adversarial"] / a["updates"], 3) if a["updates"] else None
+    )
     return out
 
 
@@ -268,10 +293,28 @@ def markdown(s: dict[str, Any], command: str) -> str:
         f"incumbent's): {len(col)}"
         + (": " + ", ".join(f"seed {x['seed']} {x['version']} −{x['drop_points']}" for x in col) if col else "."),
     ]
+    po = s.get("poisoning") or {}
+    if (po.get("clean") or {}).get("updates"):
+        cl, ad = po["clean"], po.get("adversarial") or {}
+        lines += [
+            "",
+            f"**Poisoning screen**: {cl['updates'] - cl['updates_flagging_honest']} of {cl['updates']} updates of the "
+            f"clean runs flagged no honest user ({_share(cl['share_without_honest_flags'])})"
+            + (
+                f"; {ad['updates_flagging_adversarial']} of {ad['updates']} updates of the adversarial runs flagged "
+                f"an adversarial user ({_share(ad['share_flagging_adversarial'])})."
+                if ad.get("updates")
+                else "."
+            ),
+        ]
     lines += ["", "![satisfaction per version](report.png)", "", "## Runs", ""]
     for run in s["runs"]:
         lines += _run_section(run)
     return "\n".join(lines) + "\n"
+
+
+def _share(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.0f}%"
 
 
 def _at(t: str) -> datetime:

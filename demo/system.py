@@ -67,7 +67,12 @@ class DemoSystemConfig(BaseModel):
     p_implicit: float = Field(0.8, ge=0, le=1, description="Share of completions that get an implicit signal.")
     p_explicit: float = Field(0.25, ge=0, le=1, description="Share of explicit signals (thumbs, ratings) kept.")
     replicas: int = Field(2, ge=1, description="Engines of the gateway.")
-    learner_every_samples: int = Field(256, ge=1, description="Samples per learner update.")
+    learner_every_samples: int = Field(
+        128,
+        ge=1,
+        description="Samples per learner update: 8 updates of 128 passed the gate split as 8 of 256 did (0.660 vs "
+        "0.681, base 0.417) in half the traffic, so a gate cycle is shorter (docs/demo.md).",
+    )
     lr: float = Field(3e-4, gt=0, description="The learner's learning rate.")
     kl_coef: float = Field(
         0.2,
@@ -102,10 +107,6 @@ class DemoSystemConfig(BaseModel):
             users=150,
             traffic_s=240.0,  # at most: the traffic ends at the first trained promotion (about 90 s in)
             stop_after_promotions=1,
-            # Half the samples per update of a full run: its first candidate (8 x 128 samples) is ready in about
-            # half the time and passed the gate split as one of 8 x 256 did (pass rate 0.660 vs 0.681 against the
-            # base's 0.417, 36 prompts x 4, one run each).
-            learner_every_samples=128,
             report_prompts=200,
             gate_prompts=36,  # 2 per family at G 4: the overall test decides, the family test has no power
             gate_G=4,
@@ -284,6 +285,7 @@ def run_system(
             "promotions": promoted,
             "evaluations": {vid: evals[vid] for vid in promoted},
             "logged_prompts": leaks,
+            "poisoning": poisoning_by_update(home / "models" / "learner" / "updates.jsonl", cfg),
         }
         if keep_serving is not None:
             keep_serving(url, token)
@@ -372,6 +374,28 @@ def version_records(home: Path) -> list[dict]:
         return [_version_record(v, audit) for v in registry.list()]
     finally:
         registry.close()
+
+
+def poisoning_by_update(log_path: Path, cfg: DemoSystemConfig) -> dict:
+    """What the poisoning screen flagged in each update of the run (the learner's `updates.jsonl`):
+    updates that flagged an honest user, and updates that flagged at least one adversarial user
+    (the first `round(users * adversarial_share)` users, `demo.traffic`)."""
+    from feedback.events import hash_user
+
+    n_adv = round(cfg.users * cfg.adversarial_share)
+    updates = [json.loads(line) for line in log_path.read_text().splitlines()] if log_path.is_file() else []
+    honest = adversarial = 0
+    for u in updates:
+        flags = (u["stats"].get("poisoning") or {}).get("flags", [])
+        adv = {hash_user(f["tenant"], f"user-{cfg.seed}-{i}") for f in flags[:1] for i in range(n_adv)}
+        honest += any(f["user"] not in adv for f in flags)
+        adversarial += any(f["user"] in adv for f in flags)
+    return {
+        "updates": len(updates),
+        "adversarial_users": n_adv,
+        "updates_flagging_honest": honest,
+        "updates_flagging_adversarial": adversarial,
+    }
 
 
 def _version_record(v: Any, audit: list) -> dict:

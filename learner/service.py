@@ -70,7 +70,7 @@ from learner.lineage import anchor, merge_covered, staleness, staleness_stats
 from learner.poisoning import VerifiedTally, screen, verdicts
 from learner.samples import partition, sequence_from_sample
 from learner.trainer import NonFiniteUpdate, Trainer
-from learner.update_stats import counters, since_parent
+from learner.update_stats import append_update, counters, since_parent
 from product.suites import Verifier
 from registry.publish import SHIPPING_DTYPE, publish_base, sha256_of
 from registry.registry import Registry, UnknownVersion
@@ -514,16 +514,12 @@ class LearnerService:
         self.state["versions"].append(vid)
         self.state["dirs"][vid] = self._rel(folder)
         self.state["current"] = vid
+        append_update(self.models_dir / "updates.jsonl", vid, parent, self.trainer.updates, stats)
         log.info(
             "learner: %s %s (parent %s): %d samples, reward %.4f, entropy %.4f, logp %.4f, clip %.4f",
             "held back" if vid in self.state["held"] else "published",
-            vid,
-            parent,
-            stats.get("samples", 0),
-            stats.get("reward_mean", float("nan")),
-            stats.get("entropy", float("nan")),
-            stats.get("logp_mean", float("nan")),
-            stats.get("clip_frac", float("nan")),
+            *(vid, parent, stats.get("samples", 0), stats.get("reward_mean", float("nan"))),
+            *(stats.get(k, float("nan")) for k in ("entropy", "logp_mean", "clip_frac")),
         )
         return vid
 

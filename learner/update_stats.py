@@ -9,11 +9,16 @@ sequences without recorded routing and the micro-batches trained without replay.
 statistics hold them (registered with the version's metrics, or kept with a held-back update); a
 registered version also holds their sums over itself and the held-back updates since its parent
 (`since_parent`), so a candidate built from 8 updates shows what all 8 dropped, masked and flagged.
+Every update, registered or held back, is also one line of `updates.jsonl` in the learner's models
+folder (`append_update`): the only record of a held-back update's own flags once its candidate merges it.
 """
 
 from __future__ import annotations
 
+import json
+import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from learner.poisoning import Screening
@@ -57,3 +62,10 @@ def counters(dropped: Counter[str], screening: Screening, offline_dropped: int) 
 def since_parent(updates: list[dict[str, Any]]) -> dict[str, float]:
     """`SUMMED` over the statistics of a candidate's updates (held back, then its own)."""
     return {k: sum(float(st.get(k, 0.0)) for st in updates) for k in SUMMED}
+
+
+def append_update(path: Path, version: str, parent: str, update: int, stats: dict[str, Any]) -> None:
+    """One JSON line per update in `path`: its version, parent, update number, time and statistics."""
+    line = {"version": version, "parent": parent, "update": update, "at": round(time.time(), 3), "stats": stats}
+    with path.open("a") as f:
+        f.write(json.dumps(line, default=float) + "\n")

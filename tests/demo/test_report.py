@@ -109,3 +109,33 @@ def test_the_adversarial_cost_is_paired_per_seed_and_the_headline_is_the_pass_ra
 def test_a_report_needs_a_run():
     with pytest.raises(ValueError, match="at least one"):
         summarize([], None, None)
+
+
+def test_the_poisoning_screen_is_scored_per_update_on_clean_and_adversarial_runs(tmp_path):
+    import json
+
+    from demo.system import DemoSystemConfig, poisoning_by_update
+    from feedback.events import hash_user
+
+    cfg = DemoSystemConfig(seed=4, users=40, adversarial_share=0.05)  # users 0 and 1 are adversarial
+    adv, honest = hash_user("demo", "user-4-1"), hash_user("demo", "user-4-7")
+
+    def update(*users: str) -> str:
+        flags = [{"tenant": "demo", "user": u} for u in users]
+        return json.dumps({"version": "v", "stats": {"poisoning": {"flags": flags}}})
+
+    log = tmp_path / "updates.jsonl"
+    log.write_text("\n".join([update(), update(adv), update(adv, honest), update(honest)]) + "\n")
+    p = poisoning_by_update(log, cfg)
+    assert p == {"updates": 4, "adversarial_users": 2, "updates_flagging_honest": 2, "updates_flagging_adversarial": 2}
+    assert poisoning_by_update(tmp_path / "missing.jsonl", cfg)["updates"] == 0
+
+    clean = run(4, [0.2, 0.4], [0.6, 0.8])
+    clean["poisoning"] = {**p, "updates": 10, "updates_flagging_honest": 1}
+    bad = run(4, [0.2, 0.4], [0.5, 0.6], adversarial=0.05)
+    bad["poisoning"] = p
+    s = summarize([clean], adversarial=[bad])["poisoning"]
+    assert s["clean"]["share_without_honest_flags"] == 0.9 and s["adversarial"]["share_flagging_adversarial"] == 0.5
+    text = markdown(summarize([clean], adversarial=[bad]), "flywheel demo")
+    assert "9 of 10 updates of the clean runs flagged no honest user (90%)" in text
+    assert "2 of 4 updates of the adversarial runs flagged an adversarial user (50%)" in text

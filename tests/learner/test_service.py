@@ -142,6 +142,13 @@ def test_the_learner_waits_at_the_lag_bound_and_drops_only_what_is_beyond_it(tmp
     for k in ("masked_frac", "truncated_frac", "abs_log_ratio_mean", "ratio_max", "missing_routing_sequences"):
         assert k in m, k
     assert m["since_parent"]["samples"] == 10.0 and m["poisoning_flagged_users"] == 0.0
+    log = [json.loads(line) for line in (tmp_path / "models" / "updates.jsonl").read_text().splitlines()]
+    assert [(u["version"], u["parent"], u["update"]) for u in log] == [
+        ("v0001", "tiny-v1", 1),
+        ("v0002", "v0001", 2),
+        ("v0003", "v0002", 3),
+    ]
+    assert log[2]["stats"]["poisoning"]["flags"] == [] and log[2]["stats"]["samples"] == 10
     promote(svc.registry, "v0002")
     publish(bus, samples[30:40])  # late samples of the base, now 3 updates behind: dropped and counted
     assert drain(svc) == [] and svc.counters["dropped_lag"] == 10 and svc.counters["trained"] == 30
