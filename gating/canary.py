@@ -333,13 +333,18 @@ def step_extra(progress: CanaryProgress, key: str, default: float) -> float:
 
 
 def guardrails(
-    outcomes: CanaryOutcomes, step: int, cfg: CanaryConfig, rho: float | None = None
+    outcomes: CanaryOutcomes,
+    step: int,
+    cfg: CanaryConfig,
+    rho: float | None = None,
+    metrics: tuple[str, ...] | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
-    """Every guardrail of `cfg` on `step`'s users, candidate vs incumbent: (numbers, harms in words)."""
+    """The guardrails of `cfg` (or those of them in `metrics`) on `step`'s users, candidate vs
+    incumbent: (numbers, harms in words)."""
     numbers: dict[str, Any] = {}
     harms = []
     rho = rho if rho is not None else (cfg.rho or DEFAULT_RHO)
-    for metric in cfg.guardrails:
+    for metric in (m for m in cfg.guardrails if metrics is None or m in metrics):
         cand, inc = (outcomes.per_user(step, a, metric) for a in ARMS)
         if min(len(cand), len(inc)) < 2:
             continue

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from feedback.events import SampleEvent
 from gating.canary import (
+    LATENCY_METRICS,
     CanaryOutcomes,
     Decision,
     add_point,
@@ -291,8 +292,11 @@ class CanaryStage:
         incumbent arm of the canary's last step (the previous version's users, just before), at the
         canary's last ρ. It is not concurrent, so it only alerts: a harmed guardrail is logged at ERROR,
         appended to `alerts` (once per metric) and counted in `self.alerts`; a person decides whether to
-        roll back. A version promoted without a canary (the bootstrap, a rollback target) has no
-        baseline and is not watched. Its start, alerts and end are audited; its looks are not."""
+        roll back. Latency (`LATENCY_METRICS`) is left out: before and after are different minutes of
+        the machine's load, so the comparison would measure the load (the canary compares latency
+        concurrently; after promotion it is the fleet's monitoring, not the gate's). A version promoted
+        without a canary (the bootstrap, a rollback target) has no baseline and is not watched. Its
+        start, alerts and end are audited; its looks are not."""
         c = self.cfg.canary
         canary = CanaryProgress.model_validate(promoted.gate["canary"]) if "canary" in promoted.gate else None
         if c.watch_s <= 0 or canary is None:
@@ -316,7 +320,8 @@ class CanaryStage:
         n = {a: len(outcomes.users(0, a)) for a in ("candidate", "incumbent")}
         audit, why = False, "watch look"
         if min(n.values()) >= c.min_users_for_harm:
-            numbers, harms = guardrails(outcomes, 0, c, step_rho_of(canary, c))
+            watched_metrics = tuple(m for m in c.guardrails if m not in LATENCY_METRICS)
+            numbers, harms = guardrails(outcomes, 0, c, step_rho_of(canary, c), watched_metrics)
             raw["guardrails"], raw["users"] = numbers, n
             alerted = {a["metric"] for a in raw["alerts"]}
             for metric, g in numbers.items():
