@@ -17,6 +17,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api.schemas import UNSUPPORTED
+
 log = logging.getLogger(__name__)
 
 _TYPES = {
@@ -69,7 +71,9 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError):
         errs = e.errors()
-        first = errs[0] if errs else {"loc": (), "msg": "invalid request", "type": ""}
+        # A refused OpenAI field is the answer whatever else is wrong with the body (`api.schemas.Refused`).
+        refusals = [x for x in errs if x.get("type") in UNSUPPORTED]
+        first = (refusals or errs or [{"loc": (), "msg": "invalid request", "type": ""}])[0]
         if first.get("type") == "json_invalid":
             return error_response(
                 400,
@@ -78,6 +82,8 @@ def install(app: FastAPI) -> None:
                 "invalid_json",
             )
         param = _loc_to_param(first.get("loc", ()))
+        if first.get("type") in UNSUPPORTED:  # the server's own message (it repeats nothing the caller sent)
+            return error_response(400, str(first.get("msg")), param, first["type"])
         msg = _short(str(first.get("msg", "invalid value")))
         if first.get("type") == "missing":
             return error_response(400, f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
