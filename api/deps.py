@@ -21,11 +21,12 @@ from fastapi.routing import APIRoute
 
 from api.errors import APIError
 from api.metrics import Metrics
-from core.security import Key, KeyStore
+from core.security import Key
 from core.settings import Settings
 from feedback.bus import EventBus
 from feedback.completion_index import CompletionIndex
 from feedback.sink import CompletionSink
+from registry.keys import KeyStore
 from registry.registry import Registry
 
 if TYPE_CHECKING:

@@ -23,13 +23,13 @@ from api.deps import Gateway, GatewayDep
 from api.fleet import GatewayFleet
 from api.metrics import RequestCounter
 from api.routes import admin, feedback, openai, weights
-from core.security import KeyStore
 from core.service_metrics import read_folder
 from core.settings import Settings, get_settings
 from feedback.bus import EventBus
 from feedback.completion_index import CompletionIndex
 from feedback.connect import open_bus
 from feedback.sink import CompletionSink
+from registry.keys import KeyStore
 from registry.registry import Registry
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ def create_app(
         # log, or to the Kafka spool while the broker is away, before the caller is answered.
         snk = sink if sink is not None else CompletionSink(bs)
         idx = index if index is not None else CompletionIndex(settings.completion_index_url)
-        keys = KeyStore(settings.key_store_path)
+        keys = KeyStore(settings.db_url)
         app.state.gateway = Gateway(settings, eng, snk, bs, idx, reg, keys, fleet)
         log.info("gateway ready: versions %s, default %s", eng.versions, eng.default_version)
         if freeze_gc:
@@ -126,6 +126,7 @@ def create_app(
                 idx.close()
             if owns_registry:
                 reg.close()
+            keys.close()
 
     app = FastAPI(title="Flywheel gateway", version="0.1.0", lifespan=lifespan)
     errors.install(app)

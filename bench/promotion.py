@@ -39,7 +39,6 @@ import httpx
 from api.fleet import CANARY_TTL_S
 from bench import common
 from bench.damaged_candidates import add_training_args, loop_config, quiet_logs, register_candidate, train
-from core.security import KeyStore
 from core.settings import Settings
 from core.supervisor import Supervisor
 from demo.bootstrap import SHIPPED_BASE
@@ -55,6 +54,7 @@ from gating.gate import Gate, GateConfig
 from gating.gate_process import verifier_scorer, weight_store_loader
 from gating.lease import GateLease
 from product.suites import EvalSuite
+from registry.keys import KeyStore
 from registry.models import CanaryProgress
 from registry.registry import Registry
 from serving.engine import EmbeddedEngine
@@ -279,7 +279,7 @@ def all_the_way(plan: Plan, work: Path) -> dict[str, Any]:
     home = work / "home"
     home.mkdir(parents=True)
     settings = Settings(home=home, model_dir=plan.base, engine="embedded", replicas=2, heartbeat_s=0.5)
-    admin = {"Authorization": f"Bearer {KeyStore(settings.key_store_path).create(['admin'], label='bench')[0]}"}
+    admin = {"Authorization": f"Bearer {KeyStore(settings.db_url).create(['admin'], label='bench')[0]}"}
     env = {"FLYWHEEL_MODEL_DIR": str(plan.base), "FLYWHEEL_ENGINE": "embedded", "FLYWHEEL_REPLICAS": "2"}
     env["FLYWHEEL_HEARTBEAT_S"] = "0.5"
     with Supervisor("bench-promotion") as sup:

@@ -395,11 +395,11 @@ def registry_url(db: str, work: Path) -> Iterator[str]:
 def weight_server(sup: Supervisor, work: Path, common_env: dict[str, str]) -> tuple[LiveGateway, str]:
     """The learner's machine: a gateway with 1 embedded replica serving `/v1/weights`; it and a
     `weights:read` token for the replicas."""
-    from core.security import KeyStore
+    from registry.keys import KeyStore
 
     home = work / "learner-box"
     home.mkdir()
-    token = KeyStore(home / "keys.json").create(["weights:read"], label="replicas")[0]
+    token = KeyStore(f"sqlite:///{home / 'registry.db'}").create(["weights:read"], label="replicas")[0]
     env = {**common_env, "FLYWHEEL_ENGINE": "embedded", "FLYWHEEL_REPLICAS": "1", "FLYWHEEL_GATEWAY_ID": "learner-box"}
     return common.gateway(home, env, sup, name="weight-server"), token
 
@@ -416,10 +416,11 @@ def serve_env(common_env: dict[str, str], weights: LiveGateway, token: str, **ex
 
 
 def admin_header(home: Path) -> dict[str, str]:
-    from core.security import KeyStore
+    from registry.keys import KeyStore
 
     home.mkdir(parents=True, exist_ok=True)
-    return {"Authorization": f"Bearer {KeyStore(home / 'keys.json').create(['admin'])[0]}"}
+    token = KeyStore(f"sqlite:///{home / 'registry.db'}").create(["admin"])[0]
+    return {"Authorization": f"Bearer {token}"}
 
 
 def measure(a: Any, model: Path, work: Path, db_url: str) -> dict:

@@ -131,9 +131,9 @@ def start_services(settings: Settings, supervisor) -> None:
 def up_admin_key(settings: Settings) -> str:
     """A fresh admin key for this `flywheel up` (printed, as Jupyter prints its token); the keys of
     earlier `up` sessions are revoked. Only its hash is stored."""
-    from core.security import KeyStore
+    from registry.keys import KeyStore
 
-    store = KeyStore(settings.key_store_path)
+    store = KeyStore(settings.db_url)
     for key in store.list():
         if key.label == "flywheel up" and key.revoked is None:
             store.revoke(key.key_id)
@@ -240,9 +240,9 @@ def _gate(args) -> None:
 def _keys(args) -> None:
     """`flywheel keys create --scope S [--scope S ...] [--tenant T] [--label L]`: the new token on
     stdout (shown only now), what it is on stderr; `list`: one JSON object per key; `revoke KEY_ID`."""
-    from core.security import KeyStore
+    from registry.keys import KeyStore
 
-    store = KeyStore(get_settings().key_store_path)
+    store = KeyStore(get_settings().db_url)
     try:
         if args.keys_cmd == "create":
             token, key = store.create(sorted(set(args.scope)), tenant=args.tenant, label=args.label)
@@ -309,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--seeds", type=int, default=3, help="seeds of --report (default 3)")
     d.add_argument("--resume", action="store_true", help="--report: reuse runs already saved with the same config")
-    k = sub.add_parser("keys", help="create, list and revoke API keys (stored hashed in $FLYWHEEL_HOME/keys.json)")
+    k = sub.add_parser("keys", help="create, list and revoke API keys (hashed, in the shared registry database)")
     ks = k.add_subparsers(dest="keys_cmd", required=True)
     kc = ks.add_parser("create", help="a new key; its token is printed once")
     kc.add_argument("--scope", action="append", required=True, choices=SCOPES, help="a scope (repeat for more)")

@@ -173,10 +173,6 @@ class Settings(BaseSettings):
         return self.index_url or f"sqlite:///{self.home / 'completion_index.db'}"
 
     @property
-    def key_store_path(self) -> Path:
-        return self.home / "keys.json"
-
-    @property
     def db_url(self) -> str:
         return self.database_url or f"sqlite:///{self.home / 'registry.db'}"
 

@@ -210,13 +210,13 @@ def run_system(
     """One run (module docstring); returns its numbers. `base` is the base checkpoint. With
     `keep_serving`, the gateway (and its dashboard) stays up after the run until
     `keep_serving(url, admin_token)` returns."""
-    from core.security import KeyStore
+    from registry.keys import KeyStore
     from registry.registry import Registry
 
     home.mkdir(parents=True, exist_ok=True)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    token, _ = KeyStore(home / "keys.json").create(["admin"], label="demo auto-approve")
+    token, _ = KeyStore(f"sqlite:///{home / 'registry.db'}").create(["admin"], label="demo auto-approve")
     t0 = time.monotonic()
     services = start_services(cfg, home, base, port)
     registry = Registry(f"sqlite:///{home / 'registry.db'}")

@@ -1,5 +1,6 @@
 """Registry tables and their API shapes: model versions, the audit log of their lifecycle, the
-registry's meta row, the replicas' heartbeats and the gate's lease.
+registry's meta row, the replicas' heartbeats, the gate's lease and the API keys (`ApiKey`: every
+gateway reads the one table, `registry.keys.KeyStore`).
 
 A Base → Create → table → Public ladder (as in full-stack-fastapi-template): `ModelVersionCreate` is
 what the learner hands in and is validated (pydantic, so mistakes are `ValueError`s naming the value);
@@ -42,7 +43,7 @@ JSONType = JSON().with_variant(JSONB(), "postgresql")
 UTCDateTime = DateTime(timezone=True)
 VERSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 SHA256 = r"^[0-9a-f]{64}$"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Version of the registry's tables (stored in `registry_meta`); a database of another version is refused.
 Bump it, with a migration in `registry.db`, for any change to the tables once a release has shipped."""
 GATE_FORMAT_VERSION = 1
@@ -413,3 +414,17 @@ class GateLeasePublic(GateLeaseBase):
 
     def live(self, now: datetime) -> bool:
         return self.age_s(now) <= self.lease_s
+
+
+class ApiKey(SQLModel, table=True):
+    """An API key (`registry.keys.KeyStore`): the SHA-256 of its token, never the token."""
+
+    __tablename__ = "api_key"
+
+    digest: str = Field(primary_key=True, min_length=64, max_length=64)
+    key_id: str = Field(unique=True, max_length=32)
+    tenant: str = Field(max_length=64)
+    scopes: list[str] = Field(sa_type=JSONType)
+    label: str = Field("", max_length=256)
+    created: float
+    revoked: float | None = None

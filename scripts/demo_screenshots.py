@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from core.harness import LiveGateway
-from core.security import KeyStore
+from registry.keys import KeyStore
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,7 @@ def main() -> None:
     a = ap.parse_args()
     run = json.loads(a.home.with_suffix(".json").read_text())
     base = a.home.parent.parent / "models" / "demo-base"
-    token, _ = KeyStore(a.home / "keys.json").create(["viewer"], label="screenshots")
+    token, _ = KeyStore(f"sqlite:///{a.home / 'registry.db'}").create(["viewer"], label="screenshots")
     env = {"FLYWHEEL_HOME": str(a.home), "FLYWHEEL_MODEL_DIR": str(base), "FLYWHEEL_REPLICAS": "1"}
     with LiveGateway(env, log_path=a.home / "screenshots-gateway.log", name="screenshots-gateway") as gw:
         shoot(gw.url, token, run["promotions"][-1], a.out)

@@ -90,11 +90,11 @@ def test_a_fresh_home_serves_a_copy_of_the_shipped_base(env, monkeypatch):
 
 def test_up_makes_a_fresh_admin_key_and_revokes_the_last_sessions(tmp_path):
     from cli.main import up_admin_key
-    from core.security import KeyStore
     from core.settings import Settings
+    from registry.keys import KeyStore
 
     settings = Settings(home=tmp_path)
     first, second = up_admin_key(settings), up_admin_key(settings)
-    store = KeyStore(settings.key_store_path)
+    store = KeyStore(settings.db_url)
     assert store.verify(first) is None and store.verify(second).allows("admin")
-    assert first not in settings.key_store_path.read_text()
+    assert first not in (tmp_path / "registry.db").read_bytes().decode(errors="replace")

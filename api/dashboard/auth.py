@@ -30,8 +30,9 @@ from fastapi import Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
-from core.security import SESSION_TTL_S, Key, KeyStore, Session, SessionSigner, load_or_create_secret
+from core.security import SESSION_TTL_S, Key, Session, SessionSigner, load_or_create_secret
 from core.settings import Settings
+from registry.keys import KeyStore
 
 PATH = "/dashboard"
 COOKIE = "fw_session"

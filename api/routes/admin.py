@@ -1,6 +1,6 @@
 """The admin API: read the registry and the fleet; approve, reject and roll back versions.
 
-Every route needs an API key from the key store (`core.security.KeyStore`), even in local mode:
+Every route needs an API key from the key store (`registry.keys.KeyStore`), even in local mode:
 reads need `viewer` (or `admin`), actions need `admin`. A missing or unknown key is 401, a key
 without the scope 403. Each action takes a reason and calls one `registry.registry.Registry`
 method, which audits it; a step the lifecycle does not allow is 409 and changes nothing.

@@ -10,10 +10,10 @@ import httpx
 import pytest
 
 from api.main import create_app
-from core.security import KeyStore
 from core.settings import Settings
 from feedback.bus_embedded import EmbeddedBus
 from feedback.completion_index import CompletionIndex
+from registry.keys import KeyStore
 from registry.registry import Registry
 from serving.engine import EmbeddedEngine
 from tests.conftest import LiveServer
@@ -47,7 +47,7 @@ def live(tiny_checkpoint, tmp_path):
     engine.add_version("ungated", tiny_checkpoint)  # held by the engine, never promoted
     bus, reg = EmbeddedBus(tmp_path / "bus"), Registry(f"sqlite:///{tmp_path / 'registry.db'}")
     reg.bootstrap("base", files=files("base"))
-    keys, index = KeyStore(settings.key_store_path), CompletionIndex(tmp_path / "index.db")
+    keys, index = KeyStore(settings.db_url), CompletionIndex(tmp_path / "index.db")
     with LiveServer(create_app(settings, engine=engine, bus=bus, registry=reg, index=index)) as server:
         server.reg, server.index = reg, index
         server.admin = {"Authorization": f"Bearer {keys.create(['admin'], label='ops')[0]}"}

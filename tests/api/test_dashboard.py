@@ -13,11 +13,11 @@ import pytest
 
 from api.dashboard.svg import Series, chart
 from api.main import create_app
-from core.security import KeyStore
 from core.settings import Settings
 from feedback.bus_embedded import EmbeddedBus
 from feedback.completion_index import CompletionIndex
 from gating.canary import CanaryOutcomes
+from registry.keys import KeyStore
 from registry.registry import Registry
 from serving.engine import EmbeddedEngine
 from tests.api.test_admin_api import files
@@ -84,7 +84,7 @@ def live(tiny_checkpoint, tmp_path):
     reg.register(version_id="v1", parent_id="base", files=files("v1"), metrics={"reward_mean": 0.25, "poisoning": poisoning, **COUNTED},
                  data_range={"feedback.samples": {0: (0, 40), 1: (0, 24)}})  # fmt: skip
     to_awaiting_approval(reg, "v1")
-    keys, index = KeyStore(settings.key_store_path), CompletionIndex(tmp_path / "index.db")
+    keys, index = KeyStore(settings.db_url), CompletionIndex(tmp_path / "index.db")
     with LiveServer(create_app(settings, engine=engine, bus=bus, registry=reg, index=index)) as server:
         server.reg, server.keys = reg, keys
         server.admin_token, server.admin_key = keys.create(["admin"], label="alice")
@@ -153,7 +153,7 @@ def test_outside_local_mode_the_cookie_is_secure_and_a_session_secret_is_require
     settings = Settings(**base, session_secret="s" * 40)
     bus, reg = EmbeddedBus(tmp_path / "bus"), Registry(settings.db_url)
     reg.bootstrap("base", files=files("base"))
-    token = KeyStore(settings.key_store_path).create(["viewer"])[0]
+    token = KeyStore(settings.db_url).create(["viewer"])[0]
     try:
         with LiveServer(create_app(settings, engine=engine, bus=bus, registry=reg)) as server:
             c = httpx.Client(base_url=server.url, timeout=30)

@@ -26,7 +26,6 @@ import pytest
 from api.fleet import GatewayFleet
 from api.main import create_app
 from core.harness import wait_until
-from core.security import KeyStore
 from core.settings import Settings
 from demo.checker import check
 from demo.split import sample_tasks, split_tasks
@@ -41,6 +40,7 @@ from gating.gate import Gate, GateConfig
 from gating.gate_process import verifier_scorer, weight_store_loader
 from gating.lease import GateLease
 from learner.service import LearnerConfig, LearnerService
+from registry.keys import KeyStore
 from registry.registry import Registry
 from serving.engine import EmbeddedEngine
 from serving.tokenizer import Tokenizer
@@ -166,7 +166,7 @@ def world(request, tmp_path_factory):
         home=home, model_dir=ckpt, engine="embedded", replicas=2, heartbeat_s=0.5, gateway_id="gateway-a"
     )
     reg, bus, index = Registry(settings.db_url), EmbeddedBus(home / "bus"), CompletionIndex(home / "index.db")
-    keys = KeyStore(settings.key_store_path)
+    keys = KeyStore(settings.db_url)
     t0 = time.monotonic()
     app = create_app(settings, bus=bus, index=index, registry=reg)
     with LiveServer(app) as server:

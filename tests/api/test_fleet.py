@@ -13,10 +13,10 @@ import torch
 from api.fleet import Canary
 from api.main import create_app
 from core.harness import wait_until
-from core.security import KeyStore
 from core.settings import Settings
 from feedback.bus_embedded import EmbeddedBus
 from feedback.completion_index import CompletionIndex
+from registry.keys import KeyStore
 from registry.publish import SHIPPING_DTYPE, STORE, file_entry
 from registry.registry import Registry
 from serving.checkpoint import load_checkpoint
@@ -46,7 +46,7 @@ def gateway(request, tiny_checkpoint, tmp_path):
         home=tmp_path, model_dir=tiny_checkpoint, engine="embedded", replicas=2, heartbeat_s=0.5, database_url=db
     )
     reg, bus, index = Registry(settings.db_url), EmbeddedBus(tmp_path / "bus"), CompletionIndex(tmp_path / "i.db")
-    admin = {"Authorization": f"Bearer {KeyStore(settings.key_store_path).create(['admin'])[0]}"}
+    admin = {"Authorization": f"Bearer {KeyStore(settings.db_url).create(['admin'])[0]}"}
     app = create_app(settings, bus=bus, index=index, registry=reg)
     with LiveServer(app) as server:
         notifiers = {type(r.notifier).__name__ for r in app.state.gateway.fleet.replicas}

@@ -15,10 +15,10 @@ import torch
 
 from api.main import create_app
 from core.harness import wait_until
-from core.security import KeyStore
 from core.settings import Settings
 from feedback.bus_embedded import EmbeddedBus
 from feedback.events import TOPICS, CompletionEvent
+from registry.keys import KeyStore
 from serving.checkpoint import load_checkpoint
 from serving.engine import EmbeddedEngine, score
 from serving.sampling import SamplingParams
@@ -314,7 +314,7 @@ def swap_after_resolve(tiny_checkpoint, tmp_path):
 
         gw.resolve_model = resolve_then_swap
         server.engine, server.bus, server.held = engine, bus, held
-        server.eval_key = KeyStore(settings.key_store_path).create(["completions", "eval"])[0]
+        server.eval_key = KeyStore(settings.db_url).create(["completions", "eval"])[0]
         yield server
     engine.shutdown()
     bus.close()

@@ -1,4 +1,4 @@
-"""Two gateways, two processes, one registry: both pick up a promotion and a rollback.
+"""Two gateways, two processes, one registry: both pick up a promotion and a rollback, and share keys.
 
 Each gateway is `flywheel serve` in its own process with its own home (nothing shared but the
 registry and the learner's models folder, which they fetch from as a folder). A candidate is
@@ -8,6 +8,7 @@ both back to the base. This is how gateways scale out behind a load balancer.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -15,6 +16,7 @@ import pytest
 
 from core.harness import wait_until
 from core.supervisor import Supervisor
+from registry.keys import KeyStore
 from registry.publish import publish_base
 from registry.registry import Registry
 from tests.api.test_swap_restart import PROMPT, Gateway, candidate, offline_verdict
@@ -66,4 +68,19 @@ def test_gateways_in_two_processes_follow_one_registry(tiny_checkpoint, tmp_path
         reg.rollback(None, "alice", "rolled back")
         wait_until(lambda: everyone_serves(base), 30, what="both gateways back on the base", check=sup.check)
         assert [alias_model(gw) for gw in gateways] == [base, base]
+
+        # Keys live in the shared database: one made there (as `flywheel keys create` does against it) works
+        # on both gateways; revoked, both refuse it within 5 s.
+        keys = KeyStore(reg.url)
+        token, key = keys.create(["viewer"], label="ops")
+
+        def status(gw: Gateway) -> int:
+            return httpx.get(gw.url + "/admin/versions", headers={"Authorization": f"Bearer {token}"}).status_code
+
+        assert [status(gw) for gw in gateways] == [200, 200]
+        keys.revoke(key.key_id)
+        t0 = time.monotonic()
+        wait_until(lambda: [status(gw) for gw in gateways] == [401, 401], 5, what="the revoke seen by both")
+        assert time.monotonic() - t0 < 5
+        keys.close()
     reg.close()

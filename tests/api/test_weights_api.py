@@ -11,10 +11,10 @@ import httpx
 import pytest
 
 from api.main import create_app
-from core.security import KeyStore
 from core.settings import Settings
 from feedback.bus_embedded import EmbeddedBus
 from feedback.completion_index import CompletionIndex
+from registry.keys import KeyStore
 from registry.registry import Registry
 from serving.engine import EmbeddedEngine
 from serving.fetch import Fetcher, HashMismatch
@@ -35,7 +35,7 @@ def live(tiny_checkpoint, tmp_path):
     bus, reg = EmbeddedBus(tmp_path / "bus"), Registry(f"sqlite:///{tmp_path / 'registry.db'}")
     sha = hashlib.sha256(DATA).hexdigest()
     reg.bootstrap("base", files=[{"path": PATH, "sha256": sha, "bytes": len(DATA), "kind": "snapshot"}])
-    keys, index = KeyStore(settings.key_store_path), CompletionIndex(tmp_path / "index.db")
+    keys, index = KeyStore(settings.db_url), CompletionIndex(tmp_path / "index.db")
     with LiveServer(create_app(settings, engine=engine, bus=bus, registry=reg, index=index)) as server:
         server.token = keys.create(["weights:read"], label="replicas-eu")[0]
         server.viewer = keys.create(["viewer"])[0]

@@ -11,14 +11,15 @@ import stat
 import pytest
 
 from cli import main as cli
-from core.security import KeyStore, SessionSigner, load_or_create_secret
+from core.security import SessionSigner, load_or_create_secret
 from core.settings import Settings, get_settings
+from registry.keys import KeyStore
 
 SECRET = b"k" * 32
 
 
 def test_a_session_names_its_key_expires_and_cannot_be_forged(tmp_path):
-    key = KeyStore(tmp_path / "keys.json").create(["viewer"])[1]
+    key = KeyStore(f"sqlite:///{tmp_path / 'registry.db'}").create(["viewer"])[1]
     signer = SessionSigner(SECRET, ttl_s=60)
     token, session = signer.issue(key, now=1000.0)
     assert signer.read(token, now=1059.0) == session and session.key_id == key.key_id
@@ -39,7 +40,7 @@ def test_csrf_tokens_are_bound_to_their_nonce_and_are_not_session_tokens(tmp_pat
     t = signer.csrf_token("sid-1")
     assert signer.csrf_ok("sid-1", t) and not signer.csrf_ok("sid-2", t)
     assert not signer.csrf_ok("sid-1", None) and not signer.csrf_ok(None, t) and not signer.csrf_ok("", "")
-    key = KeyStore(tmp_path / "keys.json").create(["viewer"])[1]
+    key = KeyStore(f"sqlite:///{tmp_path / 'registry.db'}").create(["viewer"])[1]
     token, session = signer.issue(key)
     assert not signer.csrf_ok(session.sid, token.split(".")[1])  # the session's MAC is in another domain
 
@@ -84,15 +85,19 @@ def test_flywheel_keys_creates_lists_and_revokes(home, capsys):
     cli.main(["keys", "create", "--scope", "viewer", "--scope", "eval", "--label", "alice", "--tenant", "acme"])
     out, err = capsys.readouterr()
     token = out.strip()
-    assert token.startswith("fw_") and "shown once" in err and token not in (home / "keys.json").read_text()
-    key = KeyStore(home / "keys.json").verify(token)
+    assert (
+        token.startswith("fw_")
+        and "shown once" in err
+        and token not in (home / "registry.db").read_bytes().decode(errors="replace")
+    )
+    key = KeyStore(f"sqlite:///{home / 'registry.db'}").verify(token)
     assert key is not None and key.scopes == ("eval", "viewer") and (key.tenant, key.label) == ("acme", "alice")
     cli.main(["keys", "list"])
     listed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(k["key_id"], k["scopes"], k["label"]) for k in listed] == [(key.key_id, ["eval", "viewer"], "alice")]
     assert token not in json.dumps(listed)
     cli.main(["keys", "revoke", key.key_id])
-    assert "revoked" in capsys.readouterr().out and KeyStore(home / "keys.json").verify(token) is None
+    assert "revoked" in capsys.readouterr().out and KeyStore(f"sqlite:///{home / 'registry.db'}").verify(token) is None
     cli.main(["keys", "list"])
     assert capsys.readouterr().out == ""
     cli.main(["keys", "list", "--all"])
