@@ -192,7 +192,7 @@ def _learner(args) -> None:
         init_process_group()
     product = load_product_config()
     flags = {"update_every_samples": args.every_samples, "update_every_s": args.every_s}
-    cfg = product.learner.model_copy(update={k: v for k, v in flags.items() if v is not None})
+    cfg = product.learner.learner_config().model_copy(update={k: v for k, v in flags.items() if v is not None})
     verifier = eval_suite(product).verifier  # the verifier of the suite the gate runs (`_gate`)
     bus = open_bus(settings)
     metrics = ServiceMetrics("learner", settings.home / "metrics")

@@ -17,7 +17,7 @@ from feedback.rewards import RewardSpec
 from gating.canary import CanaryConfig
 from gating.gate import GateConfig
 from learner.config import LearnerConfig
-from product.suites import EvalSuite
+from product.suites import EvalSuite, OfflinePrompts
 
 DEMO_SUITE = "demo.suite:demo_suite"
 
@@ -27,13 +27,28 @@ class GateSection(GateConfig):
     suite_kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of a callable `suite`.")
 
 
+class LearnerSection(LearnerConfig):
+    offline_prompts: str | None = Field(
+        None,
+        description="Prompts for offline group rollouts (lending): a plug-in path to a "
+        "`product.suites.OfflinePrompts`; None: none.",
+    )
+    offline_prompts_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of a callable `offline_prompts`."
+    )
+
+    def learner_config(self) -> LearnerConfig:
+        """The learner's own settings, without the plug-in."""
+        return LearnerConfig(**self.model_dump(exclude={"offline_prompts", "offline_prompts_kwargs"}))
+
+
 class ProductConfig(BaseModel):
     """The product sections of `flywheel.toml` (the module docstring)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     rewards: RewardsSection = Field(default_factory=RewardsSection)
-    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    learner: LearnerSection = Field(default_factory=LearnerSection)
     gate: GateSection = Field(default_factory=GateSection)
     canary: CanaryConfig = Field(default_factory=CanaryConfig)
 
@@ -57,9 +72,22 @@ def eval_suite(cfg: ProductConfig) -> EvalSuite:
     return got
 
 
+def offline_prompts(cfg: ProductConfig) -> OfflinePrompts | None:
+    """The `learner.offline_prompts` plug-in, or None when the file names none."""
+    if cfg.learner.offline_prompts is None:
+        return None
+    got = load_plugin(cfg.learner.offline_prompts, cfg.learner.offline_prompts_kwargs, "learner.offline_prompts")
+    if not isinstance(got, OfflinePrompts):
+        raise ConfigError(
+            f"learner.offline_prompts {cfg.learner.offline_prompts!r} gave a {type(got).__name__}, "
+            "not a product.suites.OfflinePrompts"
+        )
+    return got
+
+
 SECTION_MODELS: dict[str, type[BaseModel]] = {
     "rewards": RewardsSection,
-    "learner": LearnerConfig,
+    "learner": LearnerSection,
     "gate": GateSection,
     "canary": CanaryConfig,
 }
@@ -111,8 +139,12 @@ def config_command(args: Any) -> None:
         cfg = load_product_config()
         reward_spec(cfg.rewards)
         suite = eval_suite(cfg)
+        prompts = offline_prompts(cfg)
         path, _, _ = read_config()
-        print(f"flywheel config: {path or 'no config file (defaults)'} is valid; suite {suite.suite_version}")
+        print(
+            f"flywheel config: {path or 'no config file (defaults)'} is valid; suite {suite.suite_version}"
+            + (f"; offline prompts {prompts.name!r} ({len(prompts.prompts)})" if prompts is not None else "")
+        )
     except ConfigError as e:
         sys.exit(f"flywheel config: {e}")
 
@@ -164,14 +196,14 @@ def docs() -> str:
     lines += ["| key | default | meaning |", "|---|---|---|"]
     lines += _rows(RewardsSection, "rewards")
     lines += _rows(RewardSpec, "rewards.spec")
-    lines += _rows(LearnerConfig, "learner")
+    lines += _rows(LearnerSection, "learner")
     lines += [r for r in _rows(GateSection, "gate") if not r.startswith("| `gate.canary.")]
     lines += _rows(CanaryConfig, "canary")
     lines += [
         "",
         "Keys are dotted paths: `[learner.trainer]` then `lr = 0.001` sets learner.trainer.lr. A plug-in",
-        '(gate.suite, rewards.spec) is `"module:attribute"`, called with its `*_kwargs` table when callable',
-        "(`cli.config.load_plugin`). An example:",
+        '(gate.suite, rewards.spec, learner.offline_prompts) is `"module:attribute"`, called with its',
+        "`*_kwargs` table when callable (`cli.config.load_plugin`). An example:",
         "",
         "```toml",
         "[rewards]",

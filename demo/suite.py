@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from demo.checker import DemoVerifier
 from demo.split import split_of, split_tasks
 from demo.tasks import FAMILIES, Task
-from product.suites import EvalSuite, SuiteItem
+from product.suites import EvalSuite, OfflinePrompts, SuiteItem
 
 DEMO_SUITE_NAME = "demo-gate"
 DEMO_SUITE_VERSION = "3"
@@ -57,3 +57,11 @@ def demo_suite(tasks: Sequence[Task] | None = None, timeout_s: float = 1.0, n: i
         in_distribution=any(split_of(t) != "gate" for t in chosen),
         well_formed=python_parses,
     )
+
+
+def demo_offline_prompts(n: int = 512, timeout_s: float = 1.0) -> OfflinePrompts:
+    """The demo's `learner.offline_prompts`: `n` train-split prompts (what the users ask; never a gate
+    or report prompt), scored by the tasks' tests."""
+    if n < 1:
+        raise ValueError(f"n must be at least 1, got {n}")
+    return OfflinePrompts("demo-train", tuple(t.prompt for t in split_tasks("train", n)), DemoVerifier(timeout_s))

@@ -172,3 +172,29 @@ class EvalSuite:
         if not isinstance(data, dict):
             raise ValueError(f"{path}: an eval suite file holds a JSON object")
         return cls.from_json(data, verifier, well_formed)
+
+
+@dataclass(frozen=True)
+class OfflinePrompts:
+    """Where the learner's offline group rollouts (`learner.offline`) draw prompts from: the product's
+    prompts that may be trained on (never its eval suite's), and the verifier that scores them. Named
+    in the config file as `learner.offline_prompts` ("module:attr"); lending's rollouts use it."""
+
+    name: str
+    prompts: tuple[str, ...]
+    verifier: Verifier = field(compare=False)
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"offline prompts need a non-empty name, got {self.name!r}")
+        prompts = tuple(self.prompts)
+        object.__setattr__(self, "prompts", prompts)
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if not prompts:
+            raise ValueError(f"offline prompts {self.name!r}: no prompts")
+        bad = next((i for i, p in enumerate(prompts) if not isinstance(p, str) or not p), None)
+        if bad is not None:
+            raise ValueError(f"offline prompts {self.name!r} item {bad}: a prompt must be a non-empty string")
+        if not isinstance(self.verifier, Verifier):
+            raise ValueError(f"offline prompts {self.name!r}: {self.verifier!r} has no verify(prompts, completions)")

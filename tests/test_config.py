@@ -171,3 +171,20 @@ def test_flywheel_config_check_and_show(tmp_path, monkeypatch, capsys):
     )
     assert no.returncode == 1 and f"{bad}:2: learner.update_evry_samples: unknown key" in no.stderr, no.stderr
     assert "Traceback" not in no.stderr
+
+
+def test_offline_prompts_by_import_path(home, monkeypatch):
+    from cli.product_config import offline_prompts
+    from demo.split import split_of
+    from demo.tasks import task_from_prompt
+
+    assert offline_prompts(load_product_config()) is None  # none named: none
+    (home / "flywheel.toml").write_text(
+        '[learner]\noffline_prompts = "demo.suite:demo_offline_prompts"\noffline_prompts_kwargs = {n = 36}\n'
+    )
+    got = offline_prompts(load_product_config())
+    assert got is not None and got.name == "demo-train" and len(got.prompts) == 36
+    assert {split_of(task_from_prompt(p)) for p in got.prompts} == {"train"}  # never a gate or report prompt
+    (home / "flywheel.toml").write_text('[learner]\noffline_prompts = "demo.suite:demo_suite"\n')
+    with pytest.raises(ConfigError, match="'demo.suite:demo_suite' gave a EvalSuite, not a product.suites.Offline"):
+        offline_prompts(load_product_config())
