@@ -25,6 +25,7 @@ tests/test_config.py keeps it current).
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -49,10 +50,15 @@ class RewardsSection(BaseModel):
 
 
 def load_plugin(path: str, kwargs: dict[str, Any] | None = None, what: str = "plug-in") -> Any:
-    """The attribute `path` ("module:attr", attr may be dotted) names, called with `kwargs` if callable."""
+    """The attribute `path` ("module:attr", attr may be dotted) names, called with `kwargs` if callable.
+    Modules are found on the Python path, then in the config file's folder (a product's modules next to
+    its flywheel.toml, as `examples/tiny_functions` keeps them)."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"{what} {path!r}: expected 'module:attribute'")
+    config_file, _, _ = read_config()
+    if config_file is not None and str(config_file.parent.resolve()) not in sys.path:
+        sys.path.append(str(config_file.parent.resolve()))
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as e:
