@@ -10,6 +10,7 @@ key is written in the file, its line.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -85,3 +86,39 @@ def where(path: Path | None, text: str, dotted: str) -> str:
 def loc_key(loc: tuple[Any, ...]) -> str:
     """A pydantic error location as a dotted key (list indices kept as numbers)."""
     return ".".join(str(p) for p in loc)
+
+
+def _toml_value(value: Any, key: str) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{key}: {value!r} has no TOML form here")
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v, key) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k} = {_toml_value(v, f'{key}.{k}')}" for k, v in value.items()) + "}"
+    raise ValueError(f"{key}: {type(value).__name__} {value!r} has no TOML form here")
+
+
+def dump_toml(tables: Mapping[str, Mapping[str, Any]]) -> str:
+    """`tables` (section -> keys; a nested mapping under a `*_kwargs` key stays inline, any other becomes
+    a sub-table) as the text of a config file: what `read_config` reads back equal."""
+    lines: list[str] = []
+
+    def table(name: str, body: Mapping[str, Any]) -> None:
+        subs = {k: v for k, v in body.items() if isinstance(v, Mapping) and not k.endswith("_kwargs")}
+        lines.append(f"[{name}]")
+        lines.extend(
+            f"{k} = {_toml_value(v, f'{name}.{k}')}" for k, v in body.items() if k not in subs and v is not None
+        )
+        lines.append("")
+        for k, v in subs.items():
+            table(f"{name}.{k}", v)
+
+    for name, body in tables.items():
+        table(name, body)
+    return "\n".join(lines)

@@ -1,11 +1,11 @@
 """`flywheel demo`: the demo product driven through the whole running system, on a compressed clock.
 
-What runs, each in a process of its own, on embedded defaults under one `FLYWHEEL_HOME`:
-- the **gateway** (`api.main.create_app`, uvicorn) with `replicas` engines following the registry,
-  serving the completion endpoint, the feedback API, the admin API and the dashboard;
-- the **joiner** (`feedback.joiner.JoinerService`, attribution window `window_s`);
-- the **learner** (`learner.service.LearnerService`, an update every `learner_every_samples`);
-- the **gate** (`gating.gate_process.run_gate`: the offline suite, then a short canary ramp).
+The run is `flywheel up` on a config file of its own (`<home>/flywheel.toml`, written from
+`DemoSystemConfig` by `demo_config`): the gateway (with `replicas` engines following the registry,
+serving the completion endpoint, the feedback API, the admin API and the dashboard), the joiner
+(attribution window `window_s`), the learner (an update every `learner_every_samples`) and the gate
+(the demo's offline suite, `demo.suite:demo_suite`, then a short canary ramp), each a process, on
+embedded defaults under the run's `FLYWHEEL_HOME`. There is no second copy of the service wiring.
 
 This process plays the product's users (`demo.traffic.drive_users`). Each of `users` simulated users
 (`demo.users.SimulatedUser`,
@@ -119,52 +119,60 @@ class DemoSystemConfig(BaseModel):
 # ---- the run -------------------------------------------------------------------------------------
 
 
-def start_services(cfg: DemoSystemConfig, home: Path, base: Path, port: int) -> Supervisor:
-    """The gateway (`flywheel serve`), the joiner, the learner and the gate under one supervisor."""
-    from demo.services import command
-    from gating.canary import CanaryConfig
-    from gating.gate import GateConfig
-    from learner.objective import LossConfig
-    from learner.service import LearnerConfig
-    from learner.trainer import TrainerConfig
+def demo_config(cfg: DemoSystemConfig, port: int) -> dict[str, dict[str, Any]]:
+    """The run's `flywheel.toml` (as tables): what `flywheel up` and each of its services read."""
+    return {
+        "gateway": {
+            "port": port,
+            "replicas": cfg.replicas,
+            "heartbeat_s": 1.0,
+            "torch_threads": 1,  # every process of the demo shares 2 cores: no oversubscribed thread pools
+        },
+        "rewards": {"window_s": cfg.window_s},
+        "learner": {
+            "update_every_samples": cfg.learner_every_samples,
+            "update_every_s": max(30.0, cfg.window_s * 10),
+            "min_samples": 32,
+            "min_updates_per_candidate": cfg.updates_per_candidate,
+            "trainer": {"lr": cfg.lr, "loss": {"kl_coef": cfg.kl_coef}},
+        },
+        "gate": {
+            "suite": "demo.suite:demo_suite",
+            "suite_kwargs": {"n": cfg.gate_prompts},
+            "G": cfg.gate_G,
+            "seed": cfg.seed,
+            "n_resamples": 500,
+            "poll_s": 1.0,
+            "nice": 0,  # on a machine saturated by the simulated users a niced gate would starve
+        },
+        "canary": {
+            "steps": list(cfg.canary_steps),
+            "min_users_per_arm": cfg.canary_min_users,
+            "min_step_s": cfg.window_s * 2,
+            "margin": cfg.canary_margin,
+            "max_step_s": cfg.canary_max_step_s,
+            "min_users_for_harm": max(2, cfg.canary_min_users // 2),
+            "watch_s": cfg.traffic_s,
+        },
+    }
 
-    learner = LearnerConfig(
-        update_every_samples=cfg.learner_every_samples,
-        update_every_s=max(30.0, cfg.window_s * 10),
-        min_samples=32,
-        min_updates_per_candidate=cfg.updates_per_candidate,
-        trainer=TrainerConfig(lr=cfg.lr, loss=LossConfig(kl_coef=cfg.kl_coef)),
+
+def start_services(cfg: DemoSystemConfig, home: Path, base: Path, port: int) -> Supervisor:
+    """`flywheel up` (the gateway, the joiner, the learner and the gate) on the run's config file,
+    `<home>/flywheel.toml`, under one supervisor; its output goes to `<home>/up.log`."""
+    from core.config_file import FILE_NAME, dump_toml
+
+    config = home / FILE_NAME
+    config.write_text(
+        "# flywheel demo: this run's config (demo.system.demo_config)\n" + dump_toml(demo_config(cfg, port))
     )
-    canary = CanaryConfig(
-        steps=cfg.canary_steps,
-        min_users_per_arm=cfg.canary_min_users,
-        min_step_s=cfg.window_s * 2,
-        margin=cfg.canary_margin,
-        max_step_s=cfg.canary_max_step_s,
-        min_users_for_harm=max(2, cfg.canary_min_users // 2),
-        watch_s=cfg.traffic_s,
-    )
-    # nice 0: on a machine saturated by the simulated users a niced gate would starve (minutes per candidate)
-    gate = GateConfig(G=cfg.gate_G, seed=cfg.seed, n_resamples=500, poll_s=1.0, nice=0, canary=canary)
-    h, b = str(home), str(base)
     supervisor = Supervisor("flywheel demo")
     env = {
-        **os.environ,
-        "FLYWHEEL_HOME": h,
-        "FLYWHEEL_MODEL_DIR": b,
-        "FLYWHEEL_PORT": str(port),
-        "FLYWHEEL_REPLICAS": str(cfg.replicas),
-        "FLYWHEEL_HEARTBEAT_S": "1",
-        "FLYWHEEL_TORCH_THREADS": "1",  # every process of the demo shares 2 cores: no oversubscribed thread pools
+        **{k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")},
+        "FLYWHEEL_HOME": str(home),
+        "FLYWHEEL_MODEL_DIR": str(base),
     }
-    supervisor.start_flywheel("gateway", ["serve"], env=env, log_path=home / "gateway.log")
-    specs: dict[str, tuple[Any, ...]] = {
-        "joiner": (h, b, cfg.window_s),
-        "learner": (h, b, learner.model_dump_json()),
-        "gate": (h, b, gate.model_dump_json(), cfg.gate_prompts),
-    }
-    for name, args in specs.items():
-        supervisor.start(name, command(name, *args), env=env)
+    supervisor.start_flywheel("up", ["--config", str(config), "up"], env=env, log_path=home / "up.log")
     return supervisor
 
 
@@ -258,7 +266,7 @@ def run_system(
         audit = registry.audit()
     finally:
         bar.close()
-        services.stop(keep=("gateway",) if keep_serving else ())
+        services.stop(keep=("up",) if keep_serving else ())
         registry.close()
     try:
         promoted = list(dict.fromkeys(a.version_id for a in audit if a.to_status.value == "promoted"))
@@ -432,14 +440,14 @@ def _offline_rates(verdict: dict | None) -> dict | None:
 
 def logged_prompt_leaks(home: Path, base: Path) -> dict:
     """Every completion event the run logged, its prompt decoded, checked for gate or report content."""
-    from demo.services import service_settings
+    from core.settings import Settings
     from demo.split import find_leaks
     from feedback.connect import open_bus
     from feedback.events import TOPICS, CompletionEvent
     from serving.tokenizer import Tokenizer
 
     tok = Tokenizer.from_file(base)
-    bus = open_bus(service_settings(str(home), str(base)))
+    bus = open_bus(Settings(home=home, model_dir=base, env="local"))
     consumer = bus.consumer(TOPICS["completion"], group="demo-leak-check")
     prompts: list[str] = []
     try:

@@ -188,3 +188,20 @@ def test_offline_prompts_by_import_path(home, monkeypatch):
     (home / "flywheel.toml").write_text('[learner]\noffline_prompts = "demo.suite:demo_suite"\n')
     with pytest.raises(ConfigError, match="'demo.suite:demo_suite' gave a EvalSuite, not a product.suites.Offline"):
         offline_prompts(load_product_config())
+
+
+def test_the_demo_runs_flywheel_up_on_a_file_of_its_own(home):
+    """`flywheel demo` writes its settings as a config file (no second copy of the service wiring)."""
+    from core.config_file import dump_toml
+    from demo.system import DemoSystemConfig, demo_config
+
+    cfg = DemoSystemConfig(seed=3)
+    (home / "flywheel.toml").write_text(dump_toml(demo_config(cfg, 8123)))
+    product, settings = load_product_config(), load_settings()
+    assert (settings.port, settings.replicas, settings.torch_threads) == (8123, cfg.replicas, 1)
+    assert product.learner.update_every_samples == cfg.learner_every_samples
+    assert product.learner.trainer.loss.kl_coef == cfg.kl_coef and product.learner.trainer.lr == cfg.lr
+    gate = product.gate_config()
+    assert (gate.G, gate.seed, gate.canary.margin, gate.canary.steps) == (cfg.gate_G, 3, cfg.canary_margin, (0.2, 0.5))
+    assert product.gate.suite == "demo.suite:demo_suite" and product.gate.suite_kwargs == {"n": cfg.gate_prompts}
+    assert product.rewards.window_s == cfg.window_s

@@ -268,7 +268,7 @@ def _wait_running(proc: subprocess.Popen, home: Path, services_home: Path | None
     services run (a demo run's own home under `home`)."""
     where = services_home or home
     metrics = [where / "metrics" / f"{name}.prom" for name in ("joiner", "learner", "gate")]
-    logs = [where / "gateway.log", home / "command.log"]
+    logs = [where / "up.log", home / "command.log"]
     wait_until(
         lambda: all(m.is_file() for m in metrics) and any("gateway ready" in _read(p) for p in logs),
         180,
