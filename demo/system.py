@@ -29,17 +29,14 @@ import asyncio
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from core.harness import free_port, http_ok, wait_until
-from core.supervisor import Supervisor
 from demo.suite import GATE_PROMPTS
 from demo.traffic import Traffic, drive_users
 
@@ -96,9 +93,24 @@ class DemoSystemConfig(BaseModel):
         description="The canary's non-inferiority margin (reward scale): the smallest with 80% power at the demo's "
         "~470 users per 120 s step at 20% (bench/canary_sizing.py, docs/gate.md); production's default is 0.03.",
     )
+    shape: Literal["embedded", "kafka-postgres"] = Field(
+        "embedded",
+        description="What the run runs on (`demo.stack`): the embedded bus and SQLite, or the production shape: "
+        "a Kafka-protocol broker and a PostgreSQL database made for the run, with `gateways` gateways.",
+    )
+    gateways: int = Field(1, ge=1, description="Gateways the users are spread over (more than 1: kafka-postgres).")
+    postgres_server: str = Field(
+        "postgresql://postgres@127.0.0.1:5432", description="kafka-postgres: where the run's database is made."
+    )
     auto_approve: bool = Field(True, description="Approve through the admin API as soon as a version awaits it.")
     report_prompts: int = Field(1000, ge=10, description="Report-split prompts per evaluation.")
     max_tokens: int = Field(48, ge=1)
+
+    @model_validator(mode="after")
+    def _gateways_share_a_bus(self) -> DemoSystemConfig:
+        if self.gateways > 1 and self.shape != "kafka-postgres":
+            raise ValueError(f"gateways={self.gateways} needs shape 'kafka-postgres' (a bus and database they share)")
+        return self
 
     @classmethod
     def quick(cls) -> DemoSystemConfig:
@@ -117,73 +129,6 @@ class DemoSystemConfig(BaseModel):
 
 
 # ---- the run -------------------------------------------------------------------------------------
-
-
-def demo_config(cfg: DemoSystemConfig, port: int) -> dict[str, dict[str, Any]]:
-    """The run's `flywheel.toml` (as tables): what `flywheel up` and each of its services read."""
-    return {
-        "gateway": {
-            "port": port,
-            "replicas": cfg.replicas,
-            "heartbeat_s": 1.0,
-            "torch_threads": 1,  # every process of the demo shares 2 cores: no oversubscribed thread pools
-        },
-        "rewards": {"window_s": cfg.window_s},
-        "learner": {
-            "update_every_samples": cfg.learner_every_samples,
-            "update_every_s": max(30.0, cfg.window_s * 10),
-            "min_samples": 32,
-            "min_updates_per_candidate": cfg.updates_per_candidate,
-            "trainer": {"lr": cfg.lr, "loss": {"kl_coef": cfg.kl_coef}},
-        },
-        "gate": {
-            "suite": "demo.suite:demo_suite",
-            "suite_kwargs": {"n": cfg.gate_prompts},
-            "G": cfg.gate_G,
-            "seed": cfg.seed,
-            "n_resamples": 500,
-            "poll_s": 1.0,
-            "nice": 0,  # on a machine saturated by the simulated users a niced gate would starve
-        },
-        "canary": {
-            "steps": list(cfg.canary_steps),
-            "min_users_per_arm": cfg.canary_min_users,
-            "min_step_s": cfg.window_s * 2,
-            "margin": cfg.canary_margin,
-            "max_step_s": cfg.canary_max_step_s,
-            "min_users_for_harm": max(2, cfg.canary_min_users // 2),
-            "watch_s": cfg.traffic_s,
-        },
-    }
-
-
-def start_services(cfg: DemoSystemConfig, home: Path, base: Path, port: int) -> Supervisor:
-    """`flywheel up` (the gateway, the joiner, the learner and the gate) on the run's config file,
-    `<home>/flywheel.toml`, under one supervisor; its output goes to `<home>/up.log`."""
-    from core.config_file import FILE_NAME, dump_toml
-
-    config = home / FILE_NAME
-    config.write_text(
-        "# flywheel demo: this run's config (demo.system.demo_config)\n" + dump_toml(demo_config(cfg, port))
-    )
-    supervisor = Supervisor("flywheel demo")
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")},
-        "FLYWHEEL_HOME": str(home),
-        "FLYWHEEL_MODEL_DIR": str(base),
-    }
-    supervisor.start_flywheel("up", ["--config", str(config), "up"], env=env, log_path=home / "up.log")
-    return supervisor
-
-
-def _wait_ready(url: str, services: Supervisor, timeout_s: float = 120.0) -> None:
-    wait_until(
-        lambda: http_ok(url + "/healthz"),
-        timeout_s,
-        what=f"the demo gateway at {url}",
-        interval_s=0.5,
-        check=services.check,
-    )
 
 
 class _Approver:
@@ -218,21 +163,25 @@ def run_system(
     """One run (module docstring); returns its numbers. `base` is the base checkpoint. With
     `keep_serving`, the gateway (and its dashboard) stays up after the run until
     `keep_serving(url, admin_token)` returns."""
+    from demo import stack as shapes
     from registry.keys import KeyStore
     from registry.registry import Registry
 
     home.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    token, _ = KeyStore(f"sqlite:///{home / 'registry.db'}").create(["admin"], label="demo auto-approve")
     t0 = time.monotonic()
-    services = start_services(cfg, home, base, port)
-    registry = Registry(f"sqlite:///{home / 'registry.db'}")
+    stack = shapes.start(cfg, home, base)
+    services, url = stack.supervisor, stack.urls[0]
+    keep = ("tansu",)  # the broker outlives the services: the leak check reads the run's completions from it
+    registry = Registry(stack.db_url)
     bar = _progress(cfg.traffic_s, "users")
     try:
-        _wait_ready(url, services)
+        with KeyStore(stack.db_url) as keys:
+            token, _ = keys.create(["admin"], label="demo auto-approve")
+        stack.wait_ready()
         on_line(
-            f"[{time.monotonic() - t0:6.0f}s] gateway up at {url} ({cfg.replicas} replicas); dashboard {url}/dashboard"
+            f"[{time.monotonic() - t0:6.0f}s] "
+            + ", ".join(f"gateway up at {u}" for u in stack.urls)
+            + f" ({cfg.replicas} replicas each, {cfg.shape}); dashboard {url}/dashboard"
             + ("" if cfg.auto_approve else f" (sign in with the admin key {token} to approve)")
         )
         approver = _Approver(url, token)
@@ -258,15 +207,17 @@ def run_system(
             bar.update(min(cfg.traffic_s, time.monotonic() - start), traffic)
 
         deadline = time.monotonic() + cfg.traffic_s
-        traffic = asyncio.run(drive_users(cfg, url, deadline, _throttled(watch, 2.0)))
+        traffic = asyncio.run(drive_users(cfg, stack.urls, deadline, _throttled(watch, 2.0)))
         watch(traffic)
         bar.close()
         wall = time.monotonic() - t0
         versions = registry.list()
         audit = registry.audit()
+        fleet = _fleet(registry)
+        db_url = stack.db_url
     finally:
         bar.close()
-        services.stop(keep=("up",) if keep_serving else ())
+        services.stop(keep=(*keep, *(("up",) if keep_serving else ())))
         registry.close()
     try:
         promoted = list(dict.fromkeys(a.version_id for a in audit if a.to_status.value == "promoted"))
@@ -276,7 +227,7 @@ def run_system(
             + f"; evaluating {len(promoted)} versions on the report split"
         )
         evals = evaluate_versions(home, base, promoted, cfg)
-        leaks = logged_prompt_leaks(home, base)
+        leaks = logged_prompt_leaks(stack.settings, base)
         result = {
             "config": cfg.model_dump(mode="json"),
             "wall_s": round(wall, 1),
@@ -287,6 +238,7 @@ def run_system(
                 "feedback": traffic.feedback,
                 "ended_early": traffic.ended_early,
                 "served": traffic.served,
+                "by_gateway": traffic.by_gateway,
                 "pass_rate_served": {k: sum(v) / len(v) for k, v in traffic.passed.items() if v},
             },
             "versions": [_version_record(v, audit) for v in versions],
@@ -294,6 +246,8 @@ def run_system(
             "evaluations": {vid: evals[vid] for vid in promoted},
             "logged_prompts": leaks,
             "poisoning": poisoning_by_update(home / "models" / "learner" / "updates.jsonl", cfg),
+            "fleet": fleet,
+            "registry_url": db_url,
         }
         if keep_serving is not None:
             keep_serving(url, token)
@@ -372,11 +326,11 @@ LEARNER_KEYS = (
 """The learner's numbers of a version that a run's record keeps (the off-policy ones among them)."""
 
 
-def version_records(home: Path) -> list[dict]:
-    """Every version of a run's registry, as `run_system` records it (also for a finished run)."""
+def version_records(db_url: str) -> list[dict]:
+    """Every version of a run's registry (at `db_url`), as `run_system` records it (also for a finished run)."""
     from registry.registry import Registry
 
-    registry = Registry(f"sqlite:///{home / 'registry.db'}")
+    registry = Registry(db_url)
     try:
         audit = registry.audit()
         return [_version_record(v, audit) for v in registry.list()]
@@ -438,16 +392,36 @@ def _offline_rates(verdict: dict | None) -> dict | None:
     }
 
 
-def logged_prompt_leaks(home: Path, base: Path) -> dict:
-    """Every completion event the run logged, its prompt decoded, checked for gate or report content."""
-    from core.settings import Settings
+def _fleet(registry: Any, timeout_s: float = 60.0) -> dict:
+    """At the end of traffic: every gateway's replicas up and whether each holds the promoted version,
+    once the fleet serves it or `timeout_s` has passed (`waited_s`: how long that took)."""
+    t0 = time.monotonic()
+    f = registry.fleet(interval_s=1.0)
+    while not f.complete and time.monotonic() - t0 < timeout_s:
+        time.sleep(0.5)
+        f = registry.fleet(interval_s=1.0)
+    up = [b for b in f.replicas if b.replica_id in f.up]
+    sha = registry.get(f.promoted_id).artifact_sha256 if f.promoted_id else None
+    return {
+        "promoted": f.promoted_id,
+        "complete": f.complete,
+        "gateways": sorted({b.gateway_id for b in up}),
+        "replicas_up": len(up),
+        "replicas_on_promoted": sum(b.holds.get(f.promoted_id) == sha for b in up) if sha else 0,
+        "waited_s": round(time.monotonic() - t0, 1),
+    }
+
+
+def logged_prompt_leaks(settings: Any, base: Path) -> dict:
+    """Every completion event the run logged (on its bus: `settings`), its prompt decoded, checked for
+    gate or report content."""
     from demo.split import find_leaks
     from feedback.connect import open_bus
     from feedback.events import TOPICS, CompletionEvent
     from serving.tokenizer import Tokenizer
 
     tok = Tokenizer.from_file(base)
-    bus = open_bus(Settings(home=home, model_dir=base, env="local"))
+    bus = open_bus(settings)
     consumer = bus.consumer(TOPICS["completion"], group="demo-leak-check")
     prompts: list[str] = []
     try:

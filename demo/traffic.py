@@ -39,6 +39,7 @@ class Traffic:
     ended_early: bool = False  # set by the run once `stop_after_promotions` versions are promoted
     feedback: int = 0
     served: dict[str, int] = field(default_factory=dict)
+    by_gateway: dict[str, int] = field(default_factory=dict)  # completions per gateway URL
     passed: dict[str, list[int]] = field(default_factory=dict)
 
 
@@ -72,8 +73,10 @@ def _signals(user: _User, task: Any, text: str, check: Any, cfg: DemoSystemConfi
 
 
 async def drive_users(
-    cfg: DemoSystemConfig, url: str, deadline: float, progress: Callable[[Traffic], None] | None = None
+    cfg: DemoSystemConfig, urls: list[str], deadline: float, progress: Callable[[Traffic], None] | None = None
 ) -> Traffic:
+    """The users until `deadline`; each user always goes to one gateway of `urls` (by index), as a
+    load balancer with sticky sessions would send them."""
     import openai
 
     from demo.checker import check_batch
@@ -84,8 +87,11 @@ async def drive_users(
     weights = [u.activity for u in users]
     rng = random.Random(f"traffic:{cfg.seed}")
     traffic = Traffic()
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="local", max_retries=2, timeout=30)
-    fb = FeedbackClient(url, batch_size=200, flush_interval_s=0.5)
+    if not urls:
+        raise ValueError("drive_users needs at least one gateway URL")
+    clients = [openai.AsyncOpenAI(base_url=u + "/v1", api_key="local", max_retries=2, timeout=30) for u in urls]
+    feedbacks = [FeedbackClient(u, batch_size=200, flush_interval_s=0.5) for u in urls]
+    gateway = {id(u): i % len(urls) for i, u in enumerate(users)}  # each user's gateway
     pending: list[tuple[_User, Any, str, str]] = []
     traffic_model: dict[str, str] = {}  # completion id -> the version that served it
     later: list[asyncio.Task] = []
@@ -99,8 +105,9 @@ async def drive_users(
             user = rng.choices(users, weights)[0]
             task_seed[0] += 1
             task = sample_tasks(1, seed=task_seed[0])[0]
+            g = gateway[id(user)]
             try:
-                r = await client.completions.create(
+                r = await clients[g].completions.create(
                     model="flywheel",
                     prompt=task.prompt,
                     max_tokens=cfg.max_tokens,
@@ -116,7 +123,8 @@ async def drive_users(
                 continue
             traffic.completions += 1
             traffic.served[r.model] = traffic.served.get(r.model, 0) + 1
-            fb.shown(r.id, user=user.sim.user_id)
+            traffic.by_gateway[urls[g]] = traffic.by_gateway.get(urls[g], 0) + 1
+            feedbacks[g].shown(r.id, user=user.sim.user_id)
             pending.append((user, task, r.id, r.choices[0].text))
             traffic_model[r.id] = r.model
 
@@ -136,14 +144,17 @@ async def drive_users(
                 _, task, _, text = batch[j]
                 for s in _signals(user, task, text, checks[j], cfg, rng):
                     delay = rng.uniform(0.0, cfg.window_s * 0.8)
+                    fb = feedbacks[gateway[id(user)]]
                     later.append(asyncio.create_task(_send_later(fb, s, cid, user.sim.user_id, delay, traffic)))
             if progress is not None:
                 progress(traffic)
 
     await asyncio.gather(*(one_user() for _ in range(cfg.concurrency)), react())
     await asyncio.gather(*later)
-    await asyncio.to_thread(fb.close, 30)
-    await client.close()
+    for fb in feedbacks:
+        await asyncio.to_thread(fb.close, 30)
+    for client in clients:
+        await client.close()
     return traffic
 
 

@@ -41,6 +41,12 @@ class KeyStore:
     def close(self) -> None:
         self.engine.dispose()
 
+    def __enter__(self) -> KeyStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def create(self, scopes: list[str] | tuple[str, ...], tenant: str = "default", label: str = "") -> tuple[str, Key]:
         """A new key: (the token, shown only now; its record)."""
         bad = [s for s in scopes if s not in SCOPES]

@@ -193,7 +193,8 @@ def test_offline_prompts_by_import_path(home, monkeypatch):
 def test_the_demo_runs_flywheel_up_on_a_file_of_its_own(home):
     """`flywheel demo` writes its settings as a config file (no second copy of the service wiring)."""
     from core.config_file import dump_toml
-    from demo.system import DemoSystemConfig, demo_config
+    from demo.stack import demo_config
+    from demo.system import DemoSystemConfig
 
     cfg = DemoSystemConfig(seed=3)
     (home / "flywheel.toml").write_text(dump_toml(demo_config(cfg, 8123)))

