@@ -4,7 +4,9 @@ Owns the decoding of the recorded routing (uint8 [P + N - 1, L, K], base64 in th
 filters applied before training: greedy completions (no usable importance ratio), empty outputs,
 samples whose behaviour version is more than `max_staleness` versions behind the trainer (as
 `learner.lineage.staleness` counts), and samples more than `max_lag` updates behind it (the policy
-lag bound) are dropped and counted, never silently.
+lag bound) are dropped and counted, never silently. When the drops leave too few samples for an
+update, the learner sets the dropped ones aside (`set_aside`) and keeps the rest buffered, rather than
+take an optimizer step on a handful of samples.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from feedback.bus import Record
 from feedback.events import SampleEvent
 from learner.baselines import baseline_key
 from learner.replay import Sequence
@@ -80,3 +83,19 @@ def partition(
         else:
             dropped[why] += 1
     return kept, dropped
+
+
+def set_aside(
+    buffer: list[tuple[Record, SampleEvent | None]], kept: set[str]
+) -> tuple[list[tuple[Record, SampleEvent | None]], list[str]]:
+    """`buffer` with every sample whose event id is not in `kept` replaced by its bare record (its
+    position is still committed with the next update; it is never trained), and those event ids."""
+    out: list[tuple[Record, SampleEvent | None]] = []
+    gone = []
+    for rec, ev in buffer:
+        if ev is None or ev.event_id in kept:
+            out.append((rec, ev))
+        else:
+            out.append((Record(rec.topic, rec.partition, rec.offset, rec.key, b""), None))
+            gone.append(ev.event_id)
+    return out, gone

@@ -68,7 +68,7 @@ from feedback.events import SampleEvent
 from learner.config import LearnerConfig
 from learner.lineage import anchor, merge_covered, staleness, staleness_stats
 from learner.poisoning import VerifiedTally, screen, verdicts
-from learner.samples import partition, sequence_from_sample
+from learner.samples import partition, sequence_from_sample, set_aside
 from learner.trainer import NonFiniteUpdate, Trainer
 from learner.update_stats import append_update, counters, since_parent
 from product.suites import Verifier
@@ -157,6 +157,8 @@ class LearnerService:
         self.buffer: list[tuple[Record, SampleEvent | None]] = []
         self.offline: list = []  # (Sequence, advantage) from off-peak group rollouts, mixed into the next update
         self._buffered_ids: set[str] = set()
+        self._set_aside: set[str] = set()  # dropped, not yet committed (`set_aside`): a redelivery is a duplicate
+        self._aside_dropped: Counter[str] = Counter()
         self._group_buffered = 0  # samples buffered by all ranks at the last cadence check
         self.partitions_read: set[int] = set()  # sample-topic partitions this instance has read from
         self.counters: Counter = Counter()
@@ -280,7 +282,7 @@ class LearnerService:
                 self.counters["dead_lettered_malformed"] += 1
                 self.buffer.append((skipped, None))
                 continue
-            if ev.event_id in self._trained_set or ev.event_id in self._buffered_ids:
+            if ev.event_id in self._trained_set or ev.event_id in self._buffered_ids or ev.event_id in self._set_aside:
                 self.counters["skipped_duplicate_id"] += 1
                 self.buffer.append((skipped, None))
                 continue
@@ -306,6 +308,12 @@ class LearnerService:
         if n >= self.cfg.update_every_samples:
             return True
         return n >= self.cfg.min_samples and elapsed >= self.cfg.update_every_s
+
+    def _trainable(self, n: int) -> bool:
+        """The cadence (`due`) on the samples that survive the drops."""
+        return n >= self.cfg.update_every_samples or (
+            n >= self.cfg.min_samples and self.clock() - self.last_update >= self.cfg.update_every_s
+        )
 
     def _whole_batch(self) -> tuple[list[Record], list[tuple[Record, SampleEvent]], list]:
         """Every rank's buffered records, the (record, event) pairs among them, and rank 0's offline
@@ -362,6 +370,15 @@ class LearnerService:
         lag = staleness(self.state, "updates")
         max_lag = self.cfg.max_lag_updates
         kept, dropped = partition(batch, behind, self.cfg.max_staleness, lag, max_lag)
+        if not self._trainable(len(kept) + len(offline_all)):  # drops left too few: no step on a handful
+            self.buffer, gone = set_aside(self.buffer, {ev.event_id for _, ev in kept})
+            self._buffered_ids.difference_update(gone)
+            self._set_aside.update(gone)
+            self._aside_dropped.update(dropped)  # in the next update's statistics too
+            self.counters.update({f"dropped_{k}": v for k, v in dropped.items()} | {"set_aside_updates": 1})
+            log.info("learner: %d samples left after dropping %s: buffering on", len(kept), dict(dropped))
+            return None
+        aside, self._aside_dropped = self._aside_dropped, Counter()
         events = [ev for _, ev in kept]
         v = self.verifier if events and self.cfg.poisoning.enabled and self.rank == 0 else None  # for all ranks
         passed = _from_rank0(verdicts(v, self.tokenizer.decode, events) if v is not None else None, self.world_size)
@@ -405,7 +422,7 @@ class LearnerService:
             log.warning("learner: nothing trainable in %d buffered samples (dropped: %s)", len(batch), dict(dropped))
         if trained:
             stats["offline_samples"] = len(offline)
-            stats.update(counters(dropped, screening, len(offline_all) - len(offline)))
+            stats.update(counters(dropped + aside, screening, len(offline_all) - len(offline)))
             stats.update(staleness_stats(self.state, [s.version for s in seqs]))
             stats["lag_updates_mean"] = stats["staleness_updates_mean"]
             stats["lag_updates_max"] = stats["staleness_updates_max"]
@@ -427,6 +444,7 @@ class LearnerService:
         self._trained_set = set(self.trained_ids)
         self.buffer.clear()
         self._buffered_ids.clear()
+        self._set_aside.clear()
         self._group_buffered = 0
         if trained:
             self.counters["trained"] += len(seqs)

@@ -2,6 +2,7 @@
 
 import json
 import random
+import uuid
 
 import pytest
 import torch
@@ -150,8 +151,25 @@ def test_the_learner_waits_at_the_lag_bound_and_drops_only_what_is_beyond_it(tmp
     ]
     assert log[2]["stats"]["poisoning"]["flags"] == [] and log[2]["stats"]["samples"] == 10
     promote(svc.registry, "v0002")
-    publish(bus, samples[30:40])  # late samples of the base, now 3 updates behind: dropped and counted
+    publish(bus, samples[30:40])  # late samples of the base, now 3 updates behind: dropped (counted below)
     assert drain(svc) == [] and svc.counters["dropped_lag"] == 10 and svc.counters["trained"] == 30
+    assert svc.counters["set_aside_updates"] >= 1
+
+    # Drops that leave too few samples for an update: no optimizer step on a handful. The dropped are set
+    # aside (counted with the next update), the rest stay buffered until an update's worth is trainable.
+    def served_by(ev, version, n):
+        c = ev.completion.model_copy(update={"completion_id": f"again-{n}", "model_version": version})
+        return ev.model_copy(update={"event_id": uuid.uuid4().hex, "completion": c})
+
+    publish(bus, [served_by(ev, tiny_checkpoint.name, i) for i, ev in enumerate(samples[:8])])  # 3 behind: dropped
+    publish(bus, [served_by(ev, "v0003", 8 + i) for i, ev in enumerate(samples[8:12])])  # the tip's: kept
+    assert drain(svc) == [] and svc.counters["trained"] == 30 and svc.counters["set_aside_updates"] >= 2
+    publish(bus, [served_by(ev, "v0003", 12 + i) for i, ev in enumerate(samples[12:18])])
+    assert drain(svc) == ["v0004"] and svc.counters["trained"] == 40 and svc.counters["dropped_lag"] == 18
+    stats = svc.last_stats
+    assert (stats["samples"], stats["dropped_lag"]) == (10, 18.0)  # the set-aside drops are in its statistics
+    committed = bus.committed(TOPICS["sample"], "learner")
+    assert sum(committed.values()) == 58  # every record read, trained or dropped, is behind the positions
     svc.close()
     bus.close()
 
