@@ -172,7 +172,11 @@ def run_system(
     stack = shapes.start(cfg, home, base)
     services, url = stack.supervisor, stack.urls[0]
     keep = ("tansu",)  # the broker outlives the services: the leak check reads the run's completions from it
-    registry = Registry(stack.db_url)
+    try:
+        registry = Registry(stack.db_url)
+    except BaseException:
+        services.stop()
+        raise
     bar = _progress(cfg.traffic_s, "users")
     try:
         with KeyStore(stack.db_url) as keys:

@@ -31,7 +31,11 @@ def run(small_trained_checkpoint, tmp_path_factory):
         pytest.skip(f"PostgreSQL at 127.0.0.1:5432 is unreachable: {e}")
     quick = DemoSystemConfig.quick().model_dump()
     cfg = DemoSystemConfig.model_validate({**quick, "shape": "kafka-postgres", "gateways": 2, "replicas": 1})
-    return run_system(cfg, tmp_path_factory.mktemp("demo") / "home", small_trained_checkpoint, on_line=print)
+    result = run_system(cfg, tmp_path_factory.mktemp("demo") / "home", small_trained_checkpoint, on_line=print)
+    yield result
+    name = result["registry_url"].rsplit("/", 1)[-1]  # the run's database, made for it: dropped
+    with psycopg.connect("host=127.0.0.1 port=5432 user=postgres dbname=postgres", autocommit=True) as c:
+        c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def _story(run) -> str:
