@@ -12,7 +12,8 @@ after dead-lettering but before committing dead-letters the record again under t
 a reader can drop. Published with `EventBus.publish` (durable on this machine when it returns), keyed
 by the record's key (its completion id), so a completion's letters stay in order.
 
-Called by the learner (`learner.service`); the joiner may use it too.
+Called by the learner (`learner.service`: stages `learner.decode`, `learner.quarantine`) and the joiner
+(`feedback.joiner`: `joiner.decode` for a malformed record, `joiner.late` for feedback past its window).
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ signals over a user's `UserBudget` are dropped; every case is counted in `stats`
 meets its feedback). A round reads the clock *before* draining both topics, so no window closes on
 feedback still in the bus. After the round's samples are flushed, each partition is committed up to
 its oldest record still held: a restart rebuilds the state, and re-emitted samples keep their id.
-What it consumed and produced is logged and exposed (`core.service_metrics`, `self.metrics`).
+What it consumed and produced is logged and exposed (`core.service_metrics`, `self.metrics`). A
+record that is no event, and late feedback, go to the dead-letter topic with their topic, partition
+and offset (`feedback.dead_letter`); the joiner carries on.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pydantic import ValidationError
 
 from core.service_metrics import ServiceMetrics
 from feedback.bus import Consumer, EventBus, Record
+from feedback.dead_letter import DEAD_LETTER_TOPIC, dead_letter
 from feedback.events import FEEDBACK_KINDS, TOPICS, CompletionEvent, FeedbackEvent, SampleEvent, Signal
 from feedback.rewards import RewardSpec, UserBudget, counted_signals, reward, user_key
 
@@ -268,12 +271,11 @@ class JoinerService:
         clock: Callable[[], float] = time.time,
         *,
         max_records: int = 500,
-        dead_letter_topic: str | None = None,
         metrics: ServiceMetrics | None = None,
     ):
         self.bus, self.spec, self.clock = bus, spec, clock
         self.metrics = metrics or ServiceMetrics("joiner")
-        self.max_records, self.dead_letter_topic = max_records, dead_letter_topic
+        self.max_records = max_records
         self.core = JoinerCore(spec, window_s, clock)
         self.consumer: Consumer = bus.consumer((TOPICS["completion"], TOPICS["feedback"]), group)
         self._consumed: dict[tuple[str, int], int] = {}  # position after the last record read
@@ -348,22 +350,21 @@ class JoinerService:
                     self.core.on_completion(CompletionEvent.model_validate_json(r.value), src)
                 else:
                     self.core.on_feedback(FeedbackEvent.model_validate_json(r.value), src)
-            except ValidationError as e:
-                where = _where(src)
-                if self.dead_letter_topic is None:
-                    raise ValueError(f"malformed record at {where} (set dead_letter_topic to divert them)") from e
-                log.error("malformed record at %s sent to %s: %s", where, self.dead_letter_topic, e)
+            except ValidationError as e:  # set aside with where it came from (`feedback.dead_letter`), carry on
+                letter = dead_letter(self.bus, r, str(e), "joiner.decode")
+                log.error("joiner: malformed record at %s dead-lettered (%s)", _where(src), letter.event_id)
                 self.stats["malformed"] += 1
-                self.bus.publish(self.dead_letter_topic, r.key, r.value)
-                self.metrics.produce(self.dead_letter_topic)
+                self.metrics.produce(DEAD_LETTER_TOPIC)
             self._consumed[r.topic, r.partition] = max(self._consumed.get((r.topic, r.partition), 0), r.offset + 1)
         for late in self.core.drain_late():  # after every batch: the core keeps at most MAX_LATE_KEPT
             ev, where = late.event, "" if late.source is None else _where(late.source)
             what = (ev.event_id, ev.kind, late.reason, ev.completion_id, where)
             log.info("late feedback %s (%s, %s) for completion %s at %s", *what)
-            if self.dead_letter_topic is not None:
-                self.bus.publish(self.dead_letter_topic, ev.completion_id, ev.model_dump_json().encode())
-                self.metrics.produce(self.dead_letter_topic)
+            if late.source is not None:  # kept, with where it came from, for whoever wants to look
+                topic, partition, offset = late.source
+                record = Record(topic, partition, offset, ev.completion_id, ev.model_dump_json().encode())
+                dead_letter(self.bus, record, f"late feedback: {late.reason}", "joiner.late")
+                self.metrics.produce(DEAD_LETTER_TOPIC)
 
     def _commit(self) -> None:
         held, records = self.core.oldest_held(), []

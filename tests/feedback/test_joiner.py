@@ -307,7 +307,9 @@ def test_service_end_to_end_with_safe_commits(tmp_path):
     assert sum(bus.committed(TOPICS["completion"], "joiner").values()) == 12
     assert sum(bus.committed(TOPICS["feedback"], "joiner").values()) == 8
     assert metrics.consumed == {TOPICS["completion"]: 12, TOPICS["feedback"]: 8}
-    assert metrics.produced == {TOPICS["sample"]: 6} and metrics.stats["late"] == 1
+    assert (
+        metrics.produced == {TOPICS["sample"]: 6, "flywheel.dead_letter": 1} and metrics.stats["late"] == 1
+    )  # the late one
     text = (tmp_path / "metrics" / "joiner.prom").read_text()
     assert f'flywheel_service_produced_records_total{{service="joiner",topic="{TOPICS["sample"]}"}} 6.0' in text
     svc.close()
@@ -403,24 +405,23 @@ def test_simulated_users_reward_correct_house_style_above_incorrect():
     assert good - bad > 0.5
 
 
-def test_malformed_records_fail_loudly_or_go_to_the_dead_letter_topic(tmp_path):
+def test_malformed_and_late_records_go_to_the_dead_letter_topic_and_the_joiner_carries_on(tmp_path):
+    from feedback.dead_letter import DEAD_LETTER_TOPIC, DeadLetter
+
     bus = EmbeddedBus(tmp_path)
     bus.publish(TOPICS["feedback"], "c1", b"{not json")
-    svc = JoinerService(bus, SPEC, window_s=WINDOW, clock=Clock(0.0))
-    with pytest.raises(ValueError, match=r"malformed record at flywheel\.feedback/\d+@0"):
-        svc.run_once(0.0)
-    svc.close()
-
-    dead = "flywheel.joiner.dead"
-    svc = JoinerService(bus, SPEC, window_s=WINDOW, clock=Clock(100.0), group="joiner2", dead_letter_topic=dead)
+    svc = JoinerService(bus, SPEC, window_s=WINDOW, clock=Clock(100.0))
     publish(bus, completion("c1", 0.0))
     publish(bus, feedback("c1", "thumb_up", 90.0))  # late
     assert svc.run_once(0.0) == []
     assert (svc.stats["malformed"], svc.stats["late"], svc.stats["late_thumb_up"]) == (1, 1, 1)
-    c = bus.consumer(dead, "inspect")
-    values = [r.value for r in c.poll(10, timeout_s=0.0)]
-    assert values[0] == b"{not json"
-    assert FeedbackEvent.model_validate_json(values[1]).kind == "thumb_up"
+    c = bus.consumer(DEAD_LETTER_TOPIC, "inspect")
+    letters = [DeadLetter.model_validate_json(r.value) for r in c.poll(10, timeout_s=0.0)]
+    by_stage = {x.stage: x for x in letters}
+    bad = by_stage["joiner.decode"]
+    assert (bad.topic, bad.offset, bad.raw()) == (TOPICS["feedback"], 0, b"{not json")
+    assert FeedbackEvent.model_validate_json(by_stage["joiner.late"].raw()).kind == "thumb_up"
+    assert by_stage["joiner.late"].topic == TOPICS["feedback"]
     bus.close()
 
 
