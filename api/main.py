@@ -98,7 +98,7 @@ def create_app(
             )
         eng = engine if fleet is None else fleet.engine
         try:
-            bs = bus if bus is not None else open_bus(settings)
+            bs = bus if bus is not None else open_bus(settings, f"gateway-{settings.gateway_id or settings.port}")
         except BaseException:
             if fleet is not None:  # nothing else will shut the engines (and their processes) down
                 fleet.close()

@@ -288,7 +288,7 @@ def all_the_way(plan: Plan, work: Path) -> dict[str, Any]:
         argv = common.module_argv("cli", "joiner", "--window-s", str(plan.window_s))
         common.start(sup, "joiner", argv, env={**env, "FLYWHEEL_HOME": str(home)}, log_path=home / "joiner.log")
         reg = Registry(settings.db_url)
-        bus = open_bus(settings)
+        bus = open_bus(settings, "bench")
         try:
             return Drill(plan, gw.url, admin, reg, sup).run(settings, bus, t0)
         finally:

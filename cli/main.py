@@ -151,7 +151,7 @@ def joiner_service(settings: Settings, window_s: float | None = None) -> Iterato
 
     rewards = validate_section("rewards", RewardsSection)
     spec = reward_spec(rewards)
-    bus = open_bus(settings)
+    bus = open_bus(settings, "joiner")
     try:
         metrics = ServiceMetrics("joiner", settings.home / "metrics")
         window = rewards.window_s if window_s is None else window_s
@@ -194,7 +194,7 @@ def _learner(args) -> None:
     flags = {"update_every_samples": args.every_samples, "update_every_s": args.every_s}
     cfg = product.learner.learner_config().model_copy(update={k: v for k, v in flags.items() if v is not None})
     verifier = eval_suite(product).verifier  # the verifier of the suite the gate runs (`_gate`)
-    bus = open_bus(settings)
+    bus = open_bus(settings, f"learner-{os.environ.get('RANK', '0')}")
     metrics = ServiceMetrics("learner", settings.home / "metrics")
     service = LearnerService(
         bus,
@@ -228,7 +228,7 @@ def _gate(args) -> None:
     settings, stop = get_settings(), threading.Event()
     product = load_product_config()
     suite = eval_suite(product)
-    bus = open_bus(settings)  # the canary reads the joined samples from it
+    bus = open_bus(settings, "gate")  # the canary reads the joined samples from it
     try:
         run_gate(settings, stop, suite, product.gate_config(), bus=bus)
     except KeyboardInterrupt:

@@ -425,7 +425,7 @@ def logged_prompt_leaks(settings: Any, base: Path) -> dict:
     from serving.tokenizer import Tokenizer
 
     tok = Tokenizer.from_file(base)
-    bus = open_bus(settings)
+    bus = open_bus(settings, "demo")
     consumer = bus.consumer(TOPICS["completion"], group="demo-leak-check")
     prompts: list[str] = []
     try:
