@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from api.metrics import Metrics
 from core.settings import Settings
@@ -53,6 +54,19 @@ class Canary:
     share: float
 
 
+def wait_for_promoted(registry: Registry, where: str, timeout_s: float = 600.0) -> None:
+    """Until the registry has a promoted version (a gateway whose weights come from `where`, not its
+    own folder, never publishes the base: a second copy in its own folder would race the first)."""
+    deadline, said = time.monotonic() + timeout_s, False
+    while registry.promoted() is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no promoted version after {timeout_s:.0f} s: the base is published at {where}")
+        if not said:
+            log.info("gateway: waiting for the base to be published at %s", where)
+            said = True
+        time.sleep(0.5)
+
+
 class GatewayFleet:
     def __init__(self, registry: Registry, replicas: list[Replica], stop: threading.Event):
         self.registry, self.replicas, self._stop = registry, replicas, stop
@@ -67,7 +81,11 @@ class GatewayFleet:
     @classmethod
     def start(cls, settings: Settings, registry: Registry, make_engine: Callable[[], Engine]) -> GatewayFleet:
         models_dir = settings.learner_models_dir  # shared with `flywheel learner`
-        publish_base(registry, models_dir, settings.served_model_dir)
+        weights = settings.weights_url
+        if weights is not None and Path(weights) != models_dir:  # the versions live where the learner is:
+            wait_for_promoted(registry, weights)  # it (or the gateway beside it) publishes the base there
+        else:
+            publish_base(registry, models_dir, settings.served_model_dir)
         gateway_id = settings.gateway_id or f"{socket.gethostname()}-{os.getpid()}"
         store = WeightStore(models_dir / STORE)
         fetcher = Fetcher(settings.weights_url or models_dir, token=settings.weights_token)

@@ -184,6 +184,10 @@ def _learner(args) -> None:
     from registry.registry import Registry
 
     settings = get_settings()
+    if settings.torch_threads is not None:  # processes sharing a machine: no oversubscribed thread pools
+        import torch
+
+        torch.set_num_threads(settings.torch_threads)
     if not (settings.served_model_dir / "config.json").is_file():
         sys.exit(f"flywheel learner: no base checkpoint at {settings.served_model_dir} (run `flywheel bootstrap`)")
     if settings.learner_distributed:  # one rank of a data-parallel learner: join the process group first

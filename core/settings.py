@@ -109,8 +109,9 @@ class Settings(BaseSettings):
     torch_threads: int | None = Field(
         None,
         ge=1,
-        description="torch threads of an engine's compute thread; None: 2 for an engine process (the default "
-        "engine, and the gate's), 1 for the embedded engine (see serving/engine.py).",
+        description="torch threads of an engine's compute thread, and of `flywheel learner`; None: 2 for an engine "
+        "process (the default engine, and the gate's), 1 for the embedded engine (see serving/engine.py), torch's "
+        "own default for the learner.",
     )
     batch_invariant: bool = Field(
         True,
