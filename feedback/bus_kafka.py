@@ -37,6 +37,8 @@ RETRIABLE = (KafkaError, OSError)  # broker down, slow or restarting: the spool 
 PRODUCER_CONFIG = dict(acks="all", enable_idempotence=True, linger_ms=5)
 CONSUMER_CONFIG = dict(enable_auto_commit=False, auto_offset_reset="earliest", allow_auto_create_topics=False)
 CONSUMER_CONFIG |= dict(session_timeout_ms=10_000, heartbeat_interval_ms=1_000)
+JOIN_POLL_S = 1.0
+"""The least a poll waits while the consumer has no partitions yet (joining its group)."""
 # The range assignor, with topics of equal partition counts, gives a member the same partitions of each.
 CONSUMER_CONFIG["partition_assignment_strategy"] = (RangePartitionAssignor,)
 
@@ -222,6 +224,8 @@ class KafkaBusConsumer(Consumer):
     def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Record]:
         if self._closed:
             raise RuntimeError("consumer is closed")
+        if not self._c.assignment():  # joining the group: kafka-python needs a poll that waits for the
+            timeout_s = max(timeout_s, JOIN_POLL_S)  # join's answers (polls of 0.1 s never joined on tansu)
         got = self._c.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
         msgs = [m for tp in sorted(got, key=lambda tp: (tp.topic, tp.partition)) for m in got[tp]]
         return [Record(m.topic, m.partition, m.offset, m.key.decode() if m.key else "", m.value) for m in msgs]

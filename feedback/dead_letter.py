@@ -13,7 +13,7 @@ a reader can drop. Published with `EventBus.publish` (durable on this machine wh
 by the record's key (its completion id), so a completion's letters stay in order.
 
 Called by the learner (`learner.service`: stages `learner.decode`, `learner.quarantine`) and the joiner
-(`feedback.joiner`: `joiner.decode` for a malformed record, `joiner.late` for feedback past its window).
+(`feedback.joiner`: `joiner.decode` for a malformed record).
 """
 
 from __future__ import annotations

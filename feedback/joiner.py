@@ -14,8 +14,8 @@ meets its feedback). A round reads the clock *before* draining both topics, so n
 feedback still in the bus. After the round's samples are flushed, each partition is committed up to
 its oldest record still held: a restart rebuilds the state, and re-emitted samples keep their id.
 What it consumed and produced is logged and exposed (`core.service_metrics`, `self.metrics`). A
-record that is no event, and late feedback, go to the dead-letter topic with their topic, partition
-and offset (`feedback.dead_letter`); the joiner carries on.
+record that is no event goes to the dead-letter topic with its topic, partition and offset
+(`feedback.dead_letter`), and the joiner carries on; late feedback is counted and logged.
 """
 
 from __future__ import annotations
@@ -359,12 +359,7 @@ class JoinerService:
         for late in self.core.drain_late():  # after every batch: the core keeps at most MAX_LATE_KEPT
             ev, where = late.event, "" if late.source is None else _where(late.source)
             what = (ev.event_id, ev.kind, late.reason, ev.completion_id, where)
-            log.info("late feedback %s (%s, %s) for completion %s at %s", *what)
-            if late.source is not None:  # kept, with where it came from, for whoever wants to look
-                topic, partition, offset = late.source
-                record = Record(topic, partition, offset, ev.completion_id, ev.model_dump_json().encode())
-                dead_letter(self.bus, record, f"late feedback: {late.reason}", "joiner.late")
-                self.metrics.produce(DEAD_LETTER_TOPIC)
+            log.info("late feedback %s (%s, %s) for completion %s at %s", *what)  # counted (`late_*`)
 
     def _commit(self) -> None:
         held, records = self.core.oldest_held(), []
