@@ -79,11 +79,16 @@ def demo(args) -> None:
     t0 = time.monotonic()
     n = range(args.seeds)
     seeds = [one(f"seed{s}", common.model_copy(update={"seed": s}), False) for s in n]
+    controls = {c.strip() for c in args.controls.split(",") if c.strip()}
+    if controls - {"shuffled", "adversarial"}:
+        sys.exit(f"flywheel demo: unknown control(s) {sorted(controls - {'shuffled', 'adversarial'})}")
     shuffled = [
-        one(f"seed{s}-shuffled", common.model_copy(update={"seed": s, "shuffle_rewards": True}), False) for s in n
+        one(f"seed{s}-shuffled", common.model_copy(update={"seed": s, "shuffle_rewards": True}), False)
+        for s in (n if "shuffled" in controls else ())
     ]
     adversarial = [
-        one(f"seed{s}-adversarial5", common.model_copy(update={"seed": s, "adversarial_share": 0.05}), False) for s in n
+        one(f"seed{s}-adversarial5", common.model_copy(update={"seed": s, "adversarial_share": 0.05}), False)
+        for s in (n if "adversarial" in controls else ())
     ]
     summary = demo_report.summarize(seeds, shuffled, adversarial)
     summary["total_wall_s"] = round(time.monotonic() - t0, 1)

@@ -321,6 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--report", metavar="DIR", default=None, help="run --seeds seeds and both controls; write DIR/report.*"
     )
     d.add_argument("--seeds", type=int, default=3, help="seeds of --report (default 3)")
+    d.add_argument(
+        "--controls",
+        default="shuffled,adversarial",
+        help="--report: the controls to run on every seed, comma-separated (default shuffled,adversarial; "
+        "one left out is reported as not run)",
+    )
     d.add_argument("--resume", action="store_true", help="--report: reuse runs already saved with the same config")
     k = sub.add_parser("keys", help="create, list and revoke API keys (hashed, in the shared registry database)")
     ks = k.add_subparsers(dest="keys_cmd", required=True)

@@ -286,6 +286,11 @@ def markdown(s: dict[str, Any], command: str) -> str:
             f"{ad['satisfaction_cost']['points']} points of satisfaction {_ci(ad['satisfaction_cost']['ci95'])}, "
             "each seed's final version paired against the clean run's of the same seed.",
         ]
+    missing = [
+        name for key, name in (("shuffled", "shuffled-reward"), ("adversarial_5pct", "5% adversarial")) if key not in c
+    ]
+    if missing:
+        lines += ["", f"**Not run in this report**: the {' and the '.join(missing)} control."]
     col = s.get("candidates", {}).get("collapses", [])
     lines += [
         "",

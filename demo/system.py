@@ -230,7 +230,7 @@ def run_system(
             + (f" at the {cfg.stop_after_promotions} trained promotion(s) asked for" if traffic.ended_early else "")
             + f"; evaluating {len(promoted)} versions on the report split"
         )
-        evals = evaluate_versions(home, base, promoted, cfg)
+        evals = evaluate_versions(home, base, promoted, cfg, db_url)
         leaks = logged_prompt_leaks(stack.settings, base)
         result = {
             "config": cfg.model_dump(mode="json"),
@@ -428,9 +428,13 @@ def logged_prompt_leaks(settings: Any, base: Path) -> dict:
     bus = open_bus(settings, "demo")
     consumer = bus.consumer(TOPICS["completion"], group="demo-leak-check")
     prompts: list[str] = []
+    deadline = time.monotonic() + 60.0  # a Kafka consumer first joins its group (seconds), then reads
     try:
-        while records := consumer.poll(max_records=2000, timeout_s=1.0):
+        while True:
+            records = consumer.poll(max_records=2000, timeout_s=1.0)
             prompts += [tok.decode(CompletionEvent.model_validate_json(r.value).prompt_ids) for r in records]
+            if not records and (consumer.assignment() or time.monotonic() > deadline):
+                break
     finally:
         consumer.close()
         bus.close()
@@ -438,13 +442,16 @@ def logged_prompt_leaks(settings: Any, base: Path) -> dict:
     return {"completions_logged": len(prompts), "distinct_prompts": len(set(prompts)), "leaks": leaks[:20]}
 
 
-def evaluate_versions(home: Path, base: Path, version_ids: list[str], cfg: DemoSystemConfig) -> dict:
+def evaluate_versions(
+    home: Path, base: Path, version_ids: list[str], cfg: DemoSystemConfig, db_url: str | None = None
+) -> dict:
     """Satisfaction and pass rate of each version on the report split, with 95% CIs (this process).
 
     Each version is the artifact replicas serve: rebuilt from the weight store and checked against the
     registry's SHA-256 (`gating.gate_process.weight_store_loader`), recorded as `artifact_sha256`. A
     version whose artifact is missing or does not match is a ValueError, never replaced by another
-    model. `base` is unused: the base is served from its own weight-store snapshot like any version."""
+    model. `base` is unused: the base is served from its own weight-store snapshot like any version.
+    `db_url`: the run's registry (None: the SQLite file in `home`)."""
     from tqdm import tqdm
 
     from demo.evaluation import evaluate
@@ -455,7 +462,7 @@ def evaluate_versions(home: Path, base: Path, version_ids: list[str], cfg: DemoS
 
     tasks = split_tasks("report", cfg.report_prompts)
     load = weight_store_loader(home / "models" / "learner", home / "report" / "versions", keep=2)
-    registry = Registry(f"sqlite:///{home / 'registry.db'}")
+    registry = Registry(db_url or f"sqlite:///{home / 'registry.db'}")
     out = {}
     try:
         for vid in tqdm(version_ids, desc="report split", unit="version", dynamic_ncols=True, leave=False):

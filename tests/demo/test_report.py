@@ -98,6 +98,7 @@ def test_the_adversarial_cost_is_paired_per_seed_and_the_headline_is_the_pass_ra
     assert s["report_split"]["satisfaction_gain_ci95"] is None  # one seed: no interval over seeds
     text = markdown(s, "flywheel demo --seeds 1")
     assert "`flywheel demo --seeds 1`" in text and "cost 15.0 points" in text
+    assert "**Not run in this report**: the shuffled-reward control." in text
     assert text.index("**Pass rate: +50.0 points**") < text.index("Satisfaction:")
     assert "inconclusive (one seed)" in text
     assert "| v0003 | promoted | 8 | offline passed: pass rate 0.6 | canary: step 1 passed | 200 s |" in text
