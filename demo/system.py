@@ -401,7 +401,7 @@ def _fleet(registry: Any, timeout_s: float = 60.0) -> dict:
     once the fleet serves it or `timeout_s` has passed (`waited_s`: how long that took)."""
     t0 = time.monotonic()
     f = registry.fleet(interval_s=1.0)
-    while not f.complete and time.monotonic() - t0 < timeout_s:
+    while not f.complete and f.up and time.monotonic() - t0 < timeout_s:  # no replica up: nothing to wait for
         time.sleep(0.5)
         f = registry.fleet(interval_s=1.0)
     up = [b for b in f.replicas if b.replica_id in f.up]

@@ -149,8 +149,13 @@ async def drive_users(
             if progress is not None:
                 progress(traffic)
 
-    await asyncio.gather(*(one_user() for _ in range(cfg.concurrency)), react())
-    await asyncio.gather(*later)
+    try:
+        await asyncio.gather(*(one_user() for _ in range(cfg.concurrency)), react())
+        await asyncio.gather(*later)
+    except BaseException:  # interrupted (Ctrl-C, SIGTERM): the gateways are going away, give up at once
+        for fb in feedbacks:
+            fb.close(1.0)
+        raise
     for fb in feedbacks:
         await asyncio.to_thread(fb.close, 30)
     for client in clients:
