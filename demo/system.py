@@ -172,6 +172,7 @@ def run_system(
     stack = shapes.start(cfg, home, base)
     services, url = stack.supervisor, stack.urls[0]
     keep = ("tansu",)  # the broker outlives the services: the leak check reads the run's completions from it
+    served = False
     try:
         registry = Registry(stack.db_url)
     except BaseException:
@@ -219,9 +220,11 @@ def run_system(
         audit = registry.audit()
         fleet = _fleet(registry)
         db_url = stack.db_url
+        served = True
     finally:
         bar.close()
-        services.stop(keep=(*keep, *(("up",) if keep_serving else ())))
+        # after a failure nothing is kept: the exception leaves this function (the broker with it)
+        services.stop(keep=(*keep, *(("up",) if keep_serving else ())) if served else ())
         registry.close()
     try:
         promoted = list(dict.fromkeys(a.version_id for a in audit if a.to_status.value == "promoted"))
