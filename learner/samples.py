@@ -99,3 +99,8 @@ def set_aside(
             out.append((Record(rec.topic, rec.partition, rec.offset, rec.key, b""), None))
             gone.append(ev.event_id)
     return out, gone
+
+
+def cadence_met(n: int, elapsed_s: float, every_samples: int, min_samples: int, every_s: float) -> bool:
+    """The learner's cadence: `every_samples` samples, or `min_samples` once `every_s` has passed."""
+    return n >= every_samples or (n >= min_samples and elapsed_s >= every_s)

@@ -68,7 +68,7 @@ from feedback.events import SampleEvent
 from learner.config import LearnerConfig
 from learner.lineage import anchor, merge_covered, staleness, staleness_stats
 from learner.poisoning import VerifiedTally, screen, verdicts
-from learner.samples import partition, sequence_from_sample, set_aside
+from learner.samples import cadence_met, partition, sequence_from_sample, set_aside
 from learner.trainer import NonFiniteUpdate, Trainer
 from learner.update_stats import append_update, counters, since_parent
 from product.suites import Verifier
@@ -305,15 +305,13 @@ class LearnerService:
             dist.all_gather_object(per_rank, (n, elapsed))
             n, elapsed = sum(c for c, _ in per_rank), per_rank[0][1]
             self._group_buffered = n
-        if n >= self.cfg.update_every_samples:
-            return True
-        return n >= self.cfg.min_samples and elapsed >= self.cfg.update_every_s
+        return self._trainable(n, elapsed)
 
-    def _trainable(self, n: int) -> bool:
-        """The cadence (`due`) on the samples that survive the drops."""
-        return n >= self.cfg.update_every_samples or (
-            n >= self.cfg.min_samples and self.clock() - self.last_update >= self.cfg.update_every_s
-        )
+    def _trainable(self, n: int, elapsed: float | None = None) -> bool:
+        """The cadence on `n` samples (`due`: buffered; `update`: those that survive the drops)."""
+        elapsed = self.clock() - self.last_update if elapsed is None else elapsed
+        c = self.cfg
+        return cadence_met(n, elapsed, c.update_every_samples, c.min_samples, c.update_every_s)
 
     def _whole_batch(self) -> tuple[list[Record], list[tuple[Record, SampleEvent]], list]:
         """Every rank's buffered records, the (record, event) pairs among them, and rank 0's offline
@@ -462,9 +460,8 @@ class LearnerService:
         self.counters["quarantined_offline"] += n_offline
         if self.rank != 0:
             return
-        for rec, ev in kept:
-            value = rec.value or ev.model_dump_json().encode()  # data-parallel: other ranks' records travel bare
-            full = Record(rec.topic, rec.partition, rec.offset, rec.key, value)
+        for rec, ev in kept:  # data-parallel: other ranks' records travel bare
+            full = Record(rec.topic, rec.partition, rec.offset, rec.key, rec.value or ev.model_dump_json().encode())
             dead_letter(self.bus, full, reason, "learner.quarantine")
 
     def _at_lag_bound(self) -> bool:
