@@ -73,7 +73,6 @@ def build_engine(settings: Settings, serve_checkpoint: bool = True):
 def create_app(
     settings: Settings | None = None,
     engine=None,
-    sink: CompletionSink | None = None,
     bus: EventBus | None = None,
     index: CompletionIndex | None = None,
     registry: Registry | None = None,
@@ -83,7 +82,7 @@ def create_app(
     garbage collector, so a full collection under load does not scan the model and modules."""
     settings = settings or get_settings()
     settings.check_production()
-    owns_sink, owns_bus, owns_index = sink is None, bus is None, index is None
+    owns_bus, owns_index = bus is None, index is None
     owns_registry = registry is None
 
     @asynccontextmanager
@@ -104,9 +103,9 @@ def create_app(
                 fleet.close()
             raise
         # Completion records go to the event bus (the joiner reads them there): fsynced to the embedded
-        # log, or to the Kafka spool while the broker is away, before the caller is answered.
-        snk = sink if sink is not None else CompletionSink(bs)
+        # log, or to the Kafka spool while the broker is away, and indexed, before the caller is answered.
         idx = index if index is not None else CompletionIndex(settings.completion_index_url)
+        snk = CompletionSink(bs, idx)
         keys = KeyStore(settings.db_url)
         app.state.gateway = Gateway(settings, eng, snk, bs, idx, reg, keys, fleet)
         log.info("gateway ready: versions %s, default %s", eng.versions, eng.default_version)
@@ -118,8 +117,7 @@ def create_app(
         finally:
             if fleet is not None:
                 fleet.close()
-            if owns_sink:
-                snk.close()
+            snk.close()  # before the bus and the index it writes to
             if owns_bus:
                 bs.close()
             if owns_index:

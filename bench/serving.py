@@ -11,6 +11,9 @@ HTTP: the gateway in its own process (`flywheel serve`), N concurrent clients po
 throughput at the same concurrency; HTTP time added = client latency minus the engine time the server
 recorded for the same completion. Each backend runs in a process of its own. The peers, in the same run:
 transformers `generate` and vLLM's `LLM.generate` (only if vLLM is installed) on the same batches.
+
+`--race`: the HTTP race against vLLM's OpenAI server instead (`bench/http_race.py`:
+bench/results/serving_race.{json,md}).
 """
 
 from __future__ import annotations
@@ -268,6 +271,11 @@ def main() -> None:
         default="embedded,process,transformers,vllm,http,http-process",
         help="comma-separated subset to run (the tables compare what ran)",
     )
+    ap.add_argument("--race", action="store_true", help="the HTTP race against vLLM's server (bench/http_race.py)")
+    ap.add_argument("--reps", type=int, default=3, help="--race: interleaved repetitions per start order")
+    ap.add_argument("--orders", type=int, choices=(1, 2), default=2, help="--race: 2 runs both start orders")
+    ap.add_argument("--seconds", type=float, default=10.0, help="--race: seconds per wrk row")
+    ap.add_argument("--ttft-requests", type=int, default=64, help="--race: streamed requests for the TTFT row")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rows-to", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -275,6 +283,12 @@ def main() -> None:
     tok = Tokenizer.from_file(model_dir)
     texts = [t.prompt for t in sample_tasks(64, seed=12345)]
     prompts = [tok.encode_prompt(t) for t in texts]
+    if a.race:
+        from bench import http_race
+
+        st = common.stamp()
+        common.save("serving_race", http_race.race(model_dir, texts, prompts, a), st, a.out)
+        return
     if a.one:
         child_setup()
         one = run_one(a.one, model_dir, prompts, texts, a.new_tokens, tok.pad_id, Path(a.out))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
@@ -133,14 +133,33 @@ class CompletionIndex:
         user_id: str | None = None,
         arm: str | None = None,
     ) -> None:
-        served_ts = time.time() if ts is None else ts
-        row = dict(tenant=tenant, user_id=user_id, served_ts=served_ts, model_version=model_version, arm=arm)
-        stmt = self._insert(_completions).values(completion_id=completion_id, **row)
-        upsert = stmt.on_conflict_do_update(index_elements=["completion_id"], set_={k: stmt.excluded[k] for k in row})
+        self.add_many([(completion_id, tenant, model_version, ts, user_id, arm)])
+
+    def add_many(self, rows: list[tuple[str, str, str, float | None, str | None, str | None]]) -> None:
+        """(completion_id, tenant, model_version, ts, user_id, arm) rows in one statement and one
+        transaction; a completion id seen again takes the newer row (the last in `rows`)."""
+        if not rows:
+            return
+        now = time.time()
+        by_id: dict[str, dict[str, Any]] = {
+            cid: dict(
+                completion_id=cid,
+                tenant=tenant,
+                user_id=user_id,
+                served_ts=now if ts is None else ts,
+                model_version=version,
+                arm=arm,
+            )
+            for cid, tenant, version, ts, user_id, arm in rows
+        }
+        stmt = self._insert(_completions).values(list(by_id.values()))
+        cols = ("tenant", "user_id", "served_ts", "model_version", "arm")
+        upsert = stmt.on_conflict_do_update(index_elements=["completion_id"], set_={k: stmt.excluded[k] for k in cols})
         with self._db() as db:
             db.execute(upsert)
-        if served_ts - self._last_prune >= PRUNE_EVERY_S:
-            self.prune(served_ts)
+        newest = max(float(r["served_ts"]) for r in by_id.values())
+        if newest - self._last_prune >= PRUNE_EVERY_S:
+            self.prune(newest)
 
     def get(self, completion_id: str) -> CompletionEntry | None:
         return self.get_many([completion_id]).get(completion_id)

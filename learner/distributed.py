@@ -97,6 +97,14 @@ LOSS_STATS = (
 MAX_STATS = ("ratio_max", "policy_ratio_max")
 
 
+def from_rank0(value, world_size: int):
+    """Rank 0's `value` on every rank (a collective when there are several; one rank: `value`)."""
+    box = [value]
+    if world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def init_process_group(
     rank: int | None = None,
     world_size: int | None = None,

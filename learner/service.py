@@ -65,36 +65,28 @@ from core.service_metrics import ServiceMetrics
 from feedback.bus import EventBus, Record
 from feedback.dead_letter import dead_letter
 from feedback.events import SampleEvent
+from learner.checkpoints import OPT_STATE, STATE, file_entry, free_id, new_state, store_entry
 from learner.config import LearnerConfig
+from learner.distributed import from_rank0
 from learner.lineage import anchor, merge_covered, staleness, staleness_stats
 from learner.poisoning import VerifiedTally, screen, verdicts
 from learner.samples import cadence_met, partition, sequence_from_sample, set_aside
 from learner.trainer import NonFiniteUpdate, Trainer
 from learner.update_stats import append_update, counters, since_parent
 from product.suites import Verifier
-from registry.publish import SHIPPING_DTYPE, publish_base, sha256_of
+from registry.publish import SHIPPING_DTYPE, publish_base
 from registry.registry import Registry, UnknownVersion
-from serving.checkpoint import CONFIG, WEIGHTS, load_checkpoint, save_checkpoint
+from serving.checkpoint import CONFIG, load_checkpoint, save_checkpoint
 from serving.model import Transformer
 from serving.tokenizer import Tokenizer
-from serving.weight_store import DELTA_SUFFIX, WeightStore, shipping_state
+from serving.weight_store import WeightStore, shipping_state
 
 log = logging.getLogger(__name__)
-STATE = "learner.json"
-OPT_STATE = "learner_state.pt"
 MAX_REMEMBERED_IDS = 100_000
 
 
 def _at(rec: Record) -> tuple[str, int, int]:
     return rec.topic, rec.partition, rec.offset
-
-
-def _from_rank0(value: Any, world_size: int) -> Any:
-    """Rank 0's `value` on every rank (a collective when there are several)."""
-    box = [value]
-    if world_size > 1:
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 class LearnerService:
@@ -177,16 +169,7 @@ class LearnerService:
             # gateway serves it), published and promoted here if nobody did yet.
             base = publish_base(self.registry, self.models_dir, base_dir, self.cfg.snapshot_every)
             folder = self.models_dir / base.id
-            self.state = {
-                "current": base.id,
-                "versions": [base.id],
-                "dirs": {base.id: self._rel(folder if folder.is_dir() else Path(base_dir))},
-                "published": [base.id],
-                "parents": {},
-                "held": {},
-                "positions": {},
-                "trained_ids": [],
-            }
+            self.state = new_state(base.id, self._rel(folder if folder.is_dir() else Path(base_dir)))
             atomic_write(self.state_path, json.dumps(self.state))
 
     def _rel(self, folder: Path) -> str:
@@ -199,7 +182,7 @@ class LearnerService:
 
     def _promoted_id(self) -> str:
         """The promoted version, as rank 0 read it (every rank must call this: a collective)."""
-        promoted = _from_rank0(self.registry.incumbent().id if self.rank == 0 else None, self.world_size)
+        promoted = from_rank0(self.registry.incumbent().id if self.rank == 0 else None, self.world_size)
         assert promoted is not None
         return promoted
 
@@ -220,38 +203,6 @@ class LearnerService:
             self.trainer.set_reference(self._load_version(promoted))
             self.reference_id = promoted
             self.counters["reference_reloads"] += 1
-
-    def _free_id(self, n: int) -> str:
-        """`vNNNN` not yet used: not in this lineage (held-back tips are in no registry), the registry
-        (a crash between registering and `learner.json` leaves one used) or the weight store."""
-        used = set(self.state["versions"])
-        while True:
-            vid = f"v{n:04d}"
-            if vid not in used:
-                try:
-                    self.registry.get(vid)
-                except UnknownVersion:
-                    if vid not in self.store.versions():
-                        return vid
-            n += 1
-
-    def _store_entry(self, version_id: str) -> dict:
-        path = self.store.path(version_id)
-        if path is None:
-            raise ValueError(f"version {version_id!r} is not in the weight store")
-        kind = "delta" if path.name.endswith(DELTA_SUFFIX) else "snapshot"
-        return {
-            "path": str(path.relative_to(self.models_dir)),
-            "sha256": sha256_of(path),
-            "bytes": path.stat().st_size,
-            "kind": kind,
-        }
-
-    @staticmethod
-    def _file_entry(folder: Path, kind: str, version_id: str) -> dict:
-        """Paths are relative to the models folder (the weight store root): `<version>/model.safetensors`."""
-        w = folder / WEIGHTS
-        return {"path": f"{version_id}/{WEIGHTS}", "sha256": sha256_of(w), "bytes": w.stat().st_size, "kind": kind}
 
     @property
     def current(self) -> str:
@@ -379,7 +330,7 @@ class LearnerService:
         aside, self._aside_dropped = self._aside_dropped, Counter()
         events = [ev for _, ev in kept]
         v = self.verifier if events and self.cfg.poisoning.enabled and self.rank == 0 else None  # for all ranks
-        passed = _from_rank0(verdicts(v, self.tokenizer.decode, events) if v is not None else None, self.world_size)
+        passed = from_rank0(verdicts(v, self.tokenizer.decode, events) if v is not None else None, self.world_size)
         screening = screen(events, self.cfg.poisoning, passed, self.tally)
         seqs = [
             dataclasses.replace(sequence_from_sample(ev), weight=w)
@@ -436,7 +387,7 @@ class LearnerService:
             self.state.update(positions={str(p): o for p, o in positions.items()}, trained_ids=list(self.trained_ids))
             atomic_write(self.state_path, json.dumps(self.state))  # the point of no return: these samples are used
         if self.world_size > 1:  # after rank 0 made the update durable: every rank takes its state
-            self.state = _from_rank0(self.state if self.rank == 0 else None, self.world_size)
+            self.state = from_rank0(self.state if self.rank == 0 else None, self.world_size)
             new_id = self.state["current"] if trained else None
         self.consumer.commit(mine)
         self._trained_set = set(self.trained_ids)
@@ -481,7 +432,7 @@ class LearnerService:
         due = self.rank == 0 and self.clock() - self._lag_checked >= self.cfg.hold_check_s
         if due:
             self._lag_checked = self.clock()
-        return bool(_from_rank0(due, self.world_size))
+        return bool(from_rank0(due, self.world_size))
 
     def _enough_updates(self, pending: int) -> bool:
         """The tip holds `min_updates_per_candidate` updates beyond the last registered version
@@ -514,7 +465,8 @@ class LearnerService:
             },
             tmp / OPT_STATE,
         )
-        vid = self._free_id(len(set(self.state["versions"])))  # a rebase lists its base twice
+        used = set(self.state["versions"])  # a rebase lists its base twice
+        vid = free_id(len(used), used, self.registry, self.store)
         parent = self.current
         if self._gate_busy() or not self._enough_updates(pending=1):
             self.state["held"][vid] = {"covered": covered, "stats": stats}
@@ -549,7 +501,7 @@ class LearnerService:
         metrics["since_parent"] = since_parent([h["stats"] for h in held.values()] + [stats])
         if self.store.path(vid) is None:
             self.store.put(vid, shipping_state(self.model, SHIPPING_DTYPE), parent=parent)
-        entry = self._store_entry(vid)
+        entry = store_entry(self.store, self.models_dir, vid)
         metrics["shipping"] = {"kind": entry["kind"], "bytes": entry["bytes"]}
         try:
             self.registry.get(vid)
@@ -558,7 +510,7 @@ class LearnerService:
                 version_id=vid,
                 parent_id=parent,
                 metrics=metrics,
-                files=[self._file_entry(folder, "snapshot", vid), entry],
+                files=[file_entry(folder, "snapshot", vid), entry],
                 delta_base_id=parent if entry["kind"] == "delta" else None,
                 data_range={self.cfg.topic: covered},
                 reason=f"learner update {self.trainer.updates}"
@@ -588,9 +540,9 @@ class LearnerService:
                 self._register(self.current, self.checkpoint_dir(self.current), last["stats"], last["covered"])
                 atomic_write(self.state_path, json.dumps(self.state))
                 log.info("learner: gate free: published the held-back tip %s", self.current)
-        go = _from_rank0(go, self.world_size)
+        go = from_rank0(go, self.world_size)
         if go and self.world_size > 1:
-            self.state = _from_rank0(self.state if self.rank == 0 else None, self.world_size)
+            self.state = from_rank0(self.state if self.rank == 0 else None, self.world_size)
         if not go:
             return None
         self.counters["published_held"] += 1

@@ -291,9 +291,9 @@ class _Ctx:
         arm = self.arm
         ev = CompletionEvent.from_completion(c, self.tenant, self.user, self.endpoint, arm=arm, context=self.context)
         try:
+            # On the bus and in the index (grouped with concurrent requests' records) before the
+            # response is sent, so feedback on this id can never be refused as unknown.
             await self.gw.sink.record(ev)
-            # Indexed before the response is sent, so feedback on this id can never be refused as unknown.
-            await asyncio.to_thread(self.gw.index.add, c.request_id, self.tenant, c.version, ev.ts, ev.user_id, arm)
         except Exception as e:  # not durable: the caller must not be served
             raise APIError(
                 503, f"The completion could not be recorded ({type(e).__name__}); not served.", None, "record_failed"

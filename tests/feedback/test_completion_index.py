@@ -58,6 +58,19 @@ def test_completions_are_added_found_and_replaced(url):
         again.get("c1")
 
 
+def test_many_completions_go_in_one_insert_and_a_repeated_id_takes_its_last_row(url):
+    idx = CompletionIndex(url)
+    idx.add_many([])
+    idx.add("c0", "acme", "v0", ts=1.0)
+    rows = [(f"c{i}", "acme", "v1", float(i), f"u{i}", None) for i in range(300)]
+    rows.append(("c7", "other", "v2", 7.5, None, "canary"))  # the same id again in the batch: the last wins
+    idx.add_many(rows)
+    got = idx.get_many([f"c{i}" for i in range(300)])
+    assert len(got) == 300 and got["c0"] == CompletionEntry("acme", "v1", 0.0, "u0", None)  # c0 replaced
+    assert got["c7"] == CompletionEntry("other", "v2", 7.5, None, "canary")
+    idx.close()
+
+
 def test_claims_confirm_release_stale_and_mismatched(url):
     idx = CompletionIndex(url, stale_claim_s=10)
     c = idx.claim({"a": "fa", "b": "fb"}, now=100)
