@@ -11,6 +11,7 @@ the product's sections, read here into `ProductConfig`:
 - `[gate]`: `gating.gate.GateConfig` (G, margin, guardrails...) and `suite`, the product's eval suite
   as a plug-in (`suite_kwargs` are passed to it).
 - `[canary]`: `gating.canary.CanaryConfig` (steps, users per arm, step times, mixing).
+- `[lending]`: `serving.lending.LendingConfig` (when idle replicas are lent to offline work and taken back).
 
 A plug-in is `"module:attr"` (uvicorn's form): the attribute, called with the section's `*_kwargs` when
 it is callable. A path that does not import is a `ConfigError` naming it, at start. `flywheel gate` and
@@ -34,7 +35,7 @@ from core.config_file import ConfigError, loc_key, read_config, where
 from feedback.rewards import RewardSpec
 
 M = TypeVar("M", bound=BaseModel)
-PRODUCT_SECTIONS = ("rewards", "learner", "gate", "canary")
+PRODUCT_SECTIONS = ("rewards", "learner", "gate", "canary", "lending")
 DEPLOYMENT_SECTIONS = ("gateway", "bus", "database")
 
 

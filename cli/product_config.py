@@ -18,6 +18,7 @@ from gating.canary import CanaryConfig
 from gating.gate import GateConfig
 from learner.config import LearnerConfig
 from product.suites import EvalSuite, OfflinePrompts
+from serving.lending import LendingConfig
 
 DEMO_SUITE = "demo.suite:demo_suite"
 
@@ -51,6 +52,7 @@ class ProductConfig(BaseModel):
     learner: LearnerSection = Field(default_factory=LearnerSection)
     gate: GateSection = Field(default_factory=GateSection)
     canary: CanaryConfig = Field(default_factory=CanaryConfig)
+    lending: LendingConfig = Field(default_factory=LendingConfig)
 
     def gate_config(self) -> GateConfig:
         """The gate's settings: the `[gate]` section with the `[canary]` section as its canary."""
@@ -90,6 +92,7 @@ SECTION_MODELS: dict[str, type[BaseModel]] = {
     "learner": LearnerSection,
     "gate": GateSection,
     "canary": CanaryConfig,
+    "lending": LendingConfig,
 }
 assert tuple(SECTION_MODELS) == PRODUCT_SECTIONS
 
@@ -192,13 +195,14 @@ def docs() -> str:
         default = f.get_default(call_default_factory=True)
         text = (f.description or "").replace("|", "\\|").replace("\n", " ")
         lines.append(f"| {dotted} | `{json.dumps(default, default=str)}` | `FLYWHEEL_{field.upper()}` | {text} |")
-    lines += ["", "## The product: `[rewards]`, `[learner]`, `[gate]`, `[canary]`", ""]
+    lines += ["", "## The product: " + ", ".join(f"`[{name}]`" for name in SECTION_MODELS), ""]
     lines += ["| key | default | meaning |", "|---|---|---|"]
     lines += _rows(RewardsSection, "rewards")
     lines += _rows(RewardSpec, "rewards.spec")
     lines += _rows(LearnerSection, "learner")
     lines += [r for r in _rows(GateSection, "gate") if not r.startswith("| `gate.canary.")]
     lines += _rows(CanaryConfig, "canary")
+    lines += _rows(LendingConfig, "lending")
     lines += [
         "",
         "Keys are dotted paths: `[learner.trainer]` then `lr = 0.001` sets learner.trainer.lr. A plug-in",

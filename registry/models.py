@@ -43,7 +43,7 @@ JSONType = JSON().with_variant(JSONB(), "postgresql")
 UTCDateTime = DateTime(timezone=True)
 VERSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 SHA256 = r"^[0-9a-f]{64}$"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Version of the registry's tables (stored in `registry_meta`); a database of another version is refused.
 Bump it, with a migration in `registry.db`, for any change to the tables once a release has shipped."""
 GATE_FORMAT_VERSION = 1
@@ -428,3 +428,49 @@ class ApiKey(SQLModel, table=True):
     label: str = Field("", max_length=256)
     created: float
     revoked: float | None = None
+
+
+class LendJob(SQLModel, table=True):
+    """Offline work for lent replicas (`registry.jobs.JobQueue`): the gate's eval sampling (`eval`) or
+    the learner's group rollouts (`rollout`) of one version, split into shards."""
+
+    __tablename__ = "lend_job"
+
+    job_id: str = Field(primary_key=True, max_length=64)
+    kind: str = Field(max_length=16)
+    version_id: str = Field(max_length=64, index=True)
+    samples_per_item: int
+    spec: dict[str, Any] = Field(sa_type=JSONType)
+    shards: int
+    created: float
+    status: str = Field(default="open", max_length=16, index=True)  # open | done | cancelled
+
+
+class LendShard(SQLModel, table=True):
+    """A shard of a job: its work items, and the lease of the worker holding it (`lease_until` 0: free)."""
+
+    __tablename__ = "lend_shard"
+
+    job_id: str = Field(primary_key=True, foreign_key="lend_job.job_id", max_length=64)
+    shard: int = Field(primary_key=True)
+    items: list[Any] = Field(sa_type=JSONType)
+    owner: str | None = Field(default=None, max_length=128)
+    lease_until: float = 0.0
+    attempts: int = 0
+    done: bool = Field(default=False, index=True)
+
+
+class LendRollout(SQLModel, table=True):
+    """One finished rollout: sample `sample` of item `item` of a shard. The primary key makes a rollout
+    count once, whoever wrote it and however often."""
+
+    __tablename__ = "lend_rollout"
+
+    job_id: str = Field(primary_key=True, foreign_key="lend_job.job_id", max_length=64)
+    shard: int = Field(primary_key=True)
+    item: int = Field(primary_key=True)
+    sample: int = Field(primary_key=True)
+    version_id: str = Field(max_length=64)
+    worker: str = Field(max_length=128)
+    result: dict[str, Any] = Field(sa_type=JSONType)
+    created: float

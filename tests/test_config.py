@@ -14,7 +14,7 @@ import pytest
 
 from cli import main as cli
 from cli.config import load_plugin
-from cli.product_config import config_command, docs, effective, load_product_config
+from cli.product_config import SECTION_MODELS, config_command, docs, effective, load_product_config
 from core.config_file import ConfigError, line_of
 from core.settings import get_settings, load_settings
 from feedback.rewards import RewardSpec
@@ -72,6 +72,10 @@ def test_docs_config_md_is_generated_from_the_models():
     assert (ROOT / "docs" / "config.md").read_text() == docs(), (
         "run: python -m cli.product_config docs > docs/config.md"
     )
+    text = docs()
+    for name, model in SECTION_MODELS.items():  # every key of every product section is listed
+        for field in model.model_fields:
+            assert f"| {name}.{field} " in text or f"| {name}.{field}." in text, f"{name}.{field}"
 
 
 def test_the_file_sets_every_section_and_the_environment_overrides_it(home, monkeypatch):
