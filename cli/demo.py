@@ -32,8 +32,10 @@ def demo(args) -> None:
     runs_dir = settings.home / "demo"
     overrides = {k: v for k, v in (("users", args.users), ("traffic_s", args.minutes and args.minutes * 60)) if v}
     common = DemoSystemConfig.quick() if args.quick else DemoSystemConfig()
-    if args.kafka_postgres is not None:
-        overrides |= {"shape": "kafka-postgres", "gateways": 2, "postgres_server": args.kafka_postgres}
+    if args.kafka_postgres is not None:  # two gateways of one replica: the embedded run's two engines
+        overrides |= {"shape": "kafka-postgres", "gateways": 2, "replicas": 1, "postgres_server": args.kafka_postgres}
+    if args.replicas is not None:
+        overrides["replicas"] = args.replicas
     common = DemoSystemConfig.model_validate(
         {**common.model_dump(), **overrides, "auto_approve": not args.no_auto_approve}
     )

@@ -315,7 +315,13 @@ def build_parser() -> argparse.ArgumentParser:
         const="postgresql://postgres@127.0.0.1:5432",
         default=None,
         help="the production shape: a tansu broker and a database made on this PostgreSQL server (default: "
-        "the local one), two gateways (`demo.stack`)",
+        "the local one), two gateways (`demo.stack`) of one replica each unless --replicas says otherwise",
+    )
+    d.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="engines per gateway (default: 2 embedded, 1 per gateway with --kafka-postgres: 2 engines either way)",
     )
     d.add_argument(
         "--report", metavar="DIR", default=None, help="run --seeds seeds and both controls; write DIR/report.*"
