@@ -88,6 +88,7 @@ class _Seq:
     decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
     t_start: float = 0.0
     t_first: float = 0.0
+    background: bool = False  # lent work (a rollout): behind every live request, preempted for one
 
     @property
     def length(self) -> int:
@@ -234,9 +235,12 @@ class EmbeddedEngine(GenerateMixin):
         request_id: str | None = None,
         stream: bool = True,
         sink=None,
+        background: bool = False,
     ) -> RequestHandle:
         """Queue a request; thread-safe. From inside an event loop the handle is async-iterable.
-        `stream=False` delivers only the final event: no per-token wake-ups of the caller."""
+        `stream=False` delivers only the final event: no per-token wake-ups of the caller.
+        `background=True` (lent work): admitted only when no live request waits, and preempted at the
+        next step boundary (finish_reason "preempted", to be redone) when a live one needs its slot."""
         if not self.alive:
             raise EngineError(f"engine is not running: {self.failure!r}")
         name, v = self._table.acquire(version)  # bound to this version from here to its last event
@@ -249,9 +253,16 @@ class EmbeddedEngine(GenerateMixin):
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
         handle = RequestHandle(rid, None if sink else caller_loop(), stream, sink)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        self._inbox.put(_Seq(rid, name, list(prompt_ids), params, handle, gen, time.perf_counter()))
+        seq = _Seq(rid, name, list(prompt_ids), params, handle, gen, time.perf_counter(), background=background)
+        self._inbox.put(seq)
         self._wake.set()
         return handle
+
+    def preempt_background(self) -> int:
+        """End every background request, waiting or running, at the next step boundary (a reclaim):
+        each finishes with "preempted"; how many there were."""
+        versions = self._table.values
+        return self.call_in_loop(lambda: sum(self._preempt(v, len(v.running), waiting=True) for v in versions()))
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -336,7 +347,11 @@ class EmbeddedEngine(GenerateMixin):
             except queue.Empty:
                 return
             try:  # a request in the inbox counts as in flight: its version is still here
-                self._table.get(seq.version).waiting.append(seq)
+                waiting = self._table.get(seq.version).waiting
+                at = len(waiting)  # a live request goes ahead of every background one
+                if not seq.background:
+                    at = next((i for i, w in enumerate(waiting) if w.background), at)
+                waiting.insert(at, seq)
             except KeyError:
                 self._post_error(seq, EngineError(f"model version {seq.version!r} was unloaded"))
 
@@ -348,7 +363,21 @@ class EmbeddedEngine(GenerateMixin):
                 u[i] = torch.rand(1, generator=s.gen)[0]
         return u
 
+    def _preempt(self, v: ServedVersion[_Seq], n: int, waiting: bool = False) -> int:
+        """End up to `n` running background requests of `v` (and, `waiting`, every waiting one): each
+        finishes with "preempted"."""
+        now = time.perf_counter()
+        ended = [s for s in v.running if s.background][:n] + ([s for s in v.waiting if s.background] if waiting else [])
+        for s in ended:
+            if s.slot < 0:
+                v.waiting.remove(s)
+            s.handle._post(StreamEvent("", [], [], completion=self._finish(v, s, "preempted", now)))
+        return len(ended)
+
     def _admit(self, v: ServedVersion[_Seq]) -> bool:
+        live = sum(1 for s in v.waiting if not s.background)
+        if live > len(v.free):  # live requests wait for slots that background work holds: free them now
+            self._preempt(v, live - len(v.free))
         batch: list[_Seq] = []
         tokens = 0
         while v.waiting and v.free and (not batch or tokens + len(v.waiting[0].prompt_ids) <= self.max_prefill_tokens):
