@@ -80,7 +80,7 @@ def _child_main(conn, cfg: dict) -> None:
                 return
             kind = msg[0]
             if kind == "submit":
-                _, rid, prompt_ids, params, version, stream = msg
+                _, rid, prompt_ids, params, version, stream, background = msg
 
                 def sink(ev: StreamEvent, rid=rid) -> None:
                     if ev.completion is not None or ev.error is not None:
@@ -88,7 +88,9 @@ def _child_main(conn, cfg: dict) -> None:
                     send(("event", rid, ev))
 
                 try:
-                    handles[rid] = engine.submit(prompt_ids, params, version, request_id=rid, stream=stream, sink=sink)
+                    handles[rid] = engine.submit(
+                        prompt_ids, params, version, request_id=rid, stream=stream, sink=sink, background=background
+                    )
                 except Exception as e:  # refused by the engine: the request fails, the engine goes on
                     send(("event", rid, StreamEvent("", [], [], error=e)))
             elif kind == "cancel":
@@ -113,6 +115,8 @@ def _child_main(conn, cfg: dict) -> None:
                     elif op == "update_weights":
                         engine.update_weights(*args)
                         value = None
+                    elif op == "preempt_background":
+                        value = engine.preempt_background()
                     elif op == "shutdown":
                         send(("reply", cid, True, None))
                         engine.shutdown()
@@ -276,7 +280,9 @@ class ProcessEngine(GenerateMixin):
         version: str | None = None,
         request_id: str | None = None,
         stream: bool = True,
+        background: bool = False,
     ) -> RequestHandle:
+        """As `EmbeddedEngine.submit` (`background`: lent work, behind every live request)."""
         if not self.alive:
             raise EngineError(f"engine process is not running: {self.failure}")
         name, held = self._table.acquire(version)  # bound here: the child gets the name
@@ -289,8 +295,12 @@ class ProcessEngine(GenerateMixin):
         handle = RequestHandle(rid, caller_loop(), stream, on_cancel=lambda: self._send(("cancel", rid)))
         self._bound[rid] = name
         self._handles[rid] = handle
-        self._send(("submit", rid, list(prompt_ids), params, name, stream))
+        self._send(("submit", rid, list(prompt_ids), params, name, stream, background))
         return handle
+
+    def preempt_background(self) -> int:
+        """End every background request in the engine at its next step (a reclaim); how many."""
+        return self._call("preempt_background")
 
     def shutdown(self) -> None:
         if self._proc.is_alive():

@@ -1,5 +1,6 @@
 """The engine in its own process: same results as a full forward pass, streaming, cancel, failures, hot swap."""
 
+import asyncio
 import os
 import signal
 
@@ -118,3 +119,25 @@ def test_hot_swap_over_the_pipe_keeps_every_completion_on_its_version(tiny_check
             eng.retire_version("v2")
     finally:
         eng.shutdown()
+
+
+def test_background_requests_pass_through_and_a_reclaim_preempts_them(engine):
+    tok = engine.tokenizer()
+    p = tok.encode_prompt("def")
+
+    async def main():
+        bg = engine.submit(p, SamplingParams(max_tokens=120, ignore_eos=True), background=True)
+        first = None
+        async for ev in bg:
+            first = first or ev.token_ids
+            if first:
+                break  # it runs
+        n = await asyncio.to_thread(engine.preempt_background)
+        last = None
+        async for ev in bg:
+            last = ev
+        return n, last.completion
+
+    n, done = asyncio.run(main())
+    assert n == 1 and done.finish_reason == "preempted" and 0 < len(done.output_ids) < 120
+    assert engine.preempt_background() == 0
