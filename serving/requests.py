@@ -89,6 +89,16 @@ class RequestHandle:
         else:
             self._q.put(ev)
 
+    def poll(self) -> StreamEvent | None:
+        """The next event if one has arrived, else None, without waiting (a handle submitted outside an
+        event loop, like `for`)."""
+        if self._aq is not None:
+            raise RuntimeError("this handle was submitted from an event loop: use `async for`")
+        try:
+            return self._q.get_nowait()
+        except queue.Empty:
+            return None
+
     def __iter__(self):
         if self._aq is not None:
             raise RuntimeError("this handle was submitted from an event loop: use `async for`")

@@ -1,0 +1,101 @@
+"""Lent work end to end on a real engine and job queue: a worker runs a shard's samples as background
+requests and records them, bit-identical to the same seeded requests served live; a traffic spike
+makes the fleet manager reclaim the replica mid-shard, the live requests are all served, and the job
+resumes later (on another worker) with every rollout counted exactly once."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from api.lending import LendingWorker
+from core.harness import wait_until
+from registry.jobs import JobQueue
+from serving.engine import EmbeddedEngine
+from serving.lending import FleetManager, LendingConfig
+from serving.sampling import SamplingParams
+from serving.tokenizer import Tokenizer
+
+PARAMS = {"temperature": 1.0, "max_tokens": 24, "ignore_eos": True}
+TEXTS = ["# add 3 to x\ndef f(x):\n", "# count 'a' in s\n", "def", "# items of xs greater than 7\ndef f(xs):\n"]
+
+
+@pytest.fixture
+def world(tiny_checkpoint, tmp_path):
+    eng = EmbeddedEngine(max_batch=4, max_model_len=128, seed=0)
+    eng.add_version("v1", tiny_checkpoint, default=True)
+    q = JobQueue(f"sqlite:///{tmp_path / 'registry.db'}")
+    tok = Tokenizer.from_file(tiny_checkpoint)
+    yield eng, q, tok
+    q.close()
+    eng.shutdown()
+
+
+def items(tok, n: int, G: int) -> list[dict]:
+    return [
+        {
+            "prompt_ids": tok.encode_prompt(TEXTS[i % len(TEXTS)]),
+            "params": PARAMS,
+            "seeds": [1000 * i + g for g in range(G)],
+        }
+        for i in range(n)
+    ]
+
+
+def served_live(eng, its) -> dict[tuple[int, int], list[int]]:
+    """The same samples as plain (live) requests: what lent work must reproduce."""
+    reqs = [
+        (i, g, it["prompt_ids"], SamplingParams(**PARAMS, seed=s))
+        for i, it in enumerate(its)
+        for g, s in enumerate(it["seeds"])
+    ]
+    outs = eng.generate([r[2] for r in reqs], [r[3] for r in reqs])
+    return {(i, g): (c.output_ids, c.logprobs) for (i, g, _, _), c in zip(reqs, outs, strict=True)}
+
+
+def test_a_worker_runs_a_job_and_its_samples_equal_live_ones(world):
+    eng, q, tok = world
+    its = items(tok, 3, G=2)
+    job = q.submit("eval", "v1", its, samples_per_item=2, shard_size=2)
+    w = LendingWorker(eng, q, "replica-a", lease_s=30, max_concurrency=3)
+    runs = [w.run_shard(), w.run_shard()]
+    assert [(r.shard, r.recorded, r.finished, r.why) for r in runs] == [(0, 4, True, "done"), (1, 2, True, "done")]
+    assert w.run_shard() is None and q.job(job).status == "done"
+    want = served_live(eng, its)
+    got = {(r.shard * 2 + r.item, r.sample): (r.result["output_ids"], r.result["logprobs"]) for r in q.results(job)}
+    assert got == want  # bit-identical: same seeds, batch-invariant kernels
+
+
+def test_a_spike_reclaims_the_replica_mid_shard_and_the_job_resumes_with_every_rollout_once(world):
+    eng, q, tok = world
+    its = items(tok, 4, G=8)  # 32 samples in one shard: long enough to be cut short
+    job = q.submit("rollout", "v1", its, samples_per_item=8, shard_size=4)
+    cfg = LendingConfig(enabled=True, target_concurrency=2, lend_after_s=10, reclaim_after_s=1)
+    fleet = FleetManager(cfg, ["r0", "r1"])
+    for t in range(11):  # quiet: r1 is lent
+        fleet.observe(t, 0, {"r0": 0, "r1": 0})
+        fleet.decide(t)
+    assert fleet.states["r1"] == "lent"
+    w = LendingWorker(eng, q, "r1", lease_s=30, max_concurrency=2)
+    result: list = []
+    runner = threading.Thread(target=lambda: result.append(w.run_shard()))
+    runner.start()
+    wait_until(lambda: q.progress(job)["rollouts"] >= 4, 60, what="some rollouts recorded")
+    # The spike: 8 live requests at once, four times one replica's target: panic, reclaim at once.
+    fleet.observe(11, 8, {"r0": 8, "r1": 0})
+    decisions = fleet.decide(11)
+    assert [(d.action, d.replica) for d in decisions] == [("reclaim", "r1")]
+    live = [SamplingParams(max_tokens=6, ignore_eos=True)] * 8
+    w.preempt()
+    outs = eng.generate([tok.encode_prompt("def")] * 8, live)
+    assert all(len(c.output_ids) == 6 and c.finish_reason == "length" for c in outs)  # no live request failed
+    runner.join(60)
+    (cut,) = result
+    assert cut.why == "preempted" and not cut.finished and 4 <= cut.recorded < 32
+    # Later, on another worker: only what is missing is done, each rollout once.
+    later = LendingWorker(eng, q, "r0", lease_s=30, max_concurrency=4).run_shard()
+    assert later.finished and cut.recorded + later.recorded == 32
+    got = {(r.item, r.sample): (r.result["output_ids"], r.result["logprobs"]) for r in q.results(job)}
+    assert got == served_live(eng, its)
+    assert q.progress(job) == {"rollouts": 32, "wanted": 32, "shards_done": 1, "shards": 1}
