@@ -108,6 +108,7 @@ def create_app(
         snk = CompletionSink(bs, idx)
         keys = KeyStore(settings.db_url)
         app.state.gateway = Gateway(settings, eng, snk, bs, idx, reg, keys, fleet)
+        snk.on_batch = lambda _n: app.state.gateway.metrics.record_batches.inc()
         log.info("gateway ready: versions %s, default %s", eng.versions, eng.default_version)
         if freeze_gc:
             gc.collect()

@@ -45,6 +45,11 @@ class Metrics:
         self.records = Counter(
             "flywheel_completion_records", "Completion records made durable", ["model_version"], registry=r
         )
+        self.record_batches = Counter(
+            "flywheel_completion_record_batches",
+            "Group commits of completion records: one bus append and one index insert each",
+            registry=r,
+        )
         self.feedback_events = Counter(
             "flywheel_feedback_events", "Feedback events by outcome (accepted, duplicate)", ["outcome"], registry=r
         )

@@ -20,6 +20,7 @@ import asyncio
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 
 from feedback.bus import EventBus
 from feedback.completion_index import CompletionIndex
@@ -38,10 +39,17 @@ class CompletionSink:
     `index` (if given) after they are on the bus. The sink owns its writer thread, not the bus or the
     index: whoever made them closes them (after the sink)."""
 
-    def __init__(self, bus: EventBus, index: CompletionIndex | None = None, max_batch: int = MAX_BATCH):
+    def __init__(
+        self,
+        bus: EventBus,
+        index: CompletionIndex | None = None,
+        max_batch: int = MAX_BATCH,
+        on_batch: Callable[[int], object] | None = None,
+    ):
+        """`on_batch(n)` is called on the writer thread after each batch of `n` records is written."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch!r}")
-        self.bus, self.index, self.max_batch = bus, index, max_batch
+        self.bus, self.index, self.max_batch, self.on_batch = bus, index, max_batch, on_batch
         self._queue: deque[tuple[CompletionEvent, bytes, asyncio.Future, asyncio.AbstractEventLoop]] = deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -82,6 +90,11 @@ class CompletionSink:
             except Exception as e:  # every caller in the batch answers that it was not recorded
                 log.error("completion sink: a batch of %d records was not written: %r", len(batch), e)
                 error = e
+            if error is None and self.on_batch is not None:
+                try:
+                    self.on_batch(len(batch))
+                except Exception:  # a metric: never fails the records, which are written
+                    log.exception("completion sink: on_batch failed")
             for _, _, fut, loop in batch:
                 try:
                     loop.call_soon_threadsafe(_settle, fut, error)
