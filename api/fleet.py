@@ -32,15 +32,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from api.lending import LendingLoop
 from api.metrics import Metrics
 from core.settings import Settings
 from gating.stats import assign_arm
+from registry.jobs import JobQueue
 from registry.models import utcnow
 from registry.publish import STORE, publish_base
 from registry.registry import Registry
 from serving.fetch import Fetcher
 from serving.fleet import Fleet
 from serving.interface import Engine
+from serving.lending import LendingConfig
 from serving.replica import PgNotifier, Replica
 from serving.weight_store import WeightStore
 
@@ -77,9 +80,17 @@ class GatewayFleet:
         self.lapses = 0  # canary lapses started: a candidate in canary with no live gate lease
         self._lapse: tuple[str, float] | None = None  # (version, monotonic start) of the current lapse
         self._lapse_lock = threading.Lock()
+        self.lending: LendingLoop | None = None  # lending idle replicas (`[lending]` enabled)
 
     @classmethod
-    def start(cls, settings: Settings, registry: Registry, make_engine: Callable[[], Engine]) -> GatewayFleet:
+    def start(
+        cls,
+        settings: Settings,
+        registry: Registry,
+        make_engine: Callable[[], Engine],
+        lending: LendingConfig | None = None,
+    ) -> GatewayFleet:
+        """`lending` enabled: a `api.lending.LendingLoop` lends idle replicas to the registry's job queue."""
         models_dir = settings.learner_models_dir  # shared with `flywheel learner`
         weights = settings.weights_url
         if weights is not None and Path(weights) != models_dir:  # the versions live where the learner is:
@@ -117,6 +128,11 @@ class GatewayFleet:
             t = threading.Thread(target=r.run, args=(fleet._stop,), name=f"replica-{r.replica_id}", daemon=True)
             t.start()
             fleet._threads.append(t)
+        if lending is not None and lending.enabled:
+            queue = JobQueue(settings.db_url)
+            engines = lambda: {r.replica_id: r.engine for r in replicas}  # noqa: E731
+            fleet.lending = LendingLoop(fleet.engine, engines, lending, queue).start()
+            log.info("lending: on, over %d replicas (%s)", len(replicas), lending)
         return fleet
 
     def canary(self, fresh: bool = False) -> Canary | None:
@@ -182,6 +198,9 @@ class GatewayFleet:
         return (c.version if arm == "candidate" else self.engine.default_version), arm
 
     def close(self) -> None:
+        if self.lending is not None:
+            self.lending.close()
+            self.lending.queue.close()
         self._stop.set()
         for t in self._threads:
             t.join(timeout=30)

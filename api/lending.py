@@ -11,7 +11,8 @@ finished sample as a rollout (output ids, log-probs, text, finish reason), renew
 goes, and finishes the shard. A preempted request (a live request needed the slot, or the replica was
 reclaimed: `preempt`) ends the shard's run: the lease is released, and whoever takes the shard next
 does only what is missing. A version the engine does not hold is refused the same way, counted.
-Called by the gateway's lending loop and by tests.
+`LendingLoop` is the gateway's side: it feeds `serving.lending.FleetManager` from the fleet's live
+load and carries out its decisions (lend, lent, reclaim), one worker per lent replica.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from registry.jobs import JobQueue, Lease, LeaseLost
+from serving.lending import Decision, FleetManager, LendingConfig
 from serving.requests import Completion
 from serving.sampling import SamplingParams
 
@@ -142,3 +144,93 @@ def _rollout(c: Completion) -> dict[str, Any]:
         "finish_reason": c.finish_reason,
         "version": c.version,
     }
+
+
+class LendingLoop:
+    """The gateway's lending: every `interval_s` it feeds the fleet manager (`serving.lending`) the
+    fleet's live load, then carries out its decisions. `lend`: the engine leaves live routing
+    (`Fleet.lend`) and drains; `lent`: a worker thread runs shards on it until it is reclaimed;
+    `reclaim`: the worker's background requests are preempted at the engine's next step and the
+    engine serves live traffic again. `engines()` names the replicas' engines of the moment."""
+
+    def __init__(self, fleet, engines, cfg: LendingConfig, queue: JobQueue, interval_s: float = 1.0):
+        self.fleet, self.engines, self.cfg, self.queue = fleet, engines, cfg, queue
+        self.interval_s = interval_s
+        self.manager = FleetManager(cfg, sorted(engines()))
+        self.decisions: list[tuple[float, Decision]] = []
+        self._workers: dict[str, tuple[LendingWorker, threading.Event, threading.Thread]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._t0 = time.monotonic()
+        self._past: Counter[str] = Counter()  # counters of workers already stopped
+
+    def start(self) -> LendingLoop:
+        self._thread = threading.Thread(target=self._run, name="lending", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.step(time.monotonic() - self._t0)
+            except Exception:  # the loop goes on; every replica keeps serving whatever happens here
+                log.exception("lending: a step failed")
+
+    def step(self, now: float) -> list[Decision]:
+        engines = self.engines()
+        in_flight = {name: self.fleet.live_in_flight(e) for name, e in engines.items()}
+        self.manager.observe(now, sum(in_flight.values()), in_flight, self.fleet.take_ttfts())
+        decided = self.manager.decide(now)
+        for d in decided:
+            self.decisions.append((now, d))
+            log.info("lending: %s %s (%s)", d.action, d.replica, d.reason)
+            engine = engines[d.replica]
+            if d.action == "lend":
+                self.fleet.lend(engine)
+            elif d.action == "lent":
+                self._start_worker(d.replica, engine)
+            else:
+                self._stop_worker(d.replica)
+                self.fleet.reclaim(engine)
+        return decided
+
+    def _start_worker(self, name: str, engine) -> None:
+        worker = LendingWorker(engine, self.queue, name, max_concurrency=self.cfg.max_rollout_concurrency)
+        stop = threading.Event()
+
+        def work() -> None:
+            while not stop.is_set():
+                try:
+                    if worker.run_shard() is None:
+                        stop.wait(1.0)  # no work queued: look again in a second
+                except Exception:
+                    log.exception("lending: worker %s failed a shard", name)
+                    stop.wait(1.0)
+
+        t = threading.Thread(target=work, name=f"lent-{name}", daemon=True)
+        self._workers[name] = (worker, stop, t)
+        t.start()
+
+    def _stop_worker(self, name: str) -> None:
+        got = self._workers.pop(name, None)
+        if got is None:
+            return
+        worker, stop, t = got
+        stop.set()
+        worker.preempt()
+        t.join(30)
+        self._past.update(worker.counters)
+
+    def counters(self) -> dict[str, float]:
+        """The manager's lends, reclaims and panics, replica-seconds lent, and the workers' counts."""
+        work = Counter(self._past)
+        for w, _, _ in self._workers.values():
+            work.update(w.counters)
+        return {**self.manager.counters, "lent_seconds": self.manager.lent_seconds, **work}
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(30)
+        for name in list(self._workers):
+            self._stop_worker(name)

@@ -31,6 +31,7 @@ from feedback.connect import open_bus
 from feedback.sink import CompletionSink
 from registry.keys import KeyStore
 from registry.registry import Registry
+from serving.lending import LendingConfig
 
 if TYPE_CHECKING:
     from serving.interface import Engine
@@ -77,6 +78,7 @@ def create_app(
     index: CompletionIndex | None = None,
     registry: Registry | None = None,
     freeze_gc: bool = False,
+    lending: LendingConfig | None = None,
 ) -> FastAPI:
     """`freeze_gc` (the `serve` process): once start-up is done, hide every object alive then from the
     garbage collector, so a full collection under load does not scan the model and modules."""
@@ -93,7 +95,7 @@ def create_app(
         fleet = None
         if engine is None:
             fleet = await asyncio.to_thread(
-                GatewayFleet.start, settings, reg, lambda: build_engine(settings, serve_checkpoint=False)
+                GatewayFleet.start, settings, reg, lambda: build_engine(settings, serve_checkpoint=False), lending
             )
         eng = engine if fleet is None else fleet.engine
         try:
@@ -153,17 +155,20 @@ def create_app(
     @app.get("/metrics")
     async def metrics(gw: GatewayDep):
         services = await asyncio.to_thread(read_folder, gw.settings.home / "metrics")  # joiner, learner, gate
+        if gw.fleet is not None and gw.fleet.lending is not None:
+            gw.metrics.set_lending(gw.fleet.lending.manager.states, gw.fleet.lending.counters())
         return Response(gw.metrics.render() + services, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
 
 
-def serve(settings: Settings | None = None) -> None:
+def serve(settings: Settings | None = None, lending: LendingConfig | None = None) -> None:
+    """The gateway under uvicorn; `lending`: the config file's `[lending]` section (`cli` reads it)."""
     import uvicorn
 
     settings = settings or get_settings()
     uvicorn.run(
-        create_app(settings, freeze_gc=True),
+        create_app(settings, freeze_gc=True, lending=lending),
         host=settings.host,
         port=settings.port,
         log_level="info",

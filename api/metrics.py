@@ -7,6 +7,7 @@ ASGI (no `BaseHTTPMiddleware`, which costs a task and a memory stream per reques
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -56,9 +57,31 @@ class Metrics:
         self.canary_lapses = Counter(
             "flywheel_canary_lapses", "Canaries routed to nobody because no gate held a live lease", registry=r
         )
+        self.lending_replicas: Gauge | None = None  # made when lending is on (`set_lending`)
+        self.lending_totals: Gauge | None = None
         self.canary_lapsed = Gauge(
             "flywheel_canary_lapsed", "1 while the canary is lapsed (no live gate lease), else 0", registry=r
         )
+
+    def set_lending(self, states: Mapping[str, str], counters: Mapping[str, float]) -> None:
+        """The lending loop's replica states and totals (`api.lending.LendingLoop.counters`)."""
+        if self.lending_replicas is None:
+            r = self.registry
+            self.lending_replicas = Gauge(
+                "flywheel_lending_replicas", "Replicas by lending state: serving, draining, lent", ["state"], registry=r
+            )
+            self.lending_totals = Gauge(
+                "flywheel_lending_total",
+                "Lending since the gateway started: lends, reclaims, panics, lent_seconds (replica-seconds), "
+                "rollouts recorded, preempted shard runs",
+                ["what"],
+                registry=r,
+            )
+        for state in ("serving", "draining", "lent"):
+            self.lending_replicas.labels(state).set(sum(s == state for s in states.values()))
+        assert self.lending_totals is not None
+        for k, v in counters.items():
+            self.lending_totals.labels(k).set(v)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

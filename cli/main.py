@@ -84,17 +84,17 @@ def serve_settings(args) -> Settings:
 
 def _serve(args) -> None:
     from api.main import serve
+    from cli.product_config import eval_suite, load_product_config
     from core.supervisor import Supervisor
 
     settings = serve_settings(args)
     ensure_base(settings)
+    product = load_product_config()  # a bad file stops here, before anything starts
     if args.cmd != "up":
-        serve(settings)
+        serve(settings, product.lending)
         return
     from cli.config import reward_spec
-    from cli.product_config import eval_suite, load_product_config
 
-    product = load_product_config()  # a bad file or plug-in stops `up` here, before any service starts
     reward_spec(product.rewards)
     eval_suite(product)
     print(f"flywheel: admin API key for this session: {up_admin_key(settings)}", flush=True)
@@ -102,7 +102,7 @@ def _serve(args) -> None:
     try:
         start_services(settings, supervisor)
         supervisor.watch()  # a dead service stops everything: the gateway too, and `up` exits 1
-        serve(settings)
+        serve(settings, product.lending)
     except KeyboardInterrupt:
         pass
     finally:

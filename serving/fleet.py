@@ -7,6 +7,10 @@ engines of the moment (a replica replaces an engine that died). A request goes t
 holds its version and takes it (a replica still loading a new version, or retiring an old one,
 refuses it and the next is tried). Called by `api.main` when the gateway runs replicas.
 
+Lending (`serving.lending`): `lend(engine)` takes an engine out of live routing (its requests in
+flight finish; `live_in_flight` counts them), `reclaim(engine)` puts it back. A version that only lent
+engines hold is still served by them, counted in `live_on_lent`: live traffic always wins.
+
 `traffic(engine)`: what each engine served, per version, since it joined: requests, errors, tokens
 and the sum of end-to-end seconds (counted when a request's stream ends). Each replica reports the
 change since its last heartbeat, so the fleet page shows requests/s and latency per version from
@@ -34,6 +38,10 @@ class Fleet(GenerateMixin):
         self._turn = itertools.count()
         self._lock = threading.Lock()
         self._traffic: dict[int, dict[str, list[float]]] = {}  # id(engine) -> version -> [n, errors, tokens, s]
+        self._away: set[int] = set()  # id(engine) of lent engines: no new live requests
+        self._in_flight: dict[int, int] = {}  # id(engine) -> live requests submitted and not ended
+        self._ttfts: list[float] = []  # times to first token of requests ended since `take_ttfts`
+        self.live_on_lent = 0
 
     def traffic(self, engine: Engine) -> dict[str, dict[str, float]]:
         """Cumulative counts of what `engine` served, per version (module docstring)."""
@@ -41,8 +49,32 @@ class Fleet(GenerateMixin):
             got = {v: list(c) for v, c in self._traffic.get(id(engine), {}).items()}
         return {v: {"requests": n, "errors": e, "tokens": t, "seconds": s} for v, (n, e, t, s) in got.items()}
 
+    def lend(self, engine: Engine) -> None:
+        with self._lock:
+            self._away.add(id(engine))
+
+    def reclaim(self, engine: Engine) -> None:
+        with self._lock:
+            self._away.discard(id(engine))
+
+    def live_in_flight(self, engine: Engine) -> int:
+        with self._lock:
+            return self._in_flight.get(id(engine), 0)
+
+    def take_ttfts(self) -> list[float]:
+        """Times to first token of the live requests that ended since the last call."""
+        with self._lock:
+            got, self._ttfts = self._ttfts, []
+        return got
+
+    def _ended(self, engine: Engine) -> None:
+        with self._lock:
+            self._in_flight[id(engine)] -= 1
+
     def _count(self, engine: Engine, version: str, c: Completion | None) -> None:
         with self._lock:
+            if c is not None:
+                self._ttfts.append(c.first_token_s)
             rec = self._traffic.setdefault(id(engine), {}).setdefault(version, [0, 0, 0, 0.0])
             rec[0] += 1
             if c is None:
@@ -76,7 +108,11 @@ class Fleet(GenerateMixin):
         with self._lock:
             start = next(self._turn) % len(engines)
         order = engines[start:] + engines[:start]
-        return [e for e in order if e.alive and name in e.versions]
+        held = [e for e in order if e.alive and name in e.versions]
+        serving = [e for e in held if id(e) not in self._away]
+        if held and not serving:
+            self.live_on_lent += 1  # only lent engines hold it: served there rather than refused
+        return serving or held
 
     def tokenizer(self, version: str | None = None) -> Tokenizer:
         return self._first(version).tokenizer(version)
@@ -111,7 +147,10 @@ class Fleet(GenerateMixin):
             except (KeyError, EngineError) as e:  # retiring there, or that replica just died: try the next
                 refused = e
                 continue
-            return _Counted(handle, functools.partial(self._count, engine, name))
+            with self._lock:
+                self._in_flight[id(engine)] = self._in_flight.get(id(engine), 0) + 1
+            counted = functools.partial(self._count, engine, name)
+            return _Counted(handle, counted, functools.partial(self._ended, engine))
         assert refused is not None
         raise refused
 
@@ -122,20 +161,29 @@ class Fleet(GenerateMixin):
 
 class _Counted(RequestHandle):
     """A replica's request handle that reports how the request ended (its completion, or None for an
-    error or an abandoned stream) once, to the fleet's traffic counts."""
+    error or an abandoned stream) once, to the fleet's traffic counts, and that it ended (`ended`, once:
+    at its report or when it is cancelled, since a cancelled handle may never be iterated)."""
 
-    def __init__(self, inner: RequestHandle, done: Callable[[Completion | None], None]):
+    def __init__(self, inner: RequestHandle, done: Callable[[Completion | None], None], ended: Callable[[], None]):
         self.inner, self._done, self._reported = inner, done, False
+        self._ended_cb, self._ended = ended, False
         self.request_id, self.stream, self.cancelled = inner.request_id, inner.stream, False
 
     def cancel(self) -> None:
         self.cancelled = True
         self.inner.cancel()
+        self._end()
+
+    def _end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._ended_cb()
 
     def _report(self, c: Completion | None) -> None:
         if not self._reported:
             self._reported = True
             self._done(c)
+        self._end()
 
     def __iter__(self):
         try:

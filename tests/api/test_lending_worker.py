@@ -99,3 +99,45 @@ def test_a_spike_reclaims_the_replica_mid_shard_and_the_job_resumes_with_every_r
     got = {(r.item, r.sample): (r.result["output_ids"], r.result["logprobs"]) for r in q.results(job)}
     assert got == served_live(eng, its)
     assert q.progress(job) == {"rollouts": 32, "wanted": 32, "shards_done": 1, "shards": 1}
+
+
+def test_the_gateway_loop_lends_an_idle_replica_reclaims_it_for_a_spike_and_lends_it_again(world, tiny_checkpoint):
+    from api.lending import LendingLoop
+    from serving.fleet import Fleet
+
+    eng0, q, tok = world
+    eng1 = EmbeddedEngine(max_batch=4, max_model_len=128, seed=0)
+    eng1.add_version("v1", tiny_checkpoint, default=True)
+    engines = {"r0": eng0, "r1": eng1}
+    fleet = Fleet([eng0, eng1])
+    its = items(tok, 4, G=8)
+    job = q.submit("rollout", "v1", its, samples_per_item=8, shard_size=4)
+    cfg = LendingConfig(enabled=True, target_concurrency=2, lend_after_s=10, reclaim_after_s=1)
+    loop = LendingLoop(fleet, lambda: engines, cfg, q)
+    try:
+        acts = [(d.action, d.replica) for t in range(11) for d in loop.step(t)]
+        assert acts == [("lend", "r1"), ("lent", "r1")]  # the highest-named replica goes
+        wait_until(lambda: q.progress(job)["rollouts"] >= 4, 60, what="the lent replica working")
+        # A spike: 8 live requests in flight on the one serving replica (4x its target: panic).
+        live = [
+            fleet.submit(tok.encode_prompt("def"), SamplingParams(max_tokens=40, ignore_eos=True)) for _ in range(8)
+        ]
+        assert fleet.live_in_flight(eng0) == 8 and fleet.live_in_flight(eng1) == 0  # none went to the lent one
+        assert [(d.action, d.replica) for d in loop.step(11)] == [("reclaim", "r1")]
+        more = [fleet.submit(tok.encode_prompt("def"), SamplingParams(max_tokens=8, ignore_eos=True)) for _ in range(4)]
+        done = [h.result() for h in live + more]  # every live request served
+        assert all(c.finish_reason == "length" for c in done)
+        assert fleet.live_in_flight(eng0) == fleet.live_in_flight(eng1) == 0
+        cut = q.progress(job)["rollouts"]
+        assert cut < 32 and loop.counters()["preempted"] == 1
+        # Quiet again: lent again after lend_after_s, and the job finishes, each rollout once.
+        acts = [(d.action, d.replica) for t in range(12, 40) for d in loop.step(t)]
+        assert acts == [("lend", "r1"), ("lent", "r1")]
+        wait_until(lambda: q.job(job).status == "done", 120, what="the job done")
+        got = {(r.item, r.sample): (r.result["output_ids"], r.result["logprobs"]) for r in q.results(job)}
+        assert got == served_live(eng0, its)
+        c = loop.counters()
+        assert (c["lends"], c["reclaims"], c["panics"]) == (2, 1, 1) and c["lent_seconds"] > 0
+    finally:
+        loop.close()
+        eng1.shutdown()
