@@ -6,9 +6,11 @@ goes away is cancelled in the engine and what was generated is still recorded.
 
 No request can hold the event loop: sizes are checked before any work that grows with them (the
 body by `api.errors.BodyLimit`; a prompt, the chat messages and the stop strings by their length
-in characters, which bounds their tokens from below: `Tokenizer.max_token_chars`); encoding runs on
-a worker thread (the tokenizer releases the GIL), and so does shaping a whole response (decoding
-every token of its logprobs). A streamed chunk decodes only the tokens of one engine event inline.
+in characters, which bounds their tokens from below: `Tokenizer.max_token_chars`); encoding a text
+prompt longer than `INLINE_CHARS` runs on a worker thread (the tokenizer releases the GIL), and so does
+shaping a response with logprobs or more than `INLINE_TOKENS` tokens (decoding every token); smaller
+ones run inline, where a thread hop would cost more than the work. A streamed chunk decodes only the
+tokens of one engine event inline.
 
 Resolving and submitting across a swap (`_submit`): the model name is resolved to a concrete version
 (`Gateway.resolve_model`), then the prompt is encoded with that version's tokenizer and submitted. A
@@ -45,6 +47,8 @@ from serving.sampling import SamplingParams
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", route_class=JSONRoute)
 VERSION_HEADER = "X-Flywheel-Model-Version"
+INLINE_CHARS = 1024  # text prompts up to this many characters in all are encoded on the loop
+INLINE_TOKENS = 1024  # responses without logprobs up to this many tokens in all are shaped on the loop
 
 
 @dataclass(frozen=True)
@@ -202,7 +206,8 @@ async def _submit(gw, caller, req, prompts: _Prompts, params, prompt_param, base
             tok = gw.engine.tokenizer(version)
             limit = gw.engine.context_length(version)
             _check_sizes(prompts, params, tok, limit, prompt_param)
-            ids = await asyncio.to_thread(_encode, tok, prompts)
+            small = prompts.texts is None or sum(map(len, prompts.texts)) <= INLINE_CHARS
+            ids = _encode(tok, prompts) if small else await asyncio.to_thread(_encode, tok, prompts)
             _check_context(ids, params, limit, prompt_param)
             if not gw.engine.alive:
                 raise APIError(503, "The inference engine is not running.", None, "engine_unavailable")
@@ -272,8 +277,12 @@ async def _serve(gw, caller, endpoint, prompts: _Prompts, params, req, prompt_pa
     await asyncio.gather(*(ctx.record(c) for c in results))
     ctx.observe(results)
     shape = _completion_body if endpoint == "completions" else _chat_body
-    # Decoding every token of the logprobs and rendering the JSON grow with n x max_tokens: off the loop.
-    return await asyncio.to_thread(lambda: JSONResponse(shape(ctx, results), headers={VERSION_HEADER: version}))
+    # Decoding every token of the logprobs and rendering the JSON grow with n x max_tokens: off the loop,
+    # unless the response is small.
+    render = lambda: JSONResponse(shape(ctx, results), headers={VERSION_HEADER: version})  # noqa: E731
+    if not want_logprobs and sum(len(c.output_ids) for c in results) <= INLINE_TOKENS:
+        return render()
+    return await asyncio.to_thread(render)
 
 
 class _Ctx:
