@@ -56,17 +56,20 @@ class LendingWorker:
         self._stop = threading.Event()
 
     def preempt(self) -> None:
-        """The replica is reclaimed: end the run under way at the engine's next step."""
+        """The replica is reclaimed: end the run under way at the engine's next step. A preempted worker
+        stays stopped (`run_shard` returns None): the next lent period gets a new one."""
         self._stop.set()
         self.engine.preempt_background()
 
     def run_shard(self) -> ShardRun | None:
-        """Lease a shard and work on it until it is done or preempted; None if no shard is free."""
-        self._stop.clear()
-        lease = self.queue.lease(self.name, self.lease_s, self.kinds)
+        """Lease a shard and work on it until it is done or preempted; None if no shard is free (or the
+        worker was preempted)."""
+        if self._stop.is_set():
+            return None
+        lease = self.queue.lease(self.name, self.lease_s, self.kinds, versions=list(self.engine.versions))
         if lease is None:
             return None
-        if lease.version_id not in self.engine.versions:
+        if lease.version_id not in self.engine.versions:  # unloaded since it was leased
             self.queue.release(lease)
             self.counters["version_not_held"] += 1
             log.warning("lending: %s lacks %s (job %s): shard released", self.name, lease.version_id, lease.job_id)
@@ -84,8 +87,17 @@ class LendingWorker:
         return ShardRun(lease.job_id, lease.shard, recorded, finished, "done")
 
     def _work(self, lease: Lease) -> tuple[int, str]:
-        todo = list(lease.todo)
         running: dict[tuple[int, int], Any] = {}
+        try:
+            return self._work_on(lease, running)
+        except BaseException:  # whatever failed, the shard goes back and nothing keeps generating for it
+            for h in running.values():
+                h.cancel()
+            self.queue.release(lease)
+            raise
+
+    def _work_on(self, lease: Lease, running: dict[tuple[int, int], Any]) -> tuple[int, str]:
+        todo = list(lease.todo)
         recorded = 0
         renew_at = time.time() + self.lease_s / 3
         while todo or running:
@@ -163,6 +175,7 @@ class LendingLoop:
         self._thread: threading.Thread | None = None
         self._t0 = time.monotonic()
         self._past: Counter[str] = Counter()  # counters of workers already stopped
+        self._lock = threading.Lock()  # `_workers` and `_past`: the loop changes them, `/metrics` reads
 
     def start(self) -> LendingLoop:
         self._thread = threading.Thread(target=self._run, name="lending", daemon=True)
@@ -181,17 +194,21 @@ class LendingLoop:
         in_flight = {name: self.fleet.live_in_flight(e) for name, e in engines.items()}
         self.manager.observe(now, sum(in_flight.values()), in_flight, self.fleet.take_ttfts())
         decided = self.manager.decide(now)
-        for d in decided:
+        for d in sorted(decided, key=lambda d: d.action != "reclaim"):  # reclaims first: live traffic waits
             self.decisions.append((now, d))
             log.info("lending: %s %s (%s)", d.action, d.replica, d.reason)
-            engine = engines[d.replica]
-            if d.action == "lend":
-                self.fleet.lend(engine)
-            elif d.action == "lent":
-                self._start_worker(d.replica, engine)
-            else:
-                self._stop_worker(d.replica)
-                self.fleet.reclaim(engine)
+            try:
+                engine = engines[d.replica]
+                if d.action == "reclaim":
+                    self.fleet.reclaim(engine)  # live routing first, then stop the lent work
+                if d.action == "lend":
+                    self.fleet.lend(engine)
+                elif d.action == "lent":
+                    self._start_worker(d.replica, engine)
+                else:
+                    self._stop_worker(d.replica)
+            except Exception:  # one replica's failure never strands the others' decisions
+                log.exception("lending: %s %s failed", d.action, d.replica)
         return decided
 
     def _start_worker(self, name: str, engine) -> None:
@@ -201,32 +218,38 @@ class LendingLoop:
         def work() -> None:
             while not stop.is_set():
                 try:
-                    if worker.run_shard() is None:
-                        stop.wait(1.0)  # no work queued: look again in a second
+                    run = worker.run_shard()
+                    if run is None or run.why != "done":
+                        stop.wait(1.0)  # nothing it can do now (no work, or a version it lacks): look again later
                 except Exception:
                     log.exception("lending: worker %s failed a shard", name)
                     stop.wait(1.0)
 
         t = threading.Thread(target=work, name=f"lent-{name}", daemon=True)
-        self._workers[name] = (worker, stop, t)
+        with self._lock:
+            self._workers[name] = (worker, stop, t)
         t.start()
 
     def _stop_worker(self, name: str) -> None:
-        got = self._workers.pop(name, None)
+        with self._lock:
+            got = self._workers.pop(name, None)
         if got is None:
             return
         worker, stop, t = got
         stop.set()
         worker.preempt()
         t.join(30)
-        self._past.update(worker.counters)
+        with self._lock:
+            self._past.update(worker.counters)
 
     def counters(self) -> dict[str, float]:
         """The manager's lends, reclaims and panics, replica-seconds lent, and the workers' counts."""
-        work = Counter(self._past)
-        for w, _, _ in self._workers.values():
-            work.update(w.counters)
-        return {**self.manager.counters, "lent_seconds": self.manager.lent_seconds, **work}
+        with self._lock:
+            work = Counter(self._past)
+            for w, _, _ in self._workers.values():
+                work.update(dict(w.counters))
+        out = {**self.manager.counters, "lent_seconds": self.manager.lent_seconds, **work}
+        return out | {"live_on_lent": self.fleet.live_on_lent}
 
     def close(self) -> None:
         self._stop.set()

@@ -135,12 +135,12 @@ async def _ttft(url: str, prompts: list[list[int]], clients: int, n: int) -> lis
                 b = body(prompts[i % len(prompts)], fixed=True, stream=True)
                 async with client.stream("POST", url + "/v1/completions", json=b) as r:
                     r.raise_for_status()
-                    async for line in r.aiter_lines():
-                        if line.startswith("data: ") and '"text"' in line:
-                            firsts.append(time.perf_counter() - t0)
-                            break
-                    async for _ in r.aiter_bytes():
-                        pass
+                    first = None
+                    async for line in r.aiter_lines():  # read to the end: the connection is reused
+                        if first is None and line.startswith("data: ") and '"text"' in line:
+                            first = time.perf_counter() - t0
+                    if first is not None:
+                        firsts.append(first)
 
         await asyncio.gather(*(worker() for _ in range(clients)))
     return firsts

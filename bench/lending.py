@@ -23,7 +23,9 @@ The simulation (request level, exact event times):
 
 Figures: the share of idle replica-time put to use (replica-seconds running rollouts over the fleet's
 idle capacity, Σ (N − live concurrency / target)), live p50/p99 latency on vs off, reclaim time p50
-and p99, failed live requests (none may wait over `--timeout-s`), and rollouts lost or counted twice.
+and p99 (the engine's part: from the decision to the end of the step under way, the last step a
+rollout takes; the gateway adds its 1 s look and a thread hop), failed live requests (none may wait over
+`--timeout-s`), and rollouts lost or counted twice.
 """
 
 from __future__ import annotations
@@ -145,6 +147,7 @@ def simulate(cfg: LendingConfig, lending: bool, p: dict[str, Any], seed: int) ->
         while r.waiting and len(r.running) < r.max_batch:
             r.start(r.waiting.pop(0), now)
 
+    arrivals = 0
     while t < day_s:
         ends = [(r.next_end(), r) for r in reps]
         t_end, r_end = min(ends, key=lambda x: x[0])
@@ -177,6 +180,7 @@ def simulate(cfg: LendingConfig, lending: bool, p: dict[str, Any], seed: int) ->
             r.advance(t)
             s = Seq(next(ids), True, max(1, int(rng.gamma(2.0, p["tokens_mean"] / 2.0))), t)
             live_now += 1
+            arrivals += 1
             if len(r.running) < r.max_batch:
                 r.start(s, t)
             else:
@@ -205,8 +209,9 @@ def simulate(cfg: LendingConfig, lending: bool, p: dict[str, Any], seed: int) ->
                         del r.running[s.sid]
                         rollout_queue.append(s.rollout)  # redone from the start, counted when it finishes
                     admit(r, t)
+    idle_capacity += (day_s - t) * max(0.0, n - live_now / target)
     for r in reps:
-        r.advance(t)
+        r.advance(day_s)
     lent_s = manager.lent_seconds if manager else 0.0
     busy = sum(r.busy_rollout_s for r in reps)
     running = {s.rollout for r in reps for s in r.running.values() if not s.live}
@@ -214,6 +219,7 @@ def simulate(cfg: LendingConfig, lending: bool, p: dict[str, Any], seed: int) ->
     lat_a = np.array(lat)
     return {
         "lending": lending,
+        "arrivals": arrivals,
         "live_requests": len(lat),
         "failed_live": failed,
         "p50_latency_s": float(np.percentile(lat_a, 50)),

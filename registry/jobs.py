@@ -82,7 +82,7 @@ class JobQueue:
             raise ValueError("a job needs at least one item")
         if samples_per_item < 1 or shard_size < 1:
             raise ValueError(f"samples_per_item and shard_size must be >= 1, got {samples_per_item}, {shard_size}")
-        job_id = f"{kind}-{version_id}-{uuid.uuid4().hex[:8]}"
+        job_id = f"{kind}-{uuid.uuid4().hex[:16]}"  # the version is a column of its own
         chunks = [items[i : i + shard_size] for i in range(0, len(items), shard_size)]
         with Session(self.engine) as s:
             s.add(
@@ -102,20 +102,26 @@ class JobQueue:
         return job_id
 
     def lease(
-        self, worker: str, lease_s: float, kinds: tuple[str, ...] = KINDS, now: float | None = None
+        self,
+        worker: str,
+        lease_s: float,
+        kinds: tuple[str, ...] = KINDS,
+        now: float | None = None,
+        versions: list[str] | None = None,
     ) -> Lease | None:
-        """A free shard of an open job of `kinds`, oldest job first, held by `worker` for `lease_s`;
-        None if there is none."""
+        """A free shard of an open job of `kinds` (on one of `versions`, if given: those the worker
+        holds), oldest job first, held by `worker` for `lease_s`; None if there is none."""
         now = time.time() if now is None else now
+        query = (
+            select(LendShard.job_id, LendShard.shard)
+            .join(LendJob, col(LendJob.job_id) == col(LendShard.job_id))
+            .where(col(LendJob.status) == "open", col(LendJob.kind).in_(kinds))
+            .where(col(LendShard.done).is_(False), col(LendShard.lease_until) <= now)
+        )
+        if versions is not None:
+            query = query.where(col(LendJob.version_id).in_(versions))
         with Session(self.engine) as s:
-            free = s.exec(
-                select(LendShard.job_id, LendShard.shard)
-                .join(LendJob, col(LendJob.job_id) == col(LendShard.job_id))
-                .where(col(LendJob.status) == "open", col(LendJob.kind).in_(kinds))
-                .where(col(LendShard.done).is_(False), col(LendShard.lease_until) <= now)
-                .order_by(col(LendJob.created), col(LendShard.shard))
-                .limit(16)
-            ).all()
+            free = s.exec(query.order_by(col(LendJob.created), col(LendShard.shard)).limit(16)).all()
         for job_id, shard in free:  # another worker may take one first: try the next
             with self.engine.begin() as c:
                 taken = c.execute(
@@ -207,6 +213,9 @@ class JobQueue:
         if missing:
             return False
         with self.engine.begin() as c:
+            # The job's row first (PostgreSQL: FOR UPDATE; SQLite: one writer at a time anyway), so two
+            # workers finishing its last two shards cannot each miss the other's and leave it open.
+            c.execute(select(LendJob.job_id).where(col(LendJob.job_id) == lease.job_id).with_for_update())
             ok = c.execute(update(LendShard).where(self._held(lease, now)).values(done=True)).rowcount
             if ok != 1:
                 raise LeaseLost(f"{lease.worker} no longer holds shard {lease.shard} of {lease.job_id}")

@@ -261,8 +261,12 @@ class EmbeddedEngine(GenerateMixin):
     def preempt_background(self) -> int:
         """End every background request, waiting or running, at the next step boundary (a reclaim):
         each finishes with "preempted"; how many there were."""
-        versions = self._table.values
-        return self.call_in_loop(lambda: sum(self._preempt(v, len(v.running), waiting=True) for v in versions()))
+
+        def preempt() -> int:
+            self._drain_inbox()  # those submitted before the call too
+            return sum(self._preempt(v, len(v.running), waiting=True) for v in self._table.values())
+
+        return self.call_in_loop(preempt)
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -8,7 +8,8 @@ holds its version and takes it (a replica still loading a new version, or retiri
 refuses it and the next is tried). Called by `api.main` when the gateway runs replicas.
 
 Lending (`serving.lending`): `lend(engine)` takes an engine out of live routing (its requests in
-flight finish; `live_in_flight` counts them), `reclaim(engine)` puts it back. A version that only lent
+flight finish; `live_in_flight` counts them, from submit to the engine's last event, read or not),
+`reclaim(engine)` puts it back. A version that only lent
 engines hold is still served by them, counted in `live_on_lent`: live traffic always wins.
 
 `traffic(engine)`: what each engine served, per version, since it joined: requests, errors, tokens
@@ -22,6 +23,7 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
+from collections import deque
 from collections.abc import Callable
 
 from serving.interface import Engine
@@ -40,7 +42,7 @@ class Fleet(GenerateMixin):
         self._traffic: dict[int, dict[str, list[float]]] = {}  # id(engine) -> version -> [n, errors, tokens, s]
         self._away: set[int] = set()  # id(engine) of lent engines: no new live requests
         self._in_flight: dict[int, int] = {}  # id(engine) -> live requests submitted and not ended
-        self._ttfts: list[float] = []  # times to first token of requests ended since `take_ttfts`
+        self._ttfts: deque[float] = deque(maxlen=10_000)  # times to first token since `take_ttfts`
         self.live_on_lent = 0
 
     def traffic(self, engine: Engine) -> dict[str, dict[str, float]]:
@@ -64,7 +66,8 @@ class Fleet(GenerateMixin):
     def take_ttfts(self) -> list[float]:
         """Times to first token of the live requests that ended since the last call."""
         with self._lock:
-            got, self._ttfts = self._ttfts, []
+            got = list(self._ttfts)
+            self._ttfts.clear()
         return got
 
     def _ended(self, engine: Engine) -> None:
@@ -110,9 +113,7 @@ class Fleet(GenerateMixin):
         order = engines[start:] + engines[:start]
         held = [e for e in order if e.alive and name in e.versions]
         serving = [e for e in held if id(e) not in self._away]
-        if held and not serving:
-            self.live_on_lent += 1  # only lent engines hold it: served there rather than refused
-        return serving or held
+        return serving or held  # only lent engines hold it: served there rather than refused (counted)
 
     def tokenizer(self, version: str | None = None) -> Tokenizer:
         return self._first(version).tokenizer(version)
@@ -135,6 +136,7 @@ class Fleet(GenerateMixin):
         stream: bool = True,
     ) -> RequestHandle:
         held = self._holding(version)
+        count_lent = bool(held) and all(id(e) in self._away for e in held)
         if not held:
             if not self.alive:
                 raise EngineError("no replica is running")
@@ -149,8 +151,11 @@ class Fleet(GenerateMixin):
                 continue
             with self._lock:
                 self._in_flight[id(engine)] = self._in_flight.get(id(engine), 0) + 1
-            counted = functools.partial(self._count, engine, name)
-            return _Counted(handle, counted, functools.partial(self._ended, engine))
+            handle.when_ended(functools.partial(self._ended, engine))  # read or not: a dropped stream too
+            if count_lent:
+                with self._lock:
+                    self.live_on_lent += 1
+            return _Counted(handle, functools.partial(self._count, engine, name))
         assert refused is not None
         raise refused
 
@@ -161,29 +166,23 @@ class Fleet(GenerateMixin):
 
 class _Counted(RequestHandle):
     """A replica's request handle that reports how the request ended (its completion, or None for an
-    error or an abandoned stream) once, to the fleet's traffic counts, and that it ended (`ended`, once:
-    at its report or when it is cancelled, since a cancelled handle may never be iterated)."""
+    error or an abandoned stream) once, to the fleet's traffic counts."""
 
-    def __init__(self, inner: RequestHandle, done: Callable[[Completion | None], None], ended: Callable[[], None]):
+    def __init__(self, inner: RequestHandle, done: Callable[[Completion | None], None]):
         self.inner, self._done, self._reported = inner, done, False
-        self._ended_cb, self._ended = ended, False
         self.request_id, self.stream, self.cancelled = inner.request_id, inner.stream, False
 
     def cancel(self) -> None:
         self.cancelled = True
         self.inner.cancel()
-        self._end()
 
-    def _end(self) -> None:
-        if not self._ended:
-            self._ended = True
-            self._ended_cb()
+    def when_ended(self, fn: Callable[[], object]) -> None:
+        self.inner.when_ended(fn)
 
     def _report(self, c: Completion | None) -> None:
         if not self._reported:
             self._reported = True
             self._done(c)
-        self._end()
 
     def __iter__(self):
         try:

@@ -130,9 +130,10 @@ class FleetManager:
         return [s for s in self._samples if s.t >= now - seconds]
 
     def decide(self, now: float) -> list[Decision]:
-        out = self._decide(now)
+        were = {r for r, s in self.states.items() if s == "draining"}  # not one chosen just now: its
+        out = self._decide(now)  # in-flight count is from before live routing left it
         for r, s in self.states.items():  # a draining replica whose live requests ended is lent
-            if s == "draining" and self._live_in_flight.get(r, 0) == 0:
+            if s == "draining" and r in were and self._live_in_flight.get(r, 0) == 0:
                 self.states[r] = "lent"
                 out.append(Decision("lent", r, "its last live request ended"))
         return out

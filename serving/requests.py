@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -52,6 +53,9 @@ class StreamEvent:
     error: BaseException | None = None
 
 
+_END_LOCK = threading.Lock()  # `when_ended` against the engine's last `_post`: brief, so one lock for all
+
+
 class RequestHandle:
     """What `submit` returns: iterate (sync or async) for stream events, or wait for the result."""
 
@@ -71,6 +75,8 @@ class RequestHandle:
         self._aq: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self.cancelled = False
+        self._on_end: Callable[[], object] | None = None  # `when_ended`
+        self._ended_at_engine = False
 
     def cancel(self) -> None:
         """Stop generating at the next step; the stream then ends with finish_reason "abort"."""
@@ -78,7 +84,23 @@ class RequestHandle:
         if self._on_cancel is not None:
             self._on_cancel()
 
+    def when_ended(self, fn: Callable[[], object]) -> None:
+        """Call `fn()` once the engine has posted the request's last event (its completion or an error),
+        whether or not anyone reads it; at once if it already has. Thread-safe."""
+        with _END_LOCK:
+            ended = self._ended_at_engine
+            if not ended:
+                self._on_end = fn
+        if ended:
+            fn()
+
     def _post(self, ev: StreamEvent) -> None:
+        if ev.completion is not None or ev.error is not None:
+            with _END_LOCK:
+                self._ended_at_engine = True
+                fn, self._on_end = self._on_end, None
+            if fn is not None:
+                fn()
         if self._sink is not None:
             self._sink(ev)
         elif self._loop is not None and self._aq is not None:  # both set, or neither

@@ -73,7 +73,7 @@ def test_a_spike_reclaims_the_replica_mid_shard_and_the_job_resumes_with_every_r
     job = q.submit("rollout", "v1", its, samples_per_item=8, shard_size=4)
     cfg = LendingConfig(enabled=True, target_concurrency=2, lend_after_s=10, reclaim_after_s=1)
     fleet = FleetManager(cfg, ["r0", "r1"])
-    for t in range(11):  # quiet: r1 is lent
+    for t in range(12):  # quiet: r1 is lent (chosen at 10, lent at the next look)
         fleet.observe(t, 0, {"r0": 0, "r1": 0})
         fleet.decide(t)
     assert fleet.states["r1"] == "lent"
@@ -83,8 +83,8 @@ def test_a_spike_reclaims_the_replica_mid_shard_and_the_job_resumes_with_every_r
     runner.start()
     wait_until(lambda: q.progress(job)["rollouts"] >= 4, 60, what="some rollouts recorded")
     # The spike: 8 live requests at once, four times one replica's target: panic, reclaim at once.
-    fleet.observe(11, 8, {"r0": 8, "r1": 0})
-    decisions = fleet.decide(11)
+    fleet.observe(12, 8, {"r0": 8, "r1": 0})
+    decisions = fleet.decide(12)
     assert [(d.action, d.replica) for d in decisions] == [("reclaim", "r1")]
     live = [SamplingParams(max_tokens=6, ignore_eos=True)] * 8
     w.preempt()
@@ -115,7 +115,7 @@ def test_the_gateway_loop_lends_an_idle_replica_reclaims_it_for_a_spike_and_lend
     cfg = LendingConfig(enabled=True, target_concurrency=2, lend_after_s=10, reclaim_after_s=1)
     loop = LendingLoop(fleet, lambda: engines, cfg, q)
     try:
-        acts = [(d.action, d.replica) for t in range(11) for d in loop.step(t)]
+        acts = [(d.action, d.replica) for t in range(12) for d in loop.step(t)]
         assert acts == [("lend", "r1"), ("lent", "r1")]  # the highest-named replica goes
         wait_until(lambda: q.progress(job)["rollouts"] >= 4, 60, what="the lent replica working")
         # A spike: 8 live requests in flight on the one serving replica (4x its target: panic).
@@ -123,7 +123,7 @@ def test_the_gateway_loop_lends_an_idle_replica_reclaims_it_for_a_spike_and_lend
             fleet.submit(tok.encode_prompt("def"), SamplingParams(max_tokens=40, ignore_eos=True)) for _ in range(8)
         ]
         assert fleet.live_in_flight(eng0) == 8 and fleet.live_in_flight(eng1) == 0  # none went to the lent one
-        assert [(d.action, d.replica) for d in loop.step(11)] == [("reclaim", "r1")]
+        assert [(d.action, d.replica) for d in loop.step(12)] == [("reclaim", "r1")]
         more = [fleet.submit(tok.encode_prompt("def"), SamplingParams(max_tokens=8, ignore_eos=True)) for _ in range(4)]
         done = [h.result() for h in live + more]  # every live request served
         assert all(c.finish_reason == "length" for c in done)
@@ -131,7 +131,7 @@ def test_the_gateway_loop_lends_an_idle_replica_reclaims_it_for_a_spike_and_lend
         cut = q.progress(job)["rollouts"]
         assert cut < 32 and loop.counters()["preempted"] == 1
         # Quiet again: lent again after lend_after_s, and the job finishes, each rollout once.
-        acts = [(d.action, d.replica) for t in range(12, 40) for d in loop.step(t)]
+        acts = [(d.action, d.replica) for t in range(13, 40) for d in loop.step(t)]
         assert acts == [("lend", "r1"), ("lent", "r1")]
         wait_until(lambda: q.job(job).status == "done", 120, what="the job done")
         got = {(r.item, r.sample): (r.result["output_ids"], r.result["logprobs"]) for r in q.results(job)}
