@@ -17,12 +17,15 @@ load and carries out its decisions (lend, lent, reclaim), one worker per lent re
 
 from __future__ import annotations
 
+import base64
 import logging
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from registry.jobs import JobQueue, Lease, LeaseLost
 from serving.lending import Decision, FleetManager, LendingConfig
@@ -149,12 +152,15 @@ def _result(handle) -> Completion | None:
 
 
 def _rollout(c: Completion) -> dict[str, Any]:
+    """What a rollout stores: enough to train on it (the log-probs and routed experts it was made with)."""
+    arr = np.ascontiguousarray(c.routed_experts, dtype=np.uint8)
     return {
         "output_ids": list(c.output_ids),
         "logprobs": list(c.logprobs),
         "text": c.text,
         "finish_reason": c.finish_reason,
         "version": c.version,
+        "experts": {"shape": list(arr.shape), "b64": base64.b64encode(arr.tobytes()).decode()},
     }
 
 

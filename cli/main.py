@@ -200,6 +200,19 @@ def _learner(args) -> None:
     verifier = eval_suite(product).verifier  # the verifier of the suite the gate runs (`_gate`)
     bus = open_bus(settings, f"learner-{os.environ.get('RANK', '0')}")
     metrics = ServiceMetrics("learner", settings.home / "metrics")
+    lent = None
+    if cfg.offline.enabled:  # group rollouts on lent replicas, from the product's offline prompts
+        from cli.product_config import offline_prompts
+        from core.config_file import ConfigError
+        from learner.lent_rollouts import LentRollouts
+        from registry.jobs import JobQueue
+        from serving.tokenizer import Tokenizer
+
+        source = offline_prompts(product)
+        if source is None:
+            raise ConfigError("learner.offline.enabled needs learner.offline_prompts (the prompts to roll out)")
+        tok = Tokenizer.from_file(settings.served_model_dir)
+        lent = LentRollouts(JobQueue(settings.db_url), source, tok, cfg.offline)
     service = LearnerService(
         bus,
         Registry(settings.db_url),
@@ -208,6 +221,7 @@ def _learner(args) -> None:
         cfg,
         metrics=metrics,
         verifier=verifier,
+        lent=lent,
     )
     try:
         while True:

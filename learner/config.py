@@ -14,6 +14,21 @@ from learner.poisoning import PoisoningConfig
 from learner.trainer import TrainerConfig
 
 
+class LentRolloutConfig(BaseModel):
+    """`[learner.offline]`: the learner's offline group rollouts on lent replicas."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(False, description="Queue group rollouts for lent replicas (needs learner.offline_prompts).")
+    prompts_per_job: int = Field(32, ge=1, description="Prompts per rollout job (one GRPO group each).")
+    group_size: int = Field(8, ge=2, description="Samples per prompt (the group).")
+    shard_size: int = Field(4, ge=1, description="Prompts per shard: what one lent replica takes at a time.")
+    temperature: float = Field(1.0, gt=0, le=2, description="Sampling temperature of the rollouts.")
+    max_tokens: int = Field(48, ge=1, description="Longest rollout completion.")
+    weight: float = Field(1.0, gt=0, description="Weight of an offline sequence against an online sample.")
+    seed: int = Field(0, description="Seeds the prompt order and every sample.")
+
+
 class LearnerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -53,6 +68,9 @@ class LearnerConfig(BaseModel):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The update itself.")
     poisoning: PoisoningConfig = Field(
         default_factory=PoisoningConfig, description="Flag and weigh down users who dominate an update's reward."
+    )
+    offline: LentRolloutConfig = Field(
+        default_factory=lambda: LentRolloutConfig(), description="Offline group rollouts on lent replicas."
     )
 
     @model_validator(mode="after")

@@ -68,6 +68,7 @@ from feedback.events import SampleEvent
 from learner.checkpoints import OPT_STATE, STATE, file_entry, free_id, new_state, store_entry
 from learner.config import LearnerConfig
 from learner.distributed import from_rank0
+from learner.lent_rollouts import LentRollouts
 from learner.lineage import anchor, merge_covered, staleness, staleness_stats
 from learner.poisoning import VerifiedTally, screen, verdicts
 from learner.samples import cadence_met, partition, sequence_from_sample, set_aside
@@ -100,10 +101,13 @@ class LearnerService:
         clock=time.time,
         metrics: ServiceMetrics | None = None,
         verifier: Verifier | None = None,
+        lent: LentRollouts | None = None,
     ):
+        """`lent`: offline group rollouts on lent replicas (`learner.lent_rollouts`), mixed into updates."""
         cfg = cfg or LearnerConfig()
         self.bus, self.registry, self.cfg, self.clock = bus, registry, cfg, clock
         self.verifier, self.tally = verifier, VerifiedTally()
+        self.lent = lent
         if verifier is None and cfg.poisoning.enabled:
             log.warning("learner: no verifier: the poisoning screen's verified rule is off")
         self.models_dir = Path(models_dir)
@@ -554,6 +558,11 @@ class LearnerService:
         self.poll(timeout_s)
         self.metrics.consume(self.cfg.topic, len(self.buffer) - before)
         self.publish_held()
+        if self.lent is not None and self.rank == 0:  # offline groups travel from rank 0 (`_whole_batch`)
+            got = self.lent.tick(self.registry.incumbent().id)
+            if got is not None:
+                self.add_offline(got)
+                self.counters["offline_groups"] += got.groups
         new = self.update() if self.due() else None
         self.metrics.set_stats(dict(self.counters))
         self.metrics.report()

@@ -231,6 +231,14 @@ class JobQueue:
             )
         return True
 
+    def shard_items(self, job_id: str, shard: int) -> list[Any]:
+        """The items of one shard of a job, as submitted."""
+        with Session(self.engine) as s:
+            row = s.get(LendShard, (job_id, shard))
+        if row is None:
+            raise ValueError(f"no shard {shard} of lending job {job_id!r}")
+        return list(row.items)
+
     def cancel(self, job_id: str) -> None:
         """No shard of the job is handed out any more (its version was withdrawn, say)."""
         with self.engine.begin() as c:

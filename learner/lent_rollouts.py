@@ -1,0 +1,147 @@
+"""The learner's offline group rollouts, sampled on lent replicas through the job queue.
+
+`LentRollouts.tick(version)` keeps one `rollout` job in the registry's queue (`registry.jobs`): while
+none is open it submits the next `prompts_per_job` prompts of the product's offline prompt source
+(`product.suites.OfflinePrompts`, named by `learner.offline_prompts`), each with `group_size` seeded
+samples on `version` (the promoted one: every replica holds it). Lent replicas run the shards
+(`api.lending`). Once the job is done, `tick` scores every sample with the source's verifier, forms
+GRPO groups (`learner.objective.group_advantages`; a group whose samples all scored the same carries no
+signal and is dropped, counted) and returns them as a `learner.offline.GroupBatch`, which the service
+mixes into its next update (`LearnerService.add_offline`) with `weight`. The samples carry the log-probs
+and routed experts they were made with, so the update corrects them for the learner having moved since
+like any served sample, and drops them beyond the staleness bounds (counted).
+
+A job on a version no longer promoted when it finishes is still used (the bounds decide). With nothing
+lent, the job waits in the queue, and the learner trains on online samples alone.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import random
+
+import numpy as np
+
+from learner.config import LentRolloutConfig
+from learner.objective import group_advantages
+from learner.offline import GroupBatch
+from learner.replay import Sequence
+from product.suites import OfflinePrompts
+from registry.jobs import JobQueue
+
+log = logging.getLogger(__name__)
+
+
+def experts_field(routed_experts: np.ndarray) -> dict:
+    """A rollout's routed experts as JSON: its shape and base64 bytes (uint8)."""
+    arr = np.ascontiguousarray(routed_experts, dtype=np.uint8)
+    return {"shape": list(arr.shape), "b64": base64.b64encode(arr.tobytes()).decode()}
+
+
+def experts_array(field: dict) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(field["b64"]), dtype=np.uint8).reshape(field["shape"]).copy()
+
+
+class LentRollouts:
+    def __init__(self, queue: JobQueue, source: OfflinePrompts, tokenizer, cfg: LentRolloutConfig):
+        self.queue, self.source, self.tokenizer, self.cfg = queue, source, tokenizer, cfg
+        self.order = list(range(len(source.prompts)))
+        random.Random(cfg.seed).shuffle(self.order)
+        self.next = 0
+        self.jobs = 0
+        self.job: str | None = None
+        self.counters = {"jobs_submitted": 0, "jobs_used": 0, "groups": 0, "dropped_flat_groups": 0}
+
+    def _prompts(self) -> list[str]:
+        out = []
+        for _ in range(min(self.cfg.prompts_per_job, len(self.order))):
+            out.append(self.source.prompts[self.order[self.next % len(self.order)]])
+            self.next += 1
+        return out
+
+    def submit(self, version: str) -> str:
+        c = self.cfg
+        params = {"temperature": c.temperature, "max_tokens": c.max_tokens, "stop": list(self.source.stop)}
+        items = [
+            {
+                "prompt": p,
+                "prompt_ids": self.tokenizer.encode_prompt(p),
+                "params": params,
+                "seeds": [
+                    c.seed * 1_000_003 + (self.jobs * c.prompts_per_job + i) * c.group_size + g
+                    for g in range(c.group_size)
+                ],
+            }
+            for i, p in enumerate(self._prompts())
+        ]
+        self.job = self.queue.submit(
+            "rollout", version, items, c.group_size, c.shard_size, {"source": self.source.name}
+        )
+        self.jobs += 1
+        self.counters["jobs_submitted"] += 1
+        log.info("learner: rollout job %s queued: %d prompts x %d on %s", self.job, len(items), c.group_size, version)
+        return self.job
+
+    def tick(self, version: str) -> GroupBatch | None:
+        """Queue a job if none is open; the groups of a finished one (then the next is queued), else None."""
+        if self.job is None:
+            self.submit(version)
+            return None
+        if self.queue.job(self.job).status != "done":
+            return None
+        batch = self.groups(self.job)
+        self.counters["jobs_used"] += 1
+        self.counters["groups"] += batch.groups
+        self.counters["dropped_flat_groups"] += batch.dropped_flat_groups
+        self.job = None
+        self.submit(version)
+        return batch
+
+    def groups(self, job_id: str) -> GroupBatch:
+        """A finished job's samples, scored and grouped (module docstring)."""
+        job = self.queue.job(job_id)
+        rows = self.queue.results(job_id)
+        shards: dict[int, list] = {}
+        for r in rows:
+            shards.setdefault(r.shard, []).append(r)
+        c = self.cfg
+        out = GroupBatch()
+        scored = passed = 0
+        for shard in sorted(shards):
+            by_item: dict[int, list] = {}
+            for r in shards[shard]:
+                by_item.setdefault(r.item, []).append(r)
+            items = self._shard_items(job_id, shard)
+            for i, group in sorted(by_item.items()):
+                group.sort(key=lambda r: r.sample)
+                prompt = items[i]["prompt"]
+                texts = [r.result["text"] for r in group]
+                rewards = [float(x) for x in self.source.verifier.verify([prompt] * len(texts), texts)]
+                scored += len(rewards)
+                passed += sum(x == 1.0 for x in rewards)
+                if len(set(rewards)) == 1:
+                    out.dropped_flat_groups += 1
+                    continue
+                out.groups += 1
+                for r, reward, adv in zip(group, rewards, group_advantages(rewards), strict=True):
+                    out.sequences.append(
+                        Sequence(
+                            items[i]["prompt_ids"],
+                            r.result["output_ids"],
+                            r.result["logprobs"],
+                            experts_array(r.result["experts"]),
+                            c.temperature,
+                            1.0,
+                            reward=reward,
+                            version=job.version_id,
+                            key=f"offline:{self.source.name}",
+                            weight=c.weight,
+                        )
+                    )
+                    out.advantages.append(adv)
+        out.pass_rate = passed / max(1, scored)
+        return out
+
+    def _shard_items(self, job_id: str, shard: int) -> list[dict]:
+        return self.queue.shard_items(job_id, shard)
