@@ -362,6 +362,7 @@ def test_completion_sink_publishes_completions_keyed_by_completion_id(h):
             await sink.record(e)
 
     asyncio.run(record_all())
+    sink.close()
     h.bus.flush(30)
     got = drain(h.consumer(TOPICS["completion"], new_name("sink")), 5, h.quiet_s)
     assert len(got) == 5
