@@ -203,7 +203,6 @@ def _learner(args) -> None:
     lent = None
     if cfg.offline.enabled:  # group rollouts on lent replicas, from the product's offline prompts
         from cli.product_config import offline_prompts
-        from core.config_file import ConfigError
         from learner.lent_rollouts import LentRollouts
         from registry.jobs import JobQueue
         from serving.tokenizer import Tokenizer
