@@ -131,7 +131,9 @@ class GatewayFleet:
         if lending is not None and lending.enabled:
             queue = JobQueue(settings.db_url)
             engines = lambda: {r.replica_id: r.engine for r in replicas}  # noqa: E731
-            fleet.lending = LendingLoop(fleet.engine, engines, lending, queue).start()
+            by_id = {r.replica_id: r for r in replicas}
+            prepare = lambda name, version: by_id[name].lend_version(version)  # noqa: E731
+            fleet.lending = LendingLoop(fleet.engine, engines, lending, queue, prepare=prepare).start()
             log.info("lending: on, over %d replicas (%s)", len(replicas), lending)
         return fleet
 

@@ -171,8 +171,13 @@ class LendingLoop:
     `reclaim`: the worker's background requests are preempted at the engine's next step and the
     engine serves live traffic again. `engines()` names the replicas' engines of the moment."""
 
-    def __init__(self, fleet, engines, cfg: LendingConfig, queue: JobQueue, interval_s: float = 1.0):
+    def __init__(self, fleet, engines, cfg: LendingConfig, queue: JobQueue, interval_s: float = 1.0, prepare=None):
+        """`prepare(name, version | None)`: have replica `name` also hold `version` for lent work, or
+        nothing extra (`serving.replica.Replica.lend_version`); None: lent work runs only on what the
+        replicas hold anyway."""
         self.fleet, self.engines, self.cfg, self.queue = fleet, engines, cfg, queue
+        self.prepare = prepare
+        self._prepared: dict[str, str | None] = {}
         self.interval_s = interval_s
         self.manager = FleetManager(cfg, sorted(engines()))
         self.decisions: list[tuple[float, Decision]] = []
@@ -215,7 +220,24 @@ class LendingLoop:
                     self._stop_worker(d.replica)
             except Exception:  # one replica's failure never strands the others' decisions
                 log.exception("lending: %s %s failed", d.action, d.replica)
+        if self.prepare is not None:
+            self._prepare(engines)
         return decided
+
+    def _prepare(self, engines: dict) -> None:
+        """Each lent replica holds the version of the oldest open job it lacks (if any); the others
+        nothing extra."""
+        open_versions = self.queue.open_versions() if any(s == "lent" for s in self.manager.states.values()) else []
+        for name, state in self.manager.states.items():
+            held = set(engines[name].versions) if state == "lent" else set()
+            want = next((v for v in open_versions if v not in held), None) if state == "lent" else None
+            if want is None and state == "lent" and self._prepared.get(name) in open_versions:
+                want = self._prepared.get(name)  # keep what it loaded while that job is open
+            if self._prepared.get(name) != want:
+                self._prepared[name] = want
+                assert self.prepare is not None
+                self.prepare(name, want)
+                log.info("lending: %s holds %s for lent work", name, want)
 
     def _start_worker(self, name: str, engine) -> None:
         worker = LendingWorker(engine, self.queue, name, max_concurrency=self.cfg.max_rollout_concurrency)

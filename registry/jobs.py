@@ -231,6 +231,16 @@ class JobQueue:
             )
         return True
 
+    def open_versions(self, kinds: tuple[str, ...] = KINDS) -> list[str]:
+        """The versions of open jobs of `kinds`, oldest job first, each once."""
+        with Session(self.engine) as s:
+            rows = s.exec(
+                select(LendJob.version_id)
+                .where(col(LendJob.status) == "open", col(LendJob.kind).in_(kinds))
+                .order_by(col(LendJob.created))
+            ).all()
+        return list(dict.fromkeys(rows))
+
     def shard_items(self, job_id: str, shard: int) -> list[Any]:
         """The items of one shard of a job, as submitted."""
         with Session(self.engine) as s:

@@ -27,6 +27,10 @@
   follower loop notices within a poll) starts a fresh engine and loads what the registry says, as
   at a start; without, the replica reports that it holds nothing and why. While the engine is dead
   the heartbeat never claims versions it cannot serve.
+- Lending: `lend_version(vid)` makes the replica also hold a registered version a lent job needs (an
+  eval candidate, say): fetched, verified and loaded like any other, never served (not the default,
+  no share), so the fleet check sees it held under the registry's hash; `lend_version(None)` retires
+  it. Applied at the follower loop's next look.
 - `heartbeat()`: `registry.heartbeat(replica_id, gateway_id, host, holds={version: artifact
   SHA-256}, serves={version: share}, error=last_error)`. The default version serves `1 - share` of
   the canary (its `gate["canary"]["share"]`), the canary version that share.
@@ -68,6 +72,7 @@ from serving.interface import Engine
 from serving.weight_store import DELTA_SUFFIX, SNAPSHOT_SUFFIX, WeightStore
 
 log = logging.getLogger(__name__)
+LENDABLE = ("candidate", "evaluating", "canary", "awaiting_approval", "promoted")  # what lent work may load
 
 MIN_POLL_S = 1.0
 TEMPLATE_FILES = (TOKENIZER, "tokenizer_config.json", "generation_config.json")
@@ -225,6 +230,8 @@ class Replica:
         self._held: dict[str, str] = {}  # loaded by this replica and not retired: version -> artifact SHA-256
         self._retiring: set[str] = set()
         self._lock = threading.RLock()
+        self._lent_version: str | None = None  # held for lent work (`lend_version`), never served
+        self._nudge = threading.Event()  # `lend_version` changed: sync at the next look
 
     # -- following the registry -------------------------------------------------------------------
 
@@ -235,6 +242,14 @@ class Replica:
         if cand is not None and str(cand.status) not in ("canary", "awaiting_approval"):
             cand = None
         return promoted, cand
+
+    def lend_version(self, version_id: str | None) -> None:
+        """Also hold `version_id` for lent work (module docstring), or no such version (None)."""
+        with self._lock:
+            changed = self._lent_version != version_id
+            self._lent_version = version_id
+        if changed:
+            self._nudge.set()
 
     def sync(self) -> SyncResult:
         """Make the engine hold and serve what the registry says (see the module's docstring)."""
@@ -259,6 +274,16 @@ class Replica:
             if promoted is None:
                 errors.append("the registry has no promoted version")
             want = [v for v in (promoted, cand) if v is not None]
+            lent = self._lent_version
+            if lent is not None and lent not in {v.id for v in want}:
+                try:
+                    extra = self.registry.get(lent)
+                    if str(extra.status) in LENDABLE:
+                        want.append(extra)
+                    else:  # rejected or withdrawn since: its jobs end with it; nothing to hold
+                        log.info("replica %s: lent version %s is %s: not held", self.replica_id, lent, extra.status)
+                except Exception as e:
+                    errors.append(f"lent version {lent}: {e}")
             for v in want:
                 times = LoadTimes(v.id)
                 try:
@@ -472,7 +497,9 @@ class Replica:
         now = time.monotonic()
         next_beat, next_retry = now + self.heartbeat_s, now + self.retry_s
         while not stop.is_set():
-            if self.notifier is not None:
+            if self._nudge.is_set():
+                pass  # `lend_version` asked for a sync: no wait
+            elif self.notifier is not None:
                 self.notifier.wait(self.poll_s)
             else:
                 stop.wait(self.poll_s)
@@ -482,7 +509,9 @@ class Replica:
             now = time.monotonic()
             synced = False
             dead = not self.engine.alive and self.make_engine is not None
-            if changes or dead or (self.last_error is not None and now >= next_retry):
+            nudged = self._nudge.is_set()
+            if changes or dead or nudged or (self.last_error is not None and now >= next_retry):
+                self._nudge.clear()
                 if changes:
                     seq = max(c.seq for c in changes)
                 self.sync()

@@ -358,3 +358,29 @@ def test_on_postgresql_a_change_wakes_the_follower(pg_url):
     finally:
         notifier.close()
         reg.close()
+
+
+def test_a_lent_replica_holds_a_candidate_for_lent_work_without_serving_it(world):
+    w = world
+    w.reg.bootstrap("v1", files=[w.entry("v1")])
+    r = w.replica("r1")
+    r.sync()
+    w.register("v2", "v1")
+    w.advance("v2", "evaluating")  # the gate's candidate: no replica serves it
+    r.lend_version("v2")
+    res = r.sync()
+    assert (res.default, sorted(res.held), res.error) == ("v1", ["v1", "v2"], None)
+    holds, serves = r.report()
+    assert holds["v2"] == w.reg.get("v2").artifact_sha256 and serves == {"v1": 1.0}  # held, never served
+    r.heartbeat()
+    assert w.reg.fleet().complete  # a lent version held under its registry hash is no split
+    c = r.engine.submit(r.engine.tokenizer().encode_prompt("def"), SamplingParams(max_tokens=4, seed=1), "v2").result()
+    lp, _ = score(w.weights["v2"], c.prompt_ids, c.output_ids, c.params, n_vocab=r.engine.tokenizer().vocab_size)
+    assert torch.equal(lp, torch.tensor(c.logprobs))  # lent work on v2 gets exactly v2
+    r.lend_version(None)
+    res = r.sync()
+    assert res.retired == ["v2"] and res.default == "v1"
+    r.lend_version("v2")
+    w.reg.transition("v2", "rejected", "gate", "offline regression")
+    res = r.sync()
+    assert "v2" not in res.held and res.error is None  # a rejected candidate is not held, and no error
