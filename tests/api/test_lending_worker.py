@@ -143,23 +143,29 @@ def test_the_gateway_loop_lends_an_idle_replica_reclaims_it_for_a_spike_and_lend
         eng1.shutdown()
 
 
-def test_a_lent_replica_is_asked_to_hold_the_version_an_open_job_needs_and_to_drop_it_when_reclaimed(world):
+def test_a_lent_replica_is_asked_to_hold_the_version_an_open_job_needs_and_to_drop_it_when_reclaimed(
+    world, tiny_checkpoint
+):
     from api.lending import LendingLoop
     from serving.fleet import Fleet
 
-    eng, q, tok = world
-    engines = {"r0": eng}
+    eng0, q, tok = world
+    eng1 = EmbeddedEngine(max_batch=4, max_model_len=128, seed=0)
+    eng1.add_version("v1", tiny_checkpoint, default=True)
+    engines = {"r0": eng0, "r1": eng1}
     q.submit("eval", "v1", items(tok, 1, G=1), samples_per_item=1, shard_size=1)  # on a version it holds
     q.submit("eval", "v9", items(tok, 1, G=1), samples_per_item=1, shard_size=1)  # a candidate it lacks
     asked: list = []
-    cfg = LendingConfig(enabled=True, target_concurrency=2, lend_after_s=3, reclaim_after_s=1, min_serving=0)
-    loop = LendingLoop(Fleet([eng]), lambda: engines, cfg, q, prepare=lambda name, v: asked.append((name, v)))
+    cfg = LendingConfig(enabled=True, target_concurrency=1, lend_after_s=3, reclaim_after_s=1)
+    loop = LendingLoop(Fleet([eng0, eng1]), lambda: engines, cfg, q, prepare=lambda n, v: asked.append((n, v)))
     try:
         for t in range(5):
             loop.step(t)
-        assert loop.manager.states["r0"] == "lent" and asked == [("r0", "v9")]
-        loop.fleet.submit(tok.encode_prompt("def"), SamplingParams(max_tokens=30, ignore_eos=True))
-        loop.step(5)  # one live request on no serving replica: panic, reclaimed
-        assert loop.manager.states["r0"] == "serving" and asked == [("r0", "v9"), ("r0", None)]
+        assert loop.manager.states["r1"] == "lent" and asked == [("r1", "v9")]
+        for _ in range(3):  # 3 live requests on one serving replica of target 1: panic, reclaimed
+            loop.fleet.submit(tok.encode_prompt("def"), SamplingParams(max_tokens=60, ignore_eos=True))
+        loop.step(5)
+        assert loop.manager.states["r1"] == "serving" and asked == [("r1", "v9"), ("r1", None)]
     finally:
         loop.close()
+        eng1.shutdown()
