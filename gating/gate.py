@@ -95,6 +95,11 @@ class GateConfig(BaseModel):
     poll_s: float = Field(5.0, gt=0, description="run_gate: wait between steps while there is nothing to do.")
     actor: str = Field("gate", min_length=1, description="Actor of the gate's registry writes.")
     nice: int = Field(10, ge=0, le=19, description="run_gate: niceness of the gate process and its engines.")
+    lend_eval: bool = Field(
+        False,
+        description="Sample through the lending job queue, so lent replicas share the work (`gating.lent_eval`); "
+        "the samples are the same either way.",
+    )
     lease_beat_s: float = Field(
         5.0, gt=0, description="run_gate: beat of the gate's lease; gateways stop the canary after 3 missed."
     )

@@ -138,6 +138,17 @@ def run_gate(
             )
 
         engine_factory = process_engine
+    if cfg.lend_eval:  # lent replicas share the sampling through the registry's job queue
+        from gating.lent_eval import QueueEngine
+        from registry.jobs import JobQueue
+
+        jobs = JobQueue(settings.db_url)
+        own = engine_factory
+
+        def lending_engine() -> Engine:
+            return QueueEngine(own(), jobs)
+
+        engine_factory = lending_engine
 
     if load_version is None:
         load_version = weight_store_loader(settings.learner_models_dir, settings.home / "gate" / "versions")

@@ -17,30 +17,18 @@ lent, the job waits in the queue, and the learner trains on online samples alone
 
 from __future__ import annotations
 
-import base64
 import logging
 import random
-
-import numpy as np
 
 from learner.config import LentRolloutConfig
 from learner.objective import group_advantages
 from learner.offline import GroupBatch
 from learner.replay import Sequence
 from product.suites import OfflinePrompts
+from registry.job_worker import experts_array
 from registry.jobs import JobQueue
 
 log = logging.getLogger(__name__)
-
-
-def experts_field(routed_experts: np.ndarray) -> dict:
-    """A rollout's routed experts as JSON: its shape and base64 bytes (uint8)."""
-    arr = np.ascontiguousarray(routed_experts, dtype=np.uint8)
-    return {"shape": list(arr.shape), "b64": base64.b64encode(arr.tobytes()).decode()}
-
-
-def experts_array(field: dict) -> np.ndarray:
-    return np.frombuffer(base64.b64decode(field["b64"]), dtype=np.uint8).reshape(field["shape"]).copy()
 
 
 class LentRollouts:

@@ -108,9 +108,11 @@ class JobQueue:
         kinds: tuple[str, ...] = KINDS,
         now: float | None = None,
         versions: list[str] | None = None,
+        job_id: str | None = None,
     ) -> Lease | None:
         """A free shard of an open job of `kinds` (on one of `versions`, if given: those the worker
-        holds), oldest job first, held by `worker` for `lease_s`; None if there is none."""
+        holds; of `job_id` only, if given), oldest job first, held by `worker` for `lease_s`; None if
+        there is none."""
         now = time.time() if now is None else now
         query = (
             select(LendShard.job_id, LendShard.shard)
@@ -120,6 +122,8 @@ class JobQueue:
         )
         if versions is not None:
             query = query.where(col(LendJob.version_id).in_(versions))
+        if job_id is not None:
+            query = query.where(col(LendJob.job_id) == job_id)
         with Session(self.engine) as s:
             free = s.exec(query.order_by(col(LendJob.created), col(LendShard.shard)).limit(16)).all()
         for job_id, shard in free:  # another worker may take one first: try the next

@@ -167,6 +167,9 @@ class ProcessEngine(GenerateMixin):
         self._proc.start()
         child.close()
         self.max_model_len = max_model_len
+        from core.settings import get_settings
+
+        self.batch_invariant = get_settings().batch_invariant  # the child's engine reads the same setting
         self._send_lock = threading.Lock()
         self._handles: dict[str, RequestHandle] = {}
         self._calls: dict[int, Future] = {}

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from api.lending import LendingWorker
 from core.harness import wait_until
+from registry.job_worker import LendingWorker
 from registry.jobs import JobQueue
 from serving.engine import EmbeddedEngine
 from serving.lending import FleetManager, LendingConfig

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from api.lending import LendingWorker
 from learner.config import LentRolloutConfig
 from learner.lent_rollouts import LentRollouts
 from product.suites import OfflinePrompts
+from registry.job_worker import LendingWorker
 from registry.jobs import JobQueue
 from serving.checkpoint import load_checkpoint
 from serving.engine import EmbeddedEngine, score

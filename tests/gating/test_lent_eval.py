@@ -1,0 +1,87 @@
+"""The gate's eval sampling through the lending job queue (`gating.lent_eval.QueueEngine`): with a
+lent replica taking shards and with none, the completions are those of the gate's engine generating
+alone, bit for bit (seeded requests, batch-invariant kernels), in request order."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from gating.evals import sample_seed
+from gating.lent_eval import QueueEngine
+from registry.job_worker import LendingWorker
+from registry.jobs import JobQueue
+from serving.engine import EmbeddedEngine
+from serving.sampling import SamplingParams
+
+TEXTS = ["# add 3 to x\ndef f(x):\n", "# count 'a' in s\n", "def", "# items of xs greater than 7\ndef f(xs):\n"]
+
+
+@pytest.fixture
+def parts(tiny_checkpoint, tmp_path):
+    engines = []
+    for _ in range(2):
+        e = EmbeddedEngine(max_batch=8, max_model_len=128, seed=0)
+        e.add_version("v1", tiny_checkpoint, default=True)
+        engines.append(e)
+    q = JobQueue(f"sqlite:///{tmp_path / 'registry.db'}")
+    yield engines, q
+    q.close()
+    for e in engines:
+        e.shutdown()
+
+
+def requests(tok, n: int):
+    ids = [tok.encode_prompt(TEXTS[i % len(TEXTS)]) for i in range(n)]
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=10, stop=("\n\n",), seed=sample_seed(0, TEXTS[i % 4], i))
+        for i in range(n)
+    ]
+    return ids, params
+
+
+def same(a, b) -> bool:
+    return [(c.output_ids, c.logprobs, c.text, c.finish_reason) for c in a] == [
+        (c.output_ids, c.logprobs, c.text, c.finish_reason) for c in b
+    ]
+
+
+@pytest.mark.parametrize("lent", [False, True], ids=["nothing-lent", "one-lent-replica"])
+def test_queued_eval_samples_equal_the_gate_engine_alone(parts, lent):
+    (gate_engine, replica), q = parts
+    ids, params = requests(gate_engine.tokenizer(), 40)
+    alone = gate_engine.generate(ids, params, "v1")
+    stop = threading.Event()
+    done_by_replica: list = []
+
+    def lent_replica() -> None:
+        w = LendingWorker(replica, q, "r1", kinds=("eval",))
+        while not stop.is_set():
+            run = w.run_shard()
+            if run is not None:
+                done_by_replica.append(run.shard)
+            else:
+                stop.wait(0.01)
+
+    t = threading.Thread(target=lent_replica, daemon=True)
+    if lent:
+        t.start()
+    qe = QueueEngine(gate_engine, q, shard_size=4, threads=2)
+    try:
+        got = qe.generate(ids, params, "v1")
+    finally:
+        stop.set()
+        if lent:
+            t.join(30)
+    assert same(got, alone)
+    assert [c.params for c in got] == params and qe.tokenizer() is gate_engine.tokenizer()
+    assert qe.counters["shards_here"] + len(done_by_replica) == 10
+    if not lent:
+        assert qe.counters["shards_here"] == 10
+
+
+def test_unseeded_requests_are_refused(parts):
+    (gate_engine, _), q = parts
+    with pytest.raises(ValueError, match="needs a seed on every request"):
+        QueueEngine(gate_engine, q).generate([[1, 2]], [SamplingParams()], "v1")
