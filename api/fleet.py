@@ -132,7 +132,11 @@ class GatewayFleet:
             queue = JobQueue(settings.db_url)
             engines = lambda: {r.replica_id: r.engine for r in replicas}  # noqa: E731
             by_id = {r.replica_id: r for r in replicas}
-            prepare = lambda name, version: by_id[name].lend_version(version)  # noqa: E731
+
+            def prepare(name: str, version: str | None, state: str) -> None:
+                by_id[name].lending_state = state
+                by_id[name].lend_version(version)
+
             fleet.lending = LendingLoop(fleet.engine, engines, lending, queue, prepare=prepare).start()
             log.info("lending: on, over %d replicas (%s)", len(replicas), lending)
         return fleet

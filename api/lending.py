@@ -25,12 +25,12 @@ class LendingLoop:
     engine serves live traffic again. `engines()` names the replicas' engines of the moment."""
 
     def __init__(self, fleet, engines, cfg: LendingConfig, queue: JobQueue, interval_s: float = 1.0, prepare=None):
-        """`prepare(name, version | None)`: have replica `name` also hold `version` for lent work, or
-        nothing extra (`serving.replica.Replica.lend_version`); None: lent work runs only on what the
-        replicas hold anyway."""
+        """`prepare(name, version | None, state)`: replica `name` is in lending `state`, and should also
+        hold `version` for lent work, or nothing extra (`serving.replica.Replica.lend_version`; the state
+        goes in its heartbeat); None: lent work runs only on what the replicas hold anyway."""
         self.fleet, self.engines, self.cfg, self.queue = fleet, engines, cfg, queue
         self.prepare = prepare
-        self._prepared: dict[str, str | None] = {}
+        self._prepared: dict[str, tuple[str | None, str]] = {}
         self.interval_s = interval_s
         self.manager = FleetManager(cfg, sorted(engines()))
         self.decisions: list[tuple[float, Decision]] = []
@@ -84,13 +84,14 @@ class LendingLoop:
         for name, state in self.manager.states.items():
             held = set(engines[name].versions) if state == "lent" else set()
             want = next((v for v in open_versions if v not in held), None) if state == "lent" else None
-            if want is None and state == "lent" and self._prepared.get(name) in open_versions:
-                want = self._prepared.get(name)  # keep what it loaded while that job is open
-            if self._prepared.get(name) != want:
-                self._prepared[name] = want
+            had = (self._prepared.get(name) or (None, None))[0]
+            if want is None and state == "lent" and had in open_versions:
+                want = had  # keep what it loaded while that job is open
+            if self._prepared.get(name, "?") != (want, state):
+                self._prepared[name] = (want, state)
                 assert self.prepare is not None
-                self.prepare(name, want)
-                log.info("lending: %s holds %s for lent work", name, want)
+                self.prepare(name, want, state)
+                log.info("lending: %s is %s and holds %s for lent work", name, state, want)
 
     def _start_worker(self, name: str, engine) -> None:
         # Eval shards only where samples are bit-identical to the gate's engine (the batch-invariant kernels).

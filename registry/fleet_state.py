@@ -177,6 +177,7 @@ class Heartbeats(RegistryStore):
         error: str | None = None,
         reported_at: datetime | None = None,
         traffic: Mapping[str, Mapping[str, float]] | None = None,
+        lending: str | None = None,
     ) -> ReplicaHeartbeatPublic:
         """Record a replica's report, replacing its last one: the versions it holds (id → artifact
         SHA-256), those it serves (id → share), its last error, what it served since its previous
@@ -189,6 +190,7 @@ class Heartbeats(RegistryStore):
             serves=dict(serves),
             error=error,
             traffic={v: dict(t) for v, t in (traffic or {}).items()},
+            lending=lending,
         )
         return write_heartbeat(self.engine, hb, reported_at or utcnow())
 

@@ -328,6 +328,11 @@ class HeartbeatBase(SQLModel):
         description="Served since the previous heartbeat, per version: requests, errors, tokens, seconds "
         "(sum of end-to-end latencies) and window_s (the seconds they cover).",
     )
+    lending: str | None = Field(
+        default=None,
+        max_length=16,
+        description="Lending state (serving, draining or lent; `serving.lending`), None with lending off.",
+    )
 
 
 class HeartbeatCreate(HeartbeatBase):

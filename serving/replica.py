@@ -137,6 +137,7 @@ class ReplicaRegistry(Protocol):
         serves: Mapping[str, float],
         error: str | None = None,
         traffic: Mapping[str, Mapping[str, float]] | None = None,
+        lending: str | None = None,
     ) -> object: ...
 
 
@@ -231,6 +232,7 @@ class Replica:
         self._retiring: set[str] = set()
         self._lock = threading.RLock()
         self._lent_version: str | None = None  # held for lent work (`lend_version`), never served
+        self.lending_state: str | None = None  # set by the gateway's lending loop; in the heartbeat
         self._nudge = threading.Event()  # `lend_version` changed: sync at the next look
 
     # -- following the registry -------------------------------------------------------------------
@@ -485,6 +487,7 @@ class Replica:
             serves=serves,
             error=self.last_error,
             traffic=self.traffic_since_last_beat(),
+            lending=self.lending_state,
         )
 
     # -- the follower loop ------------------------------------------------------------------------
