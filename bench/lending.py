@@ -148,9 +148,15 @@ def simulate(cfg: LendingConfig, lending: bool, p: dict[str, Any], seed: int) ->
             r.start(r.waiting.pop(0), now)
 
     arrivals = 0
+    nxt = [r.next_end() for r in reps]  # each replica's next completion, kept up to date as it changes
+    index = {r.name: i for i, r in enumerate(reps)}
+
+    def touch(r: Replica) -> None:
+        nxt[index[r.name]] = r.next_end()
+
     while t < day_s:
-        ends = [(r.next_end(), r) for r in reps]
-        t_end, r_end = min(ends, key=lambda x: x[0])
+        i_end = min(range(n), key=nxt.__getitem__)
+        t_end, r_end = nxt[i_end], reps[i_end]
         t_next = min(next_arrival, next_tick, t_end)
         if t_next > day_s:
             break
@@ -174,6 +180,7 @@ def simulate(cfg: LendingConfig, lending: bool, p: dict[str, Any], seed: int) ->
             admit(r, t)
             if state[r.name] == "lent":
                 fill_rollouts(r, t)
+            touch(r)
         elif t == next_arrival:
             serving = [r for r in reps if state[r.name] == "serving"] or reps  # live traffic always wins
             r = serving[next(turn) % len(serving)]
@@ -185,6 +192,7 @@ def simulate(cfg: LendingConfig, lending: bool, p: dict[str, Any], seed: int) ->
                 r.start(s, t)
             else:
                 r.waiting.append(s)
+            touch(r)
             next_arrival = t + rng.gamma(shape, 1 / (shape * rate(t)))
         else:
             next_tick += 1.0
@@ -209,6 +217,7 @@ def simulate(cfg: LendingConfig, lending: bool, p: dict[str, Any], seed: int) ->
                         del r.running[s.sid]
                         rollout_queue.append(s.rollout)  # redone from the start, counted when it finishes
                     admit(r, t)
+                touch(r)
     idle_capacity += (day_s - t) * max(0.0, n - live_now / target)
     for r in reps:
         r.advance(day_s)
