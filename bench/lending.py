@@ -271,6 +271,8 @@ def main() -> None:
     ap.add_argument("--peak-load", type=float, default=0.7, help="peak traffic over capacity at target concurrency")
     ap.add_argument("--trough", type=float, default=0.15, help="the night's rate over the peak's")
     ap.add_argument("--timeout-s", type=float, default=60.0)
+    ap.add_argument("--headroom", type=float, default=None, help="the policy's headroom (default: [lending]'s)")
+    ap.add_argument("--name", default=NAME, help="result name (bench/results/<name>.json)")
     a = ap.parse_args()
     st = common.stamp()
     a0, c0, source = engine_step_fit()
@@ -285,9 +287,12 @@ def main() -> None:
         "timeout_s": a.timeout_s,
     }
     cfg = LendingConfig(enabled=True, target_concurrency=a.target, max_rollout_concurrency=32)
+    if a.headroom is not None:
+        cfg = cfg.model_copy(update={"headroom": a.headroom})
     off = simulate(cfg, False, p, a.seed)
     on = simulate(cfg, True, p, a.seed)
     result = {
+        "template": NAME,
         "params": p,
         "step_fit": {"a": a0, "c": c0, "source": source, "scale": a.step_scale},
         "policy": cfg.model_dump(),
@@ -296,7 +301,7 @@ def main() -> None:
         "on": on,
         "p99_on_over_off": on["p99_latency_s"] / off["p99_latency_s"],
     }
-    common.save(NAME, result, st, a.out)
+    common.save(a.name, result, st, a.out)
 
 
 if __name__ == "__main__":
