@@ -167,7 +167,8 @@ def _environment() -> jinja2.Environment:
 def render(name: str, result: Mapping[str, Any]) -> str:
     """bench/templates/<name>.md.j2 (or the result's own `template`: a variant of a benchmark saved
     under another name) on `result` (as `r`; its stamp also as `stamp`)."""
-    return _environment().get_template(f"{result.get('template') or name}.md.j2").render(r=result, stamp=result.get("stamp", {}))
+    template = _environment().get_template(f"{result.get('template') or name}.md.j2")
+    return template.render(r=result, stamp=result.get("stamp", {}))
 
 
 def write_report(name: str, out: Path | str = RESULTS) -> str:
