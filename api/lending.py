@@ -15,6 +15,7 @@ from registry.jobs import JobQueue
 from serving.lending import Decision, FleetManager, LendingConfig
 
 log = logging.getLogger(__name__)
+LOAD_WAIT_S = 300.0  # a lent replica that has not loaded a job's version by then passes it over
 
 
 class LendingLoop:
@@ -31,6 +32,7 @@ class LendingLoop:
         self.fleet, self.engines, self.cfg, self.queue = fleet, engines, cfg, queue
         self.prepare = prepare
         self._prepared: dict[str, tuple[str | None, str]] = {}
+        self._asked: dict[tuple[str, str], float] = {}  # (replica, version) -> when it was asked to hold it
         self.interval_s = interval_s
         self.manager = FleetManager(cfg, sorted(engines()))
         self.decisions: list[tuple[float, Decision]] = []
@@ -74,23 +76,38 @@ class LendingLoop:
             except Exception:  # one replica's failure never strands the others' decisions
                 log.exception("lending: %s %s failed", d.action, d.replica)
         if self.prepare is not None:
-            self._prepare(engines)
+            try:
+                self._prepare(engines, now)
+            except Exception:
+                log.exception("lending: preparing lent replicas failed")
         return decided
 
-    def _prepare(self, engines: dict) -> None:
-        """Each lent replica holds the version of the oldest open job it lacks (if any); the others
-        nothing extra."""
-        open_versions = self.queue.open_versions() if any(s == "lent" for s in self.manager.states.values()) else []
+    def _prepare(self, engines: dict, now: float) -> None:
+        """Each lent replica holds the version of one open job it lacks: the one it was given while that
+        job is open, else the oldest; a version it has not loaded within `LOAD_WAIT_S` (one it may not
+        hold: rejected, superseded) is passed over for `LOAD_WAIT_S`. The others hold nothing extra."""
+        lent = any(s == "lent" for s in self.manager.states.values())
+        open_versions = self.queue.open_versions() if lent else []
         for name, state in self.manager.states.items():
-            held = set(engines[name].versions) if state == "lent" else set()
-            want = next((v for v in open_versions if v not in held), None) if state == "lent" else None
             had = (self._prepared.get(name) or (None, None))[0]
-            if want is None and state == "lent" and had in open_versions:
-                want = had  # keep what it loaded while that job is open
+            want = None
+            if state == "lent":
+                held = set(engines[name].versions)
+                if had is not None and had in held:
+                    self._asked.pop((name, had), None)  # loaded
+                skip = {v for (n, v), t in self._asked.items() if n == name and now - t > LOAD_WAIT_S}
+                if had in open_versions and had not in skip:
+                    want = had
+                else:
+                    want = next((v for v in open_versions if v not in held and v not in skip), None)
+                for key in [k for k, t in self._asked.items() if now - t > 2 * LOAD_WAIT_S]:
+                    del self._asked[key]  # passed over long enough: may be tried again
             if self._prepared.get(name, "?") != (want, state):
-                self._prepared[name] = (want, state)
                 assert self.prepare is not None
-                self.prepare(name, want, state)
+                self.prepare(name, want, state)  # recorded only once done: a failure is tried again
+                self._prepared[name] = (want, state)
+                if want is not None:
+                    self._asked.setdefault((name, want), now)
                 log.info("lending: %s is %s and holds %s for lent work", name, state, want)
 
     def _start_worker(self, name: str, engine) -> None:

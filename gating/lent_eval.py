@@ -38,11 +38,17 @@ class QueueEngine:
         shard_size: int = 32,
         lease_s: float = 60.0,
         threads: int = 4,
+        timeout_s: float = 3600.0,
     ):
+        """`threads` workers on the gate's engine (0: lent replicas do every shard, the gate waits);
+        `timeout_s`: a job not done by then fails the evaluation (and is cancelled)."""
+        if threads < 0 or shard_size < 1 or timeout_s <= 0:
+            raise ValueError(f"threads >= 0, shard_size >= 1, timeout_s > 0: got {threads}, {shard_size}, {timeout_s}")
         self.engine, self.queue = engine, queue
         self.name = name or f"gate-{os.getpid()}"
-        self.shard_size, self.lease_s, self.threads = shard_size, lease_s, threads
+        self.shard_size, self.lease_s, self.threads, self.timeout_s = shard_size, lease_s, threads, timeout_s
         self.counters = {"jobs": 0, "shards_here": 0, "waits_s": 0.0}
+        self._lock = threading.Lock()
 
     def __getattr__(self, attr: str) -> Any:  # everything but `generate` is the gate's engine
         return getattr(self.engine, attr)
@@ -59,14 +65,16 @@ class QueueEngine:
             seed = fields.pop("seed")
             items.append({"prompt_ids": p, "params": fields | {"stop": list(sp.stop)}, "seeds": [seed]})
         job = self.queue.submit("eval", version, items, 1, self.shard_size, {"gate": self.name})
-        self.counters["jobs"] += 1
+        with self._lock:
+            self.counters["jobs"] += 1
         t0 = time.monotonic()
         try:
             self._work(job)
         except BaseException:
             self.queue.cancel(job)  # nobody is to work for a gate that gave up
             raise
-        self.counters["waits_s"] += time.monotonic() - t0
+        with self._lock:
+            self.counters["waits_s"] += time.monotonic() - t0
         rows = self.queue.results(job)
         if len(rows) != len(items):
             raise RuntimeError(f"eval job {job}: {len(rows)} rollouts for {len(items)} requests")
@@ -82,27 +90,34 @@ class QueueEngine:
         """The job's shards on the gate's engine, `threads` at a time (so its batch stays full across
         shard ends), until the job is done; shards lent replicas hold are waited for."""
         errors: list[BaseException] = []
+        deadline = time.monotonic() + self.timeout_s
 
-        def loop() -> None:
+        def loop(i: int) -> None:
             worker = LendingWorker(
-                self.engine, self.queue, self.name, self.lease_s, max_concurrency=32, kinds=("eval",), job_id=job
+                self.engine, self.queue, f"{self.name}-{i}", self.lease_s, 32, kinds=("eval",), job_id=job
             )
             try:
-                while self.queue.job(job).status == "open" and not errors:
+                while self.queue.job(job).status == "open" and not errors and time.monotonic() < deadline:
                     run = worker.run_shard()
                     if run is None:  # every shard left is held elsewhere: wait for it (or its lease)
                         time.sleep(0.2)
-                    else:
-                        self.counters["shards_here"] += run.finished
+                    elif run.finished:
+                        with self._lock:
+                            self.counters["shards_here"] += 1
             except BaseException as e:
                 errors.append(e)
 
-        threads = [threading.Thread(target=loop, name=f"gate-shards-{i}", daemon=True) for i in range(self.threads)]
+        threads = [
+            threading.Thread(target=loop, args=(i,), name=f"gate-shards-{i}", daemon=True) for i in range(self.threads)
+        ]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        while not threads and self.queue.job(job).status == "open" and time.monotonic() < deadline:
+            time.sleep(0.2)  # no worker of its own: lent replicas do it all
         if errors:
             raise errors[0]
-        if self.queue.job(job).status != "done":
-            raise RuntimeError(f"eval job {job} is {self.queue.job(job).status}")
+        status = self.queue.job(job).status
+        if status != "done":
+            raise RuntimeError(f"eval job {job} is {status} after {self.timeout_s:.0f} s at most")

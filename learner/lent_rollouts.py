@@ -39,7 +39,11 @@ class LentRollouts:
         self.next = 0
         self.jobs = 0
         self.job: str | None = None
-        self.counters = {"jobs_submitted": 0, "jobs_used": 0, "groups": 0, "dropped_flat_groups": 0}
+        self.counters = {"jobs_submitted": 0, "jobs_used": 0, "jobs_dropped": 0, "groups": 0, "dropped_flat_groups": 0}
+        for old in queue.open_jobs("rollout"):  # a learner that restarted: its open jobs start again
+            if old.spec.get("source") == source.name:
+                queue.cancel(old.job_id)
+                self.counters["jobs_dropped"] += 1
 
     def _prompts(self) -> list[str]:
         out = []
@@ -72,11 +76,21 @@ class LentRollouts:
         return self.job
 
     def tick(self, version: str) -> GroupBatch | None:
-        """Queue a job if none is open; the groups of a finished one (then the next is queued), else None."""
+        """Queue a job if none is open; the groups of a finished one (then the next is queued), else None.
+        An open job on a version no longer promoted (replicas stop holding it, so nobody could do it) or
+        a cancelled one is dropped, counted, and the next is queued on `version`."""
         if self.job is None:
             self.submit(version)
             return None
-        if self.queue.job(self.job).status != "done":
+        job = self.queue.job(self.job)
+        if job.status == "cancelled" or (job.status == "open" and job.version_id != version):
+            if job.status == "open":
+                self.queue.cancel(job.job_id)
+            log.info("learner: rollout job %s on %s dropped (%s)", job.job_id, job.version_id, job.status)
+            self.counters["jobs_dropped"] += 1
+            self.submit(version)
+            return None
+        if job.status != "done":
             return None
         batch = self.groups(self.job)
         self.counters["jobs_used"] += 1

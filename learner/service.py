@@ -558,8 +558,13 @@ class LearnerService:
         self.poll(timeout_s)
         self.metrics.consume(self.cfg.topic, len(self.buffer) - before)
         self.publish_held()
-        if self.lent is not None and self.rank == 0:  # offline groups travel from rank 0 (`_whole_batch`)
-            got = self.lent.tick(self.registry.incumbent().id)
+        if self.lent is not None and self.rank == 0 and len(self.offline) < 4 * self.cfg.update_every_samples:
+            try:  # offline groups travel from rank 0 (`_whole_batch`); at most 4 updates' worth wait
+                got = self.lent.tick(self.registry.incumbent().id)
+            except Exception:  # the online loop goes on without them
+                log.exception("learner: lent rollouts failed")
+                self.counters["offline_errors"] += 1
+                got = None
             if got is not None:
                 self.add_offline(got)
                 self.counters["offline_groups"] += got.groups

@@ -113,14 +113,14 @@ class LendingWorker:
     def _work_on(self, lease: Lease, running: dict[tuple[int, int], Any]) -> tuple[int, str]:
         todo = list(lease.todo)
         recorded = 0
-        renew_at = time.time() + self.lease_s / 3
+        renew_at, at_renew = time.time() + self.lease_s / 3, 0
         while todo or running:
             while todo and len(running) < self.max_concurrency and not self._stop.is_set():
                 i, k = todo.pop(0)
                 item = lease.items[i]
                 fields = dict(item.get("params", {}))
                 fields["stop"] = tuple(fields.get("stop", ()))
-                params = SamplingParams(**fields, seed=item["seeds"][k])
+                params = SamplingParams(**{**fields, "seed": item["seeds"][k]})
                 running[(i, k)] = self.engine.submit(
                     item["prompt_ids"], params, lease.version_id, stream=False, background=True
                 )
@@ -141,14 +141,14 @@ class LendingWorker:
                     h.cancel()
                 self.queue.release(lease)
                 return recorded, "preempted"
-            if time.time() >= renew_at:
-                try:
+            if time.time() >= renew_at and recorded > at_renew:  # renewed only with progress: a wedged
+                try:  # engine's lease runs out, and another worker (the gate itself) does the shard
                     lease = self.queue.renew(lease, self.lease_s)
                 except LeaseLost:
                     for h in running.values():
                         h.cancel()
                     return recorded, "lease lost"
-                renew_at = time.time() + self.lease_s / 3
+                renew_at, at_renew = time.time() + self.lease_s / 3, recorded
             if running and not done:
                 time.sleep(0.005)
         return recorded, "done"
@@ -173,6 +173,9 @@ def _rollout(c: Completion) -> dict[str, Any]:
         "finish_reason": c.finish_reason,
         "version": c.version,
         "experts": experts_field(c.routed_experts),
+        "top_logprobs": None
+        if c.top_logprobs is None
+        else [{str(t): lp for t, lp in d.items()} for d in c.top_logprobs],
     }
 
 
@@ -189,6 +192,9 @@ def completion(row: LendRollout, prompt_ids: list[int], params: SamplingParams) 
         text=r["text"],
         finish_reason=r["finish_reason"],
         params=params,
+        top_logprobs=None
+        if r["top_logprobs"] is None
+        else [{int(t): lp for t, lp in d.items()} for d in r["top_logprobs"]],
     )
 
 

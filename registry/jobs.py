@@ -235,6 +235,12 @@ class JobQueue:
             )
         return True
 
+    def open_jobs(self, kind: str) -> list[LendJob]:
+        """The open jobs of `kind`, oldest first."""
+        with Session(self.engine) as s:
+            q = select(LendJob).where(col(LendJob.status) == "open", col(LendJob.kind) == kind)
+            return list(s.exec(q.order_by(col(LendJob.created))).all())
+
     def open_versions(self, kinds: tuple[str, ...] = KINDS) -> list[str]:
         """The versions of open jobs of `kinds`, oldest job first, each once."""
         with Session(self.engine) as s:

@@ -246,10 +246,10 @@ class Replica:
         return promoted, cand
 
     def lend_version(self, version_id: str | None) -> None:
-        """Also hold `version_id` for lent work (module docstring), or no such version (None)."""
-        with self._lock:
-            changed = self._lent_version != version_id
-            self._lent_version = version_id
+        """Also hold `version_id` for lent work (module docstring), or no such version (None). Never
+        waits: a sync under way (a load can take minutes) sees it at its next look."""
+        changed = self._lent_version != version_id
+        self._lent_version = version_id  # one reference, read once per sync: no lock needed
         if changed:
             self._nudge.set()
 

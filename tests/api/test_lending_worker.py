@@ -162,8 +162,8 @@ def test_a_lent_replica_is_asked_to_hold_the_version_an_open_job_needs_and_to_dr
         for t in range(5):
             loop.step(t)
         assert loop.manager.states["r1"] == "lent" and asked[-1] == ("r1", "v9")
-        for _ in range(3):  # 3 live requests on one serving replica of target 1: panic, reclaimed
-            loop.fleet.submit(tok.encode_prompt("def"), SamplingParams(max_tokens=60, ignore_eos=True))
+        for _ in range(6):  # 6 long live requests on one serving replica of target 1: panic, reclaimed
+            loop.fleet.submit(tok.encode_prompt("def"), SamplingParams(max_tokens=100, ignore_eos=True))
         loop.step(5)
         assert loop.manager.states["r1"] == "serving" and asked[-1] == ("r1", None)
     finally:
