@@ -102,3 +102,24 @@ def embedded_bus(tmp_path):
     bus = EmbeddedBus(tmp_path / "bus")
     yield bus
     bus.close()
+
+
+def completion_event(i: int, user_id: str | None = None):
+    """A small valid completion record with id `cmpl-<i>` (the sink's and the bus contract's tests)."""
+    from feedback.events import CompletionEvent, RoutedExperts
+
+    return CompletionEvent(
+        tenant="acme",
+        completion_id=f"cmpl-{i}",
+        model_version="v1",
+        endpoint="completions",
+        prompt_ids=[1, 2, 3],
+        output_ids=[4, 5],
+        logprobs=[-0.5, -1.0],
+        routed_experts=RoutedExperts.from_bytes((4, 1, 2), bytes(range(8))),
+        text="hi",
+        finish_reason="stop",
+        params={},
+        latency_ms={"total": 1.0},
+        user_id=user_id,
+    )

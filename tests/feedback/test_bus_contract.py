@@ -20,9 +20,9 @@ from core.harness import wait_until
 from feedback.bus import Consumer, EventBus, Record
 from feedback.bus_embedded import EmbeddedBus, partition_for
 from feedback.bus_kafka import KafkaBus
-from feedback.events import TOPICS, CompletionEvent, RoutedExperts
+from feedback.events import TOPICS, CompletionEvent
 from feedback.sink import CompletionSink
-from tests.feedback.conftest import FAST_CONSUMER, read_until
+from tests.feedback.conftest import FAST_CONSUMER, completion_event, read_until
 
 PARTITIONS = 4
 
@@ -339,23 +339,7 @@ def test_completion_sink_publishes_completions_keyed_by_completion_id(h):
     import asyncio
 
     sink = CompletionSink(h.bus)
-    events = [
-        CompletionEvent(
-            tenant="acme",
-            completion_id=f"cmpl-{i}",
-            model_version="v1",
-            endpoint="completions",
-            prompt_ids=[1, 2, 3],
-            output_ids=[4, 5],
-            logprobs=[-0.5, -1.0],
-            routed_experts=RoutedExperts.from_bytes((4, 1, 2), bytes(range(8))),
-            text="hi",
-            finish_reason="stop",
-            params={},
-            latency_ms={"total": 1.0},
-        )
-        for i in range(5)
-    ]
+    events = [completion_event(i) for i in range(5)]
 
     async def record_all():
         for e in events:

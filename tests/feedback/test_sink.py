@@ -11,8 +11,9 @@ import pytest
 
 from feedback.bus_embedded import EmbeddedBus
 from feedback.completion_index import CompletionIndex
-from feedback.events import TOPICS, CompletionEvent, RoutedExperts
+from feedback.events import TOPICS, CompletionEvent
 from feedback.sink import CompletionSink, SinkClosed
+from tests.feedback.conftest import completion_event
 
 
 class HeldBus(EmbeddedBus):
@@ -36,21 +37,7 @@ class HeldBus(EmbeddedBus):
 
 
 def event(i: int) -> CompletionEvent:
-    return CompletionEvent(
-        tenant="acme",
-        completion_id=f"cmpl-{i}",
-        model_version="v1",
-        endpoint="completions",
-        prompt_ids=[1, 2, 3],
-        output_ids=[4, 5],
-        logprobs=[-0.5, -1.0],
-        routed_experts=RoutedExperts.from_bytes((4, 1, 2), bytes(range(8))),
-        text="hi",
-        finish_reason="stop",
-        params={},
-        latency_ms={"total": 1.0},
-        user_id=f"u{i % 3}",
-    )
+    return completion_event(i, user_id=f"u{i % 3}")
 
 
 def on_bus(bus, n: int) -> dict[str, CompletionEvent]:
