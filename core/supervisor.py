@@ -121,12 +121,30 @@ class Child:
         return self.proc.poll() is None
 
     def tail(self, n_bytes: int = 2000) -> str:
-        """The end of the child's log (for error messages)."""
+        """The end of the child's log (for error messages), led by its first error when that lies
+        before the end: a process that fails usually logs more (its shutdown) after the cause."""
         if self.log_path is None or not self.log_path.is_file():
             return ""
+        size = self.log_path.stat().st_size
         with open(self.log_path, "rb") as f:
-            f.seek(max(0, self.log_path.stat().st_size - n_bytes))
-            return f.read().decode(errors="replace")
+            f.seek(max(0, size - n_bytes))
+            end = f.read().decode(errors="replace")
+            if size <= n_bytes:
+                return end
+            f.seek(0)
+            first = first_error(f.read(size - n_bytes).decode(errors="replace"))
+        return f"{first}\n[...]\n{end}" if first else end
+
+
+def first_error(log_text: str, max_lines: int = 40) -> str:
+    """The first traceback or ERROR/CRITICAL record in `log_text` and the lines after it (at most
+    `max_lines`), or "" when there is none."""
+    lines = log_text.splitlines()
+    for i, line in enumerate(lines):
+        starts = line.startswith(("Traceback (most recent call last)", "ERROR:"))
+        if starts or " ERROR " in line or " CRITICAL " in line:
+            return "\n".join(lines[i : i + max_lines])
+    return ""
 
 
 class ChildDied(RuntimeError):
@@ -134,7 +152,7 @@ class ChildDied(RuntimeError):
 
     def __init__(self, name: str, code: int, tail: str = ""):
         self.name, self.code = name, code
-        super().__init__(f"{name} exited with code {code}" + (f"; its log ends:\n{tail}" if tail else ""))
+        super().__init__(f"{name} exited with code {code}" + (f"; its log:\n{tail}" if tail else ""))
 
 
 class Supervisor:

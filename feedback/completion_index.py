@@ -22,6 +22,8 @@ from typing import Any, NamedTuple
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
+from core.sql import create_tables
+
 FORMAT_VERSION = 1
 PENDING, DONE = 0, 1
 PRUNE_EVERY_S = 60.0
@@ -112,7 +114,7 @@ class CompletionIndex:
         self._closed, self._last_prune = False, 0.0
         ours = str(FORMAT_VERSION)
         with self.engine.begin() as db:
-            _meta.create_all(db)
+            create_tables(_meta, db)  # several gateways open one index at once
             db.execute(self._insert(_meta_table).values(name=_VERSION_KEY, value=ours).on_conflict_do_nothing())
             stored = db.execute(_GET_VERSION).scalar_one()
         if stored != ours:

@@ -29,6 +29,8 @@ from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError, Prog
 from sqlalchemy.pool import StaticPool
 from sqlmodel import Session, SQLModel, create_engine
 
+from core.sql import create_tables
+
 log = logging.getLogger(__name__)
 SQLITE_BUSY_S = 30.0
 
@@ -100,15 +102,16 @@ def _switch_to_wal(cur, attempts: int = 50) -> None:
 def create_all(engine: Engine, attempts: int = 5) -> None:
     """Create the registry's tables (and any other imported SQLModel tables) that do not exist yet.
 
-    Several processes may start on an empty database at once (the learner's ranks, the gateway, the
-    promotion dashboard): between one's "does the table exist?" and its CREATE another may create it,
-    and the loser's CREATE fails (or, on a new SQLite file, switching it to WAL finds it locked). It
-    then looks again, and finds the tables; an error that persists is raised."""
+    Several processes may start on an empty database at once (the learner's ranks, the gateways, the
+    promotion dashboard). On PostgreSQL they take turns under `core.sql`'s schema lock. On SQLite,
+    a new file being switched to WAL may be found locked: the loser looks again, and finds the
+    tables; an error that persists is raised."""
     import registry.models  # noqa: F401  (registers the tables on SQLModel.metadata)
 
     for attempt in range(attempts):
         try:
-            SQLModel.metadata.create_all(engine)
+            with engine.begin() as conn:  # on PostgreSQL under the schema lock: no race to lose there
+                create_tables(SQLModel.metadata, conn)
             return
         except (OperationalError, ProgrammingError, IntegrityError) as e:
             if attempt == attempts - 1:

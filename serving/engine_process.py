@@ -199,7 +199,8 @@ class ProcessEngine(GenerateMixin):
             try:
                 msg = self._conn.recv()
             except (EOFError, OSError):
-                self.failure = self.failure or "engine process exited"
+                self._proc.join(timeout=2.0)  # its exit code says how (a negative one: the signal)
+                self.failure = self.failure or f"engine process exited (code {self._proc.exitcode})"
                 break
             if msg[0] == "event":
                 _, rid, ev = msg

@@ -130,6 +130,24 @@ def test_stop_ends_every_child_and_a_dead_child_is_reported_by_name(tmp_path):
     assert a.returncode is not None
 
 
+def test_a_dead_childs_report_leads_with_its_first_error_when_its_shutdown_log_buried_it(tmp_path):
+    script = (
+        "import sys\n"
+        "print('starting')\n"
+        "print('2026-12-02 21:16:09,100 ERROR api: the index could not be created: relation exists')\n"
+        "for i in range(200): print(f'2026-12-02 21:16:09,400 INFO kafka: closing connection {i}')\n"
+        "sys.exit(3)\n"
+    )
+    with Supervisor("t") as sup:
+        sup.start("gateway", [sys.executable, "-c", script], log_path=tmp_path / "g.log")
+        with pytest.raises(ChildDied) as died:
+            wait_until(lambda: False, 30, what="never", check=sup.check)
+    message = str(died.value)
+    assert "the index could not be created" in message  # the cause, from the start of the log
+    assert "closing connection 199" in message  # and the end
+    assert "starting" not in message
+
+
 def test_the_watcher_stops_everything_when_a_child_dies(tmp_path):
     sup = Supervisor("t")
     sleeper = sup.start("sleeper", SLEEPER, cwd=ROOT)

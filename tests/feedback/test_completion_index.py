@@ -139,3 +139,26 @@ def test_two_indexes_on_one_database_share_completions_and_never_both_claim_a_ke
     finally:
         a.close()
         b.close()
+
+
+def test_gateways_opening_a_new_index_at_once_all_open_it(url):
+    """The gateways of a deployment start together on one empty database: each creates the index's
+    tables if missing. On PostgreSQL two concurrent CREATEs of one table collide in the catalog; the
+    schema lock (core/sql.py) makes them take turns, so every opener succeeds."""
+    n = 8
+    barrier = threading.Barrier(n)
+    errors: list[BaseException] = []
+
+    def open_one() -> None:
+        barrier.wait()
+        try:
+            CompletionIndex(url).close()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=open_one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
