@@ -21,7 +21,10 @@ completions a user may reward per window. This is the second line, over the samp
   user by rewards alone: the next rule is for them;
 - **verified** (only when the learner has the product's verifier, `product.suites.Verifier`): the
   user's rewards run against correctness. Each rewarded completion is scored by the verifier (pass:
-  score ≥ 0.5; a prompt it cannot check, or a verifier that fails, is counted and left out). Over
+  score ≥ 0.5; a prompt it cannot check, or a verifier that fails, is counted and left out), and
+  so is every sample an update drops unused (for policy lag, say: `witnesses`), since what a user's
+  rewards say about the user does not go stale with the policy; in the demo's runs the learner drops
+  2-3 samples for every one it trains on, so this more than triples the evidence. Over
   every update so far (`VerifiedTally`, kept with the learner's state), a user's mean reward on
   passing completions minus their mean reward on failing ones, Δ, has z = Δ / (σ √(1/n_pass +
   1/n_fail)), σ everyone's reward deviation within each kind, pooled; flagged when z <
@@ -103,6 +106,8 @@ class Screening:
     users: int = 0
     verified: int = 0
     """Samples the verifier scored in this update (0 without a verifier)."""
+    witnessed: int = 0
+    """Untrained samples (dropped for lag, say) the verifier scored into the tally in this update."""
     unverifiable: int = 0
     """Samples whose prompt the verifier could not check (counted, left out of the verified rule)."""
 
@@ -115,6 +120,7 @@ class Screening:
             "flagged_samples": flagged,
             "flagged_reward_share": round(sum(f.reward_share for f in self.flags), 6),
             "verified": self.verified,
+            "witnessed": self.witnessed,
             "unverifiable": self.unverifiable,
             "flags": [f.as_dict() for f in self.flags],
         }
@@ -193,13 +199,19 @@ def screen(
     cfg: PoisoningConfig | None = None,
     passed: Sequence[bool | None] | None = None,
     tally: VerifiedTally | None = None,
+    witnesses: Sequence[SampleEvent] = (),
+    witnessed: Sequence[bool | None] | None = None,
 ) -> Screening:
     """Flag the users who dominate or skew `samples` and weigh their samples down (module docstring).
     `passed`: the verifier's verdict per sample (None: not checkable), with the `tally` it adds to; the
-    verified rule runs only when both are given."""
+    verified rule runs only when both are given. `witnesses`, with their verdicts `witnessed`: samples
+    the update does not train on (dropped for policy lag, say) that still add to the tally first:
+    what a user's rewards say about the user does not go stale with the policy."""
     cfg = cfg or PoisoningConfig()
     if passed is not None and len(passed) != len(samples):
         raise ValueError(f"got {len(passed)} verdicts for {len(samples)} samples")
+    if witnesses and (witnessed is None or len(witnessed) != len(witnesses)):
+        raise ValueError(f"got {0 if witnessed is None else len(witnessed)} verdicts for {len(witnesses)} witnesses")
     weights = [1.0] * len(samples)
     by_user: dict[tuple[str, str], list[int]] = {}
     for i, s in enumerate(samples):
@@ -216,6 +228,11 @@ def screen(
         assert passed is not None
         for s, ok in zip(samples, passed, strict=True):
             out.verified += ok is not None
+            out.unverifiable += ok is None
+            if ok is not None and s.completion.user_id:
+                vt.add((s.tenant, s.completion.user_id), ok, s.reward)
+        for s, ok in zip(witnesses, witnessed or (), strict=True):
+            out.witnessed += ok is not None
             out.unverifiable += ok is None
             if ok is not None and s.completion.user_id:
                 vt.add((s.tenant, s.completion.user_id), ok, s.reward)

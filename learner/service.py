@@ -333,9 +333,21 @@ class LearnerService:
             return None
         aside, self._aside_dropped = self._aside_dropped, Counter()
         events = [ev for _, ev in kept]
+        kept_ids = {ev.event_id for ev in events}
+        witnesses = [ev for _, ev in batch if ev.event_id not in kept_ids]  # dropped: still evidence on users
         v = self.verifier if events and self.cfg.poisoning.enabled and self.rank == 0 else None  # for all ranks
-        passed = from_rank0(verdicts(v, self.tokenizer.decode, events) if v is not None else None, self.world_size)
-        screening = screen(events, self.cfg.poisoning, passed, self.tally)
+        passed, witnessed = from_rank0(
+            (
+                verdicts(v, self.tokenizer.decode, events),
+                verdicts(v, self.tokenizer.decode, witnesses) if witnesses else [],
+            )
+            if v is not None
+            else (None, None),
+            self.world_size,
+        )
+        screening = screen(
+            events, self.cfg.poisoning, passed, self.tally, witnesses if passed is not None else (), witnessed
+        )
         seqs = [
             dataclasses.replace(sequence_from_sample(ev), weight=w)
             for (_, ev), w in zip(kept, screening.weights, strict=True)

@@ -38,6 +38,7 @@ SUMMED = (
     "poisoning_flagged_users",
     "poisoning_flagged_samples",
     "poisoning_verified_samples",
+    "poisoning_witnessed_samples",
     "poisoning_unverifiable_samples",
     "dropped_offline",
     *(f"dropped_{why}" for why in DROP_REASONS),
@@ -55,6 +56,7 @@ def counters(dropped: Counter[str], screening: Screening, offline_dropped: int) 
     out["poisoning_flagged_users"] = float(len(screening.flags))
     out["poisoning_flagged_samples"] = float(sum(f.samples for f in screening.flags))
     out["poisoning_verified_samples"] = float(screening.verified)
+    out["poisoning_witnessed_samples"] = float(screening.witnessed)
     out["poisoning_unverifiable_samples"] = float(screening.unverifiable)
     return out
 

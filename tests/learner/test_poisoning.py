@@ -156,3 +156,22 @@ def test_a_verifier_that_fails_leaves_the_batch_unverified_and_says_so(caplog):
     assert got == [None, None, None] and "the verifier failed on 3 samples" in caplog.text
     s = screen(batch, None, got, VerifiedTally())
     assert (s.verified, s.unverifiable) == (0, 3)
+
+
+def test_samples_dropped_unused_still_count_as_evidence_on_their_users():
+    # The inverted user's trained sample alone (one passing completion) is no evidence; with the three
+    # samples the update dropped for lag as witnesses, the tally has 2 passing and 2 failing: flagged.
+    honest = [sample(f"u{u}", r, i) for u in range(30) for i, r in enumerate((1.0, 1.0, -1.0, -1.0))]
+    trained = [*honest, sample("inv", -1.0, 0)]
+    witnesses = [sample("inv", r, i) for i, r in ((1, -1.0), (2, 1.0), (3, 1.0))]
+    passed = [True, True, False, False] * 30 + [True]
+    alone = screen(trained, PoisoningConfig(z_max=100.0), passed, VerifiedTally())
+    assert alone.flags == []
+    tally = VerifiedTally()
+    s = screen(trained, PoisoningConfig(z_max=100.0), passed, tally, witnesses, [True, False, False])
+    [flag] = s.flags
+    assert flag.user == "inv" and flag.samples == 1 and s.weights[-1] == flag.weight < 1
+    assert tally.users[("t", "inv")] == [2.0, -2.0, 2.0, 2.0]
+    assert (s.verified, s.witnessed, s.summary()["witnessed"]) == (121, 3, 3)
+    with pytest.raises(ValueError, match="1 verdicts for 3 witnesses"):
+        screen(trained, None, passed, VerifiedTally(), witnesses, [True])

@@ -35,11 +35,18 @@ def event(user: str, family: int, reward: float, i: int) -> SampleEvent:
 
 
 def run(
-    seed: int, adversarial: set[int], flood: float = 0.0, verified: bool = False
+    seed: int,
+    adversarial: set[int],
+    flood: float = 0.0,
+    verified: bool = False,
+    batch: int = BATCH,
+    witnesses: int = 0,
+    updates: int = UPDATES,
 ) -> tuple[list[set[int]], np.ndarray]:
     """Per update, the users flagged; and which users are adversarial. `flood`: user 0's share of the
     traffic (0: the Pareto draw). `verified`: the screen gets the verifier's verdicts (the task's
-    truth, as `demo.checker.DemoVerifier` gives it) and keeps its tally over the updates."""
+    truth, as `demo.checker.DemoVerifier` gives it) and keeps its tally over the updates. `batch`
+    samples are trained per update, and `witnesses` more, dropped for lag, only add to the tally."""
     rng = np.random.default_rng(seed)
     prefs = [SimulatedUser(f"u{i}", seed, UserPrefs(noise=0.1)).prefs for i in range(USERS)]
     p_good = np.array([p.p_accept_correct_preferred for p in prefs])
@@ -53,22 +60,27 @@ def run(
     adv = np.zeros(USERS, bool)
     adv[list(adversarial)] = True
     flagged, tally = [], VerifiedTally()
-    for _ in range(UPDATES):
-        u = rng.choice(USERS, BATCH, p=share)
-        fam = rng.integers(0, FAMILIES, BATCH)
-        passed = rng.random(BATCH) < pass_rate[fam]
+    n = batch + witnesses
+    for _ in range(updates):
+        u = rng.choice(USERS, n, p=share)
+        fam = rng.integers(0, FAMILIES, n)
+        passed = rng.random(n) < pass_rate[fam]
         seen = passed ^ adv[u]  # adversarial users react to the opposite of the truth
-        style = rng.random(BATCH) < 0.5
+        style = rng.random(n) < 0.5
         p_acc = np.where(seen, np.where(style, p_good[u], p_other[u]), p_bad[u])
-        acc = rng.random(BATCH) < p_acc
+        acc = rng.random(n) < p_acc
         # accepted 0.75 (+0.25 copied at p_copy 0.5, +0.5 thumb up at 0.2 x 0.25 kept); else -0.25
         # (rejected or regenerated; -0.5 more for a thumb down at 0.25 x 0.25 kept); clipped to [-1, 1]
-        up = 0.75 + 0.25 * (rng.random(BATCH) < 0.5) + 0.5 * (rng.random(BATCH) < 0.05)
-        down = -0.25 - 0.5 * (rng.random(BATCH) < 0.0625)
+        up = 0.75 + 0.25 * (rng.random(n) < 0.5) + 0.5 * (rng.random(n) < 0.05)
+        down = -0.25 - 0.5 * (rng.random(n) < 0.0625)
         reward = np.clip(np.where(acc, up, down), -1, 1)
-        batch = [event(f"u{a}", int(f), float(r), i) for i, (a, f, r) in enumerate(zip(u, fam, reward))]
+        events = [event(f"u{a}", int(f), float(r), i) for i, (a, f, r) in enumerate(zip(u, fam, reward))]
         verdicts = [bool(x) for x in passed] if verified else None
-        flagged.append({int(f.user[1:]) for f in screen(batch, None, verdicts, tally).flags})
+        trained, seen_only = events[:batch], events[batch:]
+        v_trained = verdicts[:batch] if verdicts is not None else None
+        v_seen = verdicts[batch:] if verdicts is not None else None
+        screening = screen(trained, None, v_trained, tally, seen_only if verified else (), v_seen)
+        flagged.append({int(f.user[1:]) for f in screening.flags})
     return flagged, adv
 
 
@@ -98,19 +110,26 @@ def test_adversaries_measured():
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_with_the_verifier_a_clean_run_flags_an_honest_user_in_at_most_one_update_in_ten(seed):
-    flagged, _ = run(seed, set(), verified=True)
+    flagged, _ = run(seed, set(), verified=True, **DEMO)
     assert share_of_updates(flagged, set(range(USERS))) <= 0.10, flagged
 
 
+# The demo's shape (docs/demo/report.json): about 35 updates of 128 trained samples per 10-minute run,
+# and 2.1-2.9 samples dropped for policy lag per trained one; the lower end is simulated.
+DEMO = {"batch": 128, "witnesses": 256, "updates": 35}
+
+
 def test_with_the_verifier_the_five_percent_adversaries_are_flagged_in_four_updates_of_five():
-    # The demo's 25 adversarial users of 500, with everyone's activity (Pareto): the verified rule's
-    # evidence accumulates over updates, so an adversary who shows up often is flagged in the updates
-    # they appear in. Which users are adversarial decides how soon: when all 25 happen to be light,
-    # the first flag comes later. So the target is on the mean over 8 activity draws; the thresholds
-    # (z 2.5, 4 samples, raw rewards) were chosen on seeds 4-9, and these seeds were not looked at before.
+    # The demo's 25 adversarial users of 500, with everyone's activity (Pareto), in the demo's shape:
+    # the verified rule's evidence accumulates over updates, so an adversary who shows up often is
+    # flagged in the updates they appear in. Which users are adversarial decides how soon: when all 25
+    # happen to be light, the first flag comes later. So the target is on the mean over 8 activity
+    # draws; the thresholds (z 2.5, 4 samples, raw rewards) were chosen on seeds 4-9, and these seeds
+    # were not looked at before. Without the dropped samples as witnesses the same draws give about
+    # 0.5, as the demo's adversarial runs measured (0.49); the witnesses are what lifts it.
     adv, honest = [], []
     for seed in range(18, 26):
-        flagged, _ = run(seed, set(range(25)), verified=True)
+        flagged, _ = run(seed, set(range(25)), verified=True, **DEMO)
         adv.append(share_of_updates(flagged, set(range(25))))
         honest.append(share_of_updates(flagged, set(range(25, USERS))))
     print(f"updates flagging an adversarial user, per seed: {[round(a, 2) for a in adv]}; an honest one: {honest}")

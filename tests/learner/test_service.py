@@ -565,3 +565,42 @@ def test_with_a_verifier_a_user_rewarding_against_correctness_is_flagged_and_the
     assert again.tally.users == svc.tally.users and again.tally.kinds == svc.tally.kinds
     again.close()
     bus.close()
+
+
+def test_samples_an_update_drops_still_add_to_the_verified_tally(tmp_path, tiny_checkpoint, samples):
+    # 10 of the 40 samples come from a version the learner never made (dropped: unknown_version): they
+    # train nothing, but the verifier still scores them into the tally as evidence on their users.
+    from serving.tokenizer import Tokenizer
+
+    decode = Tokenizer.from_file(tiny_checkpoint).decode
+    foreign = decode(samples[0].completion.prompt_ids)
+    batch = [
+        ev.model_copy(
+            update={
+                "reward": 0.5,
+                "completion": ev.completion.model_copy(
+                    update={
+                        "user_id": f"user-{i % 5}",
+                        "model_version": "elsewhere" if i >= 30 else ev.completion.model_version,
+                    }
+                ),
+            }
+        )
+        for i, ev in enumerate(samples[:40])
+    ]
+    bus = EmbeddedBus(tmp_path / "bus")
+    publish(bus, batch)
+    cfg = LearnerConfig(
+        update_every_samples=40, update_every_s=1e-6, min_samples=1, trainer=TrainerConfig(lr=1e-3), max_staleness=10
+    )
+    reg = Registry(f"sqlite:///{tmp_path}/registry.db")
+    svc = LearnerService(bus, reg, tmp_path / "models", tiny_checkpoint, cfg, verifier=ParityVerifier(foreign))
+    assert drain(svc, rounds=5) == ["v0001"]
+    m = reg.get("v0001").metrics
+    witnessed = sum(decode(ev.completion.prompt_ids) != foreign for ev in batch[30:])
+    assert m["dropped_unknown_version"] == 10 and m["samples"] == 30
+    assert m["poisoning_witnessed_samples"] == m["poisoning"]["witnessed"] == witnessed >= 1
+    n_verified = m["poisoning_verified_samples"] + witnessed
+    assert sum(n_pass + n_fail for n_pass, _, n_fail, _ in svc.tally.users.values()) == n_verified
+    svc.close()
+    bus.close()
