@@ -102,6 +102,16 @@ def run_gain(run: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _unsplit_gain(run: dict[str, Any]) -> dict[str, Any] | None:
+    """Base vs the last promoted version on the prompts of no split (`demo.split.unsplit_tasks`), paired
+    per prompt; None for a run evaluated without them."""
+    evals = run["evaluations"]
+    base, final = evals[run["promotions"][0]].get("unsplit"), evals[run["promotions"][-1]].get("unsplit")
+    if base is None or final is None:
+        return None
+    return _paired(base["per_task"]["passed"], final["per_task"]["passed"])
+
+
 def worse_than_base(run: dict[str, Any]) -> list[str]:
     """Promoted versions whose report pass rate is below the base's, the paired 95% interval below 0."""
     evals, base = run["evaluations"], run["promotions"][0]
@@ -158,6 +168,16 @@ def summarize(
         "runs": [_run_summary(r) for r in [*seeds, *shuffled, *adversarial]],
         "poisoning": _poisoning(seeds, adversarial),
     }
+    unsplit = [_unsplit_gain(r) for r in seeds]
+    if all(u is not None for u in unsplit):
+        up = _over_seeds([u["points"] for u in unsplit if u is not None])
+        out["unsplit_prompts"] = {
+            "pass_rate_gain_points": up["points"],
+            "pass_rate_gain_ci95": up["ci95"],
+            "seeds": len(seeds),
+            "prompts": unsplit[0]["n"] if unsplit[0] else 0,
+            "per_seed": [{"seed": r["config"]["seed"], **u} for r, u in zip(seeds, unsplit, strict=True) if u],
+        }
     if shuffled:
         g = [run_gain(r) for r in shuffled]
         out["controls"]["shuffled"] = {
@@ -268,6 +288,16 @@ def markdown(s: dict[str, Any], command: str) -> str:
             f"{g['pass_rate']['points']} | {g['pass_rate']['ci95']} | {g['satisfaction']['points']} | "
             f"{g['satisfaction']['ci95']} | {sp.get('correctness_points', '')} / {sp.get('style_points', '')} |"
         )
+    un = s.get("unsplit_prompts")
+    if un:
+        lines += [
+            "",
+            f"**Prompts of no split** ({un['prompts']} per evaluation: a train phrasing with report values, or "
+            "the held-out phrasing with train values; never served, trained on or gated): pass rate "
+            f"{un['pass_rate_gain_points']:+} points {_ci(un['pass_rate_gain_ci95'])} over {un['seeds']} seed(s) ("
+            + ", ".join(f"seed {u['seed']}: {u['points']:+}" for u in un["per_seed"])
+            + ").",
+        ]
     c = s.get("controls", {})
     if "shuffled" in c:
         sh = c["shuffled"]

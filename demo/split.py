@@ -195,6 +195,36 @@ def split_tasks(split: str, n: int, families: Sequence[str] | None = None) -> li
     return out
 
 
+def _draw_in(split: str, domain: Domain, rng: random.Random) -> object:
+    return draw_value(domain, split, rng)
+
+
+def unsplit_tasks(n: int) -> list[Task]:
+    """A fixed set of `n` distinct prompts of no split (`split_of` is None), families in turn, in two
+    kinds alternating: a train phrasing with report values (values nobody saw) and the held-out
+    phrasing with train values (a phrasing no user sent). Never served, trained on or gated: the
+    report's check that a gain is not tied to the split's own combinations. Deterministic, and a
+    larger `n` extends a smaller one's list."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    kinds = ((TRAIN_PHRASINGS, "report"), ((HELD_OUT_PHRASING,), "train"))
+    rng = random.Random("unsplit")
+    seen: set[str] = set()
+    out: list[Task] = []
+    draws = 0
+    while len(out) < n:
+        draws += 1
+        if draws > 200 * (n + 1):
+            raise ValueError(f"could not draw {n} distinct prompts of no split")
+        phrasings, values = kinds[len(out) % 2]
+        family = FAMILIES[(len(out) // 2) % len(FAMILIES)]
+        task = make_task(family, rng, rng.choice(phrasings), functools.partial(_draw_in, values))
+        if task.prompt not in seen and split_of(task) is None:
+            seen.add(task.prompt)
+            out.append(task)
+    return out
+
+
 def _n_values(domain: Domain, split: str) -> int:
     if isinstance(domain, IntLists):
         m = _n_values(domain.item, split)

@@ -458,12 +458,13 @@ def evaluate_versions(
     from tqdm import tqdm
 
     from demo.evaluation import evaluate
-    from demo.split import split_tasks
+    from demo.split import split_tasks, unsplit_tasks
     from gating.gate_process import weight_store_loader
     from registry.registry import Registry
     from serving.engine import EmbeddedEngine
 
     tasks = split_tasks("report", cfg.report_prompts)
+    unsplit = unsplit_tasks(cfg.report_prompts // 2)
     load = weight_store_loader(home / "models" / "learner", home / "report" / "versions", keep=2)
     registry = Registry(db_url or f"sqlite:///{home / 'registry.db'}")
     out = {}
@@ -476,6 +477,7 @@ def evaluate_versions(
             try:
                 engine.add_version(vid, folder, default=True)
                 r = evaluate(engine, vid, tasks, seed=REPORT_SEED, max_tokens=cfg.max_tokens)
+                u = evaluate(engine, vid, unsplit, seed=UNSPLIT_SEED, max_tokens=cfg.max_tokens)
             finally:
                 engine.shutdown()
             out[vid] = {
@@ -487,6 +489,7 @@ def evaluate_versions(
                 "satisfaction_ceiling": r["satisfaction_ceiling"],
                 "n": r["n"],
                 "per_task": r["per_task"],
+                "unsplit": {"pass_rate": u["pass_rate"], "n": u["n"], "per_task": {"passed": u["per_task"]["passed"]}},
             }
     finally:
         registry.close()
@@ -494,6 +497,7 @@ def evaluate_versions(
 
 
 REPORT_SEED = 424_242
+UNSPLIT_SEED = 434_343
 
 
 def mean_ci(xs: list[float]) -> list[float]:

@@ -140,3 +140,16 @@ def test_the_poisoning_screen_is_scored_per_update_on_clean_and_adversarial_runs
     text = markdown(summarize([clean], adversarial=[bad]), "flywheel demo")
     assert "9 of 10 updates of the clean runs flagged no honest user (90%)" in text
     assert "2 of 4 updates of the adversarial runs flagged an adversarial user (50%)" in text
+
+
+def test_the_gain_on_prompts_of_no_split_is_paired_per_prompt_and_over_seeds():
+    runs = [run(0, [0.1, 0.2], [0.3, 0.4]), run(1, [0.1, 0.2], [0.3, 0.4])]
+    assert "unsplit_prompts" not in summarize(runs)  # evaluated without them: no section, no zeros
+    for r, final in zip(runs, ([1, 1, 0, 1], [1, 0, 0, 1]), strict=True):
+        r["evaluations"]["base"]["unsplit"] = {"pass_rate": 0.25, "n": 4, "per_task": {"passed": [1, 0, 0, 0]}}
+        r["evaluations"]["v0003"]["unsplit"] = {"pass_rate": 0.5, "n": 4, "per_task": {"passed": final}}
+    s = summarize(runs)
+    u = s["unsplit_prompts"]
+    assert [x["points"] for x in u["per_seed"]] == [50.0, 25.0] and u["pass_rate_gain_points"] == 37.5
+    assert u["prompts"] == 4 and u["seeds"] == 2 and u["pass_rate_gain_ci95"][0] < 37.5 < u["pass_rate_gain_ci95"][1]
+    assert "**Prompts of no split** (4 per evaluation" in markdown(s, "flywheel demo --report x")

@@ -124,3 +124,14 @@ def test_held_out_prompts_are_made_of_tokens_the_corpus_has(demo_corpus):
     plain = train_tokenizer(texts, vocab_size=512)  # the default is unchanged: letters are not isolated
     pieces = lambda t: [p for p, _ in t.inner.pre_tokenizer.pre_tokenize_str("s.count('qzd')")]  # noqa: E731
     assert "qzd" in pieces(plain) and "qzd" not in pieces(tok) and ["q", "z", "d"] == pieces(tok)[4:7]
+
+
+def test_the_prompts_of_no_split_belong_to_none_and_extend_deterministically():
+    from demo.split import unsplit_tasks
+
+    tasks = unsplit_tasks(60)
+    assert all(split_of(t) is None for t in tasks) and len({t.prompt for t in tasks}) == 60
+    assert [t.prompt for t in unsplit_tasks(20)] == [t.prompt for t in tasks[:20]]
+    # the two kinds alternate: a train phrasing with report values, the held-out phrasing with train values
+    assert all(t.params["phrasing"] in (0, 1, 2) for t in tasks[0::2])
+    assert all(t.params["phrasing"] == 3 for t in tasks[1::2])
