@@ -27,6 +27,7 @@ from feedback.bus import EventBus
 from feedback.completion_index import CompletionIndex
 from feedback.sink import CompletionSink
 from registry.keys import KeyStore
+from registry.models import ROLLOUT_SUFFIX
 from registry.registry import Registry
 
 if TYPE_CHECKING:
@@ -73,15 +74,26 @@ class Gateway:
         """(version, arm) of a request. The alias gets the promoted (default) version, or during a canary
         the candidate for the users assigned to it (arm `candidate` / `incumbent` / `anonymous`); the
         promoted version by name, anyone; any other version only a key with the `eval` scope (arm
-        `eval`, outside canary statistics), so no completions key gets around the gate. `fresh`: the
+        `eval`, outside canary statistics), so no completions key gets around the gate; a `rollout`
+        version (the learner's weights on a lent replica) nobody. `fresh`: the
         canary's share read from the registry, not the cache (resolving again after a swap retired
         the version resolved first: `api.routes.openai`)."""
         versions, default = self.engine.versions, self.engine.default_version
         if name == ALIAS and default:
             routed, arm = self.fleet.route(caller.tenant, user, fresh) if self.fleet is not None else (None, None)
             return routed or default, arm
+        if name.endswith(ROLLOUT_SUFFIX):  # the learner's weights on a lent replica: lent work only, never a user
+            raise APIError(
+                403,
+                f"Version '{name}' is a rollout version, for lent work only; use '{ALIAS}'.",
+                param,
+                "model_not_allowed",
+            )
         if name not in versions:
-            known = sorted(v for v in versions if v == default or caller.allows("eval")) + [ALIAS]
+            known = sorted(
+                v for v in versions if (v == default or caller.allows("eval")) and not v.endswith(ROLLOUT_SUFFIX)
+            )
+            known += [ALIAS]
             raise APIError(404, f"The model '{name}' does not exist. Available: {known}", param, "model_not_found")
         if name != default and not caller.allows("eval"):
             raise APIError(

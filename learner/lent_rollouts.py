@@ -1,24 +1,31 @@
 """The learner's offline group rollouts, sampled on lent replicas through the job queue.
 
-`LentRollouts.tick(version)` keeps one `rollout` job in the registry's queue (`registry.jobs`): while
-none is open it submits the next `prompts_per_job` prompts of the product's offline prompt source
+`LentRollouts.tick(weights, fresh)` keeps one `rollout` job in the registry's queue (`registry.jobs`):
+while none is open it submits the next `prompts_per_job` prompts of the product's offline prompt source
 (`product.suites.OfflinePrompts`, named by `learner.offline_prompts`), each with `group_size` seeded
-samples on `version` (the promoted one: every replica holds it). Lent replicas run the shards
-(`api.lending`). Once the job is done, `tick` scores every sample with the source's verifier, forms
-GRPO groups (`learner.objective.group_advantages`; a group whose samples all scored the same carries no
-signal and is dropped, counted) and returns them as a `learner.offline.GroupBatch`, which the service
-mixes into its next update (`LearnerService.add_offline`) with `weight`. The samples carry the log-probs
-and routed experts they were made with, so the update corrects them for the learner having moved since
-like any served sample, and drops them beyond the staleness bounds (counted).
+samples on `weights()`: the registered version that holds the learner's current weights, and the
+learner's own id for them. The service (`LearnerService._rollout_weights`) gives its current version
+when that is registered, else registers those weights as a `rollout` version (`registry.models.Status`:
+hash-checked, never gated, no user routed to it), so rollouts are on-policy up to the updates made while
+the job runs. Lent replicas load that version and run the shards (`api.lending`). Once the job is done,
+`tick` scores every sample with the source's verifier, forms GRPO groups
+(`learner.objective.group_advantages`; a group whose samples all scored the same carries no signal and
+is dropped, counted) and returns them as a `learner.offline.GroupBatch`, which the service mixes into
+its next update (`LearnerService.add_offline`) with `weight`. The samples carry the learner's id of the
+weights they were made with, their log-probs and routed experts, so the update corrects them for the
+learner having moved since like any served sample, and drops them beyond the staleness bounds
+(counted).
 
-A job on a version no longer promoted when it finishes is still used (the bounds decide). With nothing
-lent, the job waits in the queue, and the learner trains on online samples alone.
+An open job whose weights are no longer `fresh` (the learner moved past its lag bound, or rebased) or
+that was cancelled is dropped, counted, and the next is queued. With nothing lent, the job waits in the
+queue, and the learner trains on online samples alone.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 
 from learner.config import LentRolloutConfig
 from learner.objective import group_advantages
@@ -52,7 +59,9 @@ class LentRollouts:
             self.next += 1
         return out
 
-    def submit(self, version: str) -> str:
+    def submit(self, version: str, weights_of: str | None = None) -> str:
+        """Queue the next job on registered `version`, which holds the learner's `weights_of` (default:
+        `version` itself)."""
         c = self.cfg
         params = {"temperature": c.temperature, "max_tokens": c.max_tokens, "stop": list(self.source.stop)}
         items = [
@@ -67,28 +76,28 @@ class LentRollouts:
             }
             for i, p in enumerate(self._prompts())
         ]
-        self.job = self.queue.submit(
-            "rollout", version, items, c.group_size, c.shard_size, {"source": self.source.name}
-        )
+        spec = {"source": self.source.name, "weights_of": weights_of or version}
+        self.job = self.queue.submit("rollout", version, items, c.group_size, c.shard_size, spec)
         self.jobs += 1
         self.counters["jobs_submitted"] += 1
         log.info("learner: rollout job %s queued: %d prompts x %d on %s", self.job, len(items), c.group_size, version)
         return self.job
 
-    def tick(self, version: str) -> GroupBatch | None:
+    def tick(self, weights: Callable[[], tuple[str, str]], fresh: Callable[[str], bool]) -> GroupBatch | None:
         """Queue a job if none is open; the groups of a finished one (then the next is queued), else None.
-        An open job on a version no longer promoted (replicas stop holding it, so nobody could do it) or
-        a cancelled one is dropped, counted, and the next is queued on `version`."""
+        `weights()`: (the registered version to sample, the learner's id of its weights), asked only when
+        a job is queued; `fresh(weights_of)`: whether an open job's weights are still worth sampling. A
+        job on weights no longer fresh, or a cancelled one, is dropped, counted, and the next is queued."""
         if self.job is None:
-            self.submit(version)
+            self.submit(*weights())
             return None
         job = self.queue.job(self.job)
-        if job.status == "cancelled" or (job.status == "open" and job.version_id != version):
+        if job.status == "cancelled" or (job.status == "open" and not fresh(self.weights_of(job))):
             if job.status == "open":
                 self.queue.cancel(job.job_id)
             log.info("learner: rollout job %s on %s dropped (%s)", job.job_id, job.version_id, job.status)
             self.counters["jobs_dropped"] += 1
-            self.submit(version)
+            self.submit(*weights())
             return None
         if job.status != "done":
             return None
@@ -97,8 +106,13 @@ class LentRollouts:
         self.counters["groups"] += batch.groups
         self.counters["dropped_flat_groups"] += batch.dropped_flat_groups
         self.job = None
-        self.submit(version)
+        self.submit(*weights())
         return batch
+
+    @staticmethod
+    def weights_of(job) -> str:
+        """The learner's id of the weights a job samples (its registered version may be a `rollout` one)."""
+        return str(job.spec.get("weights_of") or job.version_id)
 
     def groups(self, job_id: str) -> GroupBatch:
         """A finished job's samples, scored and grouped (module docstring)."""
@@ -136,7 +150,7 @@ class LentRollouts:
                             c.temperature,
                             1.0,
                             reward=reward,
-                            version=job.version_id,
+                            version=self.weights_of(job),
                             key=f"offline:{self.source.name}",
                             weight=c.weight,
                         )

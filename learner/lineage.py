@@ -60,6 +60,9 @@ def staleness(state: dict, unit: StalenessUnit) -> dict[str, int]:
             u, steps = parents[u], steps + 1
         if u in behind:
             out[v] = steps + behind[u]
+    versions = state["versions"]
+    for v in versions[len(versions) - versions[::-1].index(anchor(state)) :]:
+        out[v] = 0  # held back past the anchor: ahead of it (only lent rollouts sample these)
     return out
 
 

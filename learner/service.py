@@ -108,6 +108,7 @@ class LearnerService:
         self.bus, self.registry, self.cfg, self.clock = bus, registry, cfg, clock
         self.verifier, self.tally = verifier, VerifiedTally()
         self.lent = lent
+        self._rollout_ids: set[str] = set()  # `rollout` versions registered here, withdrawn once unused
         if verifier is None and cfg.poisoning.enabled:
             log.warning("learner: no verifier: the poisoning screen's verified rule is off")
         self.models_dir = Path(models_dir)
@@ -164,6 +165,9 @@ class LearnerService:
         self._held_checked = float("-inf")
         self._lag_wait, self._lag_checked = False, float("-inf")
         self._gate_seen = False  # a gate takes candidates from this registry (one was seen in flight)
+        if lent is not None and self.rank == 0:  # a restart: the jobs start again (`LentRollouts`), on new weights
+            for old in registry.list("rollout"):
+                registry.transition(old.id, "withdrawn", "learner", "a restarted learner's rollout jobs start again")
 
     def _init_state(self, base_dir: str | Path) -> None:
         if self.state_path.is_file():
@@ -572,7 +576,8 @@ class LearnerService:
         self.publish_held()
         if self.lent is not None and self.rank == 0 and len(self.offline) < 4 * self.cfg.update_every_samples:
             try:  # offline groups travel from rank 0 (`_whole_batch`); at most 4 updates' worth wait
-                got = self.lent.tick(self.registry.incumbent().id)
+                got = self.lent.tick(self._rollout_weights, self._fresh_for_rollouts)
+                self._retire_rollout_versions()
             except Exception:  # the online loop goes on without them
                 log.exception("learner: lent rollouts failed")
                 self.counters["offline_errors"] += 1
@@ -584,6 +589,74 @@ class LearnerService:
         self.metrics.set_stats(dict(self.counters))
         self.metrics.report()
         return new
+
+    def _rollout_weights(self) -> tuple[str, str]:
+        """(a registered version holding the learner's current weights, the learner's id of them), for
+        a lent rollout job: the current version when it is registered, else `<current>.rollout`,
+        registered now as a `rollout` version (its weights into the store as a delta on the anchor's;
+        hash-checked like any version, never gated, no user routed to it)."""
+        vid = self.current
+        try:
+            self.registry.get(vid)
+            return vid, vid
+        except UnknownVersion:
+            pass
+        rid = f"{vid}.rollout"
+        try:
+            self.registry.get(rid)
+        except UnknownVersion:
+            parent = anchor(self.state)
+            if self.store.path(rid) is None:
+                self.store.put(rid, shipping_state(self.model, SHIPPING_DTYPE), parent=parent)
+            entry = store_entry(self.store, self.models_dir, rid)
+            self.registry.register(
+                version_id=rid,
+                parent_id=parent,
+                metrics={"rollout_of": vid, "shipping": {"kind": entry["kind"], "bytes": entry["bytes"]}},
+                files=[entry],
+                delta_base_id=parent if entry["kind"] == "delta" else None,
+                status="rollout",
+                reason=f"learner update {self.trainer.updates}: {vid}'s weights for lent rollouts",
+            )
+            self.counters["rollout_versions"] += 1
+        self._rollout_ids.add(rid)
+        return rid, vid
+
+    def _fresh_for_rollouts(self, weights_of: str) -> bool:
+        """Whether rollouts sampled on the learner's `weights_of` would still be trained on: within the
+        lag bound in updates, and in the current lineage (a rebase leaves them behind)."""
+        lag = staleness(self.state, "updates").get(weights_of)
+        bound = self.cfg.max_lag_updates
+        return lag is not None and (bound is None or lag <= bound) and self._in_lineage(weights_of)
+
+    def _in_lineage(self, vid: str) -> bool:
+        parents, u = self.state["parents"], anchor(self.state)
+        if vid in self.state["held"] or vid == self.current:
+            return True
+        while True:
+            if u == vid:
+                return True
+            if u not in parents:
+                return False
+            u = parents[u]
+
+    def _retire_rollout_versions(self) -> None:
+        """Withdraw the `rollout` versions this learner registered that no open job samples any more."""
+        job = self.queue_job_version()
+        for rid in sorted(self._rollout_ids - {job}):
+            try:
+                if self.registry.get(rid).status == "rollout":
+                    self.registry.transition(rid, "withdrawn", "learner", "its rollout jobs are over")
+            except Exception:  # tried again at the next tick
+                log.exception("learner: withdrawing rollout version %s failed", rid)
+                continue
+            self._rollout_ids.discard(rid)
+
+    def queue_job_version(self) -> str | None:
+        """The registered version the open rollout job samples, or None."""
+        if self.lent is None or self.lent.job is None:
+            return None
+        return self.lent.queue.job(self.lent.job).version_id
 
     def close(self) -> None:
         self.consumer.close()

@@ -46,6 +46,8 @@ SHA256 = r"^[0-9a-f]{64}$"
 SCHEMA_VERSION = 4
 """Version of the registry's tables (stored in `registry_meta`); a database of another version is refused.
 Bump it, with a migration in `registry.db`, for any change to the tables once a release has shipped."""
+ROLLOUT_SUFFIX = ".rollout"
+"""The id of every `rollout` version ends so, and no other's: a gateway refuses it by name alone."""
 GATE_FORMAT_VERSION = 1
 """`format_version` of the records in `model_version.gate`."""
 WEIGHT_STORE_SUFFIXES = (".snapshot.fws", ".delta.fws")
@@ -69,6 +71,10 @@ class Status(StrEnum):
     rolled_back = "rolled_back"
     superseded = "superseded"
     withdrawn = "withdrawn"
+    rollout = "rollout"
+    """The learner's current weights, registered only for its group rollouts on lent replicas
+    (`learner.lent_rollouts`): hash-checked like any version, never gated, no user ever routed to it;
+    withdrawn once its jobs are over."""
 
 
 IN_FLIGHT = (Status.evaluating, Status.canary, Status.awaiting_approval)

@@ -10,6 +10,8 @@ docs/design.md and stores its progress with `record_gate`; a person `approve`s, 
     promoted → (rolled_back | superseded);  superseded → promoted (rollback);  candidate → promoted (bootstrap)
     candidate | evaluating | canary | awaiting_approval → withdrawn (replaced by a newer candidate,
         or an ancestor was rejected, aborted or rolled back)
+    rollout → withdrawn (the learner's weights for lent rollouts only, `register(status="rollout")`:
+        never gated or routed to; withdrawn once its rollout jobs are over)
 
 - Only `approve` promotes a candidate, on the gate's evidence (`registry.gate_evidence`). `rollback`
   restores a superseded version in the same transaction as it demotes the promoted one, so once there
@@ -36,7 +38,7 @@ from __future__ import annotations
 import builtins
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import literal
 from sqlalchemy.exc import IntegrityError
@@ -47,6 +49,7 @@ from registry.fleet_state import Heartbeats
 from registry.gate_evidence import GateEvidence
 from registry.gate_lease import GateLeases
 from registry.models import (
+    ROLLOUT_SUFFIX,
     WAITING,
     AuditEntry,
     AuditEntryPublic,
@@ -79,6 +82,7 @@ LIFECYCLE: dict[Status, frozenset[Status]] = {
     S.awaiting_approval: frozenset({S.promoted, S.rejected, S.withdrawn}),
     S.promoted: frozenset({S.rolled_back, S.superseded}),
     S.superseded: frozenset({S.promoted}),  # only by rollback()
+    S.rollout: frozenset({S.withdrawn}),
     **{final: frozenset() for final in (S.rejected, S.aborted, S.rolled_back, S.withdrawn)},
 }
 """Every edge of the lifecycle (for docs and the dashboard). `transition` takes those not listed below."""
@@ -117,13 +121,25 @@ class Registry(GateEvidence, Heartbeats, GateLeases):
         notes: str = "",
         actor: str = "learner",
         reason: str = "registered",
+        status: Literal["candidate", "rollout"] = "candidate",
     ) -> ModelVersionPublic:
         """Add a version as `candidate` (with its audit row). `version_id` None: the next `vNNNN`.
+        `status="rollout"`: weights for lent rollouts only (`Status.rollout`), which need an artifact.
 
         Fields as in `ModelVersionCreate`; `files` as dicts or `FileEntry`s.
         """
         spec = self._spec(version_id, parent_id, data_range, metrics, files, delta_base_id, notes)
         actor, reason = need("actor", actor), need("reason", reason)
+        first = parse_status(status)
+        if first not in (S.candidate, S.rollout):
+            raise ValueError(f"register takes status 'candidate' or 'rollout', got {status!r}")
+        if (first == S.rollout) != (spec.id or "").endswith(ROLLOUT_SUFFIX):
+            raise ValueError(
+                f"cannot register {version_id!r} as {first.value!r}: the ids of rollout versions, and only "
+                f"theirs, end in {ROLLOUT_SUFFIX!r}"
+            )
+        if first == S.rollout and artifact_of(spec.files) is None:
+            raise ValueError(f"cannot register {version_id!r} for rollouts: its files need one artifact to load")
         with session(self.engine) as s:
             ch = Change(s)  # first: concurrent registers queue here, so the next free id is really free
             for what, ref in (("parent", spec.parent_id), ("delta base", spec.delta_base_id)):
@@ -132,8 +148,8 @@ class Registry(GateEvidence, Heartbeats, GateLeases):
             vid = spec.id or self._next_id(s)
             if s.get(ModelVersion, vid) is not None:
                 raise ValueError(f"version id {vid!r} already exists")
-            row = self._insert(s, spec, vid, S.candidate)
-            ch.audit(vid, None, S.candidate, actor, reason, "register")
+            row = self._insert(s, spec, vid, first)
+            ch.audit(vid, None, first, actor, reason, "register")
             ch.commit()
             return ModelVersionPublic.model_validate(row)
 

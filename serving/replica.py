@@ -28,9 +28,9 @@
   at a start; without, the replica reports that it holds nothing and why. While the engine is dead
   the heartbeat never claims versions it cannot serve.
 - Lending: `lend_version(vid)` makes the replica also hold a registered version a lent job needs (an
-  eval candidate, say): fetched, verified and loaded like any other, never served (not the default,
-  no share), so the fleet check sees it held under the registry's hash; `lend_version(None)` retires
-  it. Applied at the follower loop's next look.
+  eval candidate, or the learner's weights registered as a `rollout` version): fetched, verified and
+  loaded like any other, never served (not the default, no share), so the fleet check sees it held
+  under the registry's hash; `lend_version(None)` retires it. Applied at the follower loop's next look.
 - `heartbeat()`: `registry.heartbeat(replica_id, gateway_id, host, holds={version: artifact
   SHA-256}, serves={version: share}, error=last_error)`. The default version serves `1 - share` of
   the canary (its `gate["canary"]["share"]`), the canary version that share.
@@ -72,7 +72,7 @@ from serving.interface import Engine
 from serving.weight_store import DELTA_SUFFIX, SNAPSHOT_SUFFIX, WeightStore
 
 log = logging.getLogger(__name__)
-LENDABLE = ("candidate", "evaluating", "canary", "awaiting_approval", "promoted")  # what lent work may load
+LENDABLE = ("candidate", "evaluating", "canary", "awaiting_approval", "promoted", "rollout")  # lent work may load
 
 MIN_POLL_S = 1.0
 TEMPLATE_FILES = (TOKENIZER, "tokenizer_config.json", "generation_config.json")

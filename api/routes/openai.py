@@ -41,6 +41,7 @@ from api.deps import ALIAS, CompletionsCaller, GatewayDep, JSONRoute
 from api.errors import APIError, error_body
 from api.schemas import MAX_CHOICES, PROMPT_KINDS, ChatRequest, CompletionRequest, chat_prompt
 from feedback.events import CompletionEvent
+from registry.models import ROLLOUT_SUFFIX
 from serving.requests import Completion, EngineError
 from serving.sampling import SamplingParams
 
@@ -66,7 +67,11 @@ class _Prompts:
 async def list_models(gw: GatewayDep, caller: CompletionsCaller):
     now = int(time.time())
     default = gw.engine.default_version
-    names = [v for v in gw.engine.versions if v == default or caller.allows("eval")] + ([ALIAS] if default else [])
+    names = [
+        v
+        for v in gw.engine.versions
+        if v == default or (caller.allows("eval") and not v.endswith(ROLLOUT_SUFFIX))  # lent work's: nobody's
+    ] + ([ALIAS] if default else [])
     return {
         "object": "list",
         "data": [{"id": n, "object": "model", "created": now, "owned_by": "flywheel"} for n in names],

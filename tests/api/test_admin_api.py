@@ -45,6 +45,7 @@ def live(tiny_checkpoint, tmp_path):
     engine = EmbeddedEngine(max_batch=4, max_model_len=128)
     engine.add_version(tiny_checkpoint.name, tiny_checkpoint, default=True)
     engine.add_version("ungated", tiny_checkpoint)  # held by the engine, never promoted
+    engine.add_version("v9.rollout", tiny_checkpoint)  # the learner's weights, held for lent rollouts
     bus, reg = EmbeddedBus(tmp_path / "bus"), Registry(f"sqlite:///{tmp_path / 'registry.db'}")
     reg.bootstrap("base", files=files("base"))
     keys, index = KeyStore(settings.db_url), CompletionIndex(tmp_path / "index.db")
@@ -126,6 +127,9 @@ def test_no_way_around_the_gate(live):
     assert live.index.get(r.json()["id"]).arm == "eval"
     assert live.index.get(complete(live, "flywheel").json()["id"]).arm is None
     assert "ungated" in [m["id"] for m in httpx.get(live.url + "/v1/models", headers=live.eval).json()["data"]]
+    r = complete(live, "v9.rollout", live.eval)  # lent work's weights: no key reaches them
+    assert r.status_code == 403 and r.json()["error"]["code"] == "model_not_allowed", r.text
+    assert "v9.rollout" not in [m["id"] for m in httpx.get(live.url + "/v1/models", headers=live.eval).json()["data"]]
     r = complete(live, "flywheel", live.viewer)  # a key without the completions scope
     assert r.status_code == 403 and r.json()["error"]["code"] == "insufficient_scope"
     assert complete(live, "flywheel", {"Authorization": "Bearer fw_revoked-or-made-up"}).status_code == 401

@@ -560,3 +560,27 @@ def test_processes_starting_together_on_an_empty_database_all_open_it(url):
         r = Registry(trial_url)
         assert r.register(version_id=f"v{trial}", parent_id=None, files=files("v")).id == f"v{trial}"
         r.close()
+
+
+def test_a_rollout_version_is_never_gated_and_only_withdrawn(reg):
+    # The learner's weights for lent rollouts: registered as `rollout`, with an artifact; the gate's queue
+    # (candidates) never sees it, it cannot enter the lifecycle, and it ends withdrawn.
+    base(reg)
+    with pytest.raises(ValueError, match="'candidate' or 'rollout', got 'promoted'"):
+        reg.register(version_id="x", parent_id="base", files=files("x"), status="promoted")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="files need one artifact"):
+        reg.register(version_id="x.rollout", parent_id="base", files=files("x") + files("y"), status="rollout")
+    with pytest.raises(ValueError, match="the ids of rollout versions, and only theirs, end in '.rollout'"):
+        reg.register(version_id="x", parent_id="base", files=files("x"), status="rollout")
+    with pytest.raises(ValueError, match="end in '.rollout'"):
+        reg.register(version_id="x.rollout", parent_id="base", files=files("x"))  # a candidate
+    v = reg.register(version_id="v1.rollout", parent_id="base", files=files("v1"), status="rollout")
+    assert v.status == "rollout" and reg.list("candidate") == [] and reg.base_for_next_candidate("base").id == "base"
+    for to in ("evaluating", "candidate", "promoted", "canary"):
+        with pytest.raises(ValueError):
+            reg.transition("v1.rollout", to, "gate", "no")
+    assert reg.transition("v1.rollout", "withdrawn", "learner", "its jobs are over").status == "withdrawn"
+    assert [(a.from_status, a.to_status) for a in reg.audit() if a.version_id == "v1.rollout"] == [
+        (None, "rollout"),
+        ("rollout", "withdrawn"),
+    ]

@@ -1,5 +1,5 @@
 """The learner's offline group rollouts through lent replicas: `LentRollouts` queues a job on the
-promoted version, a lent replica's worker runs it, and the finished job comes back as GRPO groups whose
+learner's weights, a lent replica's worker runs it, and the finished job comes back as GRPO groups whose
 sequences carry the log-probs and routed experts they were sampled with (equal to a full forward of
 the model), group-relative advantages, and flat groups dropped and counted."""
 
@@ -43,11 +43,19 @@ def parts(tiny_checkpoint, tmp_path):
     eng.shutdown()
 
 
+def v1() -> tuple[str, str]:
+    return "v1", "v1"
+
+
+def always(weights_of: str) -> bool:
+    return True
+
+
 def drive(lent: LentRollouts, worker: LendingWorker):
-    assert lent.tick("v1") is None  # queued
+    assert lent.tick(v1, always) is None  # queued
     while worker.run_shard() is not None:
         pass
-    return lent.tick("v1")  # done: its groups, and the next job queued
+    return lent.tick(v1, always)  # done: its groups, and the next job queued
 
 
 def test_a_job_run_on_a_lent_replica_comes_back_as_trainable_groups(parts, tiny_checkpoint):
@@ -81,3 +89,23 @@ def _params(cfg):
     from serving.sampling import SamplingParams
 
     return SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens)
+
+
+def test_samples_carry_the_learners_id_of_their_weights_and_a_stale_job_is_replaced(parts):
+    # The job samples registered version "v1" holding the learner's "v7" (as a `rollout` version would):
+    # its sequences say v7, what the learner's staleness bounds know. A job whose weights went stale
+    # while open is cancelled, counted, and the next is queued on the weights of the moment.
+    eng, q, tok = parts
+    cfg = LentRolloutConfig(enabled=True, prompts_per_job=4, group_size=4, shard_size=2, max_tokens=12, seed=5)
+    lent = LentRollouts(q, OfflinePrompts("toy", PROMPTS, EvenLength()), tok, cfg)
+    assert lent.tick(lambda: ("v1", "v7"), always) is None
+    first = lent.job
+    assert q.job(first).spec["weights_of"] == "v7" and q.job(first).version_id == "v1"
+    assert lent.tick(lambda: ("v1", "v8"), lambda w: w != "v7") is None  # v7 went stale while open
+    assert q.job(first).status == "cancelled" and lent.counters["jobs_dropped"] == 1
+    assert lent.job != first and q.job(lent.job).spec["weights_of"] == "v8"
+    worker = LendingWorker(eng, q, "r1")
+    while worker.run_shard() is not None:
+        pass
+    batch = lent.tick(lambda: ("v1", "v9"), always)
+    assert batch is not None and batch.groups > 0 and {s.version for s in batch.sequences} == {"v8"}

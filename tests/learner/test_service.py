@@ -604,3 +604,63 @@ def test_samples_an_update_drops_still_add_to_the_verified_tally(tmp_path, tiny_
     assert sum(n_pass + n_fail for n_pass, _, n_fail, _ in svc.tally.users.values()) == n_verified
     svc.close()
     bus.close()
+
+
+def test_a_held_back_tip_is_lent_as_a_rollout_version_never_gated_and_withdrawn_once_unused(
+    tmp_path, tiny_checkpoint, samples
+):
+    # The learner's current weights, unregistered while the gate is busy, go to lent replicas as
+    # `<tip>.rollout`: hash-checked in the store, a `rollout` version the gate never takes and no user is
+    # routed to; the rollout samples say the tip's id (ahead of the anchor: 0 versions behind). Once the
+    # learner's open job samples other weights, the rollout version is withdrawn.
+    from learner.config import LentRolloutConfig
+    from learner.lent_rollouts import LentRollouts
+    from learner.lineage import staleness
+    from product.suites import OfflinePrompts
+    from registry.jobs import JobQueue
+    from serving.checkpoint import load_checkpoint
+    from serving.tokenizer import Tokenizer
+    from serving.weight_store import WeightStore, shipping_state
+
+    class Any:
+        def verify(self, prompts, completions):
+            return [float(len(c) % 2 == 0) for c in completions]
+
+    bus = EmbeddedBus(tmp_path / "bus", partitions=1)
+    url = f"sqlite:///{tmp_path}/registry.db"
+    tok = Tokenizer.from_file(tiny_checkpoint)
+    offline = LentRolloutConfig(enabled=True, prompts_per_job=2, group_size=2, shard_size=2, max_tokens=4)
+    queue = JobQueue(url)
+    lent = LentRollouts(queue, OfflinePrompts("toy", ("def", "# x"), Any()), tok, offline)
+    cfg = LearnerConfig(update_every_samples=5, min_samples=1, hold_check_s=0.0)
+    svc = LearnerService(bus, Registry(url), tmp_path / "models", tiny_checkpoint, cfg, lent=lent)
+    reg = svc.registry
+    publish(bus, samples[:5])
+    assert drain(svc, rounds=3) == ["v0001"]
+    first = queue.job(lent.job)  # queued at the first tick, on the base: registered, so its own id
+    assert (first.version_id, first.spec["weights_of"]) == (tiny_checkpoint.name, tiny_checkpoint.name)
+    reg.transition("v0001", "evaluating", "gate", "offline eval")  # in flight: the next update is held back
+    publish(bus, samples[5:10])
+    assert drain(svc, rounds=3) == ["v0002"] and "v0002" in svc.state["held"]
+    queue.cancel(lent.job)  # say its job went stale: the next tick queues one on the current weights
+    svc.run_once(timeout_s=0.05)
+    job = queue.job(lent.job)
+    assert (job.version_id, job.spec["weights_of"]) == ("v0002.rollout", "v0002")
+    rv = reg.get("v0002.rollout")
+    assert rv.status == "rollout" and rv.parent_id == "v0001" and rv.metrics["rollout_of"] == "v0002"
+    assert reg.in_flight().id == "v0001" and [v.id for v in reg.list("candidate")] == []  # nothing new to gate
+    shipped = WeightStore(tmp_path / "models" / "store").get("v0002.rollout")
+    expected = shipping_state(load_checkpoint(tmp_path / "models" / "v0002"), torch.float32)
+    assert all(torch.equal(shipped[k], expected[k]) for k in expected)
+    assert staleness(svc.state, "versions")["v0002"] == 0  # its samples are kept by the offline bound
+    queue.cancel(lent.job)
+    svc.run_once(timeout_s=0.05)  # a new job on the same weights: the rollout version stays
+    assert reg.get("v0002.rollout").status == "rollout" and svc.counters["rollout_versions"] == 1
+    publish(bus, samples[10:15])
+    drain(svc, rounds=3)  # v0003, held back too
+    queue.cancel(lent.job)
+    svc.run_once(timeout_s=0.05)
+    assert queue.job(lent.job).version_id == "v0003.rollout"
+    assert reg.get("v0002.rollout").status == "withdrawn"  # no open job samples it any more
+    queue.close()
+    bus.close()

@@ -384,3 +384,24 @@ def test_a_lent_replica_holds_a_candidate_for_lent_work_without_serving_it(world
     w.reg.transition("v2", "rejected", "gate", "offline regression")
     res = r.sync()
     assert "v2" not in res.held and res.error is None  # a rejected candidate is not held, and no error
+
+
+def test_a_lent_replica_holds_the_learners_rollout_version_until_it_is_withdrawn(world):
+    w = world
+    w.reg.bootstrap("v1", files=[w.entry("v1")])
+    r = w.replica("r1")
+    r.sync()
+    w.src.put("v2.rollout", shipping_state(w.weights["v2"], dtype=torch.float32), "v1")  # as the learner does
+    w.reg.register(
+        version_id="v2.rollout", parent_id="v1", files=[w.entry("v2.rollout")], delta_base_id="v1", status="rollout"
+    )
+    r.lend_version("v2.rollout")
+    res = r.sync()
+    assert (res.default, sorted(res.held), res.error) == ("v1", ["v1", "v2.rollout"], None)
+    holds, serves = r.report()
+    assert holds["v2.rollout"] == w.reg.get("v2.rollout").artifact_sha256 and serves == {"v1": 1.0}
+    r.heartbeat()
+    assert w.reg.fleet().complete  # held under its registry hash, never served: no split
+    w.reg.transition("v2.rollout", "withdrawn", "learner", "its rollout jobs are over")
+    res = r.sync()
+    assert "v2.rollout" not in res.held and res.error is None
