@@ -36,6 +36,8 @@ def demo(args) -> None:
         overrides |= {"shape": "kafka-postgres", "gateways": 2, "replicas": 1, "postgres_server": args.kafka_postgres}
     if args.replicas is not None:
         overrides["replicas"] = args.replicas
+    if args.diurnal is not None:
+        overrides |= {"diurnal_trough": args.diurnal, "lending": not args.no_lending}
     common = DemoSystemConfig.model_validate(
         {**common.model_dump(), **overrides, "auto_approve": not args.no_auto_approve}
     )
@@ -76,14 +78,16 @@ def demo(args) -> None:
         name = f"seed{seed}" + ("-shuffled" if cfg.shuffle_rewards else "")
         name += f"-adversarial{round(cfg.adversarial_share * 100)}" if cfg.adversarial_share else ""
         name += f"-{cfg.shape}" if cfg.shape != "embedded" else ""
+        name += ("-diurnal" + ("-lending" if cfg.lending else "")) if cfg.diurnal_trough else ""
         one(name, cfg, keep=not args.exit)
         return
     t0 = time.monotonic()
     n = range(args.seeds)
     seeds = [one(f"seed{s}", common.model_copy(update={"seed": s}), False) for s in n]
     controls = {c.strip() for c in args.controls.split(",") if c.strip()}
-    if controls - {"shuffled", "adversarial"}:
-        sys.exit(f"flywheel demo: unknown control(s) {sorted(controls - {'shuffled', 'adversarial'})}")
+    known = {"shuffled", "adversarial", "lending"}
+    if controls - known:
+        sys.exit(f"flywheel demo: unknown control(s) {sorted(controls - known)}")
     shuffled = [
         one(f"seed{s}-shuffled", common.model_copy(update={"seed": s, "shuffle_rewards": True}), False)
         for s in (n if "shuffled" in controls else ())
@@ -92,7 +96,12 @@ def demo(args) -> None:
         one(f"seed{s}-adversarial5", common.model_copy(update={"seed": s, "adversarial_share": 0.05}), False)
         for s in (n if "adversarial" in controls else ())
     ]
-    summary = demo_report.summarize(seeds, shuffled, adversarial)
+    pair = None
+    if "lending" in controls:  # seed 0's diurnal day, lending on then off: the same users and traffic
+        day = common.model_copy(update={"seed": 0, "diurnal_trough": args.diurnal or 0.15})
+        on = one("seed0-diurnal-lending", day.model_copy(update={"lending": True}), False)
+        pair = (on, one("seed0-diurnal", day.model_copy(update={"lending": False}), False))
+    summary = demo_report.summarize(seeds, shuffled, adversarial, pair)
     summary["total_wall_s"] = round(time.monotonic() - t0, 1)
     summary["provenance"] = here
     command = "flywheel demo " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "flywheel demo --report docs/demo"

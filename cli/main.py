@@ -337,6 +337,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="engines per gateway (default: 2 embedded, 1 per gateway with --kafka-postgres: 2 engines either way)",
     )
     d.add_argument(
+        "--diurnal",
+        metavar="TROUGH",
+        type=float,
+        nargs="?",
+        const=0.15,
+        default=None,
+        help="users come and go over one compressed day, from TROUGH (default 0.15) of the peak at night, and idle "
+        "replicas are lent to the gate's evals and the learner's rollouts (docs/lending.md)",
+    )
+    d.add_argument("--no-lending", action="store_true", help="--diurnal without lending: every replica serves")
+    d.add_argument(
         "--report", metavar="DIR", default=None, help="run --seeds seeds and both controls; write DIR/report.*"
     )
     d.add_argument("--seeds", type=int, default=3, help="seeds of --report (default 3)")
@@ -344,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--controls",
         default="shuffled,adversarial",
         help="--report: the controls to run on every seed, comma-separated (default shuffled,adversarial; "
-        "one left out is reported as not run)",
+        "one left out is reported as not run); 'lending' adds seed 0's diurnal traffic with lending on and off",
     )
     d.add_argument("--resume", action="store_true", help="--report: reuse runs already saved with the same config")
     k = sub.add_parser("keys", help="create, list and revoke API keys (hashed, in the shared registry database)")

@@ -140,10 +140,31 @@ def _seeds_of(gains: list[dict], key: str) -> dict[str, Any]:
     return _over_seeds([g[key]["points"] for g in gains])
 
 
+def lending_figures(run: dict[str, Any]) -> dict[str, Any]:
+    """One run's lending figures: gate cycles (versions the gate took to evaluation) and promotions per
+    hour of traffic, the report split's pass-rate gain, and what lending did (`demo.system.lending_numbers`)."""
+    hours = run["config"]["traffic_s"] / 3600
+    cycles = sum(any(t["to"] == "evaluating" for t in v["transitions"]) for v in run["versions"])
+    promotions = len(run["promotions"]) - 1
+    gain = run_gain(run)["pass_rate"] if promotions else {"points": 0.0, "ci95": [0.0, 0.0], "n": 0}
+    return {
+        "gate_cycles_per_hour": round(cycles / hours, 1),
+        "promotions_per_hour": round(promotions / hours, 1),
+        "pass_rate_gain": gain,
+        "lending": run.get("lending") or {},
+        "completions": run["traffic"]["completions"],
+        "errors": run["traffic"]["errors"],
+    }
+
+
 def summarize(
-    seeds: list[dict], shuffled: list[dict] | None = None, adversarial: list[dict] | None = None
+    seeds: list[dict],
+    shuffled: list[dict] | None = None,
+    adversarial: list[dict] | None = None,
+    lending: tuple[dict, dict] | None = None,
 ) -> dict[str, Any]:
-    """The report's JSON (module docstring). `adversarial[k]` is paired with `seeds[k]` (same seed)."""
+    """The report's JSON (module docstring). `adversarial[k]` is paired with `seeds[k]` (same seed).
+    `lending`: a diurnal run with lending on, and the same traffic with it off."""
     if not seeds:
         raise ValueError("the report needs at least one seed's run")
     shuffled, adversarial = shuffled or [], adversarial or []
@@ -168,6 +189,16 @@ def summarize(
         "runs": [_run_summary(r) for r in [*seeds, *shuffled, *adversarial]],
         "poisoning": _poisoning(seeds, adversarial),
     }
+    if lending is not None:
+        on, off = lending
+        if on["config"]["seed"] != off["config"]["seed"] or not on["config"]["lending"] or off["config"]["lending"]:
+            raise ValueError("the lending pair is one seed's run with lending on, then off")
+        out["lending"] = {
+            "seed": on["config"]["seed"],
+            "diurnal_trough": on["config"]["diurnal_trough"],
+            "on": lending_figures(on),
+            "off": lending_figures(off),
+        }
     unsplit = [_unsplit_gain(r) for r in seeds]
     if all(u is not None for u in unsplit):
         up = _over_seeds([u["points"] for u in unsplit if u is not None])
@@ -298,6 +329,25 @@ def markdown(s: dict[str, Any], command: str) -> str:
             + ", ".join(f"seed {u['seed']}: {u['points']:+}" for u in un["per_seed"])
             + ").",
         ]
+    le = s.get("lending")
+    if le:
+        on, off = le["on"], le["off"]
+        lines += [
+            "",
+            f"**Lending** (seed {le['seed']}, diurnal traffic from {le['diurnal_trough']:.0%} of the peak at night; "
+            "the same traffic with lending on and off):",
+            "",
+            "| lending | gate cycles / h | promotions / h | pass-rate gain (points) | replica-seconds lent | "
+            "rollouts | offline samples trained | failed requests |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for name, x in (("on", on), ("off", off)):
+            lent = x["lending"]
+            lines.append(
+                f"| {name} | {x['gate_cycles_per_hour']} | {x['promotions_per_hour']} | "
+                f"{x['pass_rate_gain']['points']} {x['pass_rate_gain']['ci95']} | {lent.get('lent_seconds', 0):.0f} | "
+                f"{lent.get('rollouts', 0):.0f} | {lent.get('learner_trained_offline', 0):.0f} | {x['errors']} |"
+            )
     c = s.get("controls", {})
     if "shuffled" in c:
         sh = c["shuffled"]

@@ -56,7 +56,7 @@ def demo_config(cfg: DemoSystemConfig, port: int, shape: dict[str, Any] | None =
     """The run's `flywheel.toml` (as tables): what `flywheel up` and each of its services read.
     `shape`: the production shape's `[bus]`, `[database]` and extra `[gateway]` keys (`start`)."""
     shape = shape or {}
-    return {
+    tables: dict[str, dict[str, Any]] = {
         "gateway": {
             "port": port,
             "replicas": cfg.replicas,
@@ -92,6 +92,27 @@ def demo_config(cfg: DemoSystemConfig, port: int, shape: dict[str, Any] | None =
             "watch_s": cfg.traffic_s,
         },
     }
+    if cfg.lending:  # thresholds on the run's compressed clock: its night lasts a minute or two
+        tables["lending"] = {
+            "enabled": True,
+            "target_concurrency": cfg.concurrency / cfg.replicas,  # the day's peak fills every replica
+            "lend_after_s": 20.0,
+            "reclaim_after_s": 3.0,
+            "max_rollout_concurrency": 8,
+        }
+        tables["learner"] |= {
+            "offline_prompts": "demo.suite:demo_offline_prompts",  # train-split prompts only
+            "offline": {
+                "enabled": True,
+                "prompts_per_job": 16,
+                "group_size": 8,
+                "shard_size": 2,
+                "max_tokens": cfg.max_tokens,
+                "seed": cfg.seed,
+            },  # fmt: skip
+        }
+        tables["gate"]["lend_eval"] = True
+    return tables
 
 
 def create_database(server: str, prefix: str = "flywheel_demo") -> str:

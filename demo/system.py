@@ -102,6 +102,18 @@ class DemoSystemConfig(BaseModel):
     postgres_server: str = Field(
         "postgresql://postgres@127.0.0.1:5432", description="kafka-postgres: where the run's database is made."
     )
+    diurnal_trough: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Users come and go over one compressed day, the run: the clients in flight follow a cosine "
+        "from this share of `concurrency` (night, at the start and end) to all of it (midday); None: all, always.",
+    )
+    lending: bool = Field(
+        False,
+        description="Lend idle replicas (`[lending]`, thresholds scaled to the run): the gate's eval sampling and "
+        "the learner's group rollouts (the demo's offline prompts) run on them (docs/lending.md).",
+    )
     auto_approve: bool = Field(True, description="Approve through the admin API as soon as a version awaits it.")
     report_prompts: int = Field(1000, ge=10, description="Report-split prompts per evaluation.")
     max_tokens: int = Field(48, ge=1)
@@ -110,7 +122,18 @@ class DemoSystemConfig(BaseModel):
     def _gateways_share_a_bus(self) -> DemoSystemConfig:
         if self.gateways > 1 and self.shape != "kafka-postgres":
             raise ValueError(f"gateways={self.gateways} needs shape 'kafka-postgres' (a bus and database they share)")
+        if self.lending and self.replicas < 2:
+            raise ValueError(f"lending needs at least 2 replicas per gateway (one always serves), got {self.replicas}")
         return self
+
+    def active_clients(self, elapsed_s: float) -> int:
+        """Clients in flight `elapsed_s` into the traffic: all of `concurrency`, or with `diurnal_trough`
+        the day's cosine, from the trough at the start and end to all of them halfway (at least one)."""
+        if self.diurnal_trough is None:
+            return self.concurrency
+        day = min(max(elapsed_s / self.traffic_s, 0.0), 1.0)
+        level = self.diurnal_trough + (1 - self.diurnal_trough) * (1 - math.cos(2 * math.pi * day)) / 2
+        return max(1, round(self.concurrency * level))
 
     @classmethod
     def quick(cls) -> DemoSystemConfig:
@@ -214,6 +237,7 @@ def run_system(
         deadline = time.monotonic() + cfg.traffic_s
         traffic = asyncio.run(drive_users(cfg, stack.urls, deadline, _throttled(watch, 2.0)))
         watch(traffic)
+        lending = lending_numbers([httpx.get(u + "/metrics", timeout=30).text for u in stack.urls])
         bar.close()
         wall = time.monotonic() - t0
         versions = registry.list()
@@ -254,6 +278,7 @@ def run_system(
             "logged_prompts": leaks,
             "poisoning": poisoning_by_update(home / "models" / "learner" / "updates.jsonl", cfg),
             "fleet": fleet,
+            "lending": lending,
             "registry_url": db_url,
         }
         if keep_serving is not None:
@@ -331,6 +356,33 @@ LEARNER_KEYS = (
     "since_parent",
 )
 """The learner's numbers of a version that a run's record keeps (the off-policy ones among them)."""
+
+
+LENT_STATS = ("trained_offline", "offline_groups", "rollout_versions", "offline_errors")
+"""The learner's counts of its lent rollouts that a run records (`flywheel_service_stat`)."""
+
+
+def lending_numbers(metrics_texts: list[str]) -> dict[str, float]:
+    """From each gateway's `/metrics` at the end of the traffic: the lending totals summed over the
+    gateways (`flywheel_lending_total`: lends, reclaims, panics, lent_seconds, rollouts, ...) and the
+    learner's lent-rollout counts (`LENT_STATS`, read once: every gateway shows the same services)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for i, text in enumerate(metrics_texts):
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "flywheel_lending_total":
+                    key = sample.labels["what"]
+                    out[key] = out.get(key, 0.0) + sample.value
+                elif (
+                    i == 0
+                    and sample.name == "flywheel_service_stat"
+                    and sample.labels.get("service") == "learner"
+                    and sample.labels.get("name") in LENT_STATS
+                ):
+                    out[f"learner_{sample.labels['name']}"] = sample.value
+    return out
 
 
 def version_records(db_url: str) -> list[dict]:

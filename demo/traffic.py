@@ -4,7 +4,8 @@ Each of `cfg.users` users (`demo.users.SimulatedUser`, heterogeneous: accept pro
 0.1, activity drawn from Pareto(1.5), an `adversarial_share` of them rewarding wrong completions) asks
 for completions of train-split tasks through the `openai` client, sees them (`shown`, through the
 feedback SDK) and reacts sparsely: an implicit signal on most completions, explicit ones on a minority,
-each at a delay spread over the attribution window. `drive_users` returns what they did (`Traffic`).
+each at a delay spread over the attribution window. With `diurnal_trough` the clients in flight follow
+a compressed day (`DemoSystemConfig.active_clients`). `drive_users` returns what they did (`Traffic`).
 """
 
 from __future__ import annotations
@@ -100,8 +101,13 @@ async def drive_users(
     def running() -> bool:
         return time.monotonic() < deadline and not traffic.ended_early
 
-    async def one_user() -> None:
+    start = time.monotonic()
+
+    async def one_user(slot: int) -> None:
         while running():
+            if slot >= cfg.active_clients(time.monotonic() - start):  # night: this client is idle
+                await asyncio.sleep(0.25)
+                continue
             user = rng.choices(users, weights)[0]
             task_seed[0] += 1
             task = sample_tasks(1, seed=task_seed[0])[0]
@@ -150,7 +156,7 @@ async def drive_users(
                 progress(traffic)
 
     try:
-        await asyncio.gather(*(one_user() for _ in range(cfg.concurrency)), react())
+        await asyncio.gather(*(one_user(i) for i in range(cfg.concurrency)), react())
         await asyncio.gather(*later)
     except BaseException:  # interrupted (Ctrl-C, SIGTERM): the gateways are going away, give up at once
         for fb in feedbacks:

@@ -210,3 +210,24 @@ def test_the_demo_runs_flywheel_up_on_a_file_of_its_own(home):
     assert (gate.G, gate.seed, gate.canary.margin, gate.canary.steps) == (cfg.gate_G, 3, cfg.canary_margin, (0.2, 0.5))
     assert product.gate.suite == "demo.suite:demo_suite" and product.gate.suite_kwargs == {"n": cfg.gate_prompts}
     assert product.rewards.window_s == cfg.window_s
+
+
+def test_the_demos_lending_run_lends_on_its_compressed_clock(home):
+    """`flywheel demo --diurnal`: `[lending]` on, scaled to the run, with the work lent replicas run: the
+    gate's eval sampling and the learner's rollouts of the demo's offline (train-split) prompts."""
+    from cli.product_config import offline_prompts
+    from core.config_file import dump_toml
+    from demo.stack import demo_config
+    from demo.system import DemoSystemConfig
+
+    cfg = DemoSystemConfig(seed=1, diurnal_trough=0.15, lending=True)
+    (home / "flywheel.toml").write_text(dump_toml(demo_config(cfg, 8123)))
+    product = load_product_config()
+    assert product.lending.enabled and product.lending.target_concurrency == cfg.concurrency / cfg.replicas
+    assert product.lending.lend_after_s < cfg.traffic_s / 10  # its nights last a minute or two
+    assert product.gate_config().lend_eval and product.learner.learner_config().offline.enabled
+    source = offline_prompts(product)
+    assert source is not None and source.name == "demo-train"
+    assert "lending" not in demo_config(DemoSystemConfig(), 8123)  # off unless asked
+    with pytest.raises(ValueError, match="lending needs at least 2 replicas"):
+        DemoSystemConfig(lending=True, replicas=1)

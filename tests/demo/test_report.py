@@ -153,3 +153,29 @@ def test_the_gain_on_prompts_of_no_split_is_paired_per_prompt_and_over_seeds():
     assert [x["points"] for x in u["per_seed"]] == [50.0, 25.0] and u["pass_rate_gain_points"] == 37.5
     assert u["prompts"] == 4 and u["seeds"] == 2 and u["pass_rate_gain_ci95"][0] < 37.5 < u["pass_rate_gain_ci95"][1]
     assert "**Prompts of no split** (4 per evaluation" in markdown(s, "flywheel demo --report x")
+
+
+def test_the_diurnal_traffic_runs_a_compressed_day():
+    from demo.system import DemoSystemConfig
+
+    day = DemoSystemConfig(concurrency=16, traffic_s=600, diurnal_trough=0.15)
+    assert [day.active_clients(t) for t in (0, 150, 300, 450, 600, 900)] == [2, 9, 16, 9, 2, 2]
+    assert DemoSystemConfig(concurrency=16).active_clients(0) == 16  # no diurnal: all of them, always
+
+
+def test_the_lending_pair_is_reported_side_by_side():
+    on, off = run(0, [0.1, 0.2], [0.3, 0.4]), run(0, [0.1, 0.2], [0.2, 0.3])
+    for r, lending in ((on, True), (off, False)):
+        r["config"] |= {"lending": lending, "diurnal_trough": 0.15, "traffic_s": 1800.0}
+        r["traffic"]["errors"] = 0
+        r["versions"][1]["transitions"].insert(1, {"to": "evaluating", "at": "2026-12-01T16:01:30+00:00", "reason": ""})
+    on["lending"] = {"lends": 2.0, "lent_seconds": 95.0, "rollouts": 128.0, "learner_trained_offline": 64.0}
+    s = summarize([run(0, [0.1, 0.2], [0.3, 0.4])], lending=(on, off))
+    le = s["lending"]
+    assert le["on"]["gate_cycles_per_hour"] == 2.0 and le["on"]["promotions_per_hour"] == 2.0  # 1 in half an hour
+    assert le["on"]["lending"]["lent_seconds"] == 95.0 and le["off"]["lending"] == {}
+    assert le["on"]["pass_rate_gain"]["points"] == 50.0 and le["seed"] == 0
+    md = markdown(s, "flywheel demo --report x --controls lending")
+    assert "**Lending** (seed 0, diurnal traffic from 15% of the peak" in md and "| on | 2.0 | 2.0 | 50.0" in md
+    with pytest.raises(ValueError, match="lending on, then off"):
+        summarize([on], lending=(off, on))
