@@ -30,6 +30,14 @@ class LendingLoop:
         hold `version` for lent work, or nothing extra (`serving.replica.Replica.lend_version`; the state
         goes in its heartbeat); None: lent work runs only on what the replicas hold anyway."""
         self.fleet, self.engines, self.cfg, self.queue = fleet, engines, cfg, queue
+        for name, engine in engines().items():  # vLLM: live requests need slots lent work cannot fill
+            batch = getattr(engine, "max_batch", None)
+            if not getattr(engine, "preempts_for_live", True) and batch is not None:
+                if cfg.max_rollout_concurrency >= batch:
+                    raise ValueError(
+                        f"lending.max_rollout_concurrency={cfg.max_rollout_concurrency} must be below replica "
+                        f"{name}'s max_batch={batch}: its engine (vLLM) does not preempt lent work for live requests"
+                    )
         self.prepare = prepare
         self._prepared: dict[str, tuple[str | None, str]] = {}
         self._asked: dict[tuple[str, str], float] = {}  # (replica, version) -> when it was asked to hold it

@@ -22,6 +22,17 @@ thread, and translates its outputs into our `Completion` / `StreamEvent` records
   `update_weights` loads a fresh `AsyncLLM` from the folder and puts it under the name (if the
   version is still idle then; the old one is shut down).
 
+- lent work (`submit(..., background=True)`, as the embedded engine takes it): every `AsyncLLM` runs
+  with `scheduling_policy="priority"`, live requests at priority 0 and background ones at
+  `BACKGROUND_PRIORITY` (lower goes first), so a waiting live request is admitted before any waiting
+  rollout. vLLM's priority preempts a running request only when KV-cache blocks run out: with
+  `max_num_seqs` full of rollouts a live request waits (vLLM issues #40004, #24365). So the fleet
+  manager caps a lent replica's rollouts below `max_batch` (`lending.max_rollout_concurrency`), and a
+  reclaim ends them all (`preempt_background`: aborted at vLLM's next step, finish_reason
+  "preempted", redone by the lending worker). vLLM replicas take rollout shards only, never eval
+  shards (no batch-invariant kernels: `batch_invariant` is False). Written against vLLM's documented
+  `AsyncLLM.generate(..., priority=)`; tests/serving/test_vllm_engine.py runs it on the CPU build.
+
 vLLM spawns processes: create this engine under `if __name__ == "__main__":` in scripts.
 Imported lazily (only when `FLYWHEEL_ENGINE=vllm`), so the rest of Flywheel never needs vLLM.
 """
@@ -57,6 +68,8 @@ from serving.tokenizer import Tokenizer
 from serving.versions import VersionTable
 
 log = logging.getLogger(__name__)
+BACKGROUND_PRIORITY = 1
+"""vLLM priority of lent work (rollouts); live requests keep the default 0, and lower goes first."""
 
 
 @dataclass
@@ -91,6 +104,10 @@ class VLLMEngine(GenerateMixin):
         self._thread.start()
         self._table: VersionTable[_Loaded] = VersionTable()
         self.failure: BaseException | None = None
+        self.batch_invariant = False  # no bit-identity with the gate's engine: lent rollouts only, no evals
+        self.preempts_for_live = False  # a live request waits behind running lent work (module docstring)
+        self._background: dict[str, Any] = {}  # request id -> its AsyncLLM, for every background request
+        self._preempted: set[str] = set()  # background requests ended by `preempt_background`
 
     def _call(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -147,6 +164,7 @@ class VLLMEngine(GenerateMixin):
                 dtype=self.dtype,
                 max_num_seqs=self.max_batch,
                 disable_log_stats=True,
+                scheduling_policy="priority",  # live requests (0) before lent work (`BACKGROUND_PRIORITY`)
             )
             if self.routed_experts:
                 kwargs["enable_return_routed_experts"] = True
@@ -211,7 +229,10 @@ class VLLMEngine(GenerateMixin):
         version: str | None = None,
         request_id: str | None = None,
         stream: bool = True,
+        background: bool = False,
     ) -> RequestHandle:
+        """Queue a request; thread-safe. `background=True` (lent work): scheduled after every live
+        request that waits, and ended by `preempt_background` (module docstring)."""
         name, loaded = self._table.acquire(version)  # bound to this version (and AsyncLLM) to its last event
         llm, args = loaded.llm, loaded.args
         try:
@@ -223,8 +244,10 @@ class VLLMEngine(GenerateMixin):
         handle = RequestHandle(
             rid, caller_loop(), stream, on_cancel=lambda: asyncio.run_coroutine_threadsafe(llm.abort(rid), self._loop)
         )
+        if background:
+            self._background[rid] = llm
         fut: Future = asyncio.run_coroutine_threadsafe(
-            self._run(llm, name, args, rid, list(prompt_ids), params, handle), self._loop
+            self._run(llm, name, args, rid, list(prompt_ids), params, handle, background), self._loop
         )
 
         def report_failure(f: Future) -> None:
@@ -234,7 +257,22 @@ class VLLMEngine(GenerateMixin):
         fut.add_done_callback(report_failure)
         return handle
 
-    async def _run(self, llm, name, args, rid, prompt_ids, params: SamplingParams, handle: RequestHandle) -> None:
+    def preempt_background(self) -> int:
+        """End every background request at vLLM's next step (a reclaim): each finishes with
+        "preempted", to be redone; how many there were."""
+
+        async def abort_all() -> int:
+            ended = list(self._background.items())
+            for rid, llm in ended:
+                self._preempted.add(rid)
+                await llm.abort(rid)
+            return len(ended)
+
+        return self._call(abort_all())
+
+    async def _run(
+        self, llm, name, args, rid, prompt_ids, params: SamplingParams, handle: RequestHandle, background: bool = False
+    ) -> None:
         from vllm import SamplingParams as VSP
 
         vsp = VSP(
@@ -247,11 +285,15 @@ class VLLMEngine(GenerateMixin):
             ignore_eos=params.ignore_eos,
         )
         try:
-            await self._stream(llm, name, args, rid, prompt_ids, params, vsp, handle)
+            await self._stream(llm, name, args, rid, prompt_ids, params, vsp, handle, background)
         finally:
+            self._background.pop(rid, None)
+            self._preempted.discard(rid)
             self._table.release(name)
 
-    async def _stream(self, llm, name, args, rid, prompt_ids, params, vsp, handle: RequestHandle) -> None:
+    async def _stream(
+        self, llm, name, args, rid, prompt_ids, params, vsp, handle: RequestHandle, background: bool = False
+    ) -> None:
         t0 = time.perf_counter()
         t_first = None
         n_seen, text_seen = 0, 0
@@ -259,7 +301,10 @@ class VLLMEngine(GenerateMixin):
         lps: list[float] = []
         tops: list[dict[int, float]] = []
         final = None
-        async for out in llm.generate({"prompt_token_ids": prompt_ids}, vsp, rid):
+        priority = BACKGROUND_PRIORITY if background else 0
+        async for out in llm.generate({"prompt_token_ids": prompt_ids}, vsp, rid, priority=priority):
+            if background and not out.finished and rid in self._preempted:
+                await llm.abort(rid)  # preempted before vLLM knew the request: ended at this step instead
             o = out.outputs[0]
             new_ids = list(o.token_ids[n_seen:])
             new_lps, new_tops = [], []
@@ -295,6 +340,8 @@ class VLLMEngine(GenerateMixin):
         reason = (
             "abort" if final.finish_reason == "abort" else ("length" if final.finish_reason == "length" else "stop")
         )
+        if reason == "abort" and rid in self._preempted:
+            reason = "preempted"  # a reclaim ended it (`preempt_background`): the lending worker redoes it
         done = Completion(
             request_id=rid,
             version=name,

@@ -169,3 +169,21 @@ def test_a_lent_replica_is_asked_to_hold_the_version_an_open_job_needs_and_to_dr
     finally:
         loop.close()
         eng1.shutdown()
+
+
+def test_an_engine_that_does_not_preempt_for_live_work_needs_rollouts_capped_below_its_batch(world):
+    # vLLM keeps a running rollout when a live request waits: the loop refuses, at start, a cap that
+    # could fill such an engine's batch with lent work. Engines that preempt (embedded) take any cap.
+    from api.lending import LendingLoop
+    from serving.fleet import Fleet
+
+    eng, q, _ = world
+
+    class NoPreemption:
+        max_batch, preempts_for_live = 16, False
+
+    cfg = LendingConfig(enabled=True, max_rollout_concurrency=16)
+    with pytest.raises(ValueError, match="max_rollout_concurrency=16 must be below replica r1's max_batch=16"):
+        LendingLoop(Fleet([eng]), lambda: {"r0": eng, "r1": NoPreemption()}, cfg, q)
+    LendingLoop(Fleet([eng]), lambda: {"r0": eng}, cfg.model_copy(update={"max_rollout_concurrency": 64}), q)
+    LendingLoop(Fleet([eng]), lambda: {"r1": NoPreemption()}, cfg.model_copy(update={"max_rollout_concurrency": 8}), q)

@@ -81,6 +81,22 @@ def test_cancel_ends_the_stream_with_abort(vllm_engine, tiny_checkpoint):
     assert len(vllm_engine.generate([tok.encode_prompt(p) for p in PROMPTS], SamplingParams(max_tokens=3))) == 3
 
 
+def test_lent_work_runs_at_background_priority_and_a_reclaim_ends_it_as_preempted(vllm_engine, tiny_checkpoint):
+    # Background requests (a lent replica's rollouts) run beside live ones; `preempt_background` ends
+    # every one of them at vLLM's next step with "preempted" (the lending worker redoes them), and
+    # live requests go on untouched.
+    tok = Tokenizer.from_file(tiny_checkpoint)
+    long = SamplingParams(max_tokens=100, temperature=1.0, ignore_eos=True)
+    lent = [vllm_engine.submit(tok.encode_prompt(p), long, stream=False, background=True) for p in PROMPTS]
+    live = vllm_engine.submit(tok.encode_prompt(PROMPTS[1]), SamplingParams(max_tokens=6, seed=2), stream=False)
+    assert vllm_engine.preempt_background() == len(PROMPTS)
+    ended = [list(h)[-1].completion for h in lent]
+    assert {c.finish_reason for c in ended} == {"preempted"} and all(len(c.output_ids) < 100 for c in ended)
+    done = list(live)[-1].completion
+    assert done.finish_reason in ("stop", "length") and done.output_ids
+    assert vllm_engine.preempt_background() == 0 and not vllm_engine.batch_invariant  # rollouts only, no evals
+
+
 def test_cpu_build_records_no_routing(vllm_engine, tiny_checkpoint):
     if torch.cuda.is_available():
         pytest.skip("on a GPU the routing is recorded: see test_routed_experts_on_gpu")
