@@ -101,7 +101,9 @@ class FleetManager:
         self._idle_since: float | None = None  # start of the current stretch of low load
         self._last_reclaim = float("-inf")
         self.lent_seconds = 0.0  # replica-seconds spent lent
-        self.counters = {"lends": 0, "reclaims": 0, "panics": 0}
+        self.counters = {"lends": 0, "reclaims": 0, "panics": 0, "slow_first_tokens": 0, "slow_first_tokens_lent": 0}
+        """`slow_first_tokens`: live times to first token over `ttft_objective_s` (latency-objective
+        violations); `slow_first_tokens_lent`: those of them while a replica was away (lent or draining)."""
         self._last_t: float | None = None
 
     def serving(self) -> list[str]:
@@ -120,6 +122,10 @@ class FleetManager:
                 raise ValueError(f"samples must come in time order: {now} after {self._last_t}")
             self.lent_seconds += (now - self._last_t) * sum(1 for s in self.states.values() if s == "lent")
         self._last_t = now
+        slow = sum(x > self.cfg.ttft_objective_s for x in ttft_s or ())
+        self.counters["slow_first_tokens"] += slow
+        if any(s != "serving" for s in self.states.values()):
+            self.counters["slow_first_tokens_lent"] += slow
         self._samples.append(_Sample(now, concurrency, list(ttft_s or [])))
         keep = max(self.cfg.lend_after_s, self.cfg.reclaim_after_s)
         while self._samples and self._samples[0].t < now - keep:

@@ -182,7 +182,9 @@ async def fleet(request: Request, gw: GatewayDep) -> Response:
         return to_login(request)
     page = await asyncio.to_thread(views.fleet_page, gw.registry, gw.settings.heartbeat_s)
     rates = await asyncio.to_thread(_request_rates, gw.registry, gw.settings.heartbeat_s)
-    return render(request, "fleet.html", {"who": who, **page, "requests": rates})
+    loop = gw.fleet.lending if gw.fleet is not None else None
+    lending = views.lending_card(loop.manager.states, loop.counters()) if loop is not None else None
+    return render(request, "fleet.html", {"who": who, **page, "requests": rates, "lending": lending})
 
 
 def _request_rates(reg: Any, interval_s: float) -> list[dict[str, Any]]:

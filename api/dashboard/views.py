@@ -542,6 +542,26 @@ def version_page(reg: Registry, version_id: str, now: datetime | None = None) ->
     }
 
 
+LENDING_ROWS = (
+    ("lent_seconds", "replica-seconds lent"),
+    ("lends", "lends"),
+    ("reclaims", "reclaims"),
+    ("panics", "panic reclaims"),
+    ("rollouts", "rollouts done"),
+    ("preempted", "shard runs preempted"),
+    ("slow_first_tokens", "first tokens over the latency objective"),
+    ("slow_first_tokens_lent", "… of them while a replica was lent"),
+)
+
+
+def lending_card(states: dict[str, str], counters: dict[str, float]) -> dict[str, Any]:
+    """This gateway's lending (`api.lending.LendingLoop`): its replicas' states and its totals."""
+    return {
+        "states": dict(sorted(states.items())),
+        "rows": [(label, float(counters.get(key, 0.0))) for key, label in LENDING_ROWS],
+    }
+
+
 def fleet_page(reg: Registry, interval_s: float) -> dict[str, Any]:
     st = reg.fleet(interval_s=interval_s)
     gateways: dict[str, list[dict[str, Any]]] = {}

@@ -344,3 +344,33 @@ def test_the_canary_plots_come_from_the_stored_progress_and_a_lapsed_lease_shows
     assert 'id="gate-lease"' in fleet and "gate g1 (h pid 7)" in fleet
     live.reg.beat_gate("g1", host="h", pid=7, beat_s=5.0, at=datetime.now(UTC) - timedelta(seconds=60))
     assert "lapsed: gate g1" in c.get("/dashboard/fleet").text
+
+
+def test_the_fleet_page_shows_this_gateways_lending(live):
+    """With lending on, the fleet page lists the gateway's replicas by lending state and its totals:
+    replica-seconds lent, lends, reclaims, rollouts, preemptions and latency-objective violations."""
+    from types import SimpleNamespace
+
+    from api.lending import LendingLoop
+    from registry.jobs import JobQueue
+    from serving.lending import LendingConfig
+
+    c = sign_in(live, live.viewer_token)
+    assert 'id="lending"' not in c.get("/dashboard/fleet").text  # lending off: no card
+    queue = JobQueue(live.reg.engine.url.render_as_string(hide_password=False))
+    loop = LendingLoop(SimpleNamespace(live_on_lent=0), lambda: {"r0": object(), "r1": object()},
+                       LendingConfig(enabled=True), queue)  # fmt: skip
+    loop.manager.states["r1"] = "lent"
+    loop.manager.counters.update(lends=3, reclaims=2, slow_first_tokens=7)
+    loop.manager.lent_seconds = 125.4
+    gw = live.server.config.app.state.gateway
+    gw.fleet = SimpleNamespace(lending=loop)
+    try:
+        page = c.get("/dashboard/fleet").text
+    finally:
+        gw.fleet = None
+        queue.close()
+    card = page[page.index('id="lending"') :]
+    assert "<td>r1</td><td>lent</td>" in card and "<td>r0</td><td>serving</td>" in card
+    assert "<th>replica-seconds lent</th><td>125</td>" in card and "<th>lends</th><td>3</td>" in card
+    assert "<th>first tokens over the latency objective</th><td>7</td>" in card

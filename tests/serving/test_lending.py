@@ -68,6 +68,10 @@ def test_slow_first_tokens_reclaim_even_at_low_concurrency():
     assert m.states["r1"] == "lent"
     got = run(m, 62, 64, concurrency=1, ttft=[2.0, 3.0])
     assert [(a, r) for _, a, r in got] == [("reclaim", "r1")]
+    # the latency-objective violations are counted: 2 per sample, the first sample's while r1 was lent
+    assert (m.counters["slow_first_tokens"], m.counters["slow_first_tokens_lent"]) == (4, 2)
+    run(m, 64, 65, concurrency=1, ttft=[0.5, 1.5])
+    assert (m.counters["slow_first_tokens"], m.counters["slow_first_tokens_lent"]) == (5, 2)
 
 
 def test_panic_reclaims_every_replica_at_once_and_lent_time_adds_up():
