@@ -34,6 +34,7 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -131,6 +132,8 @@ def simulate(cfg: LendingConfig, lending: bool, p: dict[str, Any], seed: int) ->
     next_tick = 1.0
     t = 0.0
     live_now = 0
+    sample_s = p.get("sample_s", 300.0)
+    timeline: dict[str, list[float]] = {"hour": [], "live": [], "lent": []}  # every `sample_s`, for the plot
 
     def fill_rollouts(r: Replica, now: float) -> None:
         while (
@@ -196,6 +199,10 @@ def simulate(cfg: LendingConfig, lending: bool, p: dict[str, Any], seed: int) ->
             next_arrival = t + rng.gamma(shape, 1 / (shape * rate(t)))
         else:
             next_tick += 1.0
+            if t >= len(timeline["hour"]) * sample_s:
+                timeline["hour"].append(round(t / 3600, 4))
+                timeline["live"].append(live_now)
+                timeline["lent"].append(sum(st != "serving" for st in state.values()))
             if manager is None:
                 continue
             in_flight = {r.name: r.live_count() for r in reps}
@@ -247,7 +254,32 @@ def simulate(cfg: LendingConfig, lending: bool, p: dict[str, Any], seed: int) ->
         "step_s_at_target": p["a"] + p["c"] * target,
         "counters": dict(manager.counters) if manager else {},
         "peak_rate_per_s": peak_rate,
+        "timeline": timeline,
     }
+
+
+def plot(result: dict[str, Any], path: Any) -> None:
+    """Live requests in flight and replicas lent (or draining) over the simulated day, lending on."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tl = result["on"]["timeline"]
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    ax.plot(tl["hour"], tl["live"], color="#4063d8", lw=1.2, label="live requests in flight")
+    ax.set_xlabel("hour of the simulated day")
+    ax.set_ylabel("live requests in flight")
+    ax2 = ax.twinx()
+    ax2.step(tl["hour"], tl["lent"], where="post", color="#cb3c33", lw=1.2, label="replicas lent or draining")
+    ax2.set_ylabel("replicas lent or draining")
+    ax2.set_ylim(0, result["params"]["replicas"])
+    lines = ax.get_lines() + ax2.get_lines()
+    ax.legend(lines, [str(x.get_label()) for x in lines], loc="upper left", fontsize=8)
+    ax.set_title(f"{result['params']['replicas']} replicas through a simulated day (bench/lending.py)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def engine_step_fit() -> tuple[float, float, str]:
@@ -302,6 +334,7 @@ def main() -> None:
         "p99_on_over_off": on["p99_latency_s"] / off["p99_latency_s"],
     }
     common.save(a.name, result, st, a.out)
+    plot(result, Path(a.out) / f"{a.name}.png")
 
 
 if __name__ == "__main__":

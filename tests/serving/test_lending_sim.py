@@ -35,3 +35,16 @@ def test_a_short_day_lends_idle_replicas_and_loses_nothing():
     assert on["failed_live"] == off["failed_live"] == 0
     step_max = P["a"] + P["c"] * P["max_batch"]
     assert on["reclaims"] > 0 and on["reclaim_p99_s"] <= step_max
+    tl = on["timeline"]  # the plot's data: at the first tick, then every 300 s, the live load and replicas away
+    assert tl["hour"] == [round(t / 3600, 4) for t in (1, 300, 600, 900, 1200, 1500, 1800)]
+    assert len(tl["live"]) == len(tl["lent"]) == 7 and max(tl["lent"]) >= 1
+    assert off["timeline"]["lent"] == [0] * 7
+
+
+def test_the_plot_of_the_day_is_drawn(tmp_path):
+    from bench.lending import plot
+
+    day = {**P, "day_s": 600.0}
+    result = {"params": day, "on": simulate(CFG, True, day, seed=1)}
+    plot(result, tmp_path / "lending.png")
+    assert (tmp_path / "lending.png").stat().st_size > 10_000
