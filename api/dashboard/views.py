@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -554,7 +555,7 @@ LENDING_ROWS = (
 )
 
 
-def lending_card(states: dict[str, str], counters: dict[str, float]) -> dict[str, Any]:
+def lending_card(states: Mapping[str, str], counters: Mapping[str, float]) -> dict[str, Any]:
     """This gateway's lending (`api.lending.LendingLoop`): its replicas' states and its totals."""
     return {
         "states": dict(sorted(states.items())),
