@@ -12,6 +12,7 @@ import asyncio
 import gc
 import hmac
 import json
+import math
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any
@@ -20,6 +21,7 @@ from fastapi import Depends, Request, Response
 from fastapi.routing import APIRoute
 
 from api.errors import APIError
+from api.limits import TokenBuckets, retry_after
 from api.metrics import Metrics
 from core.security import Key
 from core.settings import Settings
@@ -67,6 +69,37 @@ class Gateway:
             fleet.metrics = self.metrics  # it counts canary lapses
         self.background: set[asyncio.Task] = set()
         self._keys = _parse_keys(settings.api_keys)
+        self.limits: dict[str, TokenBuckets] = {}  # per-key rate limits (`api.limits`), by kind
+        for kind, rate, burst in (
+            ("completions", settings.limit_completions_per_s, settings.limit_completions_burst),
+            ("feedback", settings.limit_feedback_events_per_s, settings.limit_feedback_burst),
+        ):
+            if rate is not None:
+                self.limits[kind] = TokenBuckets(rate, burst if burst is not None else max(1.0, 2 * rate))
+
+    def limit(self, kind: str, caller: Caller, route: str, n: int = 1) -> None:
+        """Take `n` of `kind` ("completions", "feedback") from the caller's bucket, or refuse with 429
+        `rate_limit_exceeded` and `Retry-After` (`api.limits`); no limit configured: nothing to do."""
+        buckets = self.limits.get(kind)
+        if buckets is None:
+            return
+        wait = buckets.take(caller.key.key_id if caller.key is not None else f"tenant:{caller.tenant}", n)
+        unit = "completions" if kind == "completions" else "feedback events"
+        if math.isinf(wait):  # more than a whole burst: it could never be paid, so waiting would not help
+            raise APIError(
+                400, f"This request asks for {n} {unit}, more than one key's burst ({buckets.burst:g}): split it.",
+                None, "invalid_value",
+            )  # fmt: skip
+        if wait > 0:
+            self.metrics.rate_limited.labels(route).inc()
+            raise APIError(
+                429,
+                f"Rate limit reached: {buckets.rate:g} {unit} per second per key (bursts of {buckets.burst:g}); "
+                f"retry in {wait:.2f} s.",
+                None,
+                "rate_limit_exceeded",
+                headers={"Retry-After": retry_after(wait)},
+            )
 
     def resolve_model(
         self, name: str, caller: Caller, user: str | None = None, param: str = "model", fresh: bool = False

@@ -59,6 +59,9 @@ class Metrics:
         )
         self.lending_replicas: Gauge | None = None  # made when lending is on (`set_lending`)
         self.lending_totals: Gauge | None = None
+        self.rate_limited = Counter(
+            "flywheel_rate_limited", "Requests refused by a per-key rate limit (429), by route", ["route"], registry=r
+        )
         self.canary_lapsed = Gauge(
             "flywheel_canary_lapsed", "1 while the canary is lapsed (no live gate lease), else 0", registry=r
         )

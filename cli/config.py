@@ -36,7 +36,7 @@ from feedback.rewards import RewardSpec
 
 M = TypeVar("M", bound=BaseModel)
 PRODUCT_SECTIONS = ("rewards", "learner", "gate", "canary", "lending")
-DEPLOYMENT_SECTIONS = ("gateway", "bus", "database")
+DEPLOYMENT_SECTIONS = ("gateway", "bus", "database", "limits")
 
 
 class RewardsSection(BaseModel):

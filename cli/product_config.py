@@ -185,7 +185,7 @@ def docs() -> str:
         "every effective value and where it came from; `flywheel config check` validates the file and imports",
         "its plug-ins. An unknown key or a bad value is an error naming the key and its line.",
         "",
-        "## Deployment: `[gateway]`, `[bus]`, `[database]`",
+        "## Deployment: `[gateway]`, `[bus]`, `[database]`, `[limits]`",
         "",
         "| key | default | variable | meaning |",
         "|---|---|---|---|",

@@ -3,7 +3,7 @@
 The file is TOML, at `--config PATH` (which sets `FLYWHEEL_CONFIG`, so every service a command starts
 reads the same file) or else `flywheel.toml` in the home (`FLYWHEEL_HOME`, default `var`). A missing
 default file is no error (every value has a default); a missing `--config` file is. Its sections are
-validated by the models that own them (`core.settings.Settings` for `gateway`, `bus` and `database`;
+validated by the models that own them (`core.settings.Settings` for `gateway`, `bus`, `database` and `limits`;
 `cli.config` for the rest); any error is a `ConfigError` naming the file, the dotted key and, where the
 key is written in the file, its line.
 """

@@ -3,7 +3,7 @@
 Algorithm and experiment knobs (learning rates, corpus mixes, reward specs) are *not* here: they
 are typed config models next to the code that uses them (and sections of the config file, `cli.config`).
 This class holds where things live and which real component backs each part. Every process gets its
-settings from `get_settings()`: the environment over the config file's `gateway`, `bus` and `database`
+settings from `get_settings()`: the environment over the config file's `gateway`, `bus`, `database`, `limits`
 sections (`core.config_file`; `FILE_KEYS` maps them) over the defaults. A bad value is a `ConfigError`
 naming the file's key and line, or the variable.
 """
@@ -24,6 +24,12 @@ from core.config_file import ConfigError, read_config, where
 SECTIONS = {
     "bus": {"kind": "bus", "kafka_bootstrap": "kafka_bootstrap"},
     "database": {"url": "database_url", "index_url": "index_url"},
+    "limits": {
+        "completions_per_s": "limit_completions_per_s",
+        "completions_burst": "limit_completions_burst",
+        "feedback_events_per_s": "limit_feedback_events_per_s",
+        "feedback_burst": "limit_feedback_burst",
+    },
 }
 NOT_IN_FILE = ("home",)  # where the file itself is found
 
@@ -35,7 +41,7 @@ def file_keys() -> dict[str, str]:
 
 
 class _FileSource(PydanticBaseSettingsSource):
-    """The config file's `gateway`, `bus` and `database` sections as field values; an unknown key there
+    """The config file's `gateway`, `bus`, `database` and `limits` sections as field values; an unknown key there
     is a `ConfigError` naming it."""
 
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
@@ -105,6 +111,24 @@ class Settings(BaseSettings):
         "The default holds a max_model_len prompt of the longest tokens (about 12 characters each for the "
         "demo's tokenizer) a hundred times over, and bounds how long parsing one body can hold the event "
         "loop (JSON parsing is linear in the size, on the loop).",
+    )
+    limit_completions_per_s: float | None = Field(
+        None,
+        gt=0,
+        description="Completions per second one key may ask for (`api.limits`; over it: 429 with Retry-After); "
+        "None: no limit (refused in production).",
+    )
+    limit_completions_burst: float | None = Field(
+        None, ge=1, description="Completions one key may ask for at once before the rate applies; None: 2 s' worth."
+    )
+    limit_feedback_events_per_s: float | None = Field(
+        None,
+        gt=0,
+        description="Feedback events per second one key may send (a batch counts each event); None: no limit "
+        "(refused in production).",
+    )
+    limit_feedback_burst: float | None = Field(
+        None, ge=1, description="Feedback events one key may send at once before the rate applies; None: 2 s' worth."
     )
     torch_threads: int | None = Field(
         None,
@@ -183,10 +207,15 @@ class Settings(BaseSettings):
         return self.home / "session.secret"
 
     def check_production(self) -> None:
-        """Refuse to start a gateway without API keys in production, without a session secret outside
+        """Refuse to start a gateway without API keys or rate limits in production, without a session secret outside
         local mode, or with a session secret shorter than 32 characters."""
         if self.env == "production" and not self.api_keys:
             raise ValueError("FLYWHEEL_API_KEYS must be set when FLYWHEEL_ENV=production")
+        if self.env == "production" and None in (self.limit_completions_per_s, self.limit_feedback_events_per_s):
+            raise ValueError(
+                "limits.completions_per_s and limits.feedback_events_per_s must be set when FLYWHEEL_ENV=production: "
+                "without them one key can flood the gateway and the feedback that trains the model"
+            )
         if self.env != "local" and self.session_secret is None:
             raise ValueError(
                 f"FLYWHEEL_SESSION_SECRET must be set when FLYWHEEL_ENV={self.env}: outside local mode "

@@ -231,3 +231,15 @@ def test_the_demos_lending_run_lends_on_its_compressed_clock(home):
     assert "lending" not in demo_config(DemoSystemConfig(), 8123)  # off unless asked
     with pytest.raises(ValueError, match="lending needs at least 2 replicas"):
         DemoSystemConfig(lending=True, replicas=1)
+
+
+def test_rate_limits_come_from_the_files_limits_section(home):
+    (home / "flywheel.toml").write_text("[limits]\ncompletions_per_s = 5\nfeedback_events_per_s = 50\n")
+    s = load_settings()
+    assert (s.limit_completions_per_s, s.limit_feedback_events_per_s, s.limit_completions_burst) == (5, 50, None)
+    (home / "flywheel.toml").write_text("[limits]\ncompletions_per_s = -1\n")
+    with pytest.raises(ConfigError, match="limits.completions_per_s"):
+        load_settings()
+    (home / "flywheel.toml").write_text("[limits]\nrequests_per_s = 5\n")
+    with pytest.raises(ConfigError, match="limits.requests_per_s.*unknown key"):
+        load_settings()

@@ -49,9 +49,11 @@ async def post_feedback(request: Request, gw: GatewayDep, caller: FeedbackCaller
     a batch, event i without a key gets `<header>#<i>`). Answer: `{"accepted", "duplicates",
     "event_ids"}`. Errors: 400 naming the parameter, 403 `user_mismatch`, 404
     `completion_not_found`, 409 `idempotency_key_reused`, 413 `request_too_large` (a body over
-    FLYWHEEL_MAX_REQUEST_BYTES), 503 (retry).
+    FLYWHEEL_MAX_REQUEST_BYTES), 429 `rate_limit_exceeded` (over `limits.feedback_events_per_s`, with
+    Retry-After), 503 (retry).
     """
     items, batch = await off_the_loop_if_large(await request.body(), _parse, request.headers.get("idempotency-key"))
+    gw.limit("feedback", caller, "/v1/feedback", len(items))  # every event counts, before anything is written
     try:
         done = await asyncio.to_thread(ingest.accept, gw.index, gw.bus, caller.tenant, items)
     except ingest.IngestError as e:

@@ -251,6 +251,8 @@ async def _submit(gw, caller, req, prompts: _Prompts, params, prompt_param, base
 
 
 async def _serve(gw, caller, endpoint, prompts: _Prompts, params, req, prompt_param, want_logprobs: bool):
+    # Each completion asked for (prompts x n) counts against the key's rate, before any tokenizing.
+    gw.limit("completions", caller, f"/v1/{endpoint.replace('.', '/')}", len(prompts) * req.n)
     base_id = ("chatcmpl-" if endpoint == "chat.completions" else "cmpl-") + uuid.uuid4().hex
     version, arm, tok, handles = await _submit(gw, caller, req, prompts, params, prompt_param, base_id)
     ctx = _Ctx(
