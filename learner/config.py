@@ -38,6 +38,11 @@ class LearnerConfig(BaseModel):
     max_staleness: int = Field(
         2, ge=0, description="Drop samples served more than this many versions ago (in `staleness_unit`)."
     )
+    untrained_tenants: list[str] = Field(
+        default_factory=list,
+        description="Tenants whose feedback never trains the shared model: their samples are dropped before "
+        "training, counted (`dropped_opted_out`), and not used by the poisoning screen either.",
+    )
     max_lag_updates: int | None = Field(
         8,
         ge=1,

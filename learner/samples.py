@@ -1,12 +1,12 @@
 """From `sample` events (the joiner's output) to the trainer's `Sequence`s.
 
 Owns the decoding of the recorded routing (uint8 [P + N - 1, L, K], base64 in the event) and the
-filters applied before training: greedy completions (no usable importance ratio), empty outputs,
-samples whose behaviour version is more than `max_staleness` versions behind the trainer (as
-`learner.lineage.staleness` counts), and samples more than `max_lag` updates behind it (the policy
-lag bound) are dropped and counted, never silently. When the drops leave too few samples for an
-update, the learner sets the dropped ones aside (`set_aside`) and keeps the rest buffered, rather than
-take an optimizer step on a handful of samples.
+filters applied before training: the samples of tenants opted out of training, greedy completions (no
+usable importance ratio), empty outputs, samples whose behaviour version is more than `max_staleness`
+versions behind the trainer (as `learner.lineage.staleness` counts), and samples more than `max_lag`
+updates behind it (the policy lag bound) are dropped and counted, never silently. When the drops leave
+too few samples for an update, the learner sets the dropped ones aside (`set_aside`) and keeps the
+rest buffered, rather than take an optimizer step on a handful of samples.
 """
 
 from __future__ import annotations
@@ -48,10 +48,14 @@ def drop_reason(
     max_staleness: int,
     lag: dict[str, int] | None = None,
     max_lag: int | None = None,
+    untrained: frozenset[str] = frozenset(),
 ) -> str | None:
-    """Why `ev` is not trained on ("empty", "greedy", "unknown_version", "stale", "lag"), or None.
-    `staleness`: how many versions behind the trainer each known version is; `lag`: how many updates
-    (`learner.lineage.staleness(state, "updates")`), bounded by `max_lag` (None: no bound)."""
+    """Why `ev` is not trained on ("opted_out", "empty", "greedy", "unknown_version", "stale", "lag"), or
+    None. `staleness`: how many versions behind the trainer each known version is; `lag`: how many updates
+    (`learner.lineage.staleness(state, "updates")`), bounded by `max_lag` (None: no bound); `untrained`:
+    tenants whose feedback never trains the shared model."""
+    if ev.tenant in untrained:
+        return "opted_out"
     c = ev.completion
     if not c.output_ids:
         return "empty"
@@ -73,11 +77,12 @@ def partition(
     max_staleness: int,
     lag: dict[str, int] | None = None,
     max_lag: int | None = None,
+    untrained: frozenset[str] = frozenset(),
 ) -> tuple[list[tuple[T, SampleEvent]], Counter[str]]:
     """The (record, event) pairs `drop_reason` keeps, in order, and the count of the rest by reason."""
     kept, dropped = [], Counter[str]()
     for rec, ev in batch:
-        why = drop_reason(ev, staleness, max_staleness, lag, max_lag)
+        why = drop_reason(ev, staleness, max_staleness, lag, max_lag, untrained)
         if why is None:
             kept.append((rec, ev))
         else:

@@ -326,7 +326,8 @@ class LearnerService:
         behind = staleness(self.state, self.cfg.staleness_unit)
         lag = staleness(self.state, "updates")
         max_lag = self.cfg.max_lag_updates
-        kept, dropped = partition(batch, behind, self.cfg.max_staleness, lag, max_lag)
+        untrained = frozenset(self.cfg.untrained_tenants)
+        kept, dropped = partition(batch, behind, self.cfg.max_staleness, lag, max_lag, untrained)
         if not self._trainable(len(kept) + len(offline_all)):  # drops left too few: no step on a handful
             self.buffer, gone = set_aside(self.buffer, {ev.event_id for _, ev in kept})
             self._buffered_ids.difference_update(gone)
@@ -338,7 +339,9 @@ class LearnerService:
         aside, self._aside_dropped = self._aside_dropped, Counter()
         events = [ev for _, ev in kept]
         kept_ids = {ev.event_id for ev in events}
-        witnesses = [ev for _, ev in batch if ev.event_id not in kept_ids]  # dropped: still evidence on users
+        witnesses = [  # dropped unused: still evidence on their users (an opted-out tenant's are not used at all)
+            ev for _, ev in batch if ev.event_id not in kept_ids and ev.tenant not in untrained
+        ]
         v = self.verifier if events and self.cfg.poisoning.enabled and self.rank == 0 else None  # for all ranks
         passed, witnessed = from_rank0(
             (

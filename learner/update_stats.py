@@ -23,7 +23,7 @@ from typing import Any
 
 from learner.poisoning import Screening
 
-DROP_REASONS = ("empty", "greedy", "unknown_version", "stale", "lag")
+DROP_REASONS = ("opted_out", "empty", "greedy", "unknown_version", "stale", "lag")
 """Why a sample is not trained on (`learner.samples.drop_reason`): each a count in every update's stats."""
 
 SUMMED = (

@@ -664,3 +664,19 @@ def test_a_held_back_tip_is_lent_as_a_rollout_version_never_gated_and_withdrawn_
     assert reg.get("v0002.rollout").status == "withdrawn"  # no open job samples it any more
     queue.close()
     bus.close()
+
+
+def test_an_opted_out_tenants_samples_never_train_and_are_counted(tmp_path, tiny_checkpoint, samples):
+    # `learner.untrained_tenants`: tenant "acme"'s samples are dropped before training (dropped_opted_out),
+    # and the others train as usual.
+    batch = [ev.model_copy(update={"tenant": "acme"}) if i % 4 == 0 else ev for i, ev in enumerate(samples[:40])]
+    bus = EmbeddedBus(tmp_path / "bus")
+    publish(bus, batch)
+    cfg = LearnerConfig(
+        update_every_samples=40, update_every_s=1e-6, min_samples=1, max_staleness=10, untrained_tenants=["acme"]
+    )
+    svc = LearnerService(bus, Registry(f"sqlite:///{tmp_path}/registry.db"), tmp_path / "models", tiny_checkpoint, cfg)
+    assert drain(svc, rounds=5) == ["v0001"]
+    m = svc.registry.get("v0001").metrics
+    assert (m["dropped_opted_out"], m["samples"]) == (10, 30) and svc.counters["dropped_opted_out"] == 10
+    bus.close()
