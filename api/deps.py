@@ -139,8 +139,9 @@ class Gateway:
 
     def caller_for(self, request: Request, key_required: bool = False) -> Caller:
         """Who is calling: a key of the key store (`fw_...`), a `FLYWHEEL_API_KEYS` pair, or, with no
-        keys configured (local mode) and `key_required` False, an anonymous caller of the
-        `X-Flywheel-Tenant` header's tenant."""
+        keys configured (local mode) and `key_required` False, an anonymous caller of local mode's one
+        tenant (`local_tenant`; an `X-Flywheel-Tenant` header naming another is refused: more tenants
+        need keys)."""
         auth = request.headers.get("authorization", "")
         token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
         if token.startswith("fw_"):
@@ -151,9 +152,18 @@ class Gateway:
         if key_required:
             raise APIError(401, "This API needs an API key (Authorization: Bearer fw_...).", None, "invalid_api_key")
         if not self._keys:
-            tenant = request.headers.get("x-flywheel-tenant", "default")
+            local = self.settings.local_tenant
+            tenant = request.headers.get("x-flywheel-tenant", local)
             if not tenant or len(tenant) > 64:
                 raise APIError(400, "X-Flywheel-Tenant must be 1-64 characters", None, "invalid_tenant")
+            if tenant != local:  # a header alone must not pick a tenant: isolation rests on keys
+                raise APIError(
+                    403,
+                    f"This gateway runs without API keys (local mode), for one tenant, {local!r}; tenant "
+                    f"{tenant!r} needs an API key of its own (flywheel keys create --tenant ...).",
+                    None,
+                    "tenant_needs_key",
+                )
             return Caller(tenant, PRODUCT_SCOPES)
         for key_text, tenant in self._keys:
             if token and hmac.compare_digest(token, key_text):

@@ -100,6 +100,13 @@ class Settings(BaseSettings):
     replicas: int = Field(
         1, ge=1, le=64, description="Engines (replicas) this gateway drives, each following the registry."
     )
+    local_tenant: str = Field(
+        "default",
+        min_length=1,
+        max_length=64,
+        description="The one tenant of local mode (no FLYWHEEL_API_KEYS): a request without a key belongs to it, "
+        "and X-Flywheel-Tenant may name only it; more tenants need keys.",
+    )
     gateway_id: str | None = Field(None, description="This gateway's name in replica heartbeats; None: host-pid.")
     heartbeat_s: float = Field(5.0, gt=0, description="Seconds between a replica's heartbeats (down after 3 missed).")
     max_batch: int = Field(64, ge=1, le=1024, description="Sequences the embedded engine decodes at once.")

@@ -22,6 +22,7 @@ from feedback.bus_embedded import EmbeddedBus
 from feedback.completion_index import CompletionIndex
 from feedback.events import TOPICS, FeedbackEvent, event_id_for, hash_user
 from feedback.ingest import FeedbackIn, fingerprint
+from registry.keys import KeyStore
 from serving.engine import EmbeddedEngine
 from tests.conftest import LiveServer
 
@@ -37,20 +38,32 @@ def live(tiny_checkpoint, tmp_path_factory):
     engine.add_version(tiny_checkpoint.name, tiny_checkpoint, default=True)
     bus = EmbeddedBus(home / "bus")
     index = CompletionIndex(home / "index.db")
+    keys = KeyStore(settings.db_url)
     with LiveServer(create_app(settings, engine=engine, bus=bus, index=index)) as server:
         server.bus, server.index, server.version = bus, index, tiny_checkpoint.name
-        server.engine, server.settings = engine, settings
+        server.engine, server.settings, server.keys, server.tokens = engine, settings, keys, {}
         yield server
+    keys.close()
     engine.shutdown()
     bus.close()
     index.close()
+
+
+def as_tenant(live, tenant: str) -> dict[str, str]:
+    """Headers of a caller of `tenant`: local mode's one tenant ("default") by its header, any other
+    with a key of its own (local mode refuses a header naming another tenant)."""
+    if tenant == "default":
+        return {"X-Flywheel-Tenant": tenant}
+    if tenant not in live.tokens:
+        live.tokens[tenant], _ = live.keys.create(["completions", "feedback:write"], tenant=tenant, label=tenant)
+    return {"Authorization": f"Bearer {live.tokens[tenant]}"}
 
 
 def new_completion(live, tenant: str = "default", stream: bool = False, user: str | None = None) -> str:
     body = {"model": "flywheel", "prompt": PROMPT, "max_tokens": 2, "stream": stream}
     if user is not None:
         body["user"] = user
-    r = httpx.post(live.url + "/v1/completions", json=body, headers={"X-Flywheel-Tenant": tenant}, timeout=30)
+    r = httpx.post(live.url + "/v1/completions", json=body, headers=as_tenant(live, tenant), timeout=30)
     assert r.status_code == 200, r.text
     if stream:
         assert r.text.rstrip().endswith("data: [DONE]")
@@ -80,7 +93,7 @@ def on_bus(live, completion_ids) -> list[tuple[str, FeedbackEvent]]:
 
 def post(live, body, tenant: str = "default", headers: dict | None = None, **kw) -> httpx.Response:
     return httpx.post(
-        live.url + "/v1/feedback", json=body, timeout=30, headers={"X-Flywheel-Tenant": tenant, **(headers or {})}, **kw
+        live.url + "/v1/feedback", json=body, timeout=30, headers={**as_tenant(live, tenant), **(headers or {})}, **kw
     )
 
 
@@ -425,3 +438,17 @@ def test_openapi_documents_the_feedback_body(live):
     assert batch["required"] == ["events"] and events["items"] == one
     assert (events["minItems"], events["maxItems"]) == (1, 1000)
     assert "$ref" not in json.dumps(body)  # nothing points at a definition the document lacks
+
+
+def test_local_mode_serves_one_tenant_and_another_needs_a_key(live):
+    """No FLYWHEEL_API_KEYS: a request without a key is local mode's one tenant; a header cannot pick
+    another (isolation rests on keys), on completions and on feedback alike."""
+    body = {"model": "flywheel", "prompt": PROMPT, "max_tokens": 2}
+    r = httpx.post(live.url + "/v1/completions", json=body, headers={"X-Flywheel-Tenant": "acme"}, timeout=30)
+    assert_error(r, 403, None, "tenant_needs_key")
+    assert "needs an API key of its own" in r.json()["error"]["message"]
+    r = httpx.post(live.url + "/v1/feedback", json={"completion_id": "cmpl-x", "kind": "copied"},
+                   headers={"X-Flywheel-Tenant": "acme"}, timeout=30)  # fmt: skip
+    assert_error(r, 403, None, "tenant_needs_key")
+    assert live.index.get(new_completion(live)).tenant == "default"  # no header: the local tenant
+    assert live.index.get(new_completion(live, tenant="acme")).tenant == "acme"  # with acme's key
