@@ -77,6 +77,11 @@ class Gateway:
             if rate is not None:
                 self.limits[kind] = TokenBuckets(rate, burst if burst is not None else max(1.0, 2 * rate))
 
+    @property
+    def local_mode(self) -> bool:
+        """No FLYWHEEL_API_KEYS: the product API needs no key, for local mode's one tenant."""
+        return not self._keys
+
     def limit(self, kind: str, caller: Caller, route: str, n: int = 1) -> None:
         """Take `n` of `kind` ("completions", "feedback") from the caller's bucket, or refuse with 429
         `rate_limit_exceeded` and `Retry-After` (`api.limits`); no limit configured: nothing to do."""
@@ -209,6 +214,20 @@ def needs(scope: str, key_required: bool = False):
 
 CompletionsCaller = Annotated[Caller, Depends(needs("completions"))]
 FeedbackCaller = Annotated[Caller, Depends(needs("feedback:write"))]
+
+
+async def metrics_reader(request: Request, gw: GatewayDep) -> None:
+    """`/metrics` is operator-level: outside local mode (FLYWHEEL_API_KEYS set) it needs a key-store key
+    with the `viewer` scope (or `admin`), as a Prometheus scraper's bearer token; in local mode it is
+    open, like the rest of the product API. It carries no tenant's or user's identity either way."""
+    if gw.local_mode:
+        return
+    who = gw.caller_for(request, key_required=True)
+    if not who.allows("viewer"):
+        raise APIError(403, "Reading /metrics needs a key with the 'viewer' scope.", None, "insufficient_scope")
+
+
+MetricsReader = Depends(metrics_reader)
 
 
 OFF_LOOP_BYTES = 64 << 10  # a body larger than this is parsed on a worker thread, off the event loop

@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from api import dashboard, errors
-from api.deps import Gateway, GatewayDep
+from api.deps import Gateway, GatewayDep, MetricsReader
 from api.fleet import GatewayFleet
 from api.metrics import RequestCounter
 from api.routes import admin, feedback, openai, weights
@@ -152,7 +152,7 @@ def create_app(
         }
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[MetricsReader])
     async def metrics(gw: GatewayDep):
         services = await asyncio.to_thread(read_folder, gw.settings.home / "metrics")  # joiner, learner, gate
         if gw.fleet is not None and gw.fleet.lending is not None:

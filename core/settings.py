@@ -218,11 +218,6 @@ class Settings(BaseSettings):
         local mode, or with a session secret shorter than 32 characters."""
         if self.env == "production" and not self.api_keys:
             raise ValueError("FLYWHEEL_API_KEYS must be set when FLYWHEEL_ENV=production")
-        if self.env == "production" and None in (self.limit_completions_per_s, self.limit_feedback_events_per_s):
-            raise ValueError(
-                "limits.completions_per_s and limits.feedback_events_per_s must be set when FLYWHEEL_ENV=production: "
-                "without them one key can flood the gateway and the feedback that trains the model"
-            )
         if self.env != "local" and self.session_secret is None:
             raise ValueError(
                 f"FLYWHEEL_SESSION_SECRET must be set when FLYWHEEL_ENV={self.env}: outside local mode "
@@ -233,6 +228,11 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"FLYWHEEL_SESSION_SECRET has {len(self.session_secret.get_secret_value())} characters; "
                 "a session secret needs at least 32 (e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`)"
+            )
+        if self.env == "production" and None in (self.limit_completions_per_s, self.limit_feedback_events_per_s):
+            raise ValueError(
+                "limits.completions_per_s and limits.feedback_events_per_s must be set when FLYWHEEL_ENV=production: "
+                "without them one key can flood the gateway and the feedback that trains the model"
             )
 
 

@@ -107,3 +107,30 @@ def test_production_refuses_to_start_without_rate_limits(tmp_path):
     with pytest.raises(ValueError, match="limits.completions_per_s and limits.feedback_events_per_s must be set"):
         Settings(**base).check_production()
     Settings(**base, limit_completions_per_s=10, limit_feedback_events_per_s=100).check_production()
+
+
+def test_metrics_are_for_operators_outside_local_mode(tiny_checkpoint, tmp_path):
+    """With FLYWHEEL_API_KEYS set, /metrics needs a key-store key with the viewer scope (a scraper's
+    bearer token); a product key is refused. Local mode keeps it open (the tests above read it)."""
+    settings = Settings(home=tmp_path, model_dir=tiny_checkpoint, api_keys=["acme:" + "k" * 32])
+    engine = EmbeddedEngine(max_batch=4, max_model_len=128)
+    engine.add_version(tiny_checkpoint.name, tiny_checkpoint, default=True)
+    bus, reg = EmbeddedBus(tmp_path / "bus"), Registry(settings.db_url)
+    keys, index = KeyStore(settings.db_url), CompletionIndex(tmp_path / "index.db")
+    viewer, _ = keys.create(["viewer"], label="prometheus")
+    try:
+        with LiveServer(create_app(settings, engine=engine, bus=bus, registry=reg, index=index)) as server:
+
+            def get(token: str | None) -> httpx.Response:
+                headers = {"Authorization": f"Bearer {token}"} if token else {}
+                return httpx.get(server.url + "/metrics", headers=headers, timeout=30)
+
+            assert get(None).status_code == 401
+            assert get("k" * 32).status_code == 401  # a FLYWHEEL_API_KEYS product key is no operator's
+            r = get(viewer)
+            assert r.status_code == 200 and "flywheel_requests" in r.text and "acme" not in r.text
+    finally:
+        engine.shutdown()
+        bus.close()
+        reg.close()
+        index.close()

@@ -69,7 +69,8 @@ def test_outside_local_mode_the_settings_refuse_a_missing_or_short_secret(tmp_pa
     with pytest.raises(ValueError, match="31 characters") as e:
         short.check_production()
     assert "x" * 31 not in str(e.value)  # the value is never printed
-    Settings(home=tmp_path, env="production", api_keys=["k"], session_secret="x" * 32).check_production()
+    limits = {"limit_completions_per_s": 20, "limit_feedback_events_per_s": 200}  # production needs both
+    Settings(home=tmp_path, env="production", api_keys=["k"], session_secret="x" * 32, **limits).check_production()
     assert "x" * 32 not in repr(Settings(session_secret="x" * 32))
 
 
