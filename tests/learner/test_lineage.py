@@ -15,7 +15,8 @@ def test_staleness_counts_registered_versions_along_the_parents():
         {"v1": "base", "v4": "v1"},
     )
     assert anchor(s) == "v4"
-    assert staleness(s, "versions") == {"v4": 0, "v1": 1, "base": 2}
+    # v5, held back past the anchor, is ahead of it: 0 (only lent rollouts sample a held-back version)
+    assert staleness(s, "versions") == {"v5": 0, "v4": 0, "v1": 1, "base": 2}
     assert staleness(s, "updates") == {"v5": 0, "v4": 1, "v3": 2, "v2": 3, "v1": 4, "base": 5}
 
 
