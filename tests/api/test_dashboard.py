@@ -145,7 +145,8 @@ def test_sign_in_sets_a_strict_httponly_expiring_cookie_and_refuses_bad_keys(liv
 def test_outside_local_mode_the_cookie_is_secure_and_a_session_secret_is_required(tiny_checkpoint, tmp_path):
     engine = EmbeddedEngine(max_batch=2, max_model_len=128)
     engine.add_version(tiny_checkpoint.name, tiny_checkpoint, default=True)
-    base = {"home": tmp_path, "model_dir": tiny_checkpoint, "env": "production", "api_keys": ["t:k"]}
+    base = {"home": tmp_path, "model_dir": tiny_checkpoint, "env": "production", "api_keys": ["t:k"],
+            "limit_completions_per_s": 10, "limit_feedback_events_per_s": 100}  # fmt: skip
     with pytest.raises(ValueError, match="FLYWHEEL_SESSION_SECRET"):
         create_app(Settings(**base), engine=engine)
     with pytest.raises(ValueError, match="at least 32"):
