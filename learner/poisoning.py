@@ -166,6 +166,17 @@ class VerifiedTally:
         return (s_p / n_p - s_f / n_f) / (sigma * math.sqrt(1 / n_p + 1 / n_f))
 
 
+def witness(tally: VerifiedTally, samples: Sequence[SampleEvent], passed: Sequence[bool | None]) -> tuple[int, int]:
+    """Add samples no update trains on (dropped for lag, say), with their verdicts, to the verified rule's
+    tally: (how many were scored, how many the verifier could not check)."""
+    if len(passed) != len(samples):
+        raise ValueError(f"got {len(passed)} verdicts for {len(samples)} witnesses")
+    for s, ok in zip(samples, passed, strict=True):
+        if ok is not None and s.completion.user_id:
+            tally.add((s.tenant, s.completion.user_id), ok, s.reward)
+    return sum(ok is not None for ok in passed), sum(ok is None for ok in passed)
+
+
 def verify_samples(verifier: Verifier, prompts: Sequence[str], texts: Sequence[str]) -> list[bool | None]:
     """Pass (score ≥ 0.5) or fail per completion; None where the verifier cannot check the prompt (its
     `ValueError`). A refused batch is split in halves until each part is scored or a lone prompt is
@@ -231,11 +242,9 @@ def screen(
             out.unverifiable += ok is None
             if ok is not None and s.completion.user_id:
                 vt.add((s.tenant, s.completion.user_id), ok, s.reward)
-        for s, ok in zip(witnesses, witnessed or (), strict=True):
-            out.witnessed += ok is not None
-            out.unverifiable += ok is None
-            if ok is not None and s.completion.user_id:
-                vt.add((s.tenant, s.completion.user_id), ok, s.reward)
+        scored, unverifiable = witness(vt, witnesses, witnessed or ())
+        out.witnessed += scored
+        out.unverifiable += unverifiable
     for (tenant, user), ix in sorted(by_user.items()):
         share = sum(abs(samples[i].reward) for i in ix) / total if total > 0 else 0.0
         reasons, weight = [], 1.0

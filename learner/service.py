@@ -70,7 +70,7 @@ from learner.config import LearnerConfig
 from learner.distributed import from_rank0
 from learner.lent_rollouts import LentRollouts
 from learner.lineage import anchor, merge_covered, staleness, staleness_stats
-from learner.poisoning import VerifiedTally, screen, verdicts
+from learner.poisoning import VerifiedTally, screen, verdicts, witness
 from learner.samples import cadence_met, partition, sequence_from_sample, set_aside
 from learner.trainer import NonFiniteUpdate, Trainer
 from learner.update_stats import append_update, counters, since_parent
@@ -156,6 +156,7 @@ class LearnerService:
         self._buffered_ids: set[str] = set()
         self._set_aside: set[str] = set()  # dropped, not yet committed (`set_aside`): a redelivery is a duplicate
         self._aside_dropped: Counter[str] = Counter()
+        self._aside_witnessed = 0  # dropped samples scored while buffering on, in the next update's statistics
         self._group_buffered = 0  # samples buffered by all ranks at the last cadence check
         self.partitions_read: set[int] = set()  # sample-topic partitions this instance has read from
         self.counters: Counter = Counter()
@@ -329,7 +330,9 @@ class LearnerService:
         untrained = frozenset(self.cfg.untrained_tenants)
         kept, dropped = partition(batch, behind, self.cfg.max_staleness, lag, max_lag, untrained)
         if not self._trainable(len(kept) + len(offline_all)):  # drops left too few: no step on a handful
-            self.buffer, gone = set_aside(self.buffer, {ev.event_id for _, ev in kept})
+            kept_now = {ev.event_id for _, ev in kept}
+            self._witness_dropped([ev for _, ev in batch if ev.event_id not in kept_now and ev.tenant not in untrained])
+            self.buffer, gone = set_aside(self.buffer, kept_now)
             self._buffered_ids.difference_update(gone)
             self._set_aside.update(gone)
             self._aside_dropped.update(dropped)  # in the next update's statistics too
@@ -337,6 +340,7 @@ class LearnerService:
             log.info("learner: %d samples left after dropping %s: buffering on", len(kept), dict(dropped))
             return None
         aside, self._aside_dropped = self._aside_dropped, Counter()
+        aside_witnessed, self._aside_witnessed = self._aside_witnessed, 0
         events = [ev for _, ev in kept]
         kept_ids = {ev.event_id for ev in events}
         witnesses = [  # dropped unused: still evidence on their users (an opted-out tenant's are not used at all)
@@ -395,6 +399,7 @@ class LearnerService:
         if trained:
             stats["offline_samples"] = len(offline)
             stats.update(counters(dropped + aside, screening, len(offline_all) - len(offline)))
+            stats["poisoning_witnessed_samples"] += aside_witnessed  # scored when they were set aside
             stats.update(staleness_stats(self.state, [s.version for s in seqs]))
             stats["lag_updates_mean"] = stats["staleness_updates_mean"]
             stats["lag_updates_max"] = stats["staleness_updates_max"]
@@ -424,6 +429,17 @@ class LearnerService:
         self.counters["updates"] += 1 if new_id else 0
         self.last_update = self.clock()
         return new_id
+
+    def _witness_dropped(self, events: list[SampleEvent]) -> None:
+        """Samples dropped while the learner buffers on (`set_aside`) are never trained, but still evidence
+        on their users: scored (rank 0) into the verified rule's tally, as an update's witnesses are."""
+        v = self.verifier if events and self.cfg.poisoning.enabled and self.rank == 0 else None  # for all ranks
+        passed = from_rank0(verdicts(v, self.tokenizer.decode, events) if v is not None else None, self.world_size)
+        if passed is None:
+            return
+        scored, _ = witness(self.tally, events, passed)
+        self._aside_witnessed += scored
+        self.counters["poisoning_witnessed_aside"] += scored
 
     def _quarantine(self, kept: list[tuple[Record, SampleEvent]], n_offline: int, reason: str) -> None:
         """A batch whose update was not finite: counted, its samples dead-lettered (rank 0), and its

@@ -680,3 +680,35 @@ def test_an_opted_out_tenants_samples_never_train_and_are_counted(tmp_path, tiny
     m = svc.registry.get("v0001").metrics
     assert (m["dropped_opted_out"], m["samples"]) == (10, 30) and svc.counters["dropped_opted_out"] == 10
     bus.close()
+
+
+def test_samples_dropped_while_buffering_on_still_add_to_the_verified_tally(tmp_path, tiny_checkpoint, samples):
+    # 30 of 40 samples are dropped (unknown_version), leaving too few for an update: the learner buffers
+    # on (set_aside), and the dropped ones are scored into the tally then; the next update reports them.
+    from serving.tokenizer import Tokenizer
+
+    decode = Tokenizer.from_file(tiny_checkpoint).decode
+    foreign = decode(samples[0].completion.prompt_ids)
+
+    def user(ev, i, version=None):
+        c = ev.completion.model_copy(
+            update={"user_id": f"user-{i % 5}", "model_version": version or ev.completion.model_version}
+        )
+        return ev.model_copy(update={"reward": 0.5, "completion": c})
+
+    batch = [user(ev, i, "elsewhere" if i >= 10 else None) for i, ev in enumerate(samples[:40])]
+    bus = EmbeddedBus(tmp_path / "bus")
+    publish(bus, batch)
+    cfg = LearnerConfig(update_every_samples=40, min_samples=40, trainer=TrainerConfig(lr=1e-3), max_staleness=10)
+    reg = Registry(f"sqlite:///{tmp_path}/registry.db")
+    svc = LearnerService(bus, reg, tmp_path / "models", tiny_checkpoint, cfg, verifier=ParityVerifier(foreign))
+    assert drain(svc, rounds=5) == [] and svc.counters["set_aside_updates"] >= 1
+    witnessed = sum(decode(ev.completion.prompt_ids) != foreign for ev in batch[10:])
+    assert svc.counters["poisoning_witnessed_aside"] == witnessed >= 1
+    assert sum(n_pass + n_fail for n_pass, _, n_fail, _ in svc.tally.users.values()) == witnessed
+    more = [user(ev, i).model_copy(update={"event_id": uuid.uuid4().hex}) for i, ev in enumerate(samples[10:40])]
+    publish(bus, more)  # 30 more to train, with the 10 buffered: an update
+    assert drain(svc, rounds=5) == ["v0001"]
+    assert reg.get("v0001").metrics["poisoning_witnessed_samples"] == witnessed  # reported with the update
+    svc.close()
+    bus.close()
