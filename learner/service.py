@@ -68,9 +68,11 @@ from feedback.events import SampleEvent
 from learner.checkpoints import OPT_STATE, STATE, file_entry, free_id, new_state, store_entry
 from learner.config import LearnerConfig
 from learner.distributed import from_rank0
+from learner.lag_bound import LagBound
 from learner.lent_rollouts import LentRollouts
 from learner.lineage import anchor, merge_covered, staleness, staleness_stats
 from learner.poisoning import VerifiedTally, screen, verdicts, witness
+from learner.rollout_weights import RolloutWeights
 from learner.samples import cadence_met, partition, sequence_from_sample, set_aside
 from learner.trainer import NonFiniteUpdate, Trainer
 from learner.update_stats import append_update, counters, since_parent
@@ -90,7 +92,7 @@ def _at(rec: Record) -> tuple[str, int, int]:
     return rec.topic, rec.partition, rec.offset
 
 
-class LearnerService:
+class LearnerService(RolloutWeights, LagBound):
     def __init__(
         self,
         bus: EventBus,
@@ -454,25 +456,6 @@ class LearnerService:
             full = Record(rec.topic, rec.partition, rec.offset, rec.key, rec.value or ev.model_dump_json().encode())
             dead_letter(self.bus, full, reason, "learner.quarantine")
 
-    def _at_lag_bound(self) -> bool:
-        """While the promoted version (most of the traffic) is `max_lag_updates` behind the tip, another
-        update would put all it serves beyond the bound: wait (counted) for a promotion or a rebase,
-        buffering up to the bound's worth of updates (`poll`), then train them in one update."""
-        bound = self.cfg.max_lag_updates
-        lag = staleness(self.state, "updates").get(self._promoted_id()) if bound is not None else None
-        wait = lag is not None and bound is not None and lag >= bound
-        if wait and not self._lag_wait:
-            self.counters["lag_bound_waits"] += 1
-            log.info("learner: the promoted version is %s updates behind the tip: waiting for the gate", lag)
-        self._lag_wait = wait
-        return wait
-
-    def _recheck_due(self) -> bool:  # waiting at the lag bound: look again every `hold_check_s` (a collective)
-        due = self.rank == 0 and self.clock() - self._lag_checked >= self.cfg.hold_check_s
-        if due:
-            self._lag_checked = self.clock()
-        return bool(from_rank0(due, self.world_size))
-
     def _enough_updates(self, pending: int) -> bool:
         """The tip holds `min_updates_per_candidate` updates beyond the last registered version
         (`pending`: the update being published, not yet in `held`)."""
@@ -608,74 +591,6 @@ class LearnerService:
         self.metrics.set_stats(dict(self.counters))
         self.metrics.report()
         return new
-
-    def _rollout_weights(self) -> tuple[str, str]:
-        """(a registered version holding the learner's current weights, the learner's id of them), for
-        a lent rollout job: the current version when it is registered, else `<current>.rollout`,
-        registered now as a `rollout` version (its weights into the store as a delta on the anchor's;
-        hash-checked like any version, never gated, no user routed to it)."""
-        vid = self.current
-        try:
-            self.registry.get(vid)
-            return vid, vid
-        except UnknownVersion:
-            pass
-        rid = f"{vid}.rollout"
-        try:
-            self.registry.get(rid)
-        except UnknownVersion:
-            parent = anchor(self.state)
-            if self.store.path(rid) is None:
-                self.store.put(rid, shipping_state(self.model, SHIPPING_DTYPE), parent=parent)
-            entry = store_entry(self.store, self.models_dir, rid)
-            self.registry.register(
-                version_id=rid,
-                parent_id=parent,
-                metrics={"rollout_of": vid, "shipping": {"kind": entry["kind"], "bytes": entry["bytes"]}},
-                files=[entry],
-                delta_base_id=parent if entry["kind"] == "delta" else None,
-                status="rollout",
-                reason=f"learner update {self.trainer.updates}: {vid}'s weights for lent rollouts",
-            )
-            self.counters["rollout_versions"] += 1
-        self._rollout_ids.add(rid)
-        return rid, vid
-
-    def _fresh_for_rollouts(self, weights_of: str) -> bool:
-        """Whether rollouts sampled on the learner's `weights_of` would still be trained on: within the
-        lag bound in updates, and in the current lineage (a rebase leaves them behind)."""
-        lag = staleness(self.state, "updates").get(weights_of)
-        bound = self.cfg.max_lag_updates
-        return lag is not None and (bound is None or lag <= bound) and self._in_lineage(weights_of)
-
-    def _in_lineage(self, vid: str) -> bool:
-        parents, u = self.state["parents"], anchor(self.state)
-        if vid in self.state["held"] or vid == self.current:
-            return True
-        while True:
-            if u == vid:
-                return True
-            if u not in parents:
-                return False
-            u = parents[u]
-
-    def _retire_rollout_versions(self) -> None:
-        """Withdraw the `rollout` versions this learner registered that no open job samples any more."""
-        job = self.queue_job_version()
-        for rid in sorted(self._rollout_ids - {job}):
-            try:
-                if self.registry.get(rid).status == "rollout":
-                    self.registry.transition(rid, "withdrawn", "learner", "its rollout jobs are over")
-            except Exception:  # tried again at the next tick
-                log.exception("learner: withdrawing rollout version %s failed", rid)
-                continue
-            self._rollout_ids.discard(rid)
-
-    def queue_job_version(self) -> str | None:
-        """The registered version the open rollout job samples, or None."""
-        if self.lent is None or self.lent.job is None:
-            return None
-        return self.lent.queue.job(self.lent.job).version_id
 
     def close(self) -> None:
         self.consumer.close()
