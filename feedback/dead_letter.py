@@ -12,7 +12,8 @@ after dead-lettering but before committing dead-letters the record again under t
 a reader can drop. Published with `EventBus.publish` (durable on this machine when it returns), keyed
 by the record's key (its completion id), so a completion's letters stay in order.
 
-Called by the learner (`learner.service`: stages `learner.decode`, `learner.quarantine`) and the joiner
+Called by the learner (`learner.service`: stages `learner.decode`, `learner.quarantine`), the gate
+(`gating.gate`: `gate.decode`, a malformed joined sample) and the joiner
 (`feedback.joiner`: `joiner.decode` for a malformed record).
 """
 

@@ -42,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from core.service_metrics import ServiceMetrics
 from feedback.bus import Consumer, EventBus, Record
+from feedback.dead_letter import DEAD_LETTER_TOPIC, dead_letter
 from feedback.events import TOPICS, SampleEvent
 from gating.canary import CanaryConfig
 from gating.canary_stage import CanaryStage, GateStep
@@ -132,6 +133,7 @@ class Gate(CanaryStage):
         self.versions_sampled = 0  # offline evaluations' versions sampled afresh / read from the sample cache
         self.versions_from_cache = 0
         self.warm_failures = 0
+        self.unreadable_samples = 0  # malformed sample records dead-lettered (stage "gate.decode")
         self._warmed: str | None = None  # the incumbent last sampled ahead of its candidates
         self._consumer: Consumer | None = None
         self.lease_s: float | None = None  # run_gate: lapsed lease time does not count toward a canary step
@@ -150,7 +152,7 @@ class Gate(CanaryStage):
         done = self._lifecycle(batch)
         self._commit(batch)
         self.metrics.consume(TOPICS["sample"], len(batch))
-        self.metrics.set_stats({"alerts": self.alerts, "unreadable_samples": sum(s is None for _, s in batch)})
+        self.metrics.set_stats({"alerts": self.alerts, "dead_lettered_malformed": self.unreadable_samples})
         self.metrics.report()
         return done
 
@@ -230,8 +232,17 @@ class Gate(CanaryStage):
             for r in batch:
                 try:
                     out.append((r, SampleEvent.model_validate_json(r.value)))
-                except ValueError:
-                    log.warning("gate: unreadable sample at %s/%d@%d skipped", r.topic, r.partition, r.offset)
+                except ValueError as e:  # set aside with where it came from (`feedback.dead_letter`), carry on
+                    letter = dead_letter(self.bus, r, str(e), "gate.decode")
+                    log.error(
+                        "gate: malformed sample at %s/%d@%d dead-lettered (%s)",
+                        r.topic,
+                        r.partition,
+                        r.offset,
+                        letter.event_id,
+                    )
+                    self.unreadable_samples += 1
+                    self.metrics.produce(DEAD_LETTER_TOPIC)
                     out.append((r, None))
         return out
 

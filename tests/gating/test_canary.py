@@ -284,6 +284,28 @@ def test_completions_ending_right_after_a_step_starts_are_not_counted_in_it(worl
     assert gate.step().action == "awaiting_approval"
 
 
+def test_a_malformed_sample_is_dead_lettered_and_the_canary_goes_on(world):
+    """A record on the sample topic that is not a `SampleEvent` goes to the dead-letter topic with its
+    topic, partition and offset (stage "gate.decode"), is counted, and the good samples around it still
+    decide the step."""
+    from feedback.dead_letter import DEAD_LETTER_TOPIC, DeadLetter
+
+    reg, bus = world
+    gate = gate_for(reg, bus)
+    gate.step()
+    bus.publish(TOPICS["sample"], "bad-1", b'{"not": "a sample"}')
+    bus.publish(TOPICS["sample"], "bad-2", b"\xff\xfe")
+    publish_traffic(bus, 0.5, cand_reward=1.0)
+    assert gate.step().action == "awaiting_approval"
+    consumer = bus.consumer(DEAD_LETTER_TOPIC, "reader")
+    letters = [DeadLetter.model_validate_json(r.value) for r in consumer.poll(100, timeout_s=0.5)]
+    consumer.close()
+    assert sorted(x.key for x in letters) == ["bad-1", "bad-2"] and gate.unreadable_samples == 2
+    assert {(x.topic, x.stage) for x in letters} == {(TOPICS["sample"], "gate.decode")}
+    assert {x.raw() for x in letters} == {b'{"not": "a sample"}', b"\xff\xfe"} and all(x.offset >= 0 for x in letters)
+    assert gate.metrics.stats["dead_lettered_malformed"] == 2
+
+
 def test_a_much_worse_candidate_is_aborted(world):
     reg, bus = world
     gate = gate_for(reg, bus)
