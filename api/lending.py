@@ -1,6 +1,8 @@
 """The gateway's side of lending: `LendingLoop` feeds `serving.lending.FleetManager` from the fleet's
 live load and carries out its decisions (lend, lent, reclaim), with one `registry.job_worker.LendingWorker`
-per lent replica running shards of the job queue (`registry.jobs`) as background requests.
+per lent replica running shards of the job queue (`registry.jobs`) as background requests, and with
+`co_serve` one per serving replica too, capped by the slots its live requests leave free
+(`FleetManager.co_serve_slots`, read before every submission).
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ class LendingLoop:
                         f"lending.max_rollout_concurrency={cfg.max_rollout_concurrency} must be below replica "
                         f"{name}'s max_batch={batch}: its engine (vLLM) does not preempt lent work for live requests"
                     )
+                if cfg.co_serve and cfg.target_concurrency >= batch:
+                    raise ValueError(
+                        f"lending.co_serve needs lending.target_concurrency={cfg.target_concurrency:g} below "
+                        f"replica {name}'s max_batch={batch}: its engine (vLLM) does not preempt co-served work "
+                        "for live requests"
+                    )
         self.prepare = prepare
         self._prepared: dict[str, tuple[str | None, str]] = {}
         self._asked: dict[tuple[str, str], float] = {}  # (replica, version) -> when it was asked to hold it
@@ -45,6 +53,7 @@ class LendingLoop:
         self.manager = FleetManager(cfg, sorted(engines()))
         self.decisions: list[tuple[float, Decision]] = []
         self._workers: dict[str, tuple[LendingWorker, threading.Event, threading.Thread]] = {}
+        self._co_workers: dict[str, tuple[LendingWorker, threading.Event, threading.Thread]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._t0 = time.monotonic()
@@ -73,16 +82,22 @@ class LendingLoop:
             log.info("lending: %s %s (%s)", d.action, d.replica, d.reason)
             try:
                 engine = engines[d.replica]
+                if d.action == "lend":  # its co-served work ends before it drains
+                    self._stop_worker(d.replica, self._co_workers)
                 if d.action == "reclaim":
                     self.fleet.reclaim(engine)  # live routing first, then stop the lent work
                 if d.action == "lend":
                     self.fleet.lend(engine)
                 elif d.action == "lent":
                     self._start_worker(d.replica, engine)
-                else:
-                    self._stop_worker(d.replica)
+                elif d.action == "reclaim":
+                    self._stop_worker(d.replica, self._workers)
             except Exception:  # one replica's failure never strands the others' decisions
                 log.exception("lending: %s %s failed", d.action, d.replica)
+        if self.cfg.co_serve:
+            for name, state in self.manager.states.items():
+                if state == "serving" and name not in self._co_workers and name in engines:
+                    self._start_worker(name, engines[name], co_serve=True)
         if self.prepare is not None:
             try:
                 self._prepare(engines, now)
@@ -91,15 +106,16 @@ class LendingLoop:
         return decided
 
     def _prepare(self, engines: dict, now: float) -> None:
-        """Each lent replica holds the version of one open job it lacks: the one it was given while that
-        job is open, else the oldest; a version it has not loaded within `LOAD_WAIT_S` (one it may not
-        hold: rejected, superseded) is passed over for `LOAD_WAIT_S`. The others hold nothing extra."""
-        lent = any(s == "lent" for s in self.manager.states.values())
-        open_versions = self.queue.open_versions() if lent else []
+        """Each lent replica (with `co_serve`, each serving one too) holds the version of one open job it
+        lacks: the one it was given while that job is open, else the oldest; a version it has not loaded
+        within `LOAD_WAIT_S` (one it may not hold: rejected, superseded) is passed over for `LOAD_WAIT_S`.
+        The others hold nothing extra."""
+        working = {r for r, s in self.manager.states.items() if s == "lent" or (s == "serving" and self.cfg.co_serve)}
+        open_versions = self.queue.open_versions() if working else []
         for name, state in self.manager.states.items():
             had = (self._prepared.get(name) or (None, None))[0]
             want = None
-            if state == "lent":
+            if name in working:
                 held = set(engines[name].versions)
                 if had is not None and had in held:
                     self._asked.pop((name, had), None)  # loaded
@@ -118,10 +134,21 @@ class LendingLoop:
                     self._asked.setdefault((name, want), now)
                 log.info("lending: %s is %s and holds %s for lent work", name, state, want)
 
-    def _start_worker(self, name: str, engine) -> None:
+    def _start_worker(self, name: str, engine, co_serve: bool = False) -> None:
         # Eval shards only where samples are bit-identical to the gate's engine (the batch-invariant kernels).
         kinds = ("eval", "rollout") if getattr(engine, "batch_invariant", False) else ("rollout",)
-        worker = LendingWorker(engine, self.queue, name, max_concurrency=self.cfg.max_rollout_concurrency, kinds=kinds)
+        if co_serve:  # what live traffic leaves free on this serving replica, now
+
+            def start() -> int:
+                return self.manager.co_serve_slots(name, self.fleet.live_in_flight(engine))[0]
+
+            def keep() -> int:
+                return self.manager.co_serve_slots(name, self.fleet.live_in_flight(engine))[1]
+
+            worker = LendingWorker(engine, self.queue, name, max_concurrency=start, keep_at_most=keep, kinds=kinds)
+        else:
+            cap = self.cfg.max_rollout_concurrency
+            worker = LendingWorker(engine, self.queue, name, max_concurrency=cap, kinds=kinds)
         stop = threading.Event()
 
         def work() -> None:
@@ -134,14 +161,14 @@ class LendingLoop:
                     log.exception("lending: worker %s failed a shard", name)
                     stop.wait(1.0)
 
-        t = threading.Thread(target=work, name=f"lent-{name}", daemon=True)
+        t = threading.Thread(target=work, name=f"{'co' if co_serve else 'lent'}-{name}", daemon=True)
         with self._lock:
-            self._workers[name] = (worker, stop, t)
+            (self._co_workers if co_serve else self._workers)[name] = (worker, stop, t)
         t.start()
 
-    def _stop_worker(self, name: str) -> None:
+    def _stop_worker(self, name: str, workers: dict) -> None:
         with self._lock:
-            got = self._workers.pop(name, None)
+            got = workers.pop(name, None)
         if got is None:
             return
         worker, stop, t = got
@@ -155,7 +182,7 @@ class LendingLoop:
         """The manager's lends, reclaims and panics, replica-seconds lent, and the workers' counts."""
         with self._lock:
             work = Counter(self._past)
-            for w, _, _ in self._workers.values():
+            for w, _, _ in [*self._workers.values(), *self._co_workers.values()]:
                 work.update(dict(w.counters))
         out = {**self.manager.counters, "lent_seconds": self.manager.lent_seconds, **work}
         return out | {"live_on_lent": self.fleet.live_on_lent}
@@ -164,5 +191,6 @@ class LendingLoop:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(30)
-        for name in list(self._workers):
-            self._stop_worker(name)
+        for workers in (self._workers, self._co_workers):
+            for name in list(workers):
+                self._stop_worker(name, workers)

@@ -18,11 +18,17 @@ The simulation (request level, exact event times):
   once, from an endless queue. On a reclaim its rollouts are preempted at the next step boundary (the
   reclaim time is that step's remainder) and go back to the queue to be redone: counted once when they
   finish, never when they are cut.
+- **Co-serving** (`co_serve`, the third run): a serving replica also runs rollouts in the slots its
+  live requests leave free, as `FleetManager.co_serve_slots` says: started up to `co_serve_fill` of
+  the target concurrency in all, and when live and lent pass the whole target, the newest rollouts are
+  cut and queued again, as the gateway's co-serving worker does (`registry.job_worker`).
 - **The policy** sees the live concurrency, each replica's live requests in flight and the times to
   first token every second, as in the gateway.
 
-Figures: the share of idle replica-time put to use (replica-seconds running rollouts over the fleet's
-idle capacity, Σ (N − live concurrency / target)), live p50/p99 latency on vs off, reclaim time p50
+Figures: the share of idle replica-time put to use (rollout replica-seconds, each replica counting
+min(1, rollouts running / target) of itself, over the fleet's idle capacity, Σ (N − live concurrency /
+target), in the same unit: a replica's worth is target-concurrency sequences; "useful" counts only the
+share of rollouts that finished, not of those cut and redone), live p50/p99 latency on vs off, reclaim time p50
 and p99 (the engine's part: from the decision to the end of the step under way, the last step a
 rollout takes; the gateway adds its 1 s look and a thread hop), failed live requests (none may wait over
 `--timeout-s`), and rollouts lost or counted twice.
@@ -55,6 +61,7 @@ class Seq:
     rollout: int = -1  # the rollout it computes (counted once, when a run of it ends)
     v_end: float = 0.0  # the replica's token clock at which it ends
     first_token: float | None = None
+    credit: float = 0.0  # replica-seconds of its replica's rollout use that are its share
 
 
 @dataclass
@@ -68,7 +75,9 @@ class Replica:
     running: dict[int, Seq] = field(default_factory=dict)
     heap: list[tuple[float, int]] = field(default_factory=list)
     waiting: list[Seq] = field(default_factory=list)
-    busy_rollout_s: float = 0.0
+    busy_rollout_s: float = 0.0  # seconds with any rollout running
+    target: float = 8.0
+    slot_rollout_s: float = 0.0  # ∫ min(1, rollouts running / target) dt: the replica's share they use
 
     def step_s(self) -> float:
         return self.a + self.c * max(1, len(self.running))
@@ -76,8 +85,13 @@ class Replica:
     def advance(self, now: float) -> None:
         if self.running:
             dt = now - self.t
-            if any(not s.live for s in self.running.values()):
+            rollouts = [s for s in self.running.values() if not s.live]
+            if rollouts:
                 self.busy_rollout_s += dt
+                share = dt * min(1.0, len(rollouts) / self.target)
+                self.slot_rollout_s += share
+                for s in rollouts:
+                    s.credit += share / len(rollouts)
             self.v += dt / self.step_s()
         self.t = now
 
@@ -98,13 +112,16 @@ class Replica:
     def live_count(self) -> int:
         return sum(1 for s in self.running.values() if s.live) + len(self.waiting)
 
+    def rollouts(self) -> list[Seq]:
+        return [s for s in self.running.values() if not s.live]
+
 
 def simulate(cfg: LendingConfig, lending: bool, p: dict[str, Any], seed: int) -> dict[str, Any]:
     day_s = p.get("day_s", DAY_S)
     rng = np.random.default_rng(seed)  # the traffic: the same, lending on or off
     rng_reclaim = np.random.default_rng(seed + 1)
     n = p["replicas"]
-    reps = [Replica(f"r{i:02d}", p["max_batch"], p["a"], p["c"]) for i in range(n)]
+    reps = [Replica(f"r{i:02d}", p["max_batch"], p["a"], p["c"], target=cfg.target_concurrency) for i in range(n)]
     by_name = {r.name: r for r in reps}
     manager = FleetManager(cfg, [r.name for r in reps]) if lending else None
     state = dict.fromkeys(by_name, "serving")
@@ -126,6 +143,8 @@ def simulate(cfg: LendingConfig, lending: bool, p: dict[str, Any], seed: int) ->
     rollouts_done: set[int] = set()
     rollouts_twice = 0
     rollout_queue: list[int] = []  # ids cut short, redone first
+    cut_for_live = [0]  # co-served rollouts cut because a live request needed the room
+    useful, wasted = [0.0], [0.0]  # replica-seconds of rollouts that finished / that were cut
     reclaim_times: list[float] = []
     idle_capacity = 0.0
     next_arrival = rng.gamma(shape, 1 / (shape * rate(0.0)))
@@ -133,7 +152,7 @@ def simulate(cfg: LendingConfig, lending: bool, p: dict[str, Any], seed: int) ->
     t = 0.0
     live_now = 0
     sample_s = p.get("sample_s", 300.0)
-    timeline: dict[str, list[float]] = {"hour": [], "live": [], "lent": []}  # every `sample_s`, for the plot
+    timeline: dict[str, list[float]] = {"hour": [], "live": [], "lent": [], "used": []}  # every `sample_s`
 
     def fill_rollouts(r: Replica, now: float) -> None:
         while (
@@ -145,6 +164,28 @@ def simulate(cfg: LendingConfig, lending: bool, p: dict[str, Any], seed: int) ->
             else:
                 rollout, issued[0] = issued[0], issued[0] + 1
             r.start(Seq(next(ids), False, ROLLOUT_TOKENS, now, rollout), now)
+
+    def co_serve(r: Replica, now: float) -> None:
+        """A serving replica's rollouts to its co-serving slots: cut the newest beyond them, start more
+        up to them (a no-op with `co_serve` off or lending off)."""
+        if manager is None or state[r.name] != "serving":
+            return
+        start, keep = manager.co_serve_slots(r.name, r.live_count())
+        ours = sorted(r.rollouts(), key=lambda s: s.sid)
+        for s in ours[keep:]:  # the newest first
+            del r.running[s.sid]
+            rollout_queue.insert(0, s.rollout)
+            cut_for_live[0] += 1
+            wasted[0] += s.credit
+        ours = ours[:keep]
+        while len(ours) < start and len(r.running) < r.max_batch:
+            if rollout_queue:
+                rollout = rollout_queue.pop(0)
+            else:
+                rollout, issued[0] = issued[0], issued[0] + 1
+            s = Seq(next(ids), False, ROLLOUT_TOKENS, now, rollout)
+            r.start(s, now)
+            ours.append(s)
 
     def admit(r: Replica, now: float) -> None:
         while r.waiting and len(r.running) < r.max_batch:
@@ -180,9 +221,12 @@ def simulate(cfg: LendingConfig, lending: bool, p: dict[str, Any], seed: int) ->
             else:
                 rollouts_twice += s.rollout in rollouts_done
                 rollouts_done.add(s.rollout)
+                useful[0] += s.credit
             admit(r, t)
             if state[r.name] == "lent":
                 fill_rollouts(r, t)
+            else:
+                co_serve(r, t)
             touch(r)
         elif t == next_arrival:
             serving = [r for r in reps if state[r.name] == "serving"] or reps  # live traffic always wins
@@ -191,6 +235,9 @@ def simulate(cfg: LendingConfig, lending: bool, p: dict[str, Any], seed: int) ->
             s = Seq(next(ids), True, max(1, int(rng.gamma(2.0, p["tokens_mean"] / 2.0))), t)
             live_now += 1
             arrivals += 1
+            r.waiting.append(s)  # counted live while its co-serving room is made
+            co_serve(r, t)
+            r.waiting.pop()
             if len(r.running) < r.max_batch:
                 r.start(s, t)
             else:
@@ -203,6 +250,7 @@ def simulate(cfg: LendingConfig, lending: bool, p: dict[str, Any], seed: int) ->
                 timeline["hour"].append(round(t / 3600, 4))
                 timeline["live"].append(live_now)
                 timeline["lent"].append(sum(st != "serving" for st in state.values()))
+                timeline["used"].append(round(sum(min(1.0, len(r.rollouts()) / target) for r in reps), 3))
             if manager is None:
                 continue
             in_flight = {r.name: r.live_count() for r in reps}
@@ -221,15 +269,22 @@ def simulate(cfg: LendingConfig, lending: bool, p: dict[str, Any], seed: int) ->
                     else:
                         reclaim_times.append(0.0)
                     for s in cut:
+                        wasted[0] += s.credit
                         del r.running[s.sid]
                         rollout_queue.append(s.rollout)  # redone from the start, counted when it finishes
                     admit(r, t)
                 touch(r)
+            for r in reps:  # co-serving follows the load every second
+                if state[r.name] == "serving":
+                    r.advance(t)
+                    co_serve(r, t)
+                    touch(r)
     idle_capacity += (day_s - t) * max(0.0, n - live_now / target)
     for r in reps:
         r.advance(day_s)
     lent_s = manager.lent_seconds if manager else 0.0
     busy = sum(r.busy_rollout_s for r in reps)
+    used = sum(r.slot_rollout_s for r in reps)
     running = {s.rollout for r in reps for s in r.running.values() if not s.live}
     lost = set(range(issued[0])) - rollouts_done - set(rollout_queue) - running
     lat_a = np.array(lat)
@@ -240,10 +295,17 @@ def simulate(cfg: LendingConfig, lending: bool, p: dict[str, Any], seed: int) ->
         "failed_live": failed,
         "p50_latency_s": float(np.percentile(lat_a, 50)),
         "p99_latency_s": float(np.percentile(lat_a, 99)),
+        "max_latency_s": float(lat_a.max()),
         "idle_capacity_replica_s": idle_capacity,
         "lent_replica_s": lent_s,
+        "co_serve": cfg.co_serve,
         "rollout_busy_replica_s": busy,
-        "idle_use": busy / idle_capacity if idle_capacity else None,
+        "rollout_used_replica_s": used,
+        "idle_use": used / idle_capacity if idle_capacity else None,
+        "rollout_useful_replica_s": useful[0],
+        "rollout_wasted_replica_s": wasted[0],
+        "useful_idle_use": useful[0] / idle_capacity if idle_capacity else None,
+        "rollouts_cut_for_live": cut_for_live[0],
         "rollouts_done": len(rollouts_done),
         "rollouts_counted_twice": rollouts_twice,
         "rollouts_lost": len(lost),
@@ -259,7 +321,8 @@ def simulate(cfg: LendingConfig, lending: bool, p: dict[str, Any], seed: int) ->
 
 
 def plot(result: dict[str, Any], path: Any) -> None:
-    """Live requests in flight and replicas lent (or draining) over the simulated day, lending on."""
+    """Live requests in flight and replicas lent (or draining) over the simulated day, lending on; with
+    a co-serving run, the replicas' worth of rollouts it ran (Σ min(1, rollouts / target))."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -272,6 +335,9 @@ def plot(result: dict[str, Any], path: Any) -> None:
     ax.set_ylabel("live requests in flight")
     ax2 = ax.twinx()
     ax2.step(tl["hour"], tl["lent"], where="post", color="#cb3c33", lw=1.2, label="replicas lent or draining")
+    if "co_serve" in result:
+        co = result["co_serve"]["timeline"]
+        ax2.plot(co["hour"], co["used"], color="#389826", lw=1.0, label="replicas' worth of rollouts, co-serving")
     ax2.set_ylabel("replicas lent or draining")
     ax2.set_ylim(0, result["params"]["replicas"])
     lines = ax.get_lines() + ax2.get_lines()
@@ -304,6 +370,7 @@ def main() -> None:
     ap.add_argument("--trough", type=float, default=0.15, help="the night's rate over the peak's")
     ap.add_argument("--timeout-s", type=float, default=60.0)
     ap.add_argument("--headroom", type=float, default=None, help="the policy's headroom (default: [lending]'s)")
+    ap.add_argument("--co-serve-fill", type=float, default=None, help="co_serve_fill (default: [lending]'s)")
     ap.add_argument("--name", default=NAME, help="result name (bench/results/<name>.json)")
     a = ap.parse_args()
     st = common.stamp()
@@ -321,8 +388,11 @@ def main() -> None:
     cfg = LendingConfig(enabled=True, target_concurrency=a.target, max_rollout_concurrency=32)
     if a.headroom is not None:
         cfg = cfg.model_copy(update={"headroom": a.headroom})
+    if a.co_serve_fill is not None:
+        cfg = cfg.model_copy(update={"co_serve_fill": a.co_serve_fill})
     off = simulate(cfg, False, p, a.seed)
     on = simulate(cfg, True, p, a.seed)
+    co = simulate(cfg.model_copy(update={"co_serve": True}), True, p, a.seed)
     result = {
         "template": NAME,
         "params": p,
@@ -331,7 +401,9 @@ def main() -> None:
         "seed": a.seed,
         "off": off,
         "on": on,
+        "co_serve": co,
         "p99_on_over_off": on["p99_latency_s"] / off["p99_latency_s"],
+        "p99_co_serve_over_off": co["p99_latency_s"] / off["p99_latency_s"],
     }
     common.save(a.name, result, st, a.out)
     plot(result, Path(a.out) / f"{a.name}.png")

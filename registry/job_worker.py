@@ -12,7 +12,13 @@ manager caps lent work, the engine does not), records each finished sample as a 
 log-probs, routed experts, text, finish reason), renews the lease as it goes, and finishes the shard.
 A preempted request (a live request needed the slot, or the replica was reclaimed: `preempt`) ends the
 shard's run: the lease is released, and whoever takes the shard next does only what is missing. A
-version unloaded since the lease is refused the same way, counted. `completion(row)` turns a stored
+version unloaded since the lease is refused the same way, counted.
+
+`max_concurrency` may be a function, read before every submission, and `keep_at_most` another: a
+serving replica's co-serving worker (`serving.lending.FleetManager.co_serve_slots`) starts requests
+while it runs fewer than the first, and when more run than the second allows, the newest are cut at
+once (counted `cut_for_live`) and go back to the shard's to-do list; with no room at all the shard is
+released ("no room") for later or elsewhere. `completion(row)` turns a stored
 rollout back into the `serving.requests.Completion` it was.
 """
 
@@ -23,6 +29,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +49,7 @@ class ShardRun:
     shard: int
     recorded: int  # rollouts stored by this run (new ones)
     finished: bool  # the shard is done
-    why: str  # "done", "preempted", "lease lost", "version not held"
+    why: str  # "done", "preempted", "lease lost", "version not held", "no room"
 
 
 class LendingWorker:
@@ -54,14 +61,17 @@ class LendingWorker:
         queue: JobQueue,
         name: str,
         lease_s: float = 60.0,
-        max_concurrency: int = 16,
+        max_concurrency: int | Callable[[], int] = 16,
         kinds=None,
         job_id: str | None = None,
+        keep_at_most: Callable[[], int] | None = None,
     ):
-        if max_concurrency < 1 or lease_s <= 0:
+        if (not callable(max_concurrency) and max_concurrency < 1) or lease_s <= 0:
             raise ValueError(f"max_concurrency must be >= 1 and lease_s > 0, got {max_concurrency}, {lease_s}")
         self.engine, self.queue, self.name = engine, queue, name
-        self.lease_s, self.max_concurrency = lease_s, max_concurrency
+        self.lease_s = lease_s
+        self._cap = max_concurrency if callable(max_concurrency) else (lambda: max_concurrency)
+        self._keep = keep_at_most or self._cap
         self.kinds = tuple(kinds or ("eval", "rollout"))
         self.job_id = job_id  # only this job's shards (the gate working its own)
         self.counters: Counter[str] = Counter()
@@ -76,7 +86,7 @@ class LendingWorker:
     def run_shard(self) -> ShardRun | None:
         """Lease a shard and work on it until it is done or preempted; None if no shard is free (or the
         worker was preempted)."""
-        if self._stop.is_set():
+        if self._stop.is_set() or self._cap() < 1:
             return None
         lease = self.queue.lease(
             self.name, self.lease_s, self.kinds, versions=list(self.engine.versions), job_id=self.job_id
@@ -115,7 +125,16 @@ class LendingWorker:
         recorded = 0
         renew_at, at_renew = time.time() + self.lease_s / 3, 0
         while todo or running:
-            while todo and len(running) < self.max_concurrency and not self._stop.is_set():
+            cap, keep = max(0, int(self._cap())), max(0, int(self._keep()))
+            if len(running) > keep:  # co-serving: live requests need the room; the newest go back to do later
+                for key in list(running)[keep:]:
+                    running.pop(key).cancel()
+                    todo.insert(0, key)
+                    self.counters["cut_for_live"] += 1
+            if not running and cap == 0:  # no room here now: the shard goes back, for later or elsewhere
+                self.queue.release(lease)
+                return recorded, "no room"
+            while todo and len(running) < cap and not self._stop.is_set():
                 i, k = todo.pop(0)
                 item = lease.items[i]
                 fields = dict(item.get("params", {}))

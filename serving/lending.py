@@ -17,6 +17,11 @@ the same class). The rules, every number from the config file's `[lending]` sect
   `reclaim_after_s` seconds (or the p50 time to first token above `ttft_objective_s` there) reclaims
   one replica, then another after `reclaim_after_s` more. **Panic**: a sample with concurrency at or
   above `panic_factor` times the serving capacity reclaims every replica at once.
+- **Co-serving** (`co_serve`): a serving replica also runs lent work in the slots its live requests
+  leave free: it starts lent sequences up to `co_serve_fill` of `target_concurrency` in all, and cuts
+  them only when live and lent together would pass the whole target (`co_serve_slots`). Whole-replica
+  lending uses the night; co-serving uses the daytime slack, spread as free slots over every serving
+  replica.
 - A reclaimed replica serves again at once: the engine puts live requests ahead of rollout work and
   evicts running rollout sequences at its next step (`serving.engine`), and the job queue
   (`registry.jobs`) resumes what was cut short.
@@ -62,6 +67,18 @@ class LendingConfig(BaseModel):
     )
     max_rollout_concurrency: int = Field(
         16, ge=1, description="Rollout sequences a lent replica runs at once (the manager caps it, not the engine)."
+    )
+    co_serve: bool = Field(
+        False,
+        description="Serving replicas run lent work too, in the slots live traffic leaves free: started up to "
+        "`co_serve_fill` of `target_concurrency` in all, cut when live and lent pass the whole target.",
+    )
+    co_serve_fill: float = Field(
+        0.75,
+        gt=0,
+        le=1,
+        description="Share of `target_concurrency` a serving replica fills with live and co-served work; the rest "
+        "is room a live request takes without cutting lent work (bench/lending.py measures 0.5, 0.75 and 1).",
     )
 
     @model_validator(mode="after")
@@ -131,6 +148,22 @@ class FleetManager:
         while self._samples and self._samples[0].t < now - keep:
             self._samples.popleft()
         self._live_in_flight.update(live_in_flight)
+
+    def co_serve_slots(self, replica: str, live_in_flight: int) -> tuple[int, int]:
+        """(start, keep): serving replica `replica`, with `live_in_flight` live requests, may start
+        sequences of lent work while it runs fewer than `start`, and must cut them down to `keep`
+        (`co_serve`). `start` fills the replica to `co_serve_fill` of `target_concurrency`; `keep` is
+        what is left of the whole target, so a live request that arrives takes the room left free
+        first and cuts lent work only beyond it. Both 0 with `co_serve` off, for a replica that is not
+        serving, and while the last sample's utilisation of the serving replicas is at or above
+        `high_watermark` (the fleet is short of room: live traffic may need every slot)."""
+        if not self.cfg.co_serve or self.states.get(replica) != "serving":
+            return 0, 0
+        if self._samples and self._samples[-1].concurrency >= self.cfg.high_watermark * self.capacity():
+            return 0, 0
+        target = self.cfg.target_concurrency
+        start = max(0, int(self.cfg.co_serve_fill * target - live_in_flight))
+        return start, max(start, int(target - live_in_flight))
 
     def _recent(self, now: float, seconds: float) -> list[_Sample]:
         return [s for s in self._samples if s.t >= now - seconds]

@@ -187,3 +187,68 @@ def test_an_engine_that_does_not_preempt_for_live_work_needs_rollouts_capped_bel
         LendingLoop(Fleet([eng]), lambda: {"r0": eng, "r1": NoPreemption()}, cfg, q)
     LendingLoop(Fleet([eng]), lambda: {"r0": eng}, cfg.model_copy(update={"max_rollout_concurrency": 64}), q)
     LendingLoop(Fleet([eng]), lambda: {"r1": NoPreemption()}, cfg.model_copy(update={"max_rollout_concurrency": 8}), q)
+    co = cfg.model_copy(update={"max_rollout_concurrency": 8, "co_serve": True})  # target 32: co-serving could fill 16
+    with pytest.raises(
+        ValueError, match="co_serve needs lending.target_concurrency=32 below replica r1's max_batch=16"
+    ):
+        LendingLoop(Fleet([eng]), lambda: {"r1": NoPreemption()}, co, q)
+    LendingLoop(Fleet([eng]), lambda: {"r1": NoPreemption()}, co.model_copy(update={"target_concurrency": 8}), q)
+
+
+def test_a_co_serving_worker_gives_way_to_live_requests_and_counts_every_rollout_once(world):
+    """A serving replica's co-serving worker (`max_concurrency` a function: the slots live traffic
+    leaves): when the room shrinks mid-shard its newest requests are cut and done again later; with no
+    room the shard goes back; the job ends with every rollout once, equal to the live samples."""
+    eng, q, tok = world
+    its = items(tok, 4, G=4)
+    job = q.submit("rollout", "v1", its, samples_per_item=4, shard_size=4)
+    room = [3]  # start up to 3; cut down to 3 (a serving replica's fill and target, as one here)
+    w = LendingWorker(eng, q, "r0", lease_s=30, max_concurrency=lambda: room[0], keep_at_most=lambda: room[0])
+    result: list = []
+    runner = threading.Thread(target=lambda: result.append(w.run_shard()))
+    runner.start()
+    wait_until(lambda: q.progress(job)["rollouts"] >= 2, 60, what="some co-served rollouts")
+    room[0] = 1  # live requests arrived: two of the three slots go back to them
+    wait_until(lambda: w.counters["cut_for_live"] >= 1, 30, what="co-served requests cut for live ones")
+    room[0] = 0  # no room at all: the shard goes back
+    runner.join(60)
+    (first,) = result
+    assert first.why == "no room" and not first.finished and first.recorded >= 2
+    assert w.run_shard() is None  # no room: not even a lease
+    room[0] = 2
+    rest = w.run_shard()
+    assert rest.finished and first.recorded + rest.recorded == 16
+    got = {(r.item, r.sample): (r.result["output_ids"], r.result["logprobs"]) for r in q.results(job)}
+    assert got == served_live(eng, its)
+    assert q.progress(job) == {"rollouts": 16, "wanted": 16, "shards_done": 1, "shards": 1}
+
+
+def test_the_gateway_loop_co_serves_in_the_slots_live_traffic_leaves(world):
+    """`co_serve`: the serving replica works on the job beside its live requests, never past the target
+    concurrency in all, and live requests are all served."""
+    from api.lending import LendingLoop
+    from serving.fleet import Fleet
+
+    eng, q, tok = world
+    fleet = Fleet([eng])
+    its = items(tok, 4, G=8)
+    job = q.submit("rollout", "v1", its, samples_per_item=8, shard_size=4)
+    cfg = LendingConfig(
+        enabled=True, target_concurrency=3, lend_after_s=10, reclaim_after_s=1, co_serve=True, co_serve_fill=1.0
+    )
+    loop = LendingLoop(fleet, lambda: {"r0": eng}, cfg, q)
+    try:
+        loop.step(0)  # one replica, min_serving 1: never lent, but it co-serves
+        wait_until(lambda: q.progress(job)["rollouts"] >= 4, 60, what="co-served rollouts")
+        live = [
+            fleet.submit(tok.encode_prompt("def"), SamplingParams(max_tokens=30, ignore_eos=True)) for _ in range(3)
+        ]
+        # Three live requests fill the target: the worker cuts its own within a few of its 5 ms looks.
+        wait_until(lambda: loop.counters().get("cut_for_live", 0) >= 1, 30, what="co-served work cut for live work")
+        assert all(h.result().finish_reason == "length" for h in live)
+        wait_until(lambda: q.job(job).status == "done", 120, what="the job done once the live requests ended")
+        assert q.progress(job)["rollouts"] == 32 and loop.manager.states == {"r0": "serving"}
+        got = {(r.item, r.sample): (r.result["output_ids"], r.result["logprobs"]) for r in q.results(job)}
+        assert got == served_live(eng, its)
+    finally:
+        loop.close()

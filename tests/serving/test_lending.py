@@ -93,3 +93,20 @@ def test_bad_settings_and_samples_are_refused_by_name():
     m.observe(5, 0, {"r0": 0})
     with pytest.raises(ValueError, match="time order: 4 after 5"):
         m.observe(4, 0, {"r0": 0})
+
+
+def test_co_serving_slots_are_what_live_traffic_leaves_and_none_when_the_fleet_is_short():
+    co = CFG.model_copy(update={"co_serve": True, "co_serve_fill": 0.5})  # target 10: start up to 5, keep up to 10
+    m = FleetManager(co, ["r0", "r1"])
+    m.observe(0, 3, {"r0": 3, "r1": 0})
+    assert m.co_serve_slots("r0", 3) == (2, 7) and m.co_serve_slots("r1", 0) == (5, 10)
+    assert m.co_serve_slots("r0", 7) == (0, 3)  # past the fill: start none, but cut only beyond the target
+    assert m.co_serve_slots("r0", 15) == (0, 0)
+    assert FleetManager(CFG, ["r0"]).co_serve_slots("r0", 0) == (0, 0)  # co_serve off
+    m.observe(1, co.high_watermark * 2 * co.target_concurrency, {"r0": 1, "r1": 1})  # utilisation at the mark
+    assert m.co_serve_slots("r1", 1) == (0, 0)
+    m.states["r1"] = "lent"  # a lent replica's work is the lent worker's, not co-serving's
+    m.observe(2, 0, {"r0": 0, "r1": 0})
+    assert m.co_serve_slots("r1", 0) == (0, 0) and m.co_serve_slots("r0", 0) == (5, 10)
+    with pytest.raises(ValueError, match="co_serve_fill"):
+        LendingConfig(co_serve_fill=1.5)

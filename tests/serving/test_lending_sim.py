@@ -48,3 +48,15 @@ def test_the_plot_of_the_day_is_drawn(tmp_path):
     result = {"params": day, "on": simulate(CFG, True, day, seed=1)}
     plot(result, tmp_path / "lending.png")
     assert (tmp_path / "lending.png").stat().st_size > 10_000
+
+
+def test_co_serving_uses_the_daytime_slack_too_and_loses_nothing():
+    on = simulate(CFG, True, P, seed=3)
+    co = simulate(CFG.model_copy(update={"co_serve": True}), True, P, seed=3)
+    off = simulate(CFG, False, P, seed=3)
+    assert co["arrivals"] == on["arrivals"]
+    assert co["idle_use"] > on["idle_use"] + 0.1 and co["idle_use"] <= 1.0
+    assert co["rollout_used_replica_s"] > co["lent_replica_s"]  # rollouts ran on serving replicas too
+    assert co["rollouts_cut_for_live"] > 0 and on["rollouts_cut_for_live"] == 0
+    assert co["rollouts_lost"] == co["rollouts_counted_twice"] == 0 and co["failed_live"] == 0
+    assert co["p99_latency_s"] <= 1.25 * off["p99_latency_s"]  # the benchmark's day holds it to 10%
