@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import Caller, GatewayDep, needs
 from api.errors import APIError
+from registry.models import Status
 from registry.registry import RegistryConflict, UnknownVersion
 
 router = APIRouter(prefix="/admin")
@@ -28,6 +29,7 @@ class Action(BaseModel):
 
 ViewerKey = Annotated[Caller, Depends(needs("viewer", key_required=True))]
 AdminKey = Annotated[Caller, Depends(needs("admin", key_required=True))]
+STATUSES = tuple(s.value for s in Status)
 
 
 async def _call(fn, *args):
@@ -44,6 +46,8 @@ async def _call(fn, *args):
 
 @router.get("/versions")
 async def list_versions(gw: GatewayDep, _: ViewerKey, status: str | None = None) -> list[dict]:
+    if status is not None and status not in STATUSES:  # bad input, not a lifecycle conflict
+        raise APIError(400, f"unknown status {status!r}; one of: {', '.join(STATUSES)}", "status", "invalid_value")
     return [v.model_dump(mode="json") for v in await _call(gw.registry.list, status)]
 
 

@@ -133,3 +133,12 @@ def test_no_way_around_the_gate(live):
     r = complete(live, "flywheel", live.viewer)  # a key without the completions scope
     assert r.status_code == 403 and r.json()["error"]["code"] == "insufficient_scope"
     assert complete(live, "flywheel", {"Authorization": "Bearer fw_revoked-or-made-up"}).status_code == 401
+
+
+def test_an_unknown_status_filter_is_bad_input_naming_it(live):
+    r = httpx.get(live.url + "/admin/versions", params={"status": "shipped"}, headers=live.viewer)
+    assert (
+        r.status_code == 400 and r.json()["error"]["param"] == "status" and "promoted" in r.json()["error"]["message"]
+    )
+    ok = httpx.get(live.url + "/admin/versions", params={"status": "promoted"}, headers=live.viewer)
+    assert [v["id"] for v in ok.json()] == ["base"]

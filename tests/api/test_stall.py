@@ -309,3 +309,83 @@ def test_clients_see_the_413_in_the_openai_shape(live):
         # the gateway still serves on the same connection
         ok = client.post("/v1/completions", json={"model": "flywheel", "prompt": PROMPT, "max_tokens": 2})
         assert ok.status_code == 200, ok.text
+
+
+# ---- every string field of every JSON body ---------------------------------------------------------
+PATHOLOGICAL = {
+    "400k letters": "x" * BIG,
+    "200k newlines": "\n" * (BIG // 2),
+    "100k backslashes": "\\" * (BIG // 4),  # doubled when escaped in JSON
+    "100k emoji": "\U0001f600" * (BIG // 4),  # 4 bytes each in UTF-8
+    "40k NULs": "\x00" * LONG,  # six bytes each as a JSON escape
+    "200k braces": "{[" * (BIG // 4),
+}
+BASE_BODIES = {
+    "/v1/completions": {"model": "flywheel", "prompt": "def", "max_tokens": 2},
+    "/v1/chat/completions": {"model": "flywheel", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    "/v1/feedback": {"completion_id": "cmpl-x", "kind": "thumb_up"},
+}
+
+
+def string_fields(schema: dict, node: dict, path: tuple = (), depth: int = 0):
+    """Every path to a string in the JSON body `node` describes (objects, arrays' first item,
+    alternatives), `$ref`s resolved against the OpenAPI document `schema`."""
+    if depth > 6:
+        return
+    if "$ref" in node:
+        name = node["$ref"].rsplit("/", 1)[1]
+        node = schema["components"]["schemas"].get(name) or node.get("$defs", {}).get(name, {})
+    for alt in node.get("anyOf", []) + node.get("oneOf", []):
+        yield from string_fields(schema, alt, path, depth + 1)
+    if node.get("type") == "string":
+        yield path
+    for key, sub in node.get("properties", {}).items():
+        yield from string_fields(schema, sub, (*path, key), depth + 1)
+    if node.get("type") == "array" and isinstance(node.get("items"), dict):
+        yield from string_fields(schema, node["items"], (*path, 0), depth + 1)
+
+
+def with_value(base, path: tuple, value):
+    """A copy of `base` with `value` at `path` (made where missing; a list index 0 or a dict key)."""
+    if not path:
+        return value
+    head, rest = path[0], path[1:]
+    if isinstance(head, int):
+        items = list(base) if isinstance(base, list) and base else [{}]
+        items[0] = with_value(items[0] if isinstance(items[0], (dict, list)) else {}, rest, value)
+        return items
+    out = dict(base) if isinstance(base, dict) else {}
+    out[head] = with_value(out.get(head, {} if rest else None), rest, value)
+    return out
+
+
+def test_pathological_strings_in_every_string_field_never_hold_the_loop(live):
+    """Each string field of the completions, chat and feedback bodies (from /openapi.json), set to each
+    pathological string: answered without a 5xx, and the event loop never blocked past `BLOCKED_S`."""
+    schema = httpx.get(live.url + "/openapi.json", timeout=30).json()
+    fields: dict[str, set[tuple]] = {}
+    for route in BASE_BODIES:
+        body = schema["paths"][route]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        fields[route] = set(string_fields(schema, body))
+    fields["/v1/chat/completions"].add(("messages", 0, "content"))  # the schema's list of parts, or a string
+    assert ("prompt",) in fields["/v1/completions"] and ("messages", 0, "content", 0, "text") in fields[
+        "/v1/chat/completions"
+    ]
+    assert ("completion_id",) in fields["/v1/feedback"] and ("events", 0, "completion_id") in fields["/v1/feedback"]
+    answers: dict[int, int] = {}
+    slow: list[tuple] = []
+    with LoopLag(live) as lag, httpx.Client(base_url=live.url, timeout=30) as client:
+        for route, paths in fields.items():
+            for path in sorted(paths, key=str):
+                for name, text in PATHOLOGICAL.items():
+                    payload = json.dumps(with_value(BASE_BODIES[route], path, text)).encode()
+                    t = time.perf_counter()
+                    r = client.post(route, content=payload, headers=JSON)
+                    took = time.perf_counter() - t
+                    assert r.status_code < 500, (route, path, name, r.status_code, r.text[:300])
+                    answers[r.status_code] = answers.get(r.status_code, 0) + 1
+                    if took > 2.0:
+                        slow.append((route, path, name, round(took, 2)))
+    print(sum(len(p) for p in fields.values()), "fields;", answers, lag)
+    assert not slow, slow
+    assert lag.blocked < BLOCKED_S, f"the event loop was blocked: {lag}"
