@@ -26,18 +26,17 @@ from typing import Any
 
 import httpx
 import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
 
-schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
-
-from api.main import create_app  # noqa: E402
-from core.settings import Settings  # noqa: E402
-from feedback.bus_embedded import EmbeddedBus  # noqa: E402
-from feedback.completion_index import CompletionIndex  # noqa: E402
-from registry.keys import KeyStore  # noqa: E402
-from registry.registry import Registry  # noqa: E402
-from serving.engine import EmbeddedEngine  # noqa: E402
-from tests.conftest import LiveServer  # noqa: E402
+from api.main import create_app
+from core.settings import Settings
+from feedback.bus_embedded import EmbeddedBus
+from feedback.completion_index import CompletionIndex
+from registry.keys import KeyStore
+from registry.registry import Registry
+from serving.engine import EmbeddedEngine
+from tests.conftest import LiveServer
 
 FUZZ_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "10"))  # per operation; raise it for a longer run
 ENV_KEY = "fuzz-env-key-0123456789"
