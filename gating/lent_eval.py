@@ -6,7 +6,9 @@ the job's shards on the gate's own engine (`registry.job_worker.LendingWorker`, 
 waits for the shards lent replicas hold; then it returns the completions in request order, rebuilt
 from the stored rollouts (`registry.job_worker.completion`). Every sample is seeded and every engine
 that takes eval shards runs the batch-invariant kernels, so the result is bit-identical to the gate's
-engine generating it alone. A shard whose lent replica died comes back when its lease runs out, and
+engine generating it alone; the job records the dtype and kernels the gate samples with, and a worker
+whose replica serves the version otherwise gives the shard back (`registry.job_worker`). A shard whose
+lent replica died comes back when its lease runs out, and
 the gate does it. With nothing lent, the gate does every shard: the same samples, at the same speed.
 
 Everything else (`tokenizer`, `model_args`, `add_version`, `shutdown`, ...) is the wrapped engine's.
@@ -64,7 +66,8 @@ class QueueEngine:
             fields = dataclasses.asdict(sp)
             seed = fields.pop("seed")
             items.append({"prompt_ids": p, "params": fields | {"stop": list(sp.stop)}, "seeds": [seed]})
-        job = self.queue.submit("eval", version, items, 1, self.shard_size, {"gate": self.name})
+        numerics = {"dtype": self.engine.weights_dtype(version), "batch_invariant": self.engine.batch_invariant}
+        job = self.queue.submit("eval", version, items, 1, self.shard_size, {"gate": self.name, **numerics})
         with self._lock:
             self.counters["jobs"] += 1
         t0 = time.monotonic()

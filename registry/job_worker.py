@@ -12,7 +12,9 @@ manager caps lent work, the engine does not), records each finished sample as a 
 log-probs, routed experts, text, finish reason), renews the lease as it goes, and finishes the shard.
 A preempted request (a live request needed the slot, or the replica was reclaimed: `preempt`) ends the
 shard's run: the lease is released, and whoever takes the shard next does only what is missing. A
-version unloaded since the lease is refused the same way, counted.
+version unloaded since the lease is refused the same way, counted, and so is an eval shard whose job
+was sampled by the gate in another dtype or with other kernels than this engine serves the version
+with (`spec["dtype"]`, `spec["batch_invariant"]`): its samples would not be bit-identical.
 
 `max_concurrency` may be a function, read before every submission, and `keep_at_most` another: a
 serving replica's co-serving worker (`serving.lending.FleetManager.co_serve_slots`) starts requests
@@ -49,7 +51,7 @@ class ShardRun:
     shard: int
     recorded: int  # rollouts stored by this run (new ones)
     finished: bool  # the shard is done
-    why: str  # "done", "preempted", "lease lost", "version not held", "no room"
+    why: str  # "done", "preempted", "lease lost", "version not held", "numerics differ", "no room"
 
 
 class LendingWorker:
@@ -98,6 +100,18 @@ class LendingWorker:
             self.counters["version_not_held"] += 1
             log.warning("lending: %s lacks %s (job %s): shard released", self.name, lease.version_id, lease.job_id)
             return ShardRun(lease.job_id, lease.shard, 0, False, "version not held")
+        if lease.kind == "eval" and "dtype" in lease.spec:  # bit-identical to the gate's, or not at all
+            ours = {
+                "dtype": self.engine.weights_dtype(lease.version_id),
+                "batch_invariant": self.engine.batch_invariant,
+            }
+            theirs = {k: lease.spec.get(k) for k in ours}
+            if ours != theirs:
+                self.queue.release(lease)
+                self.counters["numerics_differ"] += 1
+                log.warning("lending: %s serves %s as %s, the gate samples it as %s: eval shard released",
+                            self.name, lease.version_id, ours, theirs)  # fmt: skip
+                return ShardRun(lease.job_id, lease.shard, 0, False, "numerics differ")
         recorded, why = self._work(lease)
         self.counters["rollouts"] += recorded
         if why != "done":

@@ -47,4 +47,5 @@ if TYPE_CHECKING:
         _takes(p.tokenizer)(e.tokenizer)
         _takes(p.model_args)(e.model_args)
         _takes(p.context_length)(e.context_length)
+        _takes(p.weights_dtype)(e.weights_dtype)
         _takes(p.shutdown)(e.shutdown)

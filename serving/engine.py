@@ -209,6 +209,10 @@ class EmbeddedEngine(GenerateMixin):
         """Longest prompt + completion (tokens) the version accepts."""
         return self._get(version).cache.max_len
 
+    def weights_dtype(self, version: str | None = None) -> str:
+        """The dtype the version's weights are served in ("float32", "bfloat16", ...)."""
+        return str(next(self._get(version).model.parameters()).dtype).removeprefix("torch.")
+
     def model_args(self, version: str | None = None) -> ModelArgs:
         return self._get(version).model.args
 

@@ -36,6 +36,7 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from serving.checkpoint import read_config
 from serving.model import ModelArgs
@@ -99,13 +100,14 @@ def _child_main(conn, cfg: dict) -> None:
                     h.cancel()
             elif kind == "call":
                 _, cid, op, args = msg
+                value: Any
                 try:
                     if op == "add_version":
                         name, folder, default = args
                         # Loaded on the loop's (main) thread: torch work on a second thread of this
                         # process would make the loop's parallel regions slow (see serving/engine.py).
                         engine.call_in_loop(lambda n=name, f=folder, d=default: engine.add_version(n, f, default=d))
-                        value = engine.context_length(name)
+                        value = (engine.context_length(name), engine.weights_dtype(name))
                     elif op == "set_default":
                         engine.set_default(*args)
                         value = None
@@ -142,6 +144,7 @@ class _Held:
     tokenizer: Tokenizer
     args: ModelArgs
     context: int
+    dtype: str
 
 
 class ProcessEngine(GenerateMixin):
@@ -237,8 +240,8 @@ class ProcessEngine(GenerateMixin):
             raise ValueError("the engine process loads versions from checkpoint folders only")
         args, _ = read_config(source)
         tok = tokenizer or Tokenizer.from_file(Path(source))
-        context = self._call("add_version", name, str(source), default)
-        self._table.add(name, _Held(tok, args, context), default)
+        context, dtype = self._call("add_version", name, str(source), default)
+        self._table.add(name, _Held(tok, args, context, dtype), default)
 
     @property
     def default_version(self) -> str | None:
@@ -276,6 +279,10 @@ class ProcessEngine(GenerateMixin):
 
     def context_length(self, version: str | None = None) -> int:
         return self._table.get(version).context
+
+    def weights_dtype(self, version: str | None = None) -> str:
+        """The dtype the child serves the version's weights in."""
+        return self._table.get(version).dtype
 
     def submit(
         self,

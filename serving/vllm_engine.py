@@ -217,6 +217,11 @@ class VLLMEngine(GenerateMixin):
     def context_length(self, version: str | None = None) -> int:
         return min(self.max_model_len, self.model_args(version).max_seq_len)
 
+    def weights_dtype(self, version: str | None = None) -> str:
+        """vLLM serves every version in the engine's `dtype`."""
+        self.model_args(version)  # an unknown version is refused as elsewhere
+        return self.dtype
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.failure is None

@@ -8,6 +8,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 from gating.evals import sample_seed
 from gating.lent_eval import QueueEngine
@@ -90,3 +91,44 @@ def test_unseeded_requests_are_refused(parts):
     (gate_engine, _), q = parts
     with pytest.raises(ValueError, match="needs a seed on every request"):
         QueueEngine(gate_engine, q).generate([[1, 2]], [SamplingParams()], "v1")
+
+
+def test_a_replica_serving_the_version_in_another_dtype_gives_eval_shards_back(parts, tiny_checkpoint):
+    """The job records the dtype and kernels the gate samples with; a lent replica that serves the
+    version otherwise (bfloat16 here) releases every eval shard it leases, counted, and the gate's own
+    workers do them: the samples stay bit-identical to the gate's engine alone."""
+    from serving.checkpoint import load_checkpoint
+
+    (gate_engine, _), q = parts
+    odd = EmbeddedEngine(max_batch=8, max_model_len=128, seed=0)
+    try:
+        odd.add_version(
+            "v1", load_checkpoint(tiny_checkpoint).to(torch.bfloat16), gate_engine.tokenizer(), default=True
+        )
+        assert (odd.weights_dtype("v1"), gate_engine.weights_dtype("v1")) == ("bfloat16", "float32")
+        ids, params = requests(gate_engine.tokenizer(), 8)
+        alone = gate_engine.generate(ids, params, "v1")
+        w = LendingWorker(odd, q, "r-bf16", kinds=("eval",))
+        refused: list = []
+        stop = threading.Event()
+
+        def lent_replica() -> None:
+            while not stop.is_set():
+                run = w.run_shard()
+                if run is not None:
+                    refused.append(run.why)
+                stop.wait(0.005)
+
+        t = threading.Thread(target=lent_replica, daemon=True)
+        t.start()
+        qe = QueueEngine(gate_engine, q, shard_size=2, threads=1)
+        try:
+            got = qe.generate(ids, params, "v1")
+        finally:
+            stop.set()
+            t.join(30)
+        assert fields(got) == fields(alone) and qe.counters["shards_here"] == 4
+        assert refused and set(refused) == {"numerics differ"} and w.counters["numerics_differ"] == len(refused)
+        assert w.counters["rollouts"] == 0
+    finally:
+        odd.shutdown()

@@ -38,6 +38,7 @@ def test_results_match_a_full_forward(engine, tiny_checkpoint):
         assert np.array_equal(c.routed_experts, experts.numpy())
     again = engine.generate(prompts[:1], params[:1])[0]
     assert again.output_ids == outs[0].output_ids
+    assert engine.weights_dtype() == "float32"  # as the child serves it (lent eval shards compare it)
 
 
 def test_streaming_cancel_and_bad_input(engine):
