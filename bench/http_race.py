@@ -51,6 +51,12 @@ FLYWHEEL_ENV = {
     "FLYWHEEL_MAX_MODEL_LEN": "256",
     "FLYWHEEL_BATCH_INVARIANT": "1",
 }
+LIMITS_ENV = {  # `--limits`: every request pays the token bucket; none is refused at these rates
+    "FLYWHEEL_LIMIT_COMPLETIONS_PER_S": "100000",
+    "FLYWHEEL_LIMIT_COMPLETIONS_BURST": "100000",
+    "FLYWHEEL_LIMIT_FEEDBACK_EVENTS_PER_S": "100000",
+    "FLYWHEEL_LIMIT_FEEDBACK_BURST": "100000",
+}
 VLLM_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "64", "--enforce-eager", "--seed", "0"]
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}
 
@@ -187,8 +193,9 @@ def _post(url: str, path: str, payload: dict) -> dict:
 class Server:
     """One of the two racers, started and stopped under the race's supervisor."""
 
-    def __init__(self, name: str, model_dir: Path, scratch: Path, sup: Supervisor):
+    def __init__(self, name: str, model_dir: Path, scratch: Path, sup: Supervisor, env: dict[str, str] | None = None):
         self.name, self.model_dir, self.scratch, self.sup = name, model_dir, scratch, sup
+        self.env = env or {}
         self.url = ""
         self.pid = 0
 
@@ -199,7 +206,7 @@ class Server:
         if self.name == "flywheel":
             home = self.scratch / "flywheel-home"
             shutil.rmtree(home, ignore_errors=True)
-            env = {**FLYWHEEL_ENV, "FLYWHEEL_HOME": str(home), "FLYWHEEL_MODEL_DIR": str(self.model_dir)}
+            env = {**FLYWHEEL_ENV, **self.env, "FLYWHEEL_HOME": str(home), "FLYWHEEL_MODEL_DIR": str(self.model_dir)}
             env |= {"FLYWHEEL_HOST": "127.0.0.1", "FLYWHEEL_PORT": str(port)}
             child = common.start(self.sup, self.name, common.module_argv("cli", "serve"), env=env, log_path=log)
         else:
@@ -313,7 +320,8 @@ def race(model_dir: Path, texts: list[str], prompts: list[list[int]], a) -> dict
             for o, order in enumerate(orders):
                 for rep in range(a.reps):
                     for name in order:
-                        server = Server(name, model_dir, scratch, sup)
+                        extra = LIMITS_ENV if name == "flywheel" and getattr(a, "limits", False) else {}
+                        server = Server(name, model_dir, scratch, sup, extra)
                         t0 = time.perf_counter()
                         server.start()
                         print(f"race: order {o} rep {rep}: {name} up in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -338,7 +346,11 @@ def race(model_dir: Path, texts: list[str], prompts: list[list[int]], a) -> dict
         "prompts": len(prompts),
         "same_prompt_ids": True,  # check_prompts raised otherwise
         **found,
-        "config": {"flywheel_env": FLYWHEEL_ENV, "vllm_args": VLLM_ARGS, "vllm_env": VLLM_ENV},
+        "config": {
+            "flywheel_env": FLYWHEEL_ENV | (LIMITS_ENV if getattr(a, "limits", False) else {}),
+            "vllm_args": VLLM_ARGS,
+            "vllm_env": VLLM_ENV,
+        },
         "rows": rows,
         "ratios": ratios(rows),
         "runs": runs,

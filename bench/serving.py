@@ -276,6 +276,9 @@ def main() -> None:
     ap.add_argument("--orders", type=int, choices=(1, 2), default=2, help="--race: 2 runs both start orders")
     ap.add_argument("--seconds", type=float, default=10.0, help="--race: seconds per wrk row")
     ap.add_argument("--ttft-requests", type=int, default=64, help="--race: streamed requests for the TTFT row")
+    ap.add_argument(
+        "--limits", action="store_true", help="--race: Flywheel with per-key rate limits on (too high to refuse)"
+    )
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rows-to", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -287,7 +290,10 @@ def main() -> None:
         from bench import http_race
 
         st = common.stamp()
-        common.save("serving_race", http_race.race(model_dir, texts, prompts, a), st, a.out)
+        result = http_race.race(model_dir, texts, prompts, a)
+        common.save(
+            "serving_race_limits" if a.limits else "serving_race", result | {"template": "serving_race"}, st, a.out
+        )
         return
     if a.one:
         child_setup()
