@@ -200,16 +200,18 @@ def test_a_co_serving_worker_gives_way_to_live_requests_and_counts_every_rollout
     leaves): when the room shrinks mid-shard its newest requests are cut and done again later; with no
     room the shard goes back; the job ends with every rollout once, equal to the live samples."""
     eng, q, tok = world
-    its = items(tok, 4, G=4)
-    job = q.submit("rollout", "v1", its, samples_per_item=4, shard_size=4)
+    its = items(tok, 8, G=4)  # 32 samples in one shard: long enough to change the room mid-shard
+    job = q.submit("rollout", "v1", its, samples_per_item=4, shard_size=8)
     room = [3]  # start up to 3; cut down to 3 (a serving replica's fill and target, as one here)
     w = LendingWorker(eng, q, "r0", lease_s=30, max_concurrency=lambda: room[0], keep_at_most=lambda: room[0])
     result: list = []
     runner = threading.Thread(target=lambda: result.append(w.run_shard()))
     runner.start()
-    wait_until(lambda: q.progress(job)["rollouts"] >= 2, 60, what="some co-served rollouts")
+    wait_until(lambda: q.progress(job)["rollouts"] >= 2, 60, what="some co-served rollouts", interval_s=0.005)
     room[0] = 1  # live requests arrived: two of the three slots go back to them
-    wait_until(lambda: w.counters["cut_for_live"] >= 1, 30, what="co-served requests cut for live ones")
+    wait_until(
+        lambda: w.counters["cut_for_live"] >= 1, 30, what="co-served requests cut for live ones", interval_s=0.005
+    )
     room[0] = 0  # no room at all: the shard goes back
     runner.join(60)
     (first,) = result
@@ -217,10 +219,10 @@ def test_a_co_serving_worker_gives_way_to_live_requests_and_counts_every_rollout
     assert w.run_shard() is None  # no room: not even a lease
     room[0] = 2
     rest = w.run_shard()
-    assert rest.finished and first.recorded + rest.recorded == 16
+    assert rest.finished and first.recorded + rest.recorded == 32
     got = {(r.item, r.sample): (r.result["output_ids"], r.result["logprobs"]) for r in q.results(job)}
     assert got == served_live(eng, its)
-    assert q.progress(job) == {"rollouts": 16, "wanted": 16, "shards_done": 1, "shards": 1}
+    assert q.progress(job) == {"rollouts": 32, "wanted": 32, "shards_done": 1, "shards": 1}
 
 
 def test_the_gateway_loop_co_serves_in_the_slots_live_traffic_leaves(world):
