@@ -328,6 +328,24 @@ def gateway(
     return gw.start()
 
 
+def process_tree(root: int) -> list[int]:
+    """`root` and its descendants (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
 def within(condition: Callable[[], T | None], timeout_s: float, interval_s: float = 0.05) -> T | None:
     """`condition()`'s first truthy value within `timeout_s` (polled with `wait_until`), else None."""
     try:

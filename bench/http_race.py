@@ -164,24 +164,6 @@ def _cpu_s(pids: list[int]) -> float:
     return total
 
 
-def _tree(root: int) -> list[int]:
-    """`root` and its descendants (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (FileNotFoundError, ProcessLookupError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [root]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
-
-
 def _post(url: str, path: str, payload: dict) -> dict:
     import httpx
 
@@ -228,7 +210,7 @@ class Server:
 
     def cpu(self) -> tuple[float, float]:
         """(front end, all) CPU seconds so far: the HTTP process, and it with its descendants."""
-        return _cpu_s([self.pid]), _cpu_s(_tree(self.pid))
+        return _cpu_s([self.pid]), _cpu_s(common.process_tree(self.pid))
 
 
 def _health(url: str) -> bool:

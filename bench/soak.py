@@ -21,7 +21,6 @@ Figures:
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import tempfile
 import threading
@@ -47,20 +46,10 @@ SAMPLE_S = 5.0
 
 
 def tree_rss_kb(root: int) -> int:
-    """VmRSS of `root` and every process below it, in KiB (0 for one that ended meanwhile)."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(d))
-    total, todo = 0, [root]
-    while todo:
-        pid = todo.pop()
-        todo += children.get(pid, [])
+    """VmRSS of `root` and every process below it (`bench.common.process_tree`), in KiB (0 for one
+    that ended meanwhile)."""
+    total = 0
+    for pid in common.process_tree(root):
         try:
             for line in Path(f"/proc/{pid}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):

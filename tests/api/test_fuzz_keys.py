@@ -18,7 +18,6 @@ Every response is checked:
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from collections import Counter
@@ -36,6 +35,7 @@ from feedback.completion_index import CompletionIndex
 from registry.keys import KeyStore
 from registry.registry import Registry
 from serving.engine import EmbeddedEngine
+from tests.api.test_admin_api import files
 from tests.conftest import LiveServer
 
 FUZZ_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "10"))  # per operation; raise it for a longer run
@@ -120,11 +120,6 @@ DASHBOARD_SCHEMA: dict[str, Any] = {
         },
     },
 }
-
-
-def files(name: str) -> list[dict]:
-    sha = hashlib.sha256(name.encode()).hexdigest()
-    return [{"path": f"{name}/x.snapshot.fws", "sha256": sha, "bytes": 10, "kind": "snapshot"}]
 
 
 @pytest.fixture(scope="module")

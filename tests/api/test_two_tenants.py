@@ -14,7 +14,6 @@ signals.
 
 from __future__ import annotations
 
-import hashlib
 import time
 
 import httpx
@@ -30,15 +29,11 @@ from feedback.rewards import RewardSpec
 from registry.keys import KeyStore
 from registry.registry import Registry
 from serving.engine import EmbeddedEngine
+from tests.api.test_admin_api import files
 from tests.conftest import LiveServer
 
 GLOBEX_TOKEN = "globex-env-token-0123456789"
 WINDOW = 60.0
-
-
-def files(name: str) -> list[dict]:
-    sha = hashlib.sha256(name.encode()).hexdigest()
-    return [{"path": f"{name}/x.snapshot.fws", "sha256": sha, "bytes": 10, "kind": "snapshot"}]
 
 
 @pytest.fixture
