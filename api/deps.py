@@ -27,6 +27,7 @@ from core.security import Key
 from core.settings import Settings
 from feedback.bus import EventBus
 from feedback.completion_index import CompletionIndex
+from feedback.ingest import InFlight
 from feedback.sink import CompletionSink
 from registry.keys import KeyStore
 from registry.models import ROLLOUT_SUFFIX
@@ -68,6 +69,8 @@ class Gateway:
         if fleet is not None:
             fleet.metrics = self.metrics  # it counts canary lapses
         self.background: set[asyncio.Task] = set()
+        self.in_flight = InFlight()  # feedback being accepted: the bus watermark stays below it
+        self.feedback_window_s: float | None = None  # the joiner's window: later feedback is refused (`serve`)
         self._keys = _parse_keys(settings.api_keys)
         self.limits: dict[str, TokenBuckets] = {}  # per-key rate limits (`api.limits`), by kind
         for kind, rate, burst in (
@@ -120,6 +123,15 @@ class Gateway:
         if name == ALIAS and default:
             routed, arm = self.fleet.route(caller.tenant, user, fresh) if self.fleet is not None else (None, None)
             return routed or default, arm
+        if name == ALIAS:  # every engine is down (killed, restarting): the alias exists, nothing serves it now
+            raise APIError(
+                503,
+                f"No replica of this gateway is serving '{ALIAS}' right now (its engines are starting again); "
+                "retry shortly.",
+                param,
+                "engine_unavailable",
+                headers={"Retry-After": "2"},
+            )
         if name.endswith(ROLLOUT_SUFFIX):  # the learner's weights on a lent replica: lent work only, never a user
             raise APIError(
                 403,

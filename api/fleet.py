@@ -57,6 +57,11 @@ class Canary:
     share: float
 
 
+def gateway_id_of(settings: Settings) -> str:
+    """This gateway's id: `gateway.id` (FLYWHEEL_GATEWAY_ID), else `<host>-<pid>`."""
+    return settings.gateway_id or f"{socket.gethostname()}-{os.getpid()}"
+
+
 def wait_for_promoted(registry: Registry, where: str, timeout_s: float = 600.0) -> None:
     """Until the registry has a promoted version (a gateway whose weights come from `where`, not its
     own folder, never publishes the base: a second copy in its own folder would race the first)."""
@@ -97,7 +102,7 @@ class GatewayFleet:
             wait_for_promoted(registry, weights)  # it (or the gateway beside it) publishes the base there
         else:
             publish_base(registry, models_dir, settings.served_model_dir)
-        gateway_id = settings.gateway_id or f"{socket.gethostname()}-{os.getpid()}"
+        gateway_id = gateway_id_of(settings)
         store = WeightStore(models_dir / STORE)
         fetcher = Fetcher(settings.weights_url or models_dir, token=settings.weights_token)
         on_postgres = settings.db_url.startswith("postgresql")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import threading
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -20,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 
 from api import dashboard, errors
 from api.deps import Gateway, GatewayDep, MetricsReader
-from api.fleet import GatewayFleet
+from api.fleet import GatewayFleet, gateway_id_of
 from api.metrics import RequestCounter
 from api.routes import admin, feedback, openai, weights
 from core.service_metrics import read_folder
@@ -71,6 +72,23 @@ def build_engine(settings: Settings, serve_checkpoint: bool = True):
     return engine
 
 
+def report_watermarks(gw: Gateway, stop: threading.Event) -> None:
+    """Every heartbeat, this gateway's bus watermark into the registry (`registry.watermarks`): the
+    receive time of its oldest feedback being accepted or record not yet on the bus, else now. A
+    failed report is logged and retried at the next beat (the joiner waits meanwhile)."""
+    producer = gateway_id_of(gw.settings)
+    while True:
+        now = time.time()  # first: what is stamped after this is at or above it
+        mark = min(x for x in (now, gw.in_flight.oldest(), gw.bus.pending_since()) if x is not None)
+        try:
+            gw.registry.report_watermark(producer, mark)
+            gw.metrics.bus_watermark_lag.set(max(0.0, now - mark))
+        except Exception as e:
+            log.warning("gateway: reporting the bus watermark failed: %r", e)
+        if stop.wait(gw.settings.heartbeat_s):
+            return
+
+
 def create_app(
     settings: Settings | None = None,
     engine=None,
@@ -79,6 +97,7 @@ def create_app(
     registry: Registry | None = None,
     freeze_gc: bool = False,
     lending: LendingConfig | None = None,
+    feedback_window_s: float | None = None,
 ) -> FastAPI:
     """`freeze_gc` (the `serve` process): once start-up is done, hide every object alive then from the
     garbage collector, so a full collection under load does not scan the model and modules."""
@@ -110,7 +129,13 @@ def create_app(
         snk = CompletionSink(bs, idx)
         keys = KeyStore(settings.db_url)
         app.state.gateway = Gateway(settings, eng, snk, bs, idx, reg, keys, fleet)
+        app.state.gateway.feedback_window_s = feedback_window_s
         snk.on_batch = lambda _n: app.state.gateway.metrics.record_batches.inc()
+        stop_marks = threading.Event()
+        marks = threading.Thread(
+            target=report_watermarks, args=(app.state.gateway, stop_marks), name="bus-watermark", daemon=True
+        )
+        marks.start()
         log.info("gateway ready: versions %s, default %s", eng.versions, eng.default_version)
         if freeze_gc:
             gc.collect()
@@ -118,6 +143,8 @@ def create_app(
         try:
             yield
         finally:
+            stop_marks.set()
+            marks.join(timeout=30)
             if fleet is not None:
                 fleet.close()
             snk.close()  # before the bus and the index it writes to
@@ -162,13 +189,16 @@ def create_app(
     return app
 
 
-def serve(settings: Settings | None = None, lending: LendingConfig | None = None) -> None:
-    """The gateway under uvicorn; `lending`: the config file's `[lending]` section (`cli` reads it)."""
+def serve(
+    settings: Settings | None = None, lending: LendingConfig | None = None, feedback_window_s: float | None = None
+) -> None:
+    """The gateway under uvicorn; `lending`: the config file's `[lending]` section, `feedback_window_s`
+    its `rewards.window_s` (`cli` reads them): feedback received after it is refused (409 `window_closed`)."""
     import uvicorn
 
     settings = settings or get_settings()
     uvicorn.run(
-        create_app(settings, freeze_gc=True, lending=lending),
+        create_app(settings, freeze_gc=True, lending=lending, feedback_window_s=feedback_window_s),
         host=settings.host,
         port=settings.port,
         log_level="info",

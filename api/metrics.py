@@ -65,6 +65,11 @@ class Metrics:
         self.canary_lapsed = Gauge(
             "flywheel_canary_lapsed", "1 while the canary is lapsed (no live gate lease), else 0", registry=r
         )
+        self.bus_watermark_lag = Gauge(
+            "flywheel_bus_watermark_lag_seconds",
+            "How far this gateway's bus watermark is behind now: its oldest record not yet on the bus",
+            registry=r,
+        )
 
     def set_lending(self, states: Mapping[str, str], counters: Mapping[str, float]) -> None:
         """The lending loop's replica states and totals (`api.lending.LendingLoop.counters`)."""

@@ -242,7 +242,8 @@ def _sample_event(uid: str, arm: str, reward: float, latency: float, error: bool
         latency_ms={"first_token": latency, "total": 2 * latency},  # TTFT and TPOT both `latency`
         arm=arm,
     )
-    shown = Signal(kind="shown", ts=ts, user_id=uid)  # an exposure: counted under denominator="exposures"
+    # an exposure: counted under denominator="exposures"
+    shown = Signal(kind="shown", ts=ts, user_id=uid, event_id=f"shown-{uid}-{n}")
     return SampleEvent(tenant=TENANT, ts=ts, completion=c, reward=reward, signals=[shown], reward_spec="sim")
 
 

@@ -43,6 +43,12 @@ class RewardsSection(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     window_s: float = Field(600.0, gt=0, description="The joiner's attribution window (seconds).")
+    producer_stale_s: float = Field(
+        300.0,
+        gt=0,
+        description="A gateway whose bus watermark has not been reported for this long is taken for gone: the "
+        "joiner stops holding windows open for records it may still hold (logged).",
+    )
     spec: RewardSpec | str = Field(
         default_factory=RewardSpec,
         description="The reward table: a table of `RewardSpec` fields, or a plug-in path to a `RewardSpec`.",

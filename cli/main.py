@@ -29,6 +29,8 @@ from core.security import SCOPES
 from core.service_metrics import ServiceMetrics
 from core.settings import Settings, get_settings
 
+log = logging.getLogger("flywheel.cli")
+
 
 def _bootstrap(args, settings: Settings | None = None) -> dict:
     from demo.bootstrap import BootstrapConfig, bootstrap
@@ -91,7 +93,7 @@ def _serve(args) -> None:
     ensure_base(settings)
     product = load_product_config()  # a bad file stops here, before anything starts
     if args.cmd != "up":
-        serve(settings, product.lending)
+        serve(settings, product.lending, product.rewards.window_s)
         return
     from cli.config import reward_spec
 
@@ -102,7 +104,7 @@ def _serve(args) -> None:
     try:
         start_services(settings, supervisor)
         supervisor.watch()  # a dead service stops everything: the gateway too, and `up` exits 1
-        serve(settings, product.lending)
+        serve(settings, product.lending, product.rewards.window_s)
     except KeyboardInterrupt:
         pass
     finally:
@@ -148,6 +150,7 @@ def joiner_service(settings: Settings, window_s: float | None = None) -> Iterato
     from cli.config import RewardsSection, reward_spec, validate_section
     from feedback.connect import open_bus
     from feedback.joiner import JoinerService
+    from registry.registry import Registry
 
     rewards = validate_section("rewards", RewardsSection)
     spec = reward_spec(rewards)
@@ -155,13 +158,37 @@ def joiner_service(settings: Settings, window_s: float | None = None) -> Iterato
     try:
         metrics = ServiceMetrics("joiner", settings.home / "metrics")
         window = rewards.window_s if window_s is None else window_s
-        service = JoinerService(bus, spec, window_s=window, metrics=metrics)
+        registry = Registry(settings.db_url)
+        watermark = producer_watermark(registry, rewards.producer_stale_s)
+        service = JoinerService(bus, spec, window_s=window, metrics=metrics, watermark=watermark)
         try:
             yield service
         finally:
             service.close()
+            registry.close()
     finally:
         bus.close()
+
+
+def producer_watermark(registry, stale_s: float):
+    """The joiner's `watermark`: the registry's bus watermark over live producers; a producer going
+    stale, or none being live, is logged once per change (the joiner then closes on the clock)."""
+    stale_seen: set[str] = set()
+    state: dict[str, bool | None] = {"live": None}
+
+    def watermark() -> float | None:
+        w = registry.bus_watermark(stale_s)
+        for p in set(w.stale) - stale_seen:
+            log.warning("joiner: producer %s reported no bus watermark for over %g s; not waiting for it", p, stale_s)
+        stale_seen.clear()
+        stale_seen.update(w.stale)
+        if bool(w.live) != state["live"]:
+            state["live"] = bool(w.live)
+            if not w.live:
+                log.warning("joiner: no producer reports a bus watermark; windows close on the clock alone")
+        return w.value
+
+    return watermark
 
 
 def _joiner(args) -> None:

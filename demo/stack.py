@@ -10,6 +10,13 @@
 
 `demo_config` turns a `demo.system.DemoSystemConfig` into the file's tables; `start` starts the shape
 under one `core.supervisor.Supervisor` and returns a `Stack`. Each process logs to `<home>/<name>.log`.
+
+`start(..., separate=True)` runs the kafka-postgres shape as a process manager (systemd, Kubernetes)
+would: every gateway is a `flywheel serve` (`gateway-1`, `gateway-2`, ...), and the joiner, the
+learner and the gate are processes of their own (`Stack.start_services`, once the first gateway has
+published the base), each of which can be killed and started again by name (`Stack.start_child`).
+With `durable_broker`, the broker keeps its records in an S3 bucket (`core.harness.Tansu`), so it can
+be killed and restarted too. The fault harness (`bench/faults.py`) runs on this.
 """
 
 from __future__ import annotations
@@ -17,17 +24,19 @@ from __future__ import annotations
 import os
 import secrets
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from core.config_file import FILE_NAME, dump_toml
-from core.harness import free_port, http_ok, start_tansu, wait_until
+from core.harness import Tansu, free_port, http_ok, wait_until
 from core.settings import Settings
 from core.supervisor import Supervisor
 
 if TYPE_CHECKING:
     from demo.system import DemoSystemConfig
+
+SERVICES = ("joiner", "learner", "gate")  # what `flywheel up` runs beside its gateway
 
 
 @dataclass
@@ -39,6 +48,19 @@ class Stack:
     settings: Settings
     """The run's deployment settings (the bus, the registry), as its services read them."""
     config: Path
+    commands: dict[str, tuple[list[str], dict[str, str], Path]] = field(default_factory=dict)
+    """Each process `start_child` can start (again): its `flywheel` arguments, environment and log."""
+    broker: Tansu | None = None
+
+    def start_child(self, name: str) -> None:
+        """Start the process `name` (again, after it was killed): the same command, environment and log."""
+        argv, env, log_path = self.commands[name]
+        self.supervisor.start_flywheel(name, argv, env=env, log_path=log_path)
+
+    def start_services(self) -> None:
+        """`separate` stacks: the joiner, the learner and the gate, each a process (`SERVICES`)."""
+        for name in SERVICES:
+            self.start_child(name)
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:
         for url in self.urls:
@@ -134,15 +156,23 @@ def create_database(server: str, prefix: str = "flywheel_demo") -> str:
     return u.set(drivername="postgresql+psycopg", database=name).render_as_string(hide_password=False)
 
 
-def start(cfg: DemoSystemConfig, home: Path, base: Path) -> Stack:
-    """The run's shape (module docstring), started: `flywheel up` and the extra gateways, not yet ready."""
+def start(
+    cfg: DemoSystemConfig, home: Path, base: Path, *, separate: bool = False, durable_broker: bool = False
+) -> Stack:
+    """The run's shape (module docstring), started: `flywheel up` and the extra gateways, or with
+    `separate` every gateway as `flywheel serve` (the services wait for `Stack.start_services`); not yet ready."""
+    if (separate or durable_broker) and cfg.shape != "kafka-postgres":
+        raise ValueError(f"separate processes and a durable broker need shape 'kafka-postgres', got {cfg.shape!r}")
     supervisor = Supervisor("flywheel demo")
     ports = [free_port() for _ in range(cfg.gateways)]
     shape: dict[str, Any] = {}
     db_url = f"sqlite:///{home / 'registry.db'}"
+    broker = None
+    commands: dict[str, tuple[list[str], dict[str, str], Path]] = {}
     try:
         if cfg.shape == "kafka-postgres":
-            bootstrap = start_tansu(supervisor, home / "tansu.log")
+            broker = Tansu(supervisor, home, durable=durable_broker)
+            bootstrap = broker.start()
             db_url = create_database(cfg.postgres_server)
             shape = {
                 "bus": {"kind": "kafka", "kafka_bootstrap": bootstrap},
@@ -160,16 +190,32 @@ def start(cfg: DemoSystemConfig, home: Path, base: Path) -> Stack:
             "FLYWHEEL_HOME": str(home),
             "FLYWHEEL_MODEL_DIR": str(base),
         }
-        supervisor.start_flywheel("up", ["--config", str(config), "up"], env=env, log_path=home / "up.log")
-        for i, port in enumerate(ports[1:], start=2):
+        on_file = ["--config", str(config)]
+        if separate:
+            commands = {name: ([*on_file, name], env, home / f"{name}.log") for name in SERVICES}
+        else:
+            commands["up"] = ([*on_file, "up"], env, home / "up.log")
+        for i, port in enumerate(ports, start=1):
             name = f"gateway-{i}"
-            own = {**env, "FLYWHEEL_HOME": str(home / name), "FLYWHEEL_PORT": str(port), "FLYWHEEL_GATEWAY_ID": name}
-            supervisor.start_flywheel(name, ["--config", str(config), "serve"], env=own, log_path=home / f"{name}.log")
+            if i == 1 and not separate:
+                continue  # `flywheel up` serves the first gateway
+            own = {**env, "FLYWHEEL_PORT": str(port), "FLYWHEEL_GATEWAY_ID": name}
+            if i > 1:  # gateway-1 shares the services' home: the learner's weights folder is the one published
+                own["FLYWHEEL_HOME"] = str(home / name)
+            commands[name] = ([*on_file, "serve"], own, home / f"{name}.log")
     except BaseException:
         supervisor.stop()
         raise
     settings = Settings(home=home, model_dir=base, env="local", database_url=db_url, **_bus(shape))
-    return Stack(supervisor, [f"http://127.0.0.1:{p}" for p in ports], db_url, settings, config)
+    stack = Stack(supervisor, [f"http://127.0.0.1:{p}" for p in ports], db_url, settings, config, commands, broker)
+    try:
+        for name in commands:
+            if name not in SERVICES:
+                stack.start_child(name)
+    except BaseException:
+        supervisor.stop()
+        raise
+    return stack
 
 
 def _bus(shape: dict[str, Any]) -> dict[str, Any]:

@@ -42,6 +42,11 @@ class Traffic:
     served: dict[str, int] = field(default_factory=dict)
     by_gateway: dict[str, int] = field(default_factory=dict)  # completions per gateway URL
     passed: dict[str, list[int]] = field(default_factory=dict)
+    served_log: list[tuple[float, str, str, int]] = field(default_factory=list)
+    """Each completion: (wall time it returned, user, the version that served it, gateway index)."""
+    error_log: list[tuple[float, int]] = field(default_factory=list)  # (wall time, gateway index) per failure
+    feedback_keys: list[str] = field(default_factory=list)  # every event's idempotency key, `shown` included
+    feedback_given_up: set[str] = field(default_factory=set)  # keys the SDK handed to on_error: not accepted
 
 
 def _users(cfg: DemoSystemConfig) -> list[_User]:
@@ -87,11 +92,16 @@ async def drive_users(
     users = _users(cfg)
     weights = [u.activity for u in users]
     rng = random.Random(f"traffic:{cfg.seed}")
-    traffic = Traffic()
     if not urls:
         raise ValueError("drive_users needs at least one gateway URL")
     clients = [openai.AsyncOpenAI(base_url=u + "/v1", api_key="local", max_retries=2, timeout=30) for u in urls]
-    feedbacks = [FeedbackClient(u, batch_size=200, flush_interval_s=0.5) for u in urls]
+    traffic = Traffic()
+
+    def given_up(exc: BaseException, events: list[dict]) -> None:
+        traffic.feedback_given_up.update(e["idempotency_key"] for e in events)
+        log.warning("demo user: %d feedback event(s) given up: %r", len(events), exc)
+
+    feedbacks = [FeedbackClient(u, batch_size=200, flush_interval_s=0.5, on_error=given_up) for u in urls]
     gateway = {id(u): i % len(urls) for i, u in enumerate(users)}  # each user's gateway
     pending: list[tuple[_User, Any, str, str]] = []
     traffic_model: dict[str, str] = {}  # completion id -> the version that served it
@@ -124,13 +134,17 @@ async def drive_users(
                 )
             except openai.OpenAIError as e:
                 traffic.errors += 1
+                traffic.error_log.append((time.time(), g))
                 log.warning("demo user: completion failed: %r", e)
                 await asyncio.sleep(0.5)
                 continue
             traffic.completions += 1
             traffic.served[r.model] = traffic.served.get(r.model, 0) + 1
             traffic.by_gateway[urls[g]] = traffic.by_gateway.get(urls[g], 0) + 1
-            feedbacks[g].shown(r.id, user=user.sim.user_id)
+            traffic.served_log.append((time.time(), user.sim.user_id, r.model, g))
+            key = feedbacks[g].shown(r.id, user=user.sim.user_id)
+            if key is not None:
+                traffic.feedback_keys.append(key)
             pending.append((user, task, r.id, r.choices[0].text))
             traffic_model[r.id] = r.model
 
@@ -171,5 +185,7 @@ async def drive_users(
 
 async def _send_later(fb: Any, s: Any, cid: str, user: str, delay: float, traffic: Traffic) -> None:
     await asyncio.sleep(delay)
-    if fb.send(s.kind, cid, s.value, user=user) is not None:
+    key = fb.send(s.kind, cid, s.value, user=user)
+    if key is not None:
         traffic.feedback += 1
+        traffic.feedback_keys.append(key)

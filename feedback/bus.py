@@ -74,6 +74,25 @@ class Consumer(ABC):
         It changes only inside `poll()`."""
 
     @abstractmethod
+    def ends(self) -> dict[tuple[str, int], int] | None:
+        """Per (topic, partition) this member owns: the offset the next record written there will get,
+        asked of the bus now. Every record the bus acknowledged before this call lies below it. None
+        when the bus cannot say (its broker unreachable)."""
+
+    @abstractmethod
+    def positions(self) -> dict[tuple[str, int], int] | None:
+        """Per (topic, partition) this member owns: the offset of the next record `poll` returns; None
+        when the bus cannot say."""
+
+    def reached(self, ends: dict[tuple[str, int], int] | None) -> bool:
+        """This member has read everything below `ends` in the partitions it still owns (False when
+        either is unknown). An empty poll does not say so: a Kafka client's fetch may be on its way."""
+        here = self.positions()
+        if ends is None or here is None:
+            return False
+        return all(here.get(tp, 0) >= end for tp, end in ends.items() if tp in here)
+
+    @abstractmethod
     def close(self) -> None:
         """Leave the group (uncommitted records are redelivered to the group later)."""
 
@@ -101,6 +120,11 @@ class EventBus(ABC):
     @abstractmethod
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until everything published so far is on the broker (a no-op where there is none)."""
+
+    def pending_since(self) -> float | None:
+        """The wall time the oldest record published here and not yet on the bus was published, None
+        when there is none (a bus that writes synchronously never has one). A producer's watermark."""
+        return None
 
     @abstractmethod
     def consumer(self, topics: str | Sequence[str], group: str) -> Consumer:

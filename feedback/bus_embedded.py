@@ -161,6 +161,16 @@ class EmbeddedConsumer(Consumer):
     def assignment(self) -> list[tuple[str, int]]:
         return sorted(self.bus._assigned(self))
 
+    def ends(self) -> dict[tuple[str, int], int]:
+        return {(t, p): self.bus._log(t, p).end_offset for t, p in self.bus._assigned(self)}
+
+    def positions(self) -> dict[tuple[str, int], int]:
+        out = {}
+        for t, p in self.bus._assigned(self):
+            start = self._next.get((t, p))
+            out[(t, p)] = self.bus.committed(t, self.group).get(p, 0) if start is None else start
+        return out
+
     def _read(self, max_records: int) -> list[Record]:
         if self.bus._closed:
             return []

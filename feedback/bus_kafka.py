@@ -95,6 +95,9 @@ class KafkaBus(EventBus):
             )
 
     # ---- producing ------------------------------------------------------------------------------
+    def pending_since(self) -> float | None:
+        return None if self.spool is None else self.spool.pending_since()
+
     def publish_many(self, topic: str, records: list[tuple[str, bytes]]) -> None:
         """All of them into the spool with one fsync (all checked first: none is spooled if one is bad)."""
         if self._closed:
@@ -233,6 +236,26 @@ class KafkaBusConsumer(Consumer):
     def assignment(self) -> list[tuple[str, int]]:
         return sorted((tp.topic, tp.partition) for tp in self._c.assignment())
 
+    def ends(self) -> dict[tuple[str, int], int] | None:
+        owned = list(self._c.assignment())
+        if not owned:
+            return {}
+        try:
+            listed = self._c.end_offsets(owned)
+        except KafkaError as e:  # the broker is down or moving: the caller waits for a round that can tell
+            log.warning("kafka bus: end offsets of %d partitions unknown: %r", len(owned), e)
+            return None
+        # The larger of the listed end and the high watermark of the last fetch: tansu 0.6 sometimes lists
+        # the first offset of a partition's last batch as its end (a Kafka broker lists the true end).
+        return {(tp.topic, tp.partition): max(int(o), self._c.highwater(tp) or 0) for tp, o in listed.items()}
+
+    def positions(self) -> dict[tuple[str, int], int] | None:
+        try:
+            return {(tp.topic, tp.partition): int(self._c.position(tp)) for tp in self._c.assignment()}
+        except KafkaError as e:
+            log.warning("kafka bus: positions unknown: %r", e)
+            return None
+
     def commit(self, records: list[Record]) -> None:
         positions = self._positions(records)
         if not (new := {tp: o for tp, o in positions.items() if o > self._committed.get(tp, 0)}):
@@ -243,6 +266,9 @@ class KafkaBusConsumer(Consumer):
             # The group rebalanced: these partitions belong to another member now, which starts from
             # the last committed position, so the records are delivered again (and deduplicated).
             log.warning("kafka bus: commit of %s failed after a rebalance; they will be redelivered: %r", positions, e)
+            return
+        except KafkaError as e:  # the broker is unreachable: the next commit carries these positions too
+            log.warning("kafka bus: commit of %d positions failed (%r); retried with the next commit", len(new), e)
             return
         self._committed.update(new)
 

@@ -205,6 +205,9 @@ class Signal(BaseModel):
     value: float | None = None
     ts: float
     user_id: str | None = None
+    event_id: str = Field(min_length=8, max_length=64)
+    """The feedback event this signal came from: every accepted event can be traced to the one sample it
+    counts in (`bench/faults.py` checks exactly that after killing the services under load)."""
 
 
 class SampleEvent(Event):

@@ -19,10 +19,14 @@ Called by `api/routes/feedback.py` on a worker thread (it blocks on the database
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import threading
 import time
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -95,6 +99,7 @@ class Accepted:
     accepted: int  # events published now
     duplicates: int  # events of the request already accepted before (or twice in it)
     event_ids: list[str]  # one per event, in request order
+    window_closed: list[int] = field(default_factory=list)  # request indices refused: received after the window
 
 
 def fingerprint(item: FeedbackIn, tenant: str) -> str:
@@ -104,9 +109,57 @@ def fingerprint(item: FeedbackIn, tenant: str) -> str:
     return "v1:" + hashlib.sha256(repr(what).encode()).hexdigest()[:32]
 
 
-def accept(index: CompletionIndex, bus: EventBus, tenant: str, items: list[Item], now: float | None = None) -> Accepted:
-    """Accept one request's events, `(event, idempotency key or None)`, all or nothing."""
-    now = time.time() if now is None else now
+class InFlight:
+    """The receive times of the requests being accepted: stamped, not yet on the bus. The gateway's bus
+    watermark stays below them (`registry.watermarks`, `api.main.report_watermark`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stamps: Counter[float] = Counter()
+
+    @contextlib.contextmanager
+    def hold(self, ts: float | None = None) -> Iterator[float]:
+        """Hold a receive time (`ts`, else now, read under the lock: a watermark read before it is
+        below it, one read after it sees it) until the block ends; yields it."""
+        with self._lock:
+            ts = time.time() if ts is None else ts
+            self._stamps[ts] += 1
+        try:
+            yield ts
+        finally:
+            with self._lock:
+                self._stamps[ts] -= 1
+                if not self._stamps[ts]:
+                    del self._stamps[ts]
+
+    def oldest(self) -> float | None:
+        with self._lock:
+            return min(self._stamps, default=None)
+
+
+def accept(
+    index: CompletionIndex,
+    bus: EventBus,
+    tenant: str,
+    items: list[Item],
+    now: float | None = None,
+    in_flight: InFlight | None = None,
+    window_s: float | None = None,
+) -> Accepted:
+    """Accept one request's events, `(event, idempotency key or None)`, all or nothing. `in_flight`
+    holds the receive time until the events are on the bus (or refused). `window_s`: the joiner's
+    attribution window; a new event received after its completion's window closed is not published
+    and its index is listed in `window_closed`: it could never count, and the product should know (a
+    repeat of an event accepted in time is still a duplicate). The rest of the request goes on."""
+    if in_flight is None:
+        return _accept(index, bus, tenant, items, time.time() if now is None else now, window_s)
+    with in_flight.hold(now) as stamped:
+        return _accept(index, bus, tenant, items, stamped, window_s)
+
+
+def _accept(
+    index: CompletionIndex, bus: EventBus, tenant: str, items: list[Item], now: float, window_s: float | None
+) -> Accepted:
     known = index.get_many([it.completion_id for it, _ in items])
     events: list[FeedbackEvent] = []
     fingerprints: dict[str, str] = {}
@@ -128,8 +181,18 @@ def accept(index: CompletionIndex, bus: EventBus, tenant: str, items: list[Item]
         what |= {"client_ts": item.ts, "served_ts": entry.ts, "served_user": entry.user_id}
         events.append(FeedbackEvent.received(event_id=event_id, tenant=tenant, now=now, **what))
     claimed, done = _claim(index, fingerprints, first)
+    closed: list[int] = []
+    if window_s is not None:  # received after the window: never published, its claim given back
+        closed = [
+            i
+            for i, (it, _) in enumerate(items)
+            if events[i].event_id not in done and now > known[it.completion_id].ts + window_s
+        ]
+        late_ids = {events[i].event_id for i in closed}
+        index.release([e for e in claimed if e in late_ids])
+        claimed = [e for e in claimed if e not in late_ids]
     # Keyed ids are now either claimed by this request or done; an id twice in the request is one event.
-    new = list({ev.event_id: ev for ev in events if ev.event_id not in done}.values())
+    new = list({ev.event_id: ev for i, ev in enumerate(events) if ev.event_id not in done and i not in closed}.values())
     try:
         bus.publish_many(TOPICS["feedback"], [(ev.completion_id, ev.model_dump_json().encode()) for ev in new])
     except Exception as e:  # nothing acknowledged: a retry may publish again (consumers drop repeated ids)
@@ -137,7 +200,7 @@ def accept(index: CompletionIndex, bus: EventBus, tenant: str, items: list[Item]
         log.exception("publishing %d feedback event(s) failed", len(new))
         raise PublishFailed(f"The feedback could not be published ({type(e).__name__}); retry.") from e
     index.confirm(claimed)
-    return Accepted(len(new), len(events) - len(new), [ev.event_id for ev in events])
+    return Accepted(len(new), len(events) - len(new) - len(closed), [ev.event_id for ev in events], closed)
 
 
 def _claim(index: CompletionIndex, fingerprints: dict[str, str], first: dict[str, int]) -> tuple[list[str], set[str]]:

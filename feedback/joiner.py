@@ -10,12 +10,16 @@ completion or past its window is late (`drain_late()`). Redelivered ids, another
 signals over a user's `UserBudget` are dropped; every case is counted in `stats`.
 
 `JoinerService` runs the core as one group member on both topics (partitioned alike, so a completion
-meets its feedback). A round reads the clock *before* draining both topics, so no window closes on
-feedback still in the bus. After the round's samples are flushed, each partition is committed up to
-its oldest record still held: a restart rebuilds the state, and re-emitted samples keep their id.
-What it consumed and produced is logged and exposed (`core.service_metrics`, `self.metrics`). A
-record that is no event goes to the dead-letter topic with its topic, partition and offset
-(`feedback.dead_letter`), and the joiner carries on; late feedback is counted and logged.
+meets its feedback). A round reads the clock, then the producers' bus watermark (`watermark`, from
+`registry.watermarks`: everything every live gateway accepted before it is on the bus), then where
+the bus ends, and reads both topics to those ends (an empty poll is no proof: a Kafka fetch may be on
+its way). Windows close at the earlier of the clock and the watermark, so none closes on feedback
+still in the bus or still in a gateway's spool while the broker is away. After the round's samples
+are flushed, each partition is committed up to its oldest record still held: a restart rebuilds the
+state, and re-emitted samples keep their id. What it consumed and produced is logged and exposed
+(`core.service_metrics`, `self.metrics`). A record that is no event goes to the dead-letter topic with
+its topic, partition and offset (`feedback.dead_letter`), and the joiner carries on; late feedback is
+counted and logged.
 """
 
 from __future__ import annotations
@@ -44,9 +48,11 @@ Source = tuple[str, int, int]  # (topic, partition, offset) of the bus record an
 Orphan = tuple[FeedbackEvent, Source | None]
 STAT_KEYS: tuple[str, ...] = ("completions", "feedback", "samples", "silent", "late", "duplicates", "no_feedback")
 STAT_KEYS += ("dropped_by_budget", "tenant_mismatch", "orphans_expired", "orphans_overflow", "malformed")
+STAT_KEYS += ("rounds_behind",)
 MAX_SEEN = MAX_CLOSED = 200_000  # event ids and closed completion ids remembered (to drop redeliveries)
 MAX_LATE_KEPT = 10_000  # late feedback held for `drain_late()`
 MAX_RECORDS_PER_ROUND = 50_000  # a round that reads more stops short of the end: its windows stay open
+MAX_DRAIN_S = 10.0  # a round that cannot reach the bus's end in this long closes no window
 
 
 def sample_event_id(completion_id: str, spec_name: str) -> str:
@@ -151,7 +157,7 @@ class JoinerCore:
             self._late_feedback(ev, source, "past_window")
         else:
             user = ev.user_id if ev.user_id is not None else c.user_id
-            p.signals.append(Signal(kind=ev.kind, value=ev.value, ts=ev.ts, user_id=user))
+            p.signals.append(Signal(kind=ev.kind, value=ev.value, ts=ev.ts, user_id=user, event_id=ev.event_id))
             p.event_ids.append(ev.event_id)
             if source is not None:
                 p.sources.append(source)
@@ -272,8 +278,11 @@ class JoinerService:
         *,
         max_records: int = 500,
         metrics: ServiceMetrics | None = None,
+        watermark: Callable[[], float | None] | None = None,
     ):
         self.bus, self.spec, self.clock = bus, spec, clock
+        self.watermark = watermark  # the producers' bus watermark (`registry.watermarks`); None: the clock alone
+        self.held_s = 0.0  # how far the last round's windows closed behind the clock (waiting on a producer)
         self.metrics = metrics or ServiceMetrics("joiner")
         self.max_records = max_records
         self.core = JoinerCore(spec, window_s, clock)
@@ -294,7 +303,12 @@ class JoinerService:
     def run_once(self, timeout_s: float = 1.0) -> list[SampleEvent]:
         """One round: read the clock, drain both topics, tick, publish, flush, commit."""
         now = self.clock()  # before draining: every event stamped before `now` is read below
-        caught_up = self._drain(timeout_s)
+        mark = self.watermark() if self.watermark is not None else None  # and before the bus's ends:
+        if mark is not None:  # everything a producer accepted before its watermark lies below them
+            self.held_s = max(0.0, now - mark)
+            now = min(now, mark)
+        ends = self.consumer.ends()  # ...up to where the bus stands after `now`, not to the first empty poll
+        caught_up = self._drain(timeout_s, ends)
         self._follow_assignment()
         samples = self.core.tick(now) if caught_up else []  # behind: windows stay open until caught up
         for s in samples:
@@ -302,7 +316,8 @@ class JoinerService:
         self.bus.flush()
         self._commit()
         self.metrics.produce(TOPICS["sample"], len(samples))
-        self.metrics.set_stats({**self.stats, "pending": self.core.pending_count, "orphans": self.core.orphan_count})
+        held = {"pending": self.core.pending_count, "orphans": self.core.orphan_count, "held_s": round(self.held_s, 1)}
+        self.metrics.set_stats({**self.stats, **held})
         self.metrics.report()
         return samples
 
@@ -317,15 +332,24 @@ class JoinerService:
         """Leave the group. Records still held are not committed: a restart reads them again."""
         self.consumer.close()
 
-    def _drain(self, timeout_s: float) -> bool:
-        """Read both topics to their current end, waiting up to `timeout_s` for the first record; False
-        if stopped by `MAX_RECORDS_PER_ROUND`."""
+    def _drain(self, timeout_s: float, ends: dict[tuple[str, int], int] | None) -> bool:
+        """Read both topics up to `ends` (where the bus stood after the round's clock), waiting up to
+        `timeout_s` for the first record; False if they were not reached within `MAX_DRAIN_S` (a slow
+        broker) or `MAX_RECORDS_PER_ROUND` stopped it: then no window closes this round."""
         n, wait = 0, timeout_s
+        deadline = time.monotonic() + MAX_DRAIN_S
         while n < MAX_RECORDS_PER_ROUND:
-            if not (records := self.consumer.poll(self.max_records, timeout_s=wait)):
-                return True
+            records = self.consumer.poll(self.max_records, timeout_s=wait)
             self._handle(records)
-            n, wait = n + len(records), 0.0
+            n += len(records)
+            if not records and self.consumer.reached(ends):
+                return True
+            if time.monotonic() > deadline:
+                self.stats["rounds_behind"] += 1
+                log.info("joiner: %d records read this round and the bus's end not reached in %g s: windows stay "
+                         "open", n, MAX_DRAIN_S)  # fmt: skip
+                return False
+            wait = 0.0 if records else min(timeout_s, 0.05)  # a fetch on its way: wait for it, briefly
         log.info("joiner round stopped after %d records without reaching the end: windows stay open", n)
         return False
 

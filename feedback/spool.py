@@ -20,7 +20,8 @@ import json
 import logging
 import struct
 import threading
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,6 +102,12 @@ class Spool:
         # delivered before its segment was deleted (repeats, never a gap).
         self._forwarded = max(self._read_position(), self._log.first_offset)
         self._cond = threading.Condition()
+        # (first offset, wall time) of each append still (partly) unforwarded: what `pending_since` reads.
+        # Records recovered from disk date from this open: they were accepted before it.
+        self._appended: deque[tuple[int, float]] = deque()
+        self._appending: list[float] = []  # appends under way (not yet in the log)
+        if self._log.end_offset > self._forwarded:
+            self._appended.append((self._forwarded, time.time()))
         self._held = self._in_flight = self._stop = False
         self.failures = 0
         self.last_failure: BaseException | None = None
@@ -129,10 +136,33 @@ class Spool:
             raise RuntimeError(f"spool {self.folder} is closed")
         if not records:
             return self._log.end_offset
-        first = self._log.append([encode(t, k, bytes(v)) for t, k, v in records])
+        at = time.time()  # before the append: a watermark read meanwhile stays below these records
         with self._cond:
+            self._appending.append(at)
+        try:
+            first = self._log.append([encode(t, k, bytes(v)) for t, k, v in records])
+        finally:
+            with self._cond:
+                self._appending.remove(at)
+        with self._cond:
+            self._appended.append((first, at))
             self._cond.notify_all()
         return first
+
+    def _prune(self) -> None:
+        """Forget the appends wholly forwarded (under `_cond`)."""
+        while len(self._appended) > 1 and self._appended[1][0] <= self._forwarded:
+            self._appended.popleft()  # the next append starts at or below the position: this one is done
+
+    def pending_since(self) -> float | None:
+        """The wall time its oldest record not yet acknowledged by the destination was published (or
+        is being appended), None when there is none: every record published before this is delivered."""
+        with self._cond:
+            self._prune()
+            pending = list(self._appending)
+            if self._log.end_offset > self._forwarded and self._appended:
+                pending.append(self._appended[0][1])  # the append holding the record at the position
+            return min(pending, default=None)
 
     @property
     def forwarded(self) -> int:
@@ -258,5 +288,6 @@ class Spool:
         atomic_write(self._pos_path, body, fsync=self.fsync and deleted)
         with self._cond:
             self._forwarded = end
+            self._prune()
             self._in_flight = False
             self._cond.notify_all()

@@ -43,7 +43,7 @@ JSONType = JSON().with_variant(JSONB(), "postgresql")
 UTCDateTime = DateTime(timezone=True)
 VERSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 SHA256 = r"^[0-9a-f]{64}$"
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """Version of the registry's tables (stored in `registry_meta`); a database of another version is refused.
 Bump it, with a migration in `registry.db`, for any change to the tables once a release has shipped."""
 ROLLOUT_SUFFIX = ".rollout"
@@ -408,6 +408,28 @@ class GateLease(GateLeaseBase, table=True):
     gate_id: str = Field(primary_key=True, max_length=128)
     started_at: datetime = Field(sa_type=UTCDateTime, description="The gate's first beat.")
     beat_at: datetime = Field(sa_type=UTCDateTime, index=True)
+
+
+class BusWatermark(SQLModel, table=True):
+    """A producer's (a gateway's) bus watermark: everything it accepted before `watermark` (epoch
+    seconds, its clock) is on the bus (`registry.watermarks`)."""
+
+    __tablename__ = "bus_watermark"
+
+    producer_id: str = Field(primary_key=True, max_length=128)
+    watermark: float
+    reported_at: datetime = Field(sa_type=UTCDateTime, index=True)
+
+
+class BusWatermarkPublic(BaseModel):
+    producer_id: str
+    watermark: float
+    reported_at: datetime
+
+    @field_validator("reported_at")
+    @classmethod
+    def _utc(cls, v: datetime) -> datetime:
+        return _aware(v)
 
 
 class GateLeasePublic(GateLeaseBase):

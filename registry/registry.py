@@ -26,8 +26,9 @@ docs/design.md and stores its progress with `record_gate`; a person `approve`s, 
   writes nothing.
 
 This module holds the versions, their lifecycle and the reads; `Registry` mixes in the gate's evidence
-(`registry.gate_evidence.GateEvidence`), the replicas' heartbeats (`registry.fleet_state.Heartbeats`)
-and the gate's lease (`registry.gate_lease.GateLeases`) over `registry.store.RegistryStore`. User
+(`registry.gate_evidence.GateEvidence`), the replicas' heartbeats (`registry.fleet_state.Heartbeats`),
+the gate's lease (`registry.gate_lease.GateLeases`) and the producers' bus watermarks
+(`registry.watermarks.Watermarks`) over `registry.store.RegistryStore`. User
 mistakes (unknown version or status, illegal step, bad input) are `ValueError`s naming the value;
 `UnknownVersion` is the one an API maps to 404. Methods return detached `*Public` models. Called by
 the learner (`learner.service`), the gateway's API (`api.deps`, `api.routes.admin`) and the CLI.
@@ -73,6 +74,7 @@ from registry.store import (
     need,
     parse_status,
 )
+from registry.watermarks import Watermarks
 
 S = Status
 LIFECYCLE: dict[Status, frozenset[Status]] = {
@@ -100,11 +102,12 @@ LIVE = frozenset({*WAITING, S.promoted})
 """A learner lineage ending in one of these goes on; any other rebases onto the promoted version."""
 
 
-class Registry(GateEvidence, Heartbeats, GateLeases):
+class Registry(GateEvidence, Heartbeats, GateLeases, Watermarks):
     """Versions and their lifecycle in one database. Thread-safe: every call uses its own session.
 
     `record_gate` and `approve` come from `GateEvidence`, `heartbeat`, `forget_replica` and `fleet` from
-    `Heartbeats`, `beat_gate`, `release_gate` and `gate_lease` from `GateLeases`, the constructor,
+    `Heartbeats`, `beat_gate`, `release_gate` and `gate_lease` from `GateLeases`, `report_watermark` and
+    `bus_watermark` from `Watermarks`, the constructor,
     `close` and the row steps from `RegistryStore`."""
 
     # -- versions -------------------------------------------------------------------------------

@@ -271,6 +271,11 @@ class ProcessEngine(GenerateMixin):
     def alive(self) -> bool:
         return self._proc.is_alive() and self._reader.is_alive() and self.failure is None
 
+    @property
+    def pid(self) -> int | None:
+        """The engine process's pid (what an operator, or `bench/faults.py`, signals)."""
+        return self._proc.pid
+
     def tokenizer(self, version: str | None = None) -> Tokenizer:
         return self._table.get(version).tokenizer
 

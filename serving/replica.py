@@ -233,6 +233,7 @@ class Replica:
         self._lock = threading.RLock()
         self._lent_version: str | None = None  # held for lent work (`lend_version`), never served
         self.lending_state: str | None = None  # set by the gateway's lending loop; in the heartbeat
+        self._log_engine()
         self._nudge = threading.Event()  # `lend_version` changed: sync at the next look
 
     # -- following the registry -------------------------------------------------------------------
@@ -332,6 +333,12 @@ class Replica:
         self._held.clear()
         self._retiring.clear()
         self.restarts += 1
+        self._log_engine()
+
+    def _log_engine(self) -> None:
+        pid = getattr(self.engine, "pid", None)  # an engine in a process of its own
+        if pid is not None:
+            log.info("replica %s: engine process pid %d", self.replica_id, pid)
 
     def _done(self, result: SyncResult, errors: list[str]) -> SyncResult:
         self.last_error = result.error = "; ".join(errors)[:2000] if errors else None

@@ -47,7 +47,9 @@ async def post_feedback(request: Request, gw: GatewayDep, caller: FeedbackCaller
     rejected, edited, copied, regenerated, dwell), `value` (rating 1..5, edited kept fraction, dwell seconds),
     optional `edit_distance`, `user`, `ts`, `idempotency_key` (or the `Idempotency-Key` header; in
     a batch, event i without a key gets `<header>#<i>`). Answer: `{"accepted", "duplicates",
-    "event_ids"}`. Errors: 400 naming the parameter, 403 `user_mismatch`, 404
+    "event_ids", "window_closed"}`; `window_closed` lists the indices of events received after their
+    completion's attribution window (`rewards.window_s`): not published, they can never count.
+    Errors: 400 naming the parameter, 403 `user_mismatch`, 404
     `completion_not_found`, 409 `idempotency_key_reused`, 413 `request_too_large` (a body over
     FLYWHEEL_MAX_REQUEST_BYTES), 429 `rate_limit_exceeded` (over `limits.feedback_events_per_s`, with
     Retry-After), 503 (retry).
@@ -55,14 +57,18 @@ async def post_feedback(request: Request, gw: GatewayDep, caller: FeedbackCaller
     items, batch = await off_the_loop_if_large(await request.body(), _parse, request.headers.get("idempotency-key"))
     gw.limit("feedback", caller, "/v1/feedback", len(items))  # every event counts, before anything is written
     try:
-        done = await asyncio.to_thread(ingest.accept, gw.index, gw.bus, caller.tenant, items)
+        done = await asyncio.to_thread(
+            ingest.accept, gw.index, gw.bus, caller.tenant, items, None, gw.in_flight, gw.feedback_window_s
+        )
     except ingest.IngestError as e:
         param = None if e.field is None else _param(batch, e.index, e.field)
         headers = {"Retry-After": "1"} if e.status == 503 else None
         raise APIError(e.status, str(e), param, e.code, headers=headers) from None
     gw.metrics.feedback_events.labels("accepted").inc(done.accepted)
     gw.metrics.feedback_events.labels("duplicate").inc(done.duplicates)
-    return {"accepted": done.accepted, "duplicates": done.duplicates, "event_ids": done.event_ids}
+    gw.metrics.feedback_events.labels("window_closed").inc(len(done.window_closed))
+    answer = {"accepted": done.accepted, "duplicates": done.duplicates, "event_ids": done.event_ids}
+    return answer | {"window_closed": done.window_closed}
 
 
 def _param(batch: bool, i: int | None, name: str) -> str:

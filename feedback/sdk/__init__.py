@@ -15,6 +15,7 @@ from feedback.sdk.client import (
     FeedbackError,
     QueueFullError,
     RetriesExhaustedError,
+    WindowClosedError,
     make_event,
 )
 
@@ -26,5 +27,6 @@ __all__ = [
     "FeedbackError",
     "QueueFullError",
     "RetriesExhaustedError",
+    "WindowClosedError",
     "make_event",
 ]

@@ -5,7 +5,9 @@ and appends it to a bounded queue: it never blocks and does no I/O. The client's
 to `POST /v1/feedback` when `batch_size` events wait, when the oldest has waited `flush_interval_s`,
 on `flush()`, and at close or exit. 429, 5xx and connection errors are retried (full-jitter backoff,
 honouring `Retry-After`) up to `max_retries`, with the same keys, so nothing counts twice; an error
-naming one event of a batch (`events.3.value`) drops only that one. What is given up goes to
+naming one event of a batch (`events.3.value`) drops only that one, and events the gateway received
+after their attribution window (its answer's `window_closed`) are given up as `WindowClosedError`.
+What is given up goes to
 `on_error(exc, events)` (logged without one), never raised into the product. Fork-safe: a child
 starts empty, with its own lock, thread and connection.
 """
@@ -52,6 +54,11 @@ class ClientClosedError(FeedbackError):
 
 class RetriesExhaustedError(FeedbackError):
     """Every retry failed; `__cause__` is the last failure."""
+
+
+class WindowClosedError(FeedbackError):
+    """The gateway received the events after their completions' attribution windows had closed: they
+    were not recorded and can never count (the answer's `window_closed`)."""
 
 
 class FeedbackAPIError(FeedbackError):
@@ -111,6 +118,15 @@ def make_event(
     out["idempotency_key"] = idempotency_key or os.urandom(16).hex()
     optional = {"value": ev.value, "edit_distance": ev.edit_distance, "user": user}
     return out | {k: v for k, v in optional.items() if v is not None}
+
+
+def _window_closed(r: httpx.Response, n: int) -> list[int]:
+    """The indices the gateway's answer lists as received after their window (none if it says nothing)."""
+    try:
+        got = r.json().get("window_closed") or []
+    except (ValueError, AttributeError):
+        return []
+    return sorted({i for i in got if isinstance(i, int) and 0 <= i < n})
 
 
 def retry_after_s(headers: httpx.Headers) -> float | None:
@@ -320,7 +336,11 @@ class _Client:
                 err, delay = e, None
             else:
                 if r.status_code == 200:
-                    self.sent += len(events)
+                    closed = _window_closed(r, len(events))
+                    self.sent += len(events) - len(closed)
+                    if closed:
+                        late = [events[i] for i in closed]
+                        self._give_up(late, WindowClosedError(f"{len(late)} event(s) came after their window"))
                     return
                 err = api_err = FeedbackAPIError.from_response(r)
                 if r.status_code != 429 and r.status_code < 500:

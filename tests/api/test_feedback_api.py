@@ -452,3 +452,34 @@ def test_local_mode_serves_one_tenant_and_another_needs_a_key(live):
     assert_error(r, 403, None, "tenant_needs_key")
     assert live.index.get(new_completion(live)).tenant == "default"  # no header: the local tenant
     assert live.index.get(new_completion(live, tenant="acme")).tenant == "acme"  # with acme's key
+
+
+def test_feedback_after_the_attribution_window_is_not_recorded_and_the_answer_says_so(live):
+    """With the joiner's window set (`serve` reads `rewards.window_s`), a new event received after its
+    completion's window is listed in `window_closed` and not published, while the rest of its batch
+    is; an event accepted in time and retried later is still acknowledged as a duplicate."""
+    gw = live.app.state.gateway
+    c, fresh = new_completion(live), None
+    first = post(live, {"completion_id": c, "kind": "accepted", "idempotency_key": "w1"}).json()
+    assert first["window_closed"] == []
+    gw.feedback_window_s = 1.0
+    try:
+        time.sleep(1.1)
+        fresh = new_completion(live)
+        batch = {
+            "events": [
+                {"completion_id": c, "kind": "accepted", "idempotency_key": "w1"},
+                {"completion_id": c, "kind": "copied", "idempotency_key": "w2"},
+                {"completion_id": fresh, "kind": "copied", "idempotency_key": "w3"},
+            ]
+        }
+        got = post(live, batch).json()
+        assert (got["accepted"], got["duplicates"], got["window_closed"]) == (1, 1, [1])
+        assert got["event_ids"][0] == first["event_ids"][0]
+        gw.feedback_window_s = 600.0
+        again = post(live, {"completion_id": c, "kind": "copied", "idempotency_key": "w2"}).json()
+        assert again["accepted"] == 1  # the late key's claim was given back: nothing half-claimed
+    finally:
+        gw.feedback_window_s = None
+    assert sorted(ev.kind for _, ev in on_bus(live, [c])) == ["accepted", "copied"]
+    assert [ev.kind for _, ev in on_bus(live, [fresh])] == ["copied"]

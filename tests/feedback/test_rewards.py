@@ -10,7 +10,7 @@ SPEC = RewardSpec()
 
 
 def sig(kind, value=None, ts=0.0, user="u1"):
-    return Signal(kind=kind, value=value, ts=ts, user_id=user)
+    return Signal(kind=kind, value=value, ts=ts, user_id=user, event_id=f"fb-{kind}-{ts}")
 
 
 @pytest.mark.parametrize(

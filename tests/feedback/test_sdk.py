@@ -438,3 +438,25 @@ def test_make_event_checks_as_the_event_model_does(kind, value, edit):
         **({"edit_distance": model.edit_distance} if model.edit_distance is not None else {}),
     }
     assert type(ev.get("value", 0.0)) is float
+
+
+def test_events_received_after_their_window_go_to_on_error_and_the_rest_count(live):
+    """The gateway's answer lists events received after their completion's attribution window: the
+    client gives exactly those up (`WindowClosedError`) and counts the others as sent."""
+    gw = live.app.state.gateway
+    old = new_completion(live)
+    gw.feedback_window_s = 1.0
+    try:
+        time.sleep(1.1)
+        fresh = new_completion(live)
+        errors = Errors()
+        with FeedbackClient(live.url, batch_size=100, flush_interval_s=60, on_error=errors) as fb:
+            late = fb.accepted(old)
+            fb.accepted(fresh)
+            assert fb.flush(timeout=10) and fb.sent == 1 and fb.failed == 1
+    finally:
+        gw.feedback_window_s = None
+    assert [(type(e).__name__, [x["idempotency_key"] for x in evs]) for e, evs in errors] == [
+        ("WindowClosedError", [late])
+    ]
+    assert [e.completion_id for e in on_bus(live, [old, fresh])] == [fresh]

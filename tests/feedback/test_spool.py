@@ -5,6 +5,8 @@ Deduper removes repeats, and a forwarder that dies says so."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 import uuid
 from collections import Counter
 
@@ -243,3 +245,32 @@ def test_a_lost_or_stale_position_resumes_at_the_first_segment_kept(tmp_path, po
     finally:
         spool.close()
     assert again == list(range(first, 61))
+
+
+def test_pending_since_is_the_publish_time_of_the_oldest_record_not_delivered(tmp_path):
+    """The gateway's bus watermark reads this: None with nothing pending, the first undelivered
+    append's time while the destination refuses, None again once it is delivered; a reopened spool
+    dates what it recovered from its open."""
+    up = threading.Event()
+
+    def deliver(batch):
+        if not up.is_set():
+            raise OSError("broker away")
+
+    spool = Spool(tmp_path / "spool", deliver, retriable=(OSError,), backoff_s=(0.01, 0.05))
+    assert spool.pending_since() is None
+    before = time.time()
+    spool.publish("t", "k", b"1")
+    time.sleep(0.05)
+    spool.publish("t", "k", b"2")
+    first = spool.pending_since()
+    assert first is not None and before <= first < before + 0.05  # the first append's time, not the second's
+    spool.close(flush_timeout_s=0)
+
+    reopened_at = time.time()
+    spool = Spool(tmp_path / "spool", deliver, retriable=(OSError,), backoff_s=(0.01, 0.05))
+    assert reopened_at <= spool.pending_since() <= time.time()  # recovered records: dated at the open
+    up.set()
+    spool.flush(10)
+    assert spool.pending_since() is None and spool.backlog == 0
+    spool.close()

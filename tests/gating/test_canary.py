@@ -54,7 +54,7 @@ def sample(
         latency_ms={"queued": 1.0, "first_token": ttft, "total": latency},
         arm=arm,
     )
-    signals = [Signal(kind="shown", ts=ts + 1, user_id=user)] if shown else []
+    signals = [Signal(kind="shown", ts=ts + 1, user_id=user, event_id=f"shown-{user}-{arm}-{n}")] if shown else []
     return SampleEvent(tenant="t1", ts=ts + 60, completion=c, reward=reward, signals=signals, reward_spec="default-v1")
 
 
