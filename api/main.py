@@ -193,7 +193,8 @@ def serve(
     settings: Settings | None = None, lending: LendingConfig | None = None, feedback_window_s: float | None = None
 ) -> None:
     """The gateway under uvicorn; `lending`: the config file's `[lending]` section, `feedback_window_s`
-    its `rewards.window_s` (`cli` reads them): feedback received after it is refused (409 `window_closed`)."""
+    its `rewards.window_s + rewards.grace_s` (`cli` reads them): feedback received later than that after its
+    completion is not recorded (`window_closed` in the answer)."""
     import uvicorn
 
     settings = settings or get_settings()

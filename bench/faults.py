@@ -300,8 +300,8 @@ class Harness:
 
     # ---- the books -------------------------------------------------------------------------------
 
-    def books(self, traffic: Any, tenant: str, window_s: float) -> dict[str, Any]:
-        samples = read_samples(self.stack.settings, window_s)
+    def books(self, traffic: Any, tenant: str, window_s: float, quiet_s: float = 15.0) -> dict[str, Any]:
+        samples = read_samples(self.stack.settings, window_s, quiet_s)
         accepted = accepted_ids(traffic, tenant)
         return {
             "exactly_once": exactly_once(accepted, samples),
@@ -405,13 +405,24 @@ def read_samples(settings: Any, window_s: float, quiet_s: float = 15.0, timeout_
     bus = open_bus(settings, "faults-books")
     consumer = bus.consumer(TOPICS["sample"], group=f"faults-books-{os.getpid()}-{time.time_ns()}")
     out: dict[str, list[list[str]]] = defaultdict(list)
-    last_new = time.monotonic()
     deadline = time.monotonic() + timeout_s
+
+    def read() -> int:
+        got = consumer.poll(max_records=5000, timeout_s=1.0)
+        for r in got:
+            s = SampleEvent.model_validate_json(r.value)
+            out[s.event_id].append([sig.event_id for sig in s.signals])
+        return len(got)
+
     try:
-        while time.monotonic() - last_new < quiet_s and time.monotonic() < deadline:
-            for r in consumer.poll(max_records=5000, timeout_s=1.0):
-                s = SampleEvent.model_validate_json(r.value)
-                out[s.event_id].append([sig.event_id for sig in s.signals])
+        while not consumer.assignment() and time.monotonic() < deadline:  # joining the group takes seconds
+            read()
+        ends = consumer.ends()
+        while not consumer.reached(ends) and time.monotonic() < deadline:  # everything there now...
+            read()
+        last_new = time.monotonic()
+        while time.monotonic() - last_new < quiet_s and time.monotonic() < deadline:  # ...and what still comes
+            if read():
                 last_new = time.monotonic()
     finally:
         consumer.close()
@@ -451,9 +462,19 @@ def exactly_once(accepted: set[str], samples: dict[str, list[list[str]]]) -> dic
 
 
 def run(
-    *, seed: int, traffic_s: float, plan: Plan, replicas: int = 2, home: Path, lending: bool = True, **demo: Any
+    *,
+    seed: int,
+    traffic_s: float,
+    plan: Plan,
+    home: Path,
+    replicas: int = 2,
+    lending: bool = True,
+    quiet_s: float = 15.0,
+    **demo: Any,
 ) -> dict[str, Any]:
-    """One run (module docstring): the stack, the users, the kills, the books."""
+    """One run (module docstring): the stack, the users, the kills, the books. `demo`: more
+    `demo.system.DemoSystemConfig` fields (users, concurrency, diurnal_trough...); `quiet_s`: how long
+    the samples topic must stay quiet before the books close."""
     from demo import stack as shapes
     from demo.system import DemoSystemConfig, _Approver, _throttled
     from demo.traffic import drive_users
@@ -484,7 +505,7 @@ def run(
         harness.stop.set()
         for t in harness._threads:
             t.join(timeout=300)
-        books = harness.books(traffic, stack.settings.local_tenant, cfg.window_s)
+        books = harness.books(traffic, stack.settings.local_tenant, cfg.window_s, quiet_s)
         versions = [{"id": v.id, "status": v.status.value} for v in harness.registry.list()]
     finally:
         if harness is not None:
@@ -510,6 +531,24 @@ def run(
     }  # fmt: skip
 
 
+FULL_RUN: dict[str, Any] = {
+    # The demo's loop made short enough that a candidate reaches offline evaluation and canary within the
+    # run on 2 cores shared by 2 gateways of 2 engines, a broker, its S3 server, PostgreSQL and 3 services:
+    # a wider attribution window (completions are slow here), a candidate every 2 updates of 32 samples,
+    # `--quick`'s gate suite and one canary step; a compressed day (quiet nights) so replicas are lent.
+    "window_s": 15.0,
+    "learner_every_samples": 32,
+    "updates_per_candidate": 2,
+    "gate_prompts": 36,
+    "gate_G": 4,
+    "canary_steps": (0.5,),
+    "canary_min_users": 10,
+    "users": 200,
+    "concurrency": 8,
+    "diurnal_trough": 0.15,
+}
+
+
 def main() -> None:
     ap = common.parser(__doc__)
     ap.add_argument("--seed", type=int, default=0)
@@ -524,7 +563,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with tempfile.TemporaryDirectory(prefix="flywheel-faults-") as tmp:
         plan = Plan(kills=kills, seed=a.seed)
-        result = run(seed=a.seed, traffic_s=a.minutes * 60, plan=plan, home=Path(tmp) / "home", diurnal_trough=0.15)
+        result = run(seed=a.seed, traffic_s=a.minutes * 60, plan=plan, home=Path(tmp) / "home", **FULL_RUN)
     result |= {"template": NAME}
     common.save(NAME, result, st, a.out)
 

@@ -43,6 +43,13 @@ class RewardsSection(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     window_s: float = Field(600.0, gt=0, description="The joiner's attribution window (seconds).")
+    grace_s: float = Field(
+        1.0,
+        ge=0,
+        description="How long after a completion's window the joiner still waits for feedback stamped inside it "
+        "(clients batch and retry); feedback the gateway receives later than window_s + grace_s after its "
+        "completion is not recorded (`window_closed` in the answer).",
+    )
     producer_stale_s: float = Field(
         300.0,
         gt=0,

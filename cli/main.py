@@ -93,7 +93,7 @@ def _serve(args) -> None:
     ensure_base(settings)
     product = load_product_config()  # a bad file stops here, before anything starts
     if args.cmd != "up":
-        serve(settings, product.lending, product.rewards.window_s)
+        serve(settings, product.lending, product.rewards.window_s + product.rewards.grace_s)
         return
     from cli.config import reward_spec
 
@@ -104,7 +104,7 @@ def _serve(args) -> None:
     try:
         start_services(settings, supervisor)
         supervisor.watch()  # a dead service stops everything: the gateway too, and `up` exits 1
-        serve(settings, product.lending, product.rewards.window_s)
+        serve(settings, product.lending, product.rewards.window_s + product.rewards.grace_s)
     except KeyboardInterrupt:
         pass
     finally:
@@ -160,7 +160,9 @@ def joiner_service(settings: Settings, window_s: float | None = None) -> Iterato
         window = rewards.window_s if window_s is None else window_s
         registry = Registry(settings.db_url)
         watermark = producer_watermark(registry, rewards.producer_stale_s)
-        service = JoinerService(bus, spec, window_s=window, metrics=metrics, watermark=watermark)
+        service = JoinerService(
+            bus, spec, window_s=window, metrics=metrics, watermark=watermark, grace_s=rewards.grace_s
+        )
         try:
             yield service
         finally:

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 MAX_RECORD_BYTES = 900_000  # key + value; under Kafka's default message.max.bytes (1 MiB)
 SPOOL_BATCH = 500  # records the forwarder sends before it waits for their acknowledgements
 _TOPIC_ALREADY_EXISTS = 36
+CONNECT_WAIT_S = 30.0  # how long a new bus waits for a broker that refuses connections (one restarting)
 RETRIABLE = (KafkaError, OSError)  # broker down, slow or restarting: the spool retries the batch
 PRODUCER_CONFIG = dict(acks="all", enable_idempotence=True, linger_ms=5)
 CONSUMER_CONFIG = dict(enable_auto_commit=False, auto_offset_reset="earliest", allow_auto_create_topics=False)
@@ -180,8 +181,12 @@ class KafkaBus(EventBus):
         connection is detected first with a plain socket: kafka-python leaves the I/O thread of an
         admin client whose bootstrap failed running."""
         if self._admin is None:
-            if not any(_accepts(addr) for addr in self.bootstrap.split(",")):
-                raise KafkaConnectionError(f"no broker of {self.bootstrap!r} accepts connections")
+            deadline = time.monotonic() + max(self.send_timeout_s, CONNECT_WAIT_S)
+            while not any(_accepts(addr) for addr in self.bootstrap.split(",")):
+                if time.monotonic() >= deadline:  # a service started while its broker restarts waits for it
+                    raise KafkaConnectionError(f"no broker of {self.bootstrap!r} accepts connections")
+                log.warning("kafka bus: no broker of %r accepts connections yet; waiting", self.bootstrap)
+                time.sleep(1.0)
             ms, name = self._timeout_ms, f"{self.client_id}-admin"
             config = {"bootstrap_servers": self.bootstrap, "bootstrap_timeout_ms": ms, "request_timeout_ms": ms}
             self._admin = KafkaAdminClient(client_id=name, **config)

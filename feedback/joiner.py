@@ -13,7 +13,8 @@ signals over a user's `UserBudget` are dropped; every case is counted in `stats`
 meets its feedback). A round reads the clock, then the producers' bus watermark (`watermark`, from
 `registry.watermarks`: everything every live gateway accepted before it is on the bus), then where
 the bus ends, and reads both topics to those ends (an empty poll is no proof: a Kafka fetch may be on
-its way). Windows close at the earlier of the clock and the watermark, so none closes on feedback
+its way). Windows close `grace_s` after they end (clients batch and retry), at the earlier of the
+clock and the watermark, so none closes on feedback
 still in the bus or still in a gateway's spool while the broker is away. After the round's samples
 are flushed, each partition is committed up to its oldest record still held: a restart rebuilds the
 state, and re-emitted samples keep their id. What it consumed and produced is logged and exposed
@@ -98,10 +99,19 @@ class JoinerCore:
     every input) is the event's bus record; `oldest_held()` is what a caller may not commit yet."""
 
     def __init__(
-        self, spec: RewardSpec, window_s: float, clock: Callable[[], float] = time.time, *, max_orphans: int = 100_000
+        self,
+        spec: RewardSpec,
+        window_s: float,
+        clock: Callable[[], float] = time.time,
+        *,
+        max_orphans: int = 100_000,
+        grace_s: float = 0.0,
     ):
         if not window_s > 0:
             raise ValueError(f"window_s must be > 0, got {window_s}")
+        if not grace_s >= 0:
+            raise ValueError(f"grace_s must be >= 0, got {grace_s}")
+        self.grace_s = grace_s  # a window closes this long after it ends: feedback stamped inside it still on its way
         if max_orphans < 1:
             raise ValueError(f"max_orphans must be >= 1, got {max_orphans}")
         self.spec, self.window_s, self.clock, self.max_orphans = spec, window_s, clock, max_orphans
@@ -125,7 +135,7 @@ class JoinerCore:
         self.stats["completions"] += 1
         p = _Pending(ev, ev.ts + self.window_s, sources=[] if source is None else [source], event_ids=[ev.event_id])
         self._pending[ev.completion_id] = p
-        heapq.heappush(self._deadlines, (p.deadline, next(self._seq), ev.completion_id))
+        heapq.heappush(self._deadlines, (p.deadline + self.grace_s, next(self._seq), ev.completion_id))
         for fb, src in self._orphans.pop(ev.completion_id, {}).values():
             self._n_orphans -= 1
             self._attach(p, fb, src)
@@ -145,7 +155,8 @@ class JoinerCore:
                 self._evict_oldest_orphan()
             self._orphans.setdefault(ev.completion_id, {})[ev.event_id] = (ev, source)
             self._n_orphans += 1
-            heapq.heappush(self._orphan_expiry, (ev.ts + self.window_s, next(self._seq), ev.completion_id, ev.event_id))
+            expiry = ev.ts + self.window_s + self.grace_s
+            heapq.heappush(self._orphan_expiry, (expiry, next(self._seq), ev.completion_id, ev.event_id))
 
     def _attach(self, p: _Pending, ev: FeedbackEvent, source: Source | None) -> None:
         c = p.completion
@@ -279,13 +290,14 @@ class JoinerService:
         max_records: int = 500,
         metrics: ServiceMetrics | None = None,
         watermark: Callable[[], float | None] | None = None,
+        grace_s: float = 0.0,
     ):
         self.bus, self.spec, self.clock = bus, spec, clock
         self.watermark = watermark  # the producers' bus watermark (`registry.watermarks`); None: the clock alone
         self.held_s = 0.0  # how far the last round's windows closed behind the clock (waiting on a producer)
         self.metrics = metrics or ServiceMetrics("joiner")
         self.max_records = max_records
-        self.core = JoinerCore(spec, window_s, clock)
+        self.core = JoinerCore(spec, window_s, clock, grace_s=grace_s)
         self.consumer: Consumer = bus.consumer((TOPICS["completion"], TOPICS["feedback"]), group)
         self._consumed: dict[tuple[str, int], int] = {}  # position after the last record read
         self._committed: dict[tuple[str, int], int] = {}

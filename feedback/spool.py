@@ -103,11 +103,12 @@ class Spool:
         self._forwarded = max(self._read_position(), self._log.first_offset)
         self._cond = threading.Condition()
         # (first offset, wall time) of each append still (partly) unforwarded: what `pending_since` reads.
-        # Records recovered from disk date from this open: they were accepted before it.
+        # Records recovered from disk were published at some unknown time before this open: dated 0.0,
+        # so a producer's watermark stays at the epoch until they are delivered.
         self._appended: deque[tuple[int, float]] = deque()
         self._appending: list[float] = []  # appends under way (not yet in the log)
         if self._log.end_offset > self._forwarded:
-            self._appended.append((self._forwarded, time.time()))
+            self._appended.append((self._forwarded, 0.0))
         self._held = self._in_flight = self._stop = False
         self.failures = 0
         self.last_failure: BaseException | None = None

@@ -11,8 +11,9 @@ live producer has passed it, and reads the bus to its end after reading the wate
 A producer whose last report is older than `stale_s` (`rewards.producer_stale_s`) is taken for gone:
 the joiner stops waiting for it, logs it and counts it, and feedback it still holds arrives late (as a
 gateway killed for longer than that, then restarted, shows). A restarted gateway reports again under
-its id; one with a new id (the default `<host>-<pid>`) starts its watermark at its start, below any
-record it recovered from its spool. Reports are not audited and take no seq; rows are kept (one per
+its id (a new id, the default `<host>-<pid>`, is a new producer); while records it recovered from its
+spool are not yet delivered, its watermark is the epoch (their times are unknown), so the joiner
+waits for them. Reports are not audited and take no seq; rows are kept (one per
 producer ever seen) until `forget_stale_producers`.
 """
 

@@ -510,3 +510,15 @@ def test_windows_close_at_the_producers_watermark_not_past_it(tmp_path):
     assert svc.stats["late"] == 0
     svc.close()
     bus.close()
+
+
+def test_a_window_closes_grace_s_after_it_ends_and_counts_only_feedback_stamped_inside_it():
+    c = JoinerCore(SPEC, WINDOW, grace_s=5.0)
+    c.on_completion(completion("c1", 10.0))
+    assert c.tick(71.0) == []  # the window ended at 70; feedback stamped before then may still come
+    c.on_feedback(feedback("c1", "accepted", 69.0))
+    c.on_feedback(feedback("c1", "copied", 72.0))  # stamped after the window: late, grace or not
+    (sample,) = c.tick(75.5)
+    assert [s.kind for s in sample.signals] == ["accepted"] and c.stats["late"] == 1
+    with pytest.raises(ValueError, match="grace_s"):
+        JoinerCore(SPEC, WINDOW, grace_s=-1.0)
