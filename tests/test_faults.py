@@ -26,7 +26,7 @@ def test_the_books_balance_after_kills_of_the_broker_learner_gate_a_replica_and_
         pytest.skip(f"PostgreSQL at 127.0.0.1:5432 is unreachable: {e}")
     plan = Plan(kills=KILLS, seed=1, first_after_s=5.0, gap_s=(3.0, 5.0), down_s=(1.0, 2.0))
     r = run(seed=1, traffic_s=60.0, plan=plan, home=tmp_path / "home", replicas=1, lending=False, quiet_s=5.0,
-            users=40, concurrency=4)  # fmt: skip
+            books_timeout_s=120.0, users=40, concurrency=4)  # fmt: skip
     (tmp_path / "result.json").write_text(json.dumps(r, indent=1, default=str))  # for a failure's post-mortem
     assert r["skipped"] == [] and r["survived"] == dict.fromkeys(KILLS, True), (r["kills"], r["skipped"])
     assert r["unasked_deaths"] == []
