@@ -108,7 +108,8 @@ class Harness:
         self.gate_down: list[tuple[float, float | None, float]] = []  # (killed at, back at, lease_s)
         self.skipped: list[str] = []
         self.busy: set[str] = set()  # targets with a kill in flight
-        self.stop = threading.Event()
+        self.stop = threading.Event()  # no more kills
+        self._closing = threading.Event()  # the watcher too
         self._threads: list[threading.Thread] = []
         self._kill_threads: list[threading.Thread] = []
         self._starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="faults-starter")  # lives for the run
@@ -124,6 +125,7 @@ class Harness:
 
     def close(self) -> None:
         self.stop.set()
+        self._closing.set()
         for t in self._threads:
             t.join(timeout=120)
         self.registry.close()
@@ -131,8 +133,8 @@ class Harness:
 
     def _watch(self) -> None:
         """Every 0.5 s: the canary's version and share as the registry holds them, and any process that
-        died unasked (recorded, then started again so the run goes on)."""
-        while not self.stop.wait(0.5):
+        died unasked (recorded, then started again so the run goes on), until `close` (the books too)."""
+        while not self._closing.wait(0.5):
             try:
                 v = self.registry.in_flight()
                 if v is not None and v.status == "canary":
@@ -510,9 +512,8 @@ def run(
                 log.warning("faults: approving: %r", e)
 
         traffic = asyncio.run(drive_users(cfg, stack.urls, time.monotonic() + traffic_s, _throttled(progress, 2.0)))
-        harness.stop.set()
-        for t in harness._threads:
-            t.join(timeout=300)
+        harness.stop.set()  # no more kills; the watcher goes on through the books
+        harness._threads[1].join(timeout=300)  # the scheduler, once its kills are back
         books = harness.books(traffic, stack.settings.local_tenant, cfg.window_s, quiet_s, books_timeout_s)
         versions = [{"id": v.id, "status": v.status.value} for v in harness.registry.list()]
     finally:

@@ -325,8 +325,12 @@ class JoinerService:
         samples = self.core.tick(now) if caught_up else []  # behind: windows stay open until caught up
         for s in samples:
             self.bus.publish(TOPICS["sample"], s.completion.completion_id, s.model_dump_json().encode())
-        self.bus.flush()
-        self._commit()
+        try:
+            self.bus.flush()
+        except TimeoutError as e:  # a slow or absent broker: the samples stay spooled and go out later;
+            log.warning("joiner: %r; nothing committed this round", e)  # committing waits for them
+        else:
+            self._commit()
         self.metrics.produce(TOPICS["sample"], len(samples))
         held = {"pending": self.core.pending_count, "orphans": self.core.orphan_count, "held_s": round(self.held_s, 1)}
         self.metrics.set_stats({**self.stats, **held})

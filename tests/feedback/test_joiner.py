@@ -522,3 +522,29 @@ def test_a_window_closes_grace_s_after_it_ends_and_counts_only_feedback_stamped_
     assert [s.kind for s in sample.signals] == ["accepted"] and c.stats["late"] == 1
     with pytest.raises(ValueError, match="grace_s"):
         JoinerCore(SPEC, WINDOW, grace_s=-1.0)
+
+
+class SlowBus(EmbeddedBus):
+    """The real embedded bus whose flush times out while `slow` (a broker too slow to take the samples)."""
+
+    slow = True
+
+    def flush(self, timeout_s=30.0):
+        if self.slow:
+            raise TimeoutError("spool: 3 records not forwarded after 30.0s")
+
+
+def test_a_flush_that_times_out_commits_nothing_and_the_joiner_goes_on(tmp_path):
+    bus = SlowBus(tmp_path)
+    clock = Clock(10.0)
+    svc = JoinerService(bus, SPEC, window_s=WINDOW, clock=clock)
+    publish(bus, completion("c1", 1.0))
+    publish(bus, feedback("c1", "accepted", 2.0))
+    clock.t = 1000.0
+    assert len(svc.run_once(0.0)) == 1  # published (spooled), not confirmed: no commit
+    assert bus.committed(TOPICS["completion"], "joiner") == {}
+    bus.slow = False
+    svc.run_once(0.0)
+    assert sum(bus.committed(TOPICS["completion"], "joiner").values()) == 1
+    svc.close()
+    bus.close()
