@@ -151,13 +151,14 @@ class KafkaBus(EventBus):
         if producer is not None:
             producer.close(timeout=0)
 
-    def ensure_topic(self, topic: str) -> None:
-        """Create `topic` with the bus's partitions and replication unless it exists."""
+    def ensure_topic(self, topic: str, wait_s: float = 0.0) -> None:
+        """Create `topic` with the bus's partitions and replication unless it exists; `wait_s`: how long
+        to wait for a broker that refuses connections (a consumer starting while it restarts)."""
         check_name("topic", topic)
         deadline = time.monotonic() + self.send_timeout_s
         layout = {"num_partitions": self.partitions, "replication_factor": self.replication}
         with self._admin_lock:
-            admin = self._admin_client()
+            admin = self._admin_client(wait_s)
             while True:
                 try:
                     result = admin.create_topics({topic: layout}, raise_errors=False)
@@ -176,12 +177,12 @@ class KafkaBus(EventBus):
             elif code != _TOPIC_ALREADY_EXISTS:
                 raise for_code(code)(f"creating topic {topic!r}: {result['topics'][0]['error_message']}")
 
-    def _admin_client(self) -> KafkaAdminClient:
+    def _admin_client(self, wait_s: float = 0.0) -> KafkaAdminClient:
         """One admin client for the bus's life (it reconnects by itself after an outage). A refused
         connection is detected first with a plain socket: kafka-python leaves the I/O thread of an
         admin client whose bootstrap failed running."""
         if self._admin is None:
-            deadline = time.monotonic() + max(self.send_timeout_s, CONNECT_WAIT_S)
+            deadline = time.monotonic() + wait_s
             while not any(_accepts(addr) for addr in self.bootstrap.split(",")):
                 if time.monotonic() >= deadline:  # a service started while its broker restarts waits for it
                     raise KafkaConnectionError(f"no broker of {self.bootstrap!r} accepts connections")
@@ -200,7 +201,7 @@ class KafkaBus(EventBus):
         names = topic_list(topics)
         check_name("group", group)
         for t in names:
-            self.ensure_topic(t)
+            self.ensure_topic(t, wait_s=CONNECT_WAIT_S)
         c = KafkaConsumer(*names, group_id=group, **self._consumer_config)
         if len(names) > 1:
             counts = {t: len(c.partitions_for_topic(t) or ()) for t in names}

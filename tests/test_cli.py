@@ -71,7 +71,7 @@ def test_serve_hands_the_overridden_settings_to_the_gateway(env, monkeypatch):
     (env / "models" / "demo-base").mkdir(parents=True)
     (env / "models" / "demo-base" / "config.json").write_text("{}")  # present: no bootstrap
     served = []
-    monkeypatch.setattr(api.main, "serve", lambda settings, lending=None: served.append(settings))
+    monkeypatch.setattr(api.main, "serve", lambda settings, lending=None, window_s=None: served.append(settings))
     cli.main(["serve", "--port", "9124"])
     assert [(s.host, s.port, s.home) for s in served] == [("127.0.0.2", 9124, env)]
 
@@ -80,7 +80,7 @@ def test_a_fresh_home_serves_a_copy_of_the_shipped_base(env, monkeypatch):
     import api.main
     from demo.bootstrap import REPORT, SHIPPED_BASE
 
-    monkeypatch.setattr(api.main, "serve", lambda settings, lending=None: None)
+    monkeypatch.setattr(api.main, "serve", lambda settings, lending=None, window_s=None: None)
     cli.main(["serve"])
     copied = env / "models" / "demo-base"
     for name in ("model.safetensors", "tokenizer.json", "config.json", REPORT):

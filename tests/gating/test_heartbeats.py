@@ -216,15 +216,15 @@ def test_the_schema_version_is_recorded_and_another_refused(url):
     engine = make_engine(url)
     with engine.connect() as c:
         meta = dict(c.exec_driver_sql("SELECT name, value FROM registry_meta").all())
-    assert meta == {"schema_version": SCHEMA_VERSION, "audit_seq": 1} and SCHEMA_VERSION == 4
+    assert meta == {"schema_version": SCHEMA_VERSION, "audit_seq": 1} and SCHEMA_VERSION == 5
     with Registry(url) as r:  # opening it again changes nothing
         assert [a.seq for a in r.audit()] == [1] and r.last_seq() == 1
-    with engine.begin() as c:  # a database of the schema before the gate's lease
-        c.exec_driver_sql("UPDATE registry_meta SET value = 1 WHERE name = 'schema_version'")
-        c.exec_driver_sql("DROP TABLE gate_lease")
-    with pytest.raises(ValueError, match="has schema version 1; this build reads 4 .no migration"):
+    with engine.begin() as c:  # a database of the schema before the bus watermarks
+        c.exec_driver_sql("UPDATE registry_meta SET value = 4 WHERE name = 'schema_version'")
+        c.exec_driver_sql("DROP TABLE bus_watermark")
+    with pytest.raises(ValueError, match="has schema version 4; this build reads 5 .no migration"):
         Registry(url)
-    assert not inspect(engine).has_table("gate_lease")  # refused before anything was created in it
+    assert not inspect(engine).has_table("bus_watermark")  # refused before anything was created in it
     with engine.begin() as c:  # versions, but no schema version row
         c.exec_driver_sql("DELETE FROM registry_meta")
     engine.dispose()
