@@ -60,7 +60,7 @@ from typing import Any
 import httpx
 
 from bench import common
-from core.harness import http_ok, wait_until
+from core.harness import http_ok
 
 log = logging.getLogger(__name__)
 NAME = "faults"
@@ -384,12 +384,8 @@ class Harness:
 
 
 def within(condition: Any, timeout_s: float) -> float | None:
-    """The wall time `condition()` first held, within `timeout_s`; None if it never did."""
-    try:
-        wait_until(condition, timeout_s, interval_s=0.25)
-    except TimeoutError:
-        return None
-    return time.time()
+    """The wall time `condition()` first held, within `timeout_s` (`bench.common.within`); None if never."""
+    return time.time() if common.within(condition, timeout_s, interval_s=0.25) is not None else None
 
 
 def accepted_ids(traffic: Any, tenant: str) -> set[str]:
