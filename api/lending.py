@@ -139,11 +139,15 @@ class LendingLoop:
         kinds = ("eval", "rollout") if getattr(engine, "batch_invariant", False) else ("rollout",)
         if co_serve:  # what live traffic leaves free on this serving replica, now
 
+            def slots() -> tuple[int, int]:
+                live, oldest = self.fleet.live_in_flight(engine), self.fleet.oldest_live_s(engine)
+                return self.manager.co_serve_slots(name, live, oldest)
+
             def start() -> int:
-                return self.manager.co_serve_slots(name, self.fleet.live_in_flight(engine))[0]
+                return slots()[0]
 
             def keep() -> int:
-                return self.manager.co_serve_slots(name, self.fleet.live_in_flight(engine))[1]
+                return slots()[1]
 
             worker = LendingWorker(engine, self.queue, name, max_concurrency=start, keep_at_most=keep, kinds=kinds)
         else:

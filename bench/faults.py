@@ -307,8 +307,11 @@ class Harness:
     ) -> dict[str, Any]:
         accepted = accepted_ids(traffic, tenant)
         samples, took = read_samples(self.stack.settings, window_s, accepted, quiet_s, timeout_s)
+        once = exactly_once(accepted, samples) | {"all_seen_after_s": round(took, 1)}
+        if once["missing"]:  # where each was lost: before the bus, or between the bus and a sample
+            once["missing_traced"] = trace_missing(self.stack.settings, set(once["missing_ids"]))
         return {
-            "exactly_once": exactly_once(accepted, samples) | {"all_seen_after_s": round(took, 1)},
+            "exactly_once": once,
             "served": self.served_check(traffic, tenant),
             "hashes": self.hash_check(),
             "lapse": self.lapse_check(),
@@ -459,8 +462,51 @@ def exactly_once(accepted: set[str], samples: dict[str, list[list[str]]]) -> dic
         "re_emitted_with_other_signals": differing,
         "counted_not_acknowledged": len(where.keys() - accepted),
         "missing_examples": missing[:10],
+        "missing_ids": missing,
         "ok": not missing and not in_many and not twice_in_one and not differing,
     }
+
+
+def trace_missing(settings: Any, missing: set[str], timeout_s: float = 60.0) -> dict[str, Any]:
+    """Where accepted events that reached no sample were lost: each id's feedback record on the feedback
+    topic (else it never reached the bus: lost between the gateway's answer and the broker), and its
+    completion's record on the completion topic (else the joiner could not join it). Both topics read
+    from the start, to their ends, by groups of their own."""
+    from feedback.connect import open_bus
+    from feedback.events import TOPICS, CompletionEvent, FeedbackEvent
+
+    bus = open_bus(settings, "faults-trace")
+    found: dict[str, dict[str, Any]] = {}
+    completions: set[str] = set()
+    try:
+        for topic in ("feedback", "completion"):
+            consumer = bus.consumer(TOPICS[topic], group=f"faults-trace-{topic}-{os.getpid()}-{time.time_ns()}")
+            try:
+                ends = None  # asked once the group has given this reader its partitions
+                deadline = time.monotonic() + timeout_s
+                while time.monotonic() < deadline and not (ends and consumer.reached(ends)):
+                    if ends is None and consumer.assignment():
+                        ends = consumer.ends()
+                    for r in consumer.poll(max_records=5000, timeout_s=1.0):
+                        if topic == "feedback":
+                            ev = FeedbackEvent.model_validate_json(r.value)
+                            if ev.event_id in missing:
+                                found[ev.event_id] = {"partition": r.partition, "offset": r.offset,
+                                                      "completion_id": ev.completion_id, "ts": ev.ts}  # fmt: skip
+                        else:
+                            completions.add(CompletionEvent.model_validate_json(r.value).completion_id)
+            finally:
+                consumer.close()
+    finally:
+        bus.close()
+    out = {}
+    for eid in sorted(missing):
+        rec = found.get(eid)
+        if rec is None:
+            out[eid] = {"on_feedback_topic": False}
+        else:
+            out[eid] = {"on_feedback_topic": True, **rec, "completion_on_bus": rec["completion_id"] in completions}
+    return out
 
 
 # ---- the run ---------------------------------------------------------------------------------------
@@ -482,7 +528,7 @@ def run(
     `demo.system.DemoSystemConfig` fields (users, concurrency, diurnal_trough...); the books wait up to
     `books_timeout_s` for every accepted event to be in a sample, then `quiet_s` for repeats."""
     from demo import stack as shapes
-    from demo.system import DemoSystemConfig, _Approver, _throttled
+    from demo.system import Approver, DemoSystemConfig, throttled
     from demo.traffic import drive_users
     from registry.keys import KeyStore
 
@@ -498,7 +544,7 @@ def run(
         startup_s = time.monotonic() - t0
         with KeyStore(stack.db_url) as keys:
             token, _ = keys.create(["admin"], label="fault harness auto-approve")
-        approver = _Approver(stack.urls[0], token)
+        approver = Approver(stack.urls[0], token)
         harness = Harness(stack, plan, home).start()
 
         def progress(_: Any) -> None:
@@ -507,7 +553,7 @@ def run(
             except httpx.HTTPError as e:  # gateway-1 is up throughout; a slow answer is retried next time
                 log.warning("faults: approving: %r", e)
 
-        traffic = asyncio.run(drive_users(cfg, stack.urls, time.monotonic() + traffic_s, _throttled(progress, 2.0)))
+        traffic = asyncio.run(drive_users(cfg, stack.urls, time.monotonic() + traffic_s, throttled(progress, 2.0)))
         harness.stop.set()  # no more kills; the watcher goes on through the books
         harness._threads[1].join(timeout=300)  # the scheduler, once its kills are back
         books = harness.books(traffic, stack.settings.local_tenant, cfg.window_s, quiet_s, books_timeout_s)

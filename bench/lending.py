@@ -21,7 +21,8 @@ The simulation (request level, exact event times):
 - **Co-serving** (`co_serve`, the third run): a serving replica also runs rollouts in the slots its
   live requests leave free, as `FleetManager.co_serve_slots` says: started up to `co_serve_fill` of
   the target concurrency in all, and when live and lent pass the whole target, the newest rollouts are
-  cut and queued again, as the gateway's co-serving worker does (`registry.job_worker`).
+  cut and queued again, as the gateway's co-serving worker does (`registry.job_worker`). While one of
+  its live requests has run `co_serve_yield_s`, the replica cuts all of its rollouts and starts none.
 - **The policy** sees the live concurrency, each replica's live requests in flight and the times to
   first token every second, as in the gateway.
 
@@ -112,6 +113,10 @@ class Replica:
     def live_count(self) -> int:
         return sum(1 for s in self.running.values() if s.live) + len(self.waiting)
 
+    def oldest_live_s(self, now: float) -> float:
+        arrived = [s.arrived for s in self.running.values() if s.live] + [s.arrived for s in self.waiting]
+        return now - min(arrived) if arrived else 0.0
+
     def rollouts(self) -> list[Seq]:
         return [s for s in self.running.values() if not s.live]
 
@@ -170,7 +175,7 @@ def simulate(cfg: LendingConfig, lending: bool, p: dict[str, Any], seed: int) ->
         up to them (a no-op with `co_serve` off or lending off)."""
         if manager is None or state[r.name] != "serving":
             return
-        start, keep = manager.co_serve_slots(r.name, r.live_count())
+        start, keep = manager.co_serve_slots(r.name, r.live_count(), r.oldest_live_s(now))
         ours = sorted(r.rollouts(), key=lambda s: s.sid)
         for s in ours[keep:]:  # the newest first
             del r.running[s.sid]
@@ -371,6 +376,9 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=60.0)
     ap.add_argument("--headroom", type=float, default=None, help="the policy's headroom (default: [lending]'s)")
     ap.add_argument("--co-serve-fill", type=float, default=None, help="co_serve_fill (default: [lending]'s)")
+    ap.add_argument(
+        "--co-serve-yield-s", type=float, default=None, help="co_serve_yield_s (default: [lending]'s; 0: never)"
+    )
     ap.add_argument("--name", default=NAME, help="result name (bench/results/<name>.json)")
     a = ap.parse_args()
     st = common.stamp()
@@ -390,6 +398,8 @@ def main() -> None:
         cfg = cfg.model_copy(update={"headroom": a.headroom})
     if a.co_serve_fill is not None:
         cfg = cfg.model_copy(update={"co_serve_fill": a.co_serve_fill})
+    if a.co_serve_yield_s is not None:
+        cfg = cfg.model_copy(update={"co_serve_yield_s": a.co_serve_yield_s or None})
     off = simulate(cfg, False, p, a.seed)
     on = simulate(cfg, True, p, a.seed)
     co = simulate(cfg.model_copy(update={"co_serve": True}), True, p, a.seed)

@@ -207,8 +207,15 @@ class Tansu:
             "AWS_DEFAULT_REGION": "us-east-1",
         }
 
+    @property
+    def running(self) -> bool:
+        child = self.supervisor.children.get(self.name)
+        return child is not None and child.alive()
+
     def start(self, timeout_s: float = 30.0) -> str:
         """Start the broker (and, the first time, its S3 server); its bootstrap address once it listens."""
+        if self.running:
+            raise RuntimeError(f"{self.name} is already running on {self.bootstrap}")
         if self.durable and self.s3_url is None:
             self._start_s3(timeout_s)
         self.supervisor.start(self.name, dying_with_parent(self.argv), env=self.env,

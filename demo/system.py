@@ -154,7 +154,7 @@ class DemoSystemConfig(BaseModel):
 # ---- the run -------------------------------------------------------------------------------------
 
 
-class _Approver:
+class Approver:
     """Approves, through the admin API, every version that awaits approval (the demo's auto-approve)."""
 
     def __init__(self, url: str, token: str):
@@ -212,7 +212,7 @@ def run_system(
             + f" ({cfg.replicas} replicas each, {cfg.shape}); dashboard {url}/dashboard"
             + ("" if cfg.auto_approve else f" (sign in with the admin key {token} to approve)")
         )
-        approver = _Approver(url, token)
+        approver = Approver(url, token)
         seen: dict[str, str] = {}
         trained: set[str] = set()  # trained versions seen promoted
         start = time.monotonic()
@@ -235,7 +235,7 @@ def run_system(
             bar.update(min(cfg.traffic_s, time.monotonic() - start), traffic)
 
         deadline = time.monotonic() + cfg.traffic_s
-        traffic = asyncio.run(drive_users(cfg, stack.urls, deadline, _throttled(watch, 2.0)))
+        traffic = asyncio.run(drive_users(cfg, stack.urls, deadline, throttled(watch, 2.0)))
         watch(traffic)
         lending = lending_numbers([httpx.get(u + "/metrics", timeout=30).text for u in stack.urls])
         bar.close()
@@ -312,7 +312,8 @@ class _progress:
         self.bar.close()
 
 
-def _throttled(fn: Callable[[Traffic], None], every_s: float) -> Callable[[Traffic], None]:
+def throttled(fn: Callable[[Traffic], None], every_s: float) -> Callable[[Traffic], None]:
+    """`fn`, called at most once every `every_s` seconds (the others are dropped): a progress callback."""
     last = [0.0]
 
     def call(t: Traffic) -> None:

@@ -295,6 +295,7 @@ class JoinerService:
         self.bus, self.spec, self.clock = bus, spec, clock
         self.watermark = watermark  # the producers' bus watermark (`registry.watermarks`); None: the clock alone
         self.held_s = 0.0  # how far the last round's windows closed behind the clock (waiting on a producer)
+        self.rounds_clock_only = 0  # rounds with a watermark source but no live producer: closed on the clock
         self.metrics = metrics or ServiceMetrics("joiner")
         self.max_records = max_records
         self.core = JoinerCore(spec, window_s, clock, grace_s=grace_s)
@@ -319,6 +320,8 @@ class JoinerService:
         if mark is not None:  # everything a producer accepted before its watermark lies below them
             self.held_s = max(0.0, now - mark)
             now = min(now, mark)
+        elif self.watermark is not None:  # the degraded path: no producer to wait for (counted, and logged
+            self.rounds_clock_only += 1  # by the source when it starts and stops)
         ends = self.consumer.ends()  # ...up to where the bus stands after `now`, not to the first empty poll
         caught_up = self._drain(timeout_s, ends)
         self._follow_assignment()
@@ -333,6 +336,7 @@ class JoinerService:
             self._commit()
         self.metrics.produce(TOPICS["sample"], len(samples))
         held = {"pending": self.core.pending_count, "orphans": self.core.orphan_count, "held_s": round(self.held_s, 1)}
+        held["rounds_clock_only"] = self.rounds_clock_only
         self.metrics.set_stats({**self.stats, **held})
         self.metrics.report()
         return samples

@@ -31,9 +31,9 @@ import math
 import re
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, field_validator, model_validator
 from pydantic import Field as PField
 from sqlalchemy import JSON, BigInteger, DateTime, Index, String, text
 from sqlalchemy.dialects.postgresql import JSONB
@@ -105,6 +105,10 @@ def artifact_of(files: list[FileEntry]) -> FileEntry | None:
 def _aware(ts: datetime) -> datetime:
     # SQLite hands back naive datetimes even for DateTime(timezone=True); everything stored is UTC.
     return ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts
+
+
+UTCTime = Annotated[datetime, AfterValidator(_aware)]
+"""A time read back from the database, as stored: UTC (the `*Public` models' times)."""
 
 
 class ModelVersionBase(SQLModel):
@@ -205,13 +209,8 @@ class ModelVersion(ModelVersionBase, table=True):
 class ModelVersionPublic(ModelVersionBase):
     id: str
     status: Status
-    created_at: datetime
+    created_at: UTCTime
     gate: dict[str, Any] = {}
-
-    @field_validator("created_at")
-    @classmethod
-    def _utc(cls, v: datetime) -> datetime:
-        return _aware(v)
 
     @property
     def artifact(self) -> FileEntry | None:
@@ -301,12 +300,7 @@ class AuditEntryPublic(AuditEntryBase):
     seq: int
     from_status: Status | None
     to_status: Status
-    at: datetime
-
-    @field_validator("at")
-    @classmethod
-    def _utc(cls, v: datetime) -> datetime:
-        return _aware(v)
+    at: UTCTime
 
 
 class RegistryMeta(SQLModel, table=True):
@@ -375,12 +369,7 @@ class ReplicaHeartbeat(HeartbeatBase, table=True):
 
 class ReplicaHeartbeatPublic(HeartbeatBase):
     replica_id: str
-    reported_at: datetime
-
-    @field_validator("reported_at")
-    @classmethod
-    def _utc(cls, v: datetime) -> datetime:
-        return _aware(v)
+    reported_at: UTCTime
 
 
 class GateLeaseBase(SQLModel):
@@ -424,23 +413,13 @@ class BusWatermark(SQLModel, table=True):
 class BusWatermarkPublic(BaseModel):
     producer_id: str
     watermark: float
-    reported_at: datetime
-
-    @field_validator("reported_at")
-    @classmethod
-    def _utc(cls, v: datetime) -> datetime:
-        return _aware(v)
+    reported_at: UTCTime
 
 
 class GateLeasePublic(GateLeaseBase):
     gate_id: str
-    started_at: datetime
-    beat_at: datetime
-
-    @field_validator("started_at", "beat_at")
-    @classmethod
-    def _utc(cls, v: datetime) -> datetime:
-        return _aware(v)
+    started_at: UTCTime
+    beat_at: UTCTime
 
     def age_s(self, now: datetime) -> float:
         return (now - self.beat_at).total_seconds()

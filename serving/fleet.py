@@ -9,7 +9,8 @@ refuses it and the next is tried). Called by `api.main` when the gateway runs re
 
 Lending (`serving.lending`): `lend(engine)` takes an engine out of live routing (its requests in
 flight finish; `live_in_flight` counts them, from submit to the engine's last event, read or not),
-`reclaim(engine)` puts it back. A version that only lent
+`reclaim(engine)` puts it back; `oldest_live_s(engine)` is how long its oldest live request in flight
+has run (co-serving yields to the tail: `FleetManager.co_serve_slots`). A version that only lent
 engines hold is still served by them, counted in `live_on_lent`: live traffic always wins.
 
 `traffic(engine)`: what each engine served, per version, since it joined: requests, errors, tokens
@@ -23,6 +24,7 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -41,7 +43,9 @@ class Fleet(GenerateMixin):
         self._lock = threading.Lock()
         self._traffic: dict[int, dict[str, list[float]]] = {}  # id(engine) -> version -> [n, errors, tokens, s]
         self._away: set[int] = set()  # id(engine) of lent engines: no new live requests
-        self._in_flight: dict[int, int] = {}  # id(engine) -> live requests submitted and not ended
+        # id(engine) -> {request: monotonic submit time}: live requests submitted and not ended
+        self._in_flight: dict[int, dict[int, float]] = {}
+        self._seq = itertools.count()
         self._ttfts: deque[float] = deque(maxlen=10_000)  # times to first token since `take_ttfts`
         self.live_on_lent = 0
 
@@ -61,7 +65,16 @@ class Fleet(GenerateMixin):
 
     def live_in_flight(self, engine: Engine) -> int:
         with self._lock:
-            return self._in_flight.get(id(engine), 0)
+            return len(self._in_flight.get(id(engine), ()))
+
+    def oldest_live_s(self, engine: Engine, now: float | None = None) -> float:
+        """Seconds since the oldest live request in flight on `engine` was submitted (0.0: none)."""
+        with self._lock:
+            starts = self._in_flight.get(id(engine))
+            first = min(starts.values()) if starts else None
+        if first is None:
+            return 0.0
+        return max(0.0, (time.monotonic() if now is None else now) - first)
 
     def take_ttfts(self) -> list[float]:
         """Times to first token of the live requests that ended since the last call."""
@@ -70,9 +83,9 @@ class Fleet(GenerateMixin):
             self._ttfts.clear()
         return got
 
-    def _ended(self, engine: Engine) -> None:
+    def _ended(self, engine: Engine, seq: int) -> None:
         with self._lock:
-            self._in_flight[id(engine)] -= 1
+            self._in_flight.get(id(engine), {}).pop(seq, None)
 
     def _count(self, engine: Engine, version: str, c: Completion | None) -> None:
         with self._lock:
@@ -149,9 +162,10 @@ class Fleet(GenerateMixin):
             except (KeyError, EngineError) as e:  # retiring there, or that replica just died: try the next
                 refused = e
                 continue
+            seq = next(self._seq)
             with self._lock:
-                self._in_flight[id(engine)] = self._in_flight.get(id(engine), 0) + 1
-            handle.when_ended(functools.partial(self._ended, engine))  # read or not: a dropped stream too
+                self._in_flight.setdefault(id(engine), {})[seq] = time.monotonic()
+            handle.when_ended(functools.partial(self._ended, engine, seq))  # read or not: a dropped stream too
             if count_lent:
                 with self._lock:
                     self.live_on_lent += 1

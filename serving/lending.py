@@ -19,7 +19,9 @@ the same class). The rules, every number from the config file's `[lending]` sect
   above `panic_factor` times the serving capacity reclaims every replica at once.
 - **Co-serving** (`co_serve`): a serving replica also runs lent work in the slots its live requests
   leave free: it starts lent sequences up to `co_serve_fill` of `target_concurrency` in all, and cuts
-  them only when live and lent together would pass the whole target (`co_serve_slots`). Whole-replica
+  them only when live and lent together would pass the whole target (`co_serve_slots`). While one of
+  its live requests has run `co_serve_yield_s`, the replica cuts its lent work and starts none: the
+  tail of long generations, which lent sequences would slow further, runs alone. Whole-replica
   lending uses the night; co-serving uses the daytime slack, spread as free slots over every serving
   replica.
 - A reclaimed replica serves again at once: the engine puts live requests ahead of rollout work and
@@ -79,6 +81,13 @@ class LendingConfig(BaseModel):
         le=1,
         description="Share of `target_concurrency` a serving replica fills with live and co-served work; the rest "
         "is room a live request takes without cutting lent work (bench/lending.py measures 0.5, 0.75 and 1).",
+    )
+    co_serve_yield_s: float | None = Field(
+        20.0,
+        gt=0,
+        description="A serving replica runs no co-served work while one of its live requests has run this long: "
+        "lent sequences slow every step, and the longest generations are the ones a timeout catches "
+        "(bench/lending.py; None: never yield).",
     )
 
     @model_validator(mode="after")
@@ -149,15 +158,19 @@ class FleetManager:
             self._samples.popleft()
         self._live_in_flight.update(live_in_flight)
 
-    def co_serve_slots(self, replica: str, live_in_flight: int) -> tuple[int, int]:
-        """(start, keep): serving replica `replica`, with `live_in_flight` live requests, may start
-        sequences of lent work while it runs fewer than `start`, and must cut them down to `keep`
-        (`co_serve`). `start` fills the replica to `co_serve_fill` of `target_concurrency`; `keep` is
-        what is left of the whole target, so a live request that arrives takes the room left free
-        first and cuts lent work only beyond it. Both 0 with `co_serve` off, for a replica that is not
-        serving, and while the last sample's utilisation of the serving replicas is at or above
-        `high_watermark` (the fleet is short of room: live traffic may need every slot)."""
+    def co_serve_slots(self, replica: str, live_in_flight: int, oldest_live_s: float = 0.0) -> tuple[int, int]:
+        """(start, keep): serving replica `replica`, with `live_in_flight` live requests, the oldest of
+        them `oldest_live_s` seconds in, may start sequences of lent work while it runs fewer than
+        `start`, and must cut them down to `keep` (`co_serve`). `start` fills the replica to
+        `co_serve_fill` of `target_concurrency`; `keep` is what is left of the whole target, so a live
+        request that arrives takes the room left free first and cuts lent work only beyond it. Both 0
+        with `co_serve` off, for a replica that is not serving, while one of its live requests has run
+        `co_serve_yield_s` (the tail runs alone), and while the last sample's utilisation of the serving
+        replicas is at or above `high_watermark` (the fleet is short of room: live traffic may need every
+        slot)."""
         if not self.cfg.co_serve or self.states.get(replica) != "serving":
+            return 0, 0
+        if self.cfg.co_serve_yield_s is not None and oldest_live_s >= self.cfg.co_serve_yield_s:
             return 0, 0
         if self._samples and self._samples[-1].concurrency >= self.cfg.high_watermark * self.capacity():
             return 0, 0

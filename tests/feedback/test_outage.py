@@ -123,7 +123,7 @@ def test_broker_outage_mid_stream_loses_and_reorders_nothing(kafka_broker, tmp_p
             assert 0 < forwarded_before_stop <= DOWN_AT
             phase1, repeats1 = consume(kafka_broker.bootstrap, "joiner", forwarded_before_stop, dedupe)
             assert len(phase1) == forwarded_before_stop
-            kafka_broker.stop()
+            kafka_broker.kill()
         broker_down.set()
 
         # Down: publishing goes on (into the spool); the forwarder fails and retries.
@@ -194,7 +194,7 @@ def test_a_bus_opens_topics_and_consumers_again_after_a_broker_restart(kafka_bro
     )
     try:
         bus.ensure_topic("before-restart")
-        kafka_broker.stop()
+        kafka_broker.kill()
         with pytest.raises(KafkaError):  # down: a clear error after send_timeout_s, and the client backs off
             bus.ensure_topic("while-down")
         kafka_broker.start()

@@ -65,7 +65,7 @@ def per_key(pairs) -> dict[str, list[str]]:
 @pytest.mark.slow
 def test_backlog_grows_while_down_and_drains_when_up(kafka_broker, tmp_path):
     topic = f"spool-{uuid.uuid4().hex[:8]}"
-    kafka_broker.stop()
+    kafka_broker.kill()
     bus = make_bus(kafka_broker, tmp_path / "spool")
     try:
         sent = publish(bus, topic, 0, 30)
@@ -93,7 +93,7 @@ def test_restart_without_flush_resumes_from_the_saved_position(running_broker, t
     bus = make_bus(running_broker, tmp_path / "spool")
     sent = publish(bus, topic, 0, 10)
     bus.flush(30)
-    running_broker.stop()
+    running_broker.kill()
     sent += publish(bus, topic, 10, 40)  # spooled while the broker is down
     bus.close(flush_timeout_s=0)  # like a process that exits now: nothing more is forwarded
     assert bus.spool.forwarded == 10

@@ -110,3 +110,16 @@ def test_co_serving_slots_are_what_live_traffic_leaves_and_none_when_the_fleet_i
     assert m.co_serve_slots("r1", 0) == (0, 0) and m.co_serve_slots("r0", 0) == (5, 10)
     with pytest.raises(ValueError, match="co_serve_fill"):
         LendingConfig(co_serve_fill=1.5)
+
+
+def test_co_serving_yields_to_a_live_request_in_the_tail():
+    co = CFG.model_copy(update={"co_serve": True, "co_serve_fill": 0.5, "co_serve_yield_s": 20.0})
+    m = FleetManager(co, ["r0", "r1"])
+    m.observe(0, 2, {"r0": 2, "r1": 0})
+    assert m.co_serve_slots("r0", 2, oldest_live_s=19.9) == (3, 8)
+    assert m.co_serve_slots("r0", 2, oldest_live_s=20.0) == (0, 0)  # cut every lent sequence, start none
+    assert m.co_serve_slots("r1", 0) == (5, 10)  # the other replica's slots are its own
+    never = FleetManager(co.model_copy(update={"co_serve_yield_s": None}), ["r0"])
+    assert never.co_serve_slots("r0", 2, oldest_live_s=1e6) == (3, 8)
+    with pytest.raises(ValueError, match="co_serve_yield_s"):
+        LendingConfig(co_serve_yield_s=0)
