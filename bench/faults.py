@@ -567,7 +567,7 @@ def run(
         "config": {"seed": seed, "traffic_s": traffic_s, "replicas": replicas, "lending": lending,
                    "plan": asdict(plan)},
         "startup_s": round(startup_s, 1),
-        "traffic": {"completions": traffic.completions, "errors": traffic.errors,
+        "traffic": {"completions": traffic.completions, "errors": traffic.errors, "failovers": traffic.failovers,
                     "feedback_events": len(traffic.feedback_keys), "given_up": len(traffic.feedback_given_up),
                     "errors_by_gateway": dict(Counter(g for _, g in traffic.error_log))},  # fmt: skip
         "kills": [asdict(k) | {"back_after_s": None if k.back_at is None else round(k.back_at - k.at, 1)}

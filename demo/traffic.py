@@ -47,6 +47,7 @@ class Traffic:
     error_log: list[tuple[float, int]] = field(default_factory=list)  # (wall time, gateway index) per failure
     feedback_keys: list[str] = field(default_factory=list)  # every event's idempotency key, `shown` included
     feedback_given_up: set[str] = field(default_factory=set)  # keys the SDK handed to on_error: not accepted
+    failovers: int = 0  # completions another gateway served because the user's own was unreachable
 
 
 def _users(cfg: DemoSystemConfig) -> list[_User]:
@@ -81,8 +82,10 @@ def _signals(user: _User, task: Any, text: str, check: Any, cfg: DemoSystemConfi
 async def drive_users(
     cfg: DemoSystemConfig, urls: list[str], deadline: float, progress: Callable[[Traffic], None] | None = None
 ) -> Traffic:
-    """The users until `deadline`; each user always goes to one gateway of `urls` (by index), as a
-    load balancer with sticky sessions would send them."""
+    """The users until `deadline`; each user goes to one gateway of `urls` (by index), as a load
+    balancer with sticky sessions would send them, and to the next one while theirs cannot be reached
+    or has no engine (connection refused, 502-504): counted in `failovers`. Feedback on a completion
+    goes to the gateway that served it (its completion index knows the id)."""
     import openai
 
     from demo.checker import check_batch
@@ -103,7 +106,7 @@ async def drive_users(
 
     feedbacks = [FeedbackClient(u, batch_size=200, flush_interval_s=0.5, on_error=given_up) for u in urls]
     gateway = {id(u): i % len(urls) for i, u in enumerate(users)}  # each user's gateway
-    pending: list[tuple[_User, Any, str, str]] = []
+    pending: list[tuple[_User, Any, str, str, int]] = []  # (user, task, completion id, text, gateway)
     traffic_model: dict[str, str] = {}  # completion id -> the version that served it
     later: list[asyncio.Task] = []
     task_seed = [cfg.seed * 1_000_003]
@@ -123,7 +126,7 @@ async def drive_users(
             task = sample_tasks(1, seed=task_seed[0])[0]
             g = gateway[id(user)]
             try:
-                r = await clients[g].completions.create(
+                r, g = await _complete(clients, g, traffic, dict(
                     model="flywheel",
                     prompt=task.prompt,
                     max_tokens=cfg.max_tokens,
@@ -131,7 +134,7 @@ async def drive_users(
                     user=user.sim.user_id,
                     seed=task_seed[0],
                     extra_body={"metadata": {"context": task.family}},  # the reward baseline's key
-                )
+                ))  # fmt: skip
             except openai.OpenAIError as e:
                 traffic.errors += 1
                 traffic.error_log.append((time.time(), g))
@@ -145,7 +148,7 @@ async def drive_users(
             key = feedbacks[g].shown(r.id, user=user.sim.user_id)
             if key is not None:
                 traffic.feedback_keys.append(key)
-            pending.append((user, task, r.id, r.choices[0].text))
+            pending.append((user, task, r.id, r.choices[0].text, g))
             traffic_model[r.id] = r.model
 
     async def react() -> None:
@@ -154,17 +157,17 @@ async def drive_users(
             batch, pending[:] = pending[:], []
             if not batch:
                 continue
-            checks = await asyncio.to_thread(check_batch, [t for _, t, _, _ in batch], [x for *_, x in batch])
+            checks = await asyncio.to_thread(check_batch, [b[1] for b in batch], [b[3] for b in batch])
             seen = list(range(len(batch)))  # what each reaction is about: its own completion...
             if cfg.shuffle_rewards:  # ...or, in the control, another one (its task, text and outcome)
                 rng.shuffle(seen)
-            for (user, _, cid, _), real, j in zip(batch, checks, seen):
+            for (user, _, cid, _, served_by), real, j in zip(batch, checks, seen):
                 model = traffic_model.pop(cid, "?")
                 traffic.passed.setdefault(model, []).append(int(real.passed))
-                _, task, _, text = batch[j]
+                _, task, _, text, _ = batch[j]
                 for s in _signals(user, task, text, checks[j], cfg, rng):
                     delay = rng.uniform(0.0, cfg.window_s * 0.8)
-                    fb = feedbacks[gateway[id(user)]]
+                    fb = feedbacks[served_by]
                     later.append(asyncio.create_task(_send_later(fb, s, cid, user.sim.user_id, delay, traffic)))
             if progress is not None:
                 progress(traffic)
@@ -181,6 +184,26 @@ async def drive_users(
     for client in clients:
         await client.close()
     return traffic
+
+
+async def _complete(clients: list, g: int, traffic: Traffic, request: dict) -> tuple[Any, int]:
+    """One completion from gateway `g`, else from the next gateways in turn while `g` cannot be
+    reached or has no engine; (the response, the index of the gateway that answered). The last
+    gateway's error is raised."""
+    import openai
+
+    for k in range(len(clients)):
+        at = (g + k) % len(clients)
+        try:
+            r = await clients[at].completions.create(**request)
+        except (openai.APIConnectionError, openai.InternalServerError) as e:
+            status = getattr(e, "status_code", None)
+            if k == len(clients) - 1 or status not in (None, 502, 503, 504):
+                raise
+            continue
+        traffic.failovers += k > 0
+        return r, at
+    raise AssertionError("unreachable: at least one gateway")
 
 
 async def _send_later(fb: Any, s: Any, cid: str, user: str, delay: float, traffic: Traffic) -> None:

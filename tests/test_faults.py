@@ -38,6 +38,7 @@ def test_every_kill_is_survived_and_books_2_and_3_balance(faults):
     r = faults
     assert r["skipped"] == [] and r["survived"] == dict.fromkeys(KILLS, True), (r["kills"], r["skipped"])
     assert r["unasked_deaths"] == []
+    assert r["traffic"]["failovers"] >= 1, r["traffic"]  # the killed gateway's users went to the other one
     once = r["books"]["exactly_once"]
     assert once["accepted"] >= 5, once  # most feedback comes after its window here
     assert (once["in_more_than_one_sample"], once["twice_in_one_sample"], once["re_emitted_with_other_signals"]) == (
