@@ -77,21 +77,32 @@ class LendingLoop:
         in_flight = {name: self.fleet.live_in_flight(e) for name, e in engines.items()}
         self.manager.observe(now, sum(in_flight.values()), in_flight, self.fleet.take_ttfts())
         decided = self.manager.decide(now)
-        for d in sorted(decided, key=lambda d: d.action != "reclaim"):  # reclaims first: live traffic waits
+        for d in decided:
             self.decisions.append((now, d))
             log.info("lending: %s %s (%s)", d.action, d.replica, d.reason)
+        # Reclaims first, live traffic waits: every reclaimed replica is back in live routing and its lent
+        # work preempted (ending at its engine's next step) before any worker is waited for, so a panic
+        # over many replicas costs one engine step, not one per replica.
+        reclaimed = [d.replica for d in decided if d.action == "reclaim"]
+        if gone := [r for r in reclaimed if r not in engines]:
+            log.error("lending: reclaimed replicas %s have no engine now", gone)
+            reclaimed = [r for r in reclaimed if r in engines]
+        for name in reclaimed:
+            try:
+                self.fleet.reclaim(engines[name])
+            except Exception:  # one replica's failure never strands the others' decisions
+                log.exception("lending: reclaim %s failed", name)
+        stopping = [got for name in reclaimed if (got := self._preempt_worker(name, self._workers)) is not None]
+        for got in stopping:
+            self._join_worker(got)
+        for d in decided:
             try:
                 engine = engines[d.replica]
                 if d.action == "lend":  # its co-served work ends before it drains
                     self._stop_worker(d.replica, self._co_workers)
-                if d.action == "reclaim":
-                    self.fleet.reclaim(engine)  # live routing first, then stop the lent work
-                if d.action == "lend":
                     self.fleet.lend(engine)
                 elif d.action == "lent":
                     self._start_worker(d.replica, engine)
-                elif d.action == "reclaim":
-                    self._stop_worker(d.replica, self._workers)
             except Exception:  # one replica's failure never strands the others' decisions
                 log.exception("lending: %s %s failed", d.action, d.replica)
         if self.cfg.co_serve:
@@ -171,13 +182,22 @@ class LendingLoop:
         t.start()
 
     def _stop_worker(self, name: str, workers: dict) -> None:
+        if (got := self._preempt_worker(name, workers)) is not None:
+            self._join_worker(got)
+
+    def _preempt_worker(self, name: str, workers: dict) -> tuple | None:
+        """Take replica `name`'s worker out of `workers` and preempt its lent work (it ends at the
+        engine's next step); the worker, to `_join_worker`, or None if it had none."""
         with self._lock:
             got = workers.pop(name, None)
-        if got is None:
-            return
-        worker, stop, t = got
-        stop.set()
-        worker.preempt()
+        if got is not None:
+            _, stop, _ = got
+            stop.set()
+            got[0].preempt()
+        return got
+
+    def _join_worker(self, got: tuple) -> None:
+        worker, _, t = got
         t.join(30)
         with self._lock:
             self._past.update(worker.counters)

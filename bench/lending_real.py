@@ -8,10 +8,10 @@ fleet, in phases: quiet (1 client), spike (`--spike` clients), quiet, spike, qui
 runs twice: lending off, then on.
 
 Figures (lending on; latency also off):
-- **reclaim**: from the start of the loop step that decides a reclaim (the decision, the worker's
-  preemption and its join included) to the first token of a live request sent straight to the
-  reclaimed replica once the step returns (p50 and p99 over the run's reclaims), against the engine's
-  step time;
+- **reclaim**: from the start of the loop step that decides a reclaim to the first token of a live
+  request sent straight to the reclaimed replica the moment it is back in live routing (as a user
+  arriving then would be; p50 and p99 over the run's reclaims), and that request's wait in the engine
+  before a step took it (`queued_s`: the lent work's preemption), against the engine's step time;
 - failed live requests; live p50 and p99 latency, on and off;
 - replica-seconds lent and the rollouts recorded, and at the end (the quiet tail finishes the job):
   rollouts counted once each, none lost (the job's rollouts equal what it wanted);
@@ -80,16 +80,49 @@ class Traffic:
             t.join(60)
 
 
-def probe_first_token(engine, tok) -> float:
-    """When (`time.monotonic()`) the first token came of a live request sent now straight to `engine`."""
+def probe_first_token(engine, tok) -> tuple[float, float]:
+    """A live request sent now straight to `engine`: when (`time.monotonic()`) its first token came, and
+    how long it waited in the engine before a step took it (`queued_s`)."""
     from serving.sampling import SamplingParams
 
     h = engine.submit(tok.encode_prompt("def"), SamplingParams(max_tokens=2, temperature=1.0, seed=1), stream=True)
-    got = None
+    got, queued = None, 0.0
     for ev in h:
         if got is None and (ev.token_ids or ev.completion is not None):
             got = time.monotonic()
-    return got if got is not None else time.monotonic()
+        if ev.completion is not None:
+            queued = ev.completion.queued_s
+    return (got if got is not None else time.monotonic()), queued
+
+
+class ReclaimProbe:
+    """Waits for a lent replica to come back into live routing, then at once sends it a live request
+    (`probe_first_token`), as a user arriving right then would: the reclaim as live traffic sees it."""
+
+    def __init__(self, fleet, engine, tok):
+        self.fleet, self.engine, self.tok = fleet, engine, tok
+        self.back: float | None = None
+        self.first: float | None = None
+        self.queued_s = 0.0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self.fleet.serves_live(self.engine):
+                self.back = time.monotonic()
+                self.first, self.queued_s = probe_first_token(self.engine, self.tok)
+                return
+            time.sleep(0.0005)
+
+    def result(self) -> tuple[float | None, float | None, float]:
+        self._t.join(60)
+        return self.back, self.first, self.queued_s
+
+    def cancel(self) -> None:
+        self._stop.set()
+        self._t.join(60)
 
 
 def run(lending: bool, a: Any, model: Path, work: Path) -> dict[str, Any]:
@@ -137,11 +170,19 @@ def run(lending: bool, a: Any, model: Path, work: Path) -> dict[str, Any]:
             while time.monotonic() < end:
                 now = time.monotonic() - t0
                 if loop is not None:
+                    away = [r for r, st in loop.manager.states.items() if st != "serving"]
+                    probes = {r: ReclaimProbe(fleet, engines[r], tok) for r in away}
                     before = time.monotonic()  # the decision is taken inside the step: timed from its start
-                    for d in loop.step(now):
-                        if d.action == "reclaim":
-                            first = probe_first_token(engines[d.replica], tok) - before
-                            reclaims.append({"t": now, "replica": d.replica, "why": d.reason, "first_token_s": first})
+                    decided = loop.step(now)
+                    for d in decided:
+                        if d.action == "reclaim" and d.replica in probes:
+                            back, first, queued = probes.pop(d.replica).result()
+                            reclaims.append({"t": now, "replica": d.replica, "why": d.reason,
+                                             "routed_again_s": None if back is None else back - before,
+                                             "first_token_s": None if first is None else first - before,
+                                             "engine_wait_s": queued})  # fmt: skip
+                    for probe in probes.values():
+                        probe.cancel()
                     states = dict(loop.manager.states)
                 else:
                     states = dict.fromkeys(engines, "serving")
@@ -178,8 +219,10 @@ def run(lending: bool, a: Any, model: Path, work: Path) -> dict[str, Any]:
         out |= {
             "counters": counters,
             "reclaims": reclaims,
-            "reclaim_first_token_p50_s": common.pct([r["first_token_s"] for r in reclaims], 50) if reclaims else None,
-            "reclaim_first_token_p99_s": common.pct([r["first_token_s"] for r in reclaims], 99) if reclaims else None,
+            "reclaim_first_token_p50_s": _pct(reclaims, "first_token_s", 50),
+            "reclaim_first_token_p99_s": _pct(reclaims, "first_token_s", 99),
+            "reclaim_engine_wait_p50_s": _pct(reclaims, "engine_wait_s", 50),
+            "reclaim_engine_wait_p99_s": _pct(reclaims, "engine_wait_s", 99),
             "job": progress | {"status": q.job(job).status},
             "rollouts_counted_twice": len(rows) - len(keys),
             "rollouts_lost": progress["wanted"] - len(keys) if q.job(job).status == "done" else None,
@@ -188,6 +231,11 @@ def run(lending: bool, a: Any, model: Path, work: Path) -> dict[str, Any]:
         }
     q.close()
     return out
+
+
+def _pct(rows: list[dict[str, Any]], key: str, q: float) -> float | None:
+    xs = [r[key] for r in rows if r.get(key) is not None]
+    return common.pct(xs, q) if xs else None
 
 
 def step_time_s(model: Path, batch: int) -> float:

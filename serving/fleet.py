@@ -63,6 +63,11 @@ class Fleet(GenerateMixin):
         with self._lock:
             self._away.discard(id(engine))
 
+    def serves_live(self, engine: Engine) -> bool:
+        """`engine` takes new live requests (it is not lent)."""
+        with self._lock:
+            return id(engine) not in self._away
+
     def live_in_flight(self, engine: Engine) -> int:
         with self._lock:
             return len(self._in_flight.get(id(engine), ()))
