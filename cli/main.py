@@ -185,9 +185,11 @@ def producer_watermark(registry, stale_s: float):
         stale_seen.clear()
         stale_seen.update(w.stale)
         if bool(w.live) != state["live"]:
-            state["live"] = bool(w.live)
+            was, state["live"] = state["live"], bool(w.live)
             if not w.live:
                 log.warning("joiner: no producer reports a bus watermark; windows close on the clock alone")
+            elif was is False:
+                log.info("joiner: producers report a bus watermark again; windows close at it")
         return w.value
 
     return watermark

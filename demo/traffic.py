@@ -196,6 +196,8 @@ async def _complete(clients: list, g: int, traffic: Traffic, request: dict) -> t
         at = (g + k) % len(clients)
         try:
             r = await clients[at].completions.create(**request)
+        except openai.APITimeoutError:  # it may have been served there: not sent again elsewhere
+            raise
         except (openai.APIConnectionError, openai.InternalServerError) as e:
             status = getattr(e, "status_code", None)
             if k == len(clients) - 1 or status not in (None, 502, 503, 504):

@@ -322,6 +322,7 @@ class JoinerService:
             now = min(now, mark)
         elif self.watermark is not None:  # the degraded path: no producer to wait for (counted, and logged
             self.rounds_clock_only += 1  # by the source when it starts and stops)
+            self.held_s = 0.0
         ends = self.consumer.ends()  # ...up to where the bus stands after `now`, not to the first empty poll
         caught_up = self._drain(timeout_s, ends)
         self._follow_assignment()

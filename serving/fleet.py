@@ -73,8 +73,11 @@ class Fleet(GenerateMixin):
             return len(self._in_flight.get(id(engine), ()))
 
     def oldest_live_s(self, engine: Engine, now: float | None = None) -> float:
-        """Seconds since the oldest live request in flight on `engine` was submitted (0.0: none)."""
+        """Seconds since the oldest live request in flight on `engine` was submitted (0.0: none, or the
+        engine is dead: requests it will never end are forgotten)."""
         with self._lock:
+            if not engine.alive:
+                self._in_flight.pop(id(engine), None)
             starts = self._in_flight.get(id(engine))
             first = min(starts.values()) if starts else None
         if first is None:

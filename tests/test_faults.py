@@ -74,7 +74,9 @@ def test_a_missing_event_is_traced_to_where_it_was_lost(tmp_path):
         bus.publish(TOPICS["feedback"], cid, feedback(cid, "accepted", 11.0, event_id=eid).model_dump_json().encode())
     bus.flush()
     bus.close()
-    got = trace_missing(Settings(home=tmp_path, bus="embedded"), {"e-joined", "e-orphan", "e-never"}, timeout_s=10)
+    traced = trace_missing(Settings(home=tmp_path, bus="embedded"), {"e-joined", "e-orphan", "e-never"}, timeout_s=10)
+    assert traced["read_to_end"] == {"feedback": True, "completion": True}
+    got = traced["events"]
     assert got["e-never"] == {"on_feedback_topic": False}
     assert got["e-joined"]["on_feedback_topic"] and got["e-joined"]["completion_on_bus"]
     assert got["e-orphan"]["completion_id"] == "c2" and not got["e-orphan"]["completion_on_bus"]
