@@ -229,13 +229,26 @@ class KafkaBusConsumer(Consumer):
         self.topics, self._c = topics, consumer
         self._committed: dict[tuple[str, int], int] = {}
         self._closed = False
+        self.poll_errors = 0  # polls that failed on a retriable broker error (answered as empty)
+        self._warned_at = float("-inf")
 
     def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Record]:
         if self._closed:
             raise RuntimeError("consumer is closed")
         if not self._c.assignment():  # joining the group: kafka-python needs a poll that waits for the
             timeout_s = max(timeout_s, JOIN_POLL_S)  # join's answers (polls of 0.1 s never joined on tansu)
-        got = self._c.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        try:
+            got = self._c.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        except KafkaError as e:  # the broker down or moving (retriable): an empty poll, as long as it asked
+            if not e.retriable:
+                raise
+            self.poll_errors += 1
+            now = time.monotonic()
+            if now - self._warned_at >= 10.0:  # once per 10 s: a broker restart fails every poll for a while
+                self._warned_at = now
+                log.warning("kafka bus: poll failed (%d so far), as if empty: %r", self.poll_errors, e)
+            time.sleep(timeout_s)
+            return []
         msgs = [m for tp in sorted(got, key=lambda tp: (tp.topic, tp.partition)) for m in got[tp]]
         return [Record(m.topic, m.partition, m.offset, m.key.decode() if m.key else "", m.value) for m in msgs]
 
