@@ -308,11 +308,19 @@ class Harness:
         self, traffic: Any, tenant: str, window_s: float, quiet_s: float = 15.0, timeout_s: float = 900.0
     ) -> dict[str, Any]:
         accepted = accepted_ids(traffic, tenant)
-        samples, took = read_samples(self.stack.settings, window_s, accepted, quiet_s, timeout_s)
+        signals_of: dict[str, list[tuple[str | None, str, float]]] = {}
+        samples, took = read_samples(self.stack.settings, window_s, accepted, quiet_s, timeout_s, signals_of)
         once = exactly_once(accepted, samples) | {"all_seen_after_s": round(took, 1)}
         if once["missing"]:  # where each was lost: before the bus, or between the bus and a sample
             try:
-                once["missing_traced"] = trace_missing(self.stack.settings, set(once["missing_ids"]))
+                traced = trace_missing(self.stack.settings, set(once["missing_ids"]))
+                once["missing_traced"] = traced
+                superseded = superseded_ids(traced["events"], signals_of)
+                once["superseded"] = len(superseded)  # rule 2: a later signal of the user's replaced it
+                once["missing"] -= len(superseded)
+                once["missing_ids"] = [e for e in once["missing_ids"] if e not in superseded]
+                once["missing_examples"] = once["missing_ids"][:10]
+                once["ok"] = once["missing"] == 0 and once["ok_but_missing"]
             except Exception as e:  # a post-mortem: its failure must not lose the books
                 log.exception("faults: tracing the missing events failed")
                 once["missing_traced_error"] = repr(e)
@@ -405,7 +413,12 @@ def accepted_ids(traffic: Any, tenant: str) -> set[str]:
 
 
 def read_samples(
-    settings: Any, window_s: float, expected: set[str], quiet_s: float = 15.0, timeout_s: float = 900.0
+    settings: Any,
+    window_s: float,
+    expected: set[str],
+    quiet_s: float = 15.0,
+    timeout_s: float = 900.0,
+    signals_of: dict[str, list[tuple[str | None, str, float]]] | None = None,
 ) -> tuple[dict[str, Any], float]:
     """Every sample on the samples topic, read from the start by a group of its own: sample id -> the
     list of its records' signals (event ids); and the seconds it took. Reads until every `expected`
@@ -414,6 +427,7 @@ def read_samples(
     from feedback.connect import open_bus
     from feedback.events import TOPICS, SampleEvent
 
+    signals_of = {} if signals_of is None else signals_of  # completion id -> its sample's (user, kind, ts)
     t0 = time.monotonic()
     time.sleep(window_s)
     bus = open_bus(settings, "faults-books")
@@ -429,6 +443,7 @@ def read_samples(
             ids = [sig.event_id for sig in s.signals]
             out[s.event_id].append(ids)
             seen.update(ids)
+            signals_of[s.completion.completion_id] = [(g.user_id, g.kind, g.ts) for g in s.signals]
         return len(got)
 
     try:
@@ -470,6 +485,7 @@ def exactly_once(accepted: set[str], samples: dict[str, list[list[str]]]) -> dic
         "missing_examples": missing[:10],
         "missing_ids": missing[:MAX_TRACED],
         "ok": not missing and not in_many and not twice_in_one and not differing,
+        "ok_but_missing": not in_many and not twice_in_one and not differing,
     }
 
 
@@ -500,7 +516,8 @@ def trace_missing(settings: Any, missing: set[str], timeout_s: float = 180.0) ->
                             ev = FeedbackEvent.model_validate_json(r.value)
                             if ev.event_id in missing:
                                 found[ev.event_id] = {"partition": r.partition, "offset": r.offset,
-                                                      "completion_id": ev.completion_id, "ts": ev.ts}  # fmt: skip
+                                                      "completion_id": ev.completion_id, "ts": ev.ts,
+                                                      "kind": ev.kind, "user": ev.user_id}  # fmt: skip
                         else:  # only the id: a completion record is large
                             completions.add(json.loads(r.value)["completion_id"])
                 read_to_end[topic] = bool(ends) and consumer.reached(ends)
@@ -516,6 +533,26 @@ def trace_missing(settings: Any, missing: set[str], timeout_s: float = 180.0) ->
         else:
             events[eid] = {"on_feedback_topic": True, **rec, "completion_on_bus": rec["completion_id"] in completions}
     return {"read_to_end": read_to_end, "events": events}
+
+
+def superseded_ids(traced: dict[str, Any], signals_of: dict[str, list[tuple[str | None, str, float]]]) -> set[str]:
+    """Traced events that are in no sample by the reward rules, not by a loss: the sample of their
+    completion holds a signal of the same user and kind (or exclusive group: `feedback.rewards`) stamped
+    at or after them, which replaced them (`counted_signals`: the latest per user and kind counts)."""
+    from feedback.rewards import EXCLUSIVE_GROUPS
+
+    def group(kind: str) -> Any:
+        return next((g for g in EXCLUSIVE_GROUPS if kind in g), kind)
+
+    out: set[str] = set()
+    for eid, t in traced.items():
+        if not t.get("on_feedback_topic") or "kind" not in t:
+            continue
+        for user, kind, ts in signals_of.get(t["completion_id"], []):
+            if (t["user"] is None or user == t["user"]) and group(kind) == group(t["kind"]) and ts >= t["ts"]:
+                out.add(eid)
+                break
+    return out
 
 
 # ---- the run ---------------------------------------------------------------------------------------

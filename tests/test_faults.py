@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from bench.faults import Plan, run, trace_missing
+from bench.faults import Plan, run, superseded_ids, trace_missing
 
 KILLS = ("broker", "learner", "gate", "replica", "gateway")
 
@@ -80,3 +80,19 @@ def test_a_missing_event_is_traced_to_where_it_was_lost(tmp_path):
     assert got["e-never"] == {"on_feedback_topic": False}
     assert got["e-joined"]["on_feedback_topic"] and got["e-joined"]["completion_on_bus"]
     assert got["e-orphan"]["completion_id"] == "c2" and not got["e-orphan"]["completion_on_bus"]
+
+
+def test_an_event_a_later_signal_of_its_user_replaced_is_superseded_not_missing():
+    """The latest signal per user and kind (or exclusive group) counts (`feedback.rewards`): an earlier
+    one is in no sample by the rules, and the books tell it from a loss."""
+    ev = {"on_feedback_topic": True, "completion_id": "c1", "user": "u1", "completion_on_bus": True}
+    traced = {
+        "thumb-replaced": ev | {"kind": "thumb_up", "ts": 10.0},  # the user's later thumb_down counts
+        "dwell-replaced": ev | {"kind": "dwell", "ts": 11.0},
+        "lost": ev | {"kind": "copied", "ts": 12.0},  # no copied in the sample: lost
+        "other-user": ev | {"kind": "dwell", "ts": 11.0, "user": "u2"},
+        "later-than-kept": ev | {"kind": "dwell", "ts": 30.0},
+        "never-on-bus": {"on_feedback_topic": False},
+    }
+    signals = {"c1": [("u1", "thumb_down", 20.0), ("u1", "dwell", 25.0)]}
+    assert superseded_ids(traced, signals) == {"thumb-replaced", "dwell-replaced"}
