@@ -13,7 +13,8 @@ import json
 
 import pytest
 
-from bench.faults import Plan, run, superseded_ids, trace_missing
+from bench.fault_books import superseded_ids, trace_missing
+from bench.faults import Plan, run
 
 KILLS = ("broker", "learner", "gate", "replica", "gateway")
 
