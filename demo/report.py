@@ -17,7 +17,9 @@ t-interval over the seeds' gains (seed-level: what another run would give), `Non
 - `controls.adversarial_5pct`: per seed, the clean run's final version minus the adversarial run's
   (satisfaction, paired by prompt), over seeds.
 - `candidates.collapses`: candidates whose offline pass rate fell more than 5 points below their
-  verdict's incumbent, over every run.
+  verdict's incumbent, over the seeds' runs (the learner on real feedback); each control lists its own
+  (`controls.<name>.collapses`): a shuffled-reward run's learner follows noise by design, and what
+  matters there is that the gate rejects what it makes (`promotions_worse_than_base`).
 - `poisoning`: over the clean runs' learner updates, the share that flagged no honest user; over the
   adversarial runs', the share that flagged at least one adversarial user (`demo.system.poisoning_by_update`).
 """
@@ -37,6 +39,7 @@ from core.files import atomic_write
 from demo.users import UserPrefs
 
 COLLAPSE_POINTS = 5.0
+CONTROL_NAMES = (("shuffled", "shuffled-reward"), ("adversarial_5pct", "5% adversarial"))
 
 
 def _paired(a: list[float], b: list[float]) -> dict[str, Any]:
@@ -184,7 +187,7 @@ def summarize(
             "per_seed": [{"seed": r["config"]["seed"], **g} for r, g in zip(seeds, gains, strict=True)],
             "prompts": seeds[0]["evaluations"][gains[0]["base"]]["n"],
         },
-        "candidates": {"collapses": collapses([*seeds, *shuffled, *adversarial])},
+        "candidates": {"collapses": collapses(seeds)},
         "controls": {},
         "runs": [_run_summary(r) for r in [*seeds, *shuffled, *adversarial]],
         "poisoning": _poisoning(seeds, adversarial),
@@ -217,6 +220,7 @@ def summarize(
             "satisfaction_gain": _seeds_of(g, "satisfaction"),
             "promotions": sum(x["promotions"] for x in g),
             "promotions_worse_than_base": sum(len(worse_than_base(r)) for r in shuffled),
+            "collapses": collapses(shuffled),
             "per_seed": [{"seed": r["config"]["seed"], **x} for r, x in zip(shuffled, g, strict=True)],
         }
     if adversarial:
@@ -233,6 +237,7 @@ def summarize(
             "seeds": len(adversarial),
             "share": adversarial[0]["config"]["adversarial_share"],
             "satisfaction_cost": _over_seeds([c["points"] for c in costs]),
+            "collapses": collapses(adversarial),
             "per_seed": costs,
         }
     return out
@@ -366,17 +371,22 @@ def markdown(s: dict[str, Any], command: str) -> str:
             f"{ad['satisfaction_cost']['points']} points of satisfaction {_ci(ad['satisfaction_cost']['ci95'])}, "
             "each seed's final version paired against the clean run's of the same seed.",
         ]
-    missing = [
-        name for key, name in (("shuffled", "shuffled-reward"), ("adversarial_5pct", "5% adversarial")) if key not in c
-    ]
+    missing = [name for key, name in CONTROL_NAMES if key not in c]
     if missing:
         lines += ["", f"**Not run in this report**: the {' and the '.join(missing)} control."]
     col = s.get("candidates", {}).get("collapses", [])
+
+    def listed(xs: list[dict]) -> str:
+        return ", ".join(f"seed {x['seed']} {x['version']} −{x['drop_points']}" for x in xs)
+
+    controls = [(name, c[key].get("collapses") or []) for key, name in CONTROL_NAMES if key in c]
     lines += [
         "",
         f"**Collapses** (a candidate's offline pass rate more than {COLLAPSE_POINTS:g} points below its "
-        f"incumbent's): {len(col)}"
-        + (": " + ", ".join(f"seed {x['seed']} {x['version']} −{x['drop_points']}" for x in col) if col else "."),
+        f"incumbent's) in the seeds' runs: {len(col)}"
+        + (f": {listed(col)}" if col else "")
+        + "".join(f"; in the {name} control: {len(xs)}" + (f" ({listed(xs)})" if xs else "") for name, xs in controls)
+        + ".",
     ]
     po = s.get("poisoning") or {}
     if (po.get("clean") or {}).get("updates"):
