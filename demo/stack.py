@@ -99,6 +99,7 @@ def demo_config(cfg: DemoSystemConfig, port: int, shape: dict[str, Any] | None =
             "suite": "demo.suite:demo_suite",
             "suite_kwargs": {"n": cfg.gate_prompts},
             "G": cfg.gate_G,
+            "guardrails": {"kl_samples_per_prompt": cfg.gate_kl_samples},
             "seed": cfg.seed,
             "n_resamples": 500,
             "poll_s": 1.0,

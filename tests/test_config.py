@@ -208,6 +208,7 @@ def test_the_demo_runs_flywheel_up_on_a_file_of_its_own(home):
     assert product.learner.trainer.loss.kl_coef == cfg.kl_coef and product.learner.trainer.lr == cfg.lr
     gate = product.gate_config()
     assert (gate.G, gate.seed, gate.canary.margin, gate.canary.steps) == (cfg.gate_G, 3, cfg.canary_margin, (0.2, 0.5))
+    assert gate.guardrails.kl_samples_per_prompt == cfg.gate_kl_samples == 1
     assert product.gate.suite == "demo.suite:demo_suite" and product.gate.suite_kwargs == {"n": cfg.gate_prompts}
     assert product.rewards.window_s == cfg.window_s
 
