@@ -1,7 +1,8 @@
 """The first book of the fault harness (`bench/faults.py`): every feedback event the gateways accepted
 is a signal in exactly one sample. Read from the bus once the traffic has ended: the samples topic from
 the start; for the events in no sample, where each was lost (`trace_missing`), and which were replaced
-by a later signal of the same user and kind under the reward rules (`superseded_ids`), not lost."""
+by a later signal of the same user and kind under the reward rules (`superseded_ids`), or dropped by
+the joiner's per-user budget (`budget_dropped_ids`), not lost."""
 
 from __future__ import annotations
 
@@ -17,16 +18,35 @@ MAX_TRACED = 200  # missing events listed and traced (the first, by id)
 
 
 def exactly_once_book(
-    settings: Any, traffic: Any, tenant: str, window_s: float, quiet_s: float, timeout_s: float
+    settings: Any,
+    traffic: Any,
+    tenant: str,
+    window_s: float,
+    quiet_s: float,
+    timeout_s: float,
+    budget: tuple[int, float] | None = None,
 ) -> dict[str, Any]:
-    """Book 1 over the run's `traffic` (`demo.traffic.Traffic`) for `tenant` (module docstring)."""
+    """Book 1 over the run's `traffic` (`demo.traffic.Traffic`) for `tenant` (module docstring). `budget`:
+    the reward spec's (`max_rewarded_per_user`, `budget_window_s`), to tell the events the joiner's
+    per-user budget dropped by design from lost ones."""
     accepted = accepted_ids(traffic, tenant)
+    # the events the joiner's per-user budget drops by design: not waited for, and counted apart
+    capped = budget_dropped_ids(traffic, tenant, *budget) & accepted if budget is not None else set()
     signals_of: dict[str, list[tuple[str | None, str, float]]] = {}
-    samples, took = read_samples(settings, window_s, accepted, quiet_s, timeout_s, signals_of)
+    samples, took = read_samples(settings, window_s, accepted - capped, quiet_s, timeout_s, signals_of)
     once = exactly_once(accepted, samples) | {"all_seen_after_s": round(took, 1)}
+    all_missing = once.pop("all_missing_ids")
+    if budget is not None:
+        missing_capped = capped & set(all_missing)
+        once["capped_by_budget"] = len(missing_capped)
+        once["capped_but_in_a_sample"] = len(capped) - len(missing_capped)  # the replay's order differed
+        once["joiner_dropped_by_budget"] = joiner_stat(settings, "dropped_by_budget")  # signals, its own count
+        once["missing"] -= len(missing_capped)
+        once["missing_ids"] = [e for e in all_missing if e not in missing_capped][:MAX_TRACED]
+        once["ok"] = once["missing"] == 0 and not _doubles(once)
     if once["missing"]:  # where each was lost: before the bus, or between the bus and a sample
         try:
-            traced = trace_missing(settings, set(once["missing_ids"]))
+            traced = trace_missing(settings, set(once["missing_ids"][:MAX_TRACED]))
             once["missing_traced"] = traced
             superseded = superseded_ids(traced["events"], signals_of)
             once["superseded"] = len(superseded)  # rule 2: a later signal of the user's replaced it
@@ -123,6 +143,7 @@ def exactly_once(accepted: set[str], samples: dict[str, list[list[str]]]) -> dic
         "counted_not_acknowledged": len(where.keys() - accepted),
         "missing_examples": missing[:10],
         "missing_ids": missing[:MAX_TRACED],
+        "all_missing_ids": missing,
         "ok": not missing and not in_many and not twice_in_one and not differing,
     }
 
@@ -191,3 +212,44 @@ def superseded_ids(traced: dict[str, Any], signals_of: dict[str, list[tuple[str 
                 out.add(eid)
                 break
     return out
+
+
+def budget_dropped_ids(traffic: Any, tenant: str, max_per_window: int, window_s: float) -> set[str]:
+    """Accepted events the joiner's per-user budget drops by design (`feedback.rewards.UserBudget`: a user
+    rewards at most `max_per_window` completions per `window_s`): the rule itself, fed each user's
+    completions with accepted feedback in the order they returned (the joiner closes them in the order
+    of their timestamps; at the boundary two completions in flight at once may swap). Every accepted
+    event of a completion whose user the budget refuses."""
+    from feedback.events import event_id_for
+    from feedback.rewards import UserBudget
+
+    given_up = traffic.feedback_given_up
+    by_completion: dict[str, list[str]] = defaultdict(list)  # completion id -> its accepted keys
+    user_of: dict[str, str] = {}
+    for key in traffic.feedback_keys:
+        if key in given_up or key not in traffic.feedback_of:
+            continue
+        cid, user = traffic.feedback_of[key]
+        by_completion[cid].append(key)
+        user_of[cid] = user
+    rule = UserBudget(max_per_window, window_s)
+    out: set[str] = set()
+    for cid in sorted(by_completion, key=lambda c: traffic.completed_at.get(c, 0.0)):
+        if not rule.admit(f"{tenant}/{user_of[cid]}", cid, traffic.completed_at.get(cid, 0.0)):
+            out.update(event_id_for(tenant, k) for k in by_completion[cid])
+    return out
+
+
+def joiner_stat(settings: Any, name: str) -> float | None:
+    """One of the joiner's own numbers from the metrics file it writes (`core.service_metrics`), or None."""
+    from core.service_metrics import SUFFIX
+
+    path = settings.home / "metrics" / f"joiner{SUFFIX}"
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flywheel_service_stat{") and f'name="{name}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return None

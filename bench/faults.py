@@ -306,7 +306,11 @@ class Harness:
     def books(
         self, traffic: Any, tenant: str, window_s: float, quiet_s: float = 15.0, timeout_s: float = 900.0
     ) -> dict[str, Any]:
-        once = exactly_once_book(self.stack.settings, traffic, tenant, window_s, quiet_s, timeout_s)
+        from feedback.rewards import RewardSpec
+
+        spec = RewardSpec()  # demo.stack sets only the window: the budget is the default's
+        budget = (spec.max_rewarded_per_user, spec.budget_window_s)
+        once = exactly_once_book(self.stack.settings, traffic, tenant, window_s, quiet_s, timeout_s, budget)
         return {
             "exactly_once": once,
             "served": self.served_check(traffic, tenant),

@@ -47,6 +47,8 @@ class Traffic:
     error_log: list[tuple[float, int]] = field(default_factory=list)  # (wall time, gateway index) per failure
     feedback_keys: list[str] = field(default_factory=list)  # every event's idempotency key, `shown` included
     feedback_given_up: set[str] = field(default_factory=set)  # keys the SDK handed to on_error: not accepted
+    feedback_of: dict[str, tuple[str, str]] = field(default_factory=dict)  # key -> (completion id, user)
+    completed_at: dict[str, float] = field(default_factory=dict)  # completion id -> wall time it returned
     failovers: int = 0  # completions another gateway served because the user's own was unreachable
 
 
@@ -145,9 +147,11 @@ async def drive_users(
             traffic.served[r.model] = traffic.served.get(r.model, 0) + 1
             traffic.by_gateway[urls[g]] = traffic.by_gateway.get(urls[g], 0) + 1
             traffic.served_log.append((time.time(), user.sim.user_id, r.model, g))
+            traffic.completed_at[r.id] = time.time()
             key = feedbacks[g].shown(r.id, user=user.sim.user_id)
             if key is not None:
                 traffic.feedback_keys.append(key)
+                traffic.feedback_of[key] = (r.id, user.sim.user_id)
             pending.append((user, task, r.id, r.choices[0].text, g))
             traffic_model[r.id] = r.model
 
@@ -214,3 +218,4 @@ async def _send_later(fb: Any, s: Any, cid: str, user: str, delay: float, traffi
     if key is not None:
         traffic.feedback += 1
         traffic.feedback_keys.append(key)
+        traffic.feedback_of[key] = (cid, user)

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from bench.fault_books import superseded_ids, trace_missing
+from bench.fault_books import budget_dropped_ids, superseded_ids, trace_missing
 from bench.faults import Plan, run
 
 KILLS = ("broker", "learner", "gate", "replica", "gateway")
@@ -97,3 +97,25 @@ def test_an_event_a_later_signal_of_its_user_replaced_is_superseded_not_missing(
     }
     signals = {"c1": [("u1", "thumb_down", 20.0), ("u1", "dwell", 25.0)]}
     assert superseded_ids(traced, signals) == {"thumb-replaced", "dwell-replaced"}
+
+
+def test_events_of_completions_past_a_users_budget_are_capped_not_missing():
+    """The joiner rewards at most `max_rewarded_per_user` completions per user and window
+    (`feedback.rewards.UserBudget`); the books replay the rule on the traffic, in the order the
+    completions returned, and every accepted event of a refused completion is capped, not lost."""
+    from demo.traffic import Traffic
+    from feedback.events import event_id_for
+
+    t = Traffic()
+    for i, (cid, user) in enumerate([("c1", "heavy"), ("c2", "heavy"), ("c3", "light"), ("c4", "heavy")]):
+        t.completed_at[cid] = 100.0 + i
+        for kind in ("shown", "accepted"):
+            key = f"{cid}-{kind}"
+            t.feedback_keys.append(key)
+            t.feedback_of[key] = (cid, user)
+    t.feedback_given_up.add("c4-accepted")  # not accepted: never counted either way
+    capped = budget_dropped_ids(t, "demo", max_per_window=2, window_s=3600.0)
+    assert capped == {event_id_for("demo", "c4-shown")}  # heavy's third completion; light's first is in
+    assert budget_dropped_ids(t, "demo", max_per_window=3, window_s=3600.0) == set()
+    # a window that slides: c1 is out of it by c4's time, so c4 is admitted
+    assert budget_dropped_ids(t, "demo", max_per_window=2, window_s=2.5) == set()
