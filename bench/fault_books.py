@@ -1,8 +1,9 @@
 """The first book of the fault harness (`bench/faults.py`): every feedback event the gateways accepted
 is a signal in exactly one sample. Read from the bus once the traffic has ended: the samples topic from
 the start; for the events in no sample, where each was lost (`trace_missing`), and which were replaced
-by a later signal of the same user and kind under the reward rules (`superseded_ids`), or dropped by
-the joiner's per-user budget (`budget_dropped_ids`), not lost."""
+by a later signal of the same user and kind under the reward rules (`superseded_ids`), belonged to a
+completion that earns no reward (`unrewarded_ids`: dwell alone, never reported shown), or were dropped
+by the joiner's per-user budget (`budget_dropped_ids`), not lost."""
 
 from __future__ import annotations
 
@@ -50,8 +51,12 @@ def exactly_once_book(
             once["missing_traced"] = traced
             superseded = superseded_ids(traced["events"], signals_of)
             once["superseded"] = len(superseded)  # rule 2: a later signal of the user's replaced it
-            once["missing"] -= len(superseded)
-            once["missing_ids"] = [e for e in once["missing_ids"] if e not in superseded]
+            unrewarded = unrewarded_ids(traced["events"], signals_of) - superseded
+            once["unrewarded"] = len(unrewarded)  # rule 6: only dwell, never shown: no sample at all
+            once["joiner_unrewarded_signals"] = joiner_stat(settings, "unrewarded_signals")
+            by_rule = superseded | unrewarded
+            once["missing"] -= len(by_rule)
+            once["missing_ids"] = [e for e in once["missing_ids"] if e not in by_rule]
             once["missing_examples"] = once["missing_ids"][:10]
             once["ok"] = once["missing"] == 0 and not _doubles(once)
         except Exception as e:  # a post-mortem: its failure must not lose the books
@@ -175,8 +180,8 @@ def trace_missing(settings: Any, missing: set[str], timeout_s: float = 180.0) ->
                             ev = FeedbackEvent.model_validate_json(r.value)
                             if ev.event_id in missing:
                                 found[ev.event_id] = {"partition": r.partition, "offset": r.offset,
-                                                      "completion_id": ev.completion_id, "ts": ev.ts,
-                                                      "kind": ev.kind, "user": ev.user_id}  # fmt: skip
+                                                      "completion_id": ev.completion_id, "ts": ev.ts, "kind": ev.kind,
+                                                      "value": ev.value, "user": ev.user_id}  # fmt: skip
                         else:  # only the id: a completion record is large
                             completions.add(json.loads(r.value)["completion_id"])
                 read_to_end[topic] = bool(ends) and consumer.reached(ends)
@@ -211,6 +216,27 @@ def superseded_ids(traced: dict[str, Any], signals_of: dict[str, list[tuple[str 
             if (t["user"] is None or user == t["user"]) and group(kind) == group(t["kind"]) and ts >= t["ts"]:
                 out.add(eid)
                 break
+    return out
+
+
+def unrewarded_ids(traced: dict[str, Any], signals_of: dict[str, list[tuple[str | None, str, float]]]) -> set[str]:
+    """Traced events in no sample because their completion earned no reward (`feedback.rewards.reward`
+    is None, rule 6: never reported shown, and only dwell): their completion has no sample, and the
+    rule, replayed on its traced events, gives none. Its `shown` was given up (a gateway down) or never
+    sent, while a later dwell got through. The joiner counts these as `unrewarded_signals`."""
+    from feedback.events import Signal
+    from feedback.rewards import RewardSpec, reward
+
+    by_completion: dict[str, list[tuple[str, dict[str, Any]]]] = defaultdict(list)
+    for eid, t in traced.items():
+        if t.get("on_feedback_topic") and "kind" in t and t["completion_id"] not in signals_of:
+            by_completion[t["completion_id"]].append((eid, t))
+    out: set[str] = set()
+    for events in by_completion.values():
+        signals = [Signal(kind=t["kind"], value=t.get("value"), ts=t["ts"], user_id=t["user"], event_id=eid)
+                   for eid, t in events]  # fmt: skip
+        if reward(RewardSpec(), signals) is None:  # which signals earn nothing does not depend on the weights
+            out.update(eid for eid, _ in events)
     return out
 
 

@@ -7,7 +7,9 @@ one (its reward is the spec's `silence` when nothing else came), so every exposu
 ignored completion cannot drop out of the learner's data or the canary's metric. Feedback ahead of
 its completion waits in a bounded orphan buffer until its own `ts + window_s`; feedback for a closed
 completion or past its window is late (`drain_late()`). Redelivered ids, another tenant's feedback and
-signals over a user's `UserBudget` are dropped; every case is counted in `stats`.
+signals over a user's `UserBudget` are dropped, and so are the signals of a completion that earns no
+reward (rule 6 of `feedback.rewards`: only dwell, never reported shown); every case is counted in
+`stats` (`unrewarded_signals` for the last).
 
 `JoinerService` runs the core as one group member on both topics (partitioned alike, so a completion
 meets its feedback). A round reads the clock, then the producers' bus watermark (`watermark`, from
@@ -49,7 +51,7 @@ Source = tuple[str, int, int]  # (topic, partition, offset) of the bus record an
 Orphan = tuple[FeedbackEvent, Source | None]
 STAT_KEYS: tuple[str, ...] = ("completions", "feedback", "samples", "silent", "late", "duplicates", "no_feedback")
 STAT_KEYS += ("dropped_by_budget", "tenant_mismatch", "orphans_expired", "orphans_overflow", "malformed")
-STAT_KEYS += ("rounds_behind",)
+STAT_KEYS += ("rounds_behind", "unrewarded_signals")
 MAX_SEEN = MAX_CLOSED = 200_000  # event ids and closed completion ids remembered (to drop redeliveries)
 MAX_LATE_KEPT = 10_000  # late feedback held for `drain_late()`
 MAX_RECORDS_PER_ROUND = 50_000  # a round that reads more stops short of the end: its windows stay open
@@ -231,6 +233,7 @@ class JoinerCore:
                 self.stats["dropped_by_budget"] += sum(1 for s in counted if user_key(s) == user)
         kept = [s for s in counted if user_key(s) in admitted]
         if (r := reward(self.spec, kept)) is None:
+            self.stats["unrewarded_signals"] += len(kept)  # rule 6: only dwell, never reported shown
             return None
         name, eid = self.spec.name, sample_event_id(c.completion_id, self.spec.name)
         return SampleEvent(

@@ -119,3 +119,21 @@ def test_events_of_completions_past_a_users_budget_are_capped_not_missing():
     assert budget_dropped_ids(t, "demo", max_per_window=3, window_s=3600.0) == set()
     # a window that slides: c1 is out of it by c4's time, so c4 is admitted
     assert budget_dropped_ids(t, "demo", max_per_window=2, window_s=2.5) == set()
+
+
+def test_events_of_a_completion_that_earns_no_reward_are_unrewarded_not_missing():
+    """Rule 6 of `feedback.rewards`: a completion never reported shown whose only signals are dwell
+    earns no reward, so the joiner emits no sample for it (and counts `unrewarded_signals`). The books
+    tell its events from a loss; a completion with any other signal, or with a sample, is not one."""
+    from bench.fault_books import unrewarded_ids
+
+    ev = {"on_feedback_topic": True, "user": "u1", "completion_on_bus": True}
+    traced = {
+        "dwell-c1-a": ev | {"completion_id": "c1", "kind": "dwell", "value": 4.0, "ts": 10.0},
+        "dwell-c1-b": ev | {"completion_id": "c1", "kind": "dwell", "value": 9.0, "ts": 12.0, "user": "u2"},
+        "dwell-copied": ev | {"completion_id": "c2", "kind": "dwell", "value": 4.0, "ts": 10.0},
+        "copied-c2": ev | {"completion_id": "c2", "kind": "copied", "value": None, "ts": 11.0},  # earns a reward: lost
+        "dwell-sampled": ev | {"completion_id": "c3", "kind": "dwell", "value": 4.0, "ts": 10.0},  # c3 has a sample
+        "never-on-bus": {"on_feedback_topic": False},
+    }
+    assert unrewarded_ids(traced, {"c3": [("u1", "shown", 9.0)]}) == {"dwell-c1-a", "dwell-c1-b"}

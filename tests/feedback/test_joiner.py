@@ -156,8 +156,10 @@ def test_completions_without_counting_feedback_emit_nothing():
     j.on_completion(completion("quiet", 0.0))
     j.on_completion(completion("dwell-only", 0.0))
     j.on_feedback(feedback("dwell-only", "dwell", 5.0, value=12.0))
+    j.on_feedback(feedback("dwell-only", "dwell", 8.0, value=20.0, user="u2"))
     assert j.tick(61.0) == []
     assert j.stats["no_feedback"] == 2 and j.stats["samples"] == 0
+    assert j.stats["unrewarded_signals"] == 2  # rule 6: dwell alone, never shown; counted, not silent
 
 
 def test_every_exposed_completion_yields_a_sample_silence_included():
