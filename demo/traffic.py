@@ -170,7 +170,9 @@ async def drive_users(
                 traffic.passed.setdefault(model, []).append(int(real.passed))
                 _, task, _, text, _ = batch[j]
                 for s in _signals(user, task, text, checks[j], cfg, rng):
-                    delay = rng.uniform(0.0, cfg.window_s * 0.8)
+                    # the user reacts this long after the completion returned, not after the checker
+                    # (which lags under load): else a third of the feedback came after its window here
+                    delay = rng.uniform(0.0, cfg.window_s * 0.8) - (time.time() - traffic.completed_at[cid])
                     fb = feedbacks[served_by]
                     later.append(asyncio.create_task(_send_later(fb, s, cid, user.sim.user_id, delay, traffic)))
             if progress is not None:
@@ -213,7 +215,7 @@ async def _complete(clients: list, g: int, traffic: Traffic, request: dict) -> t
 
 
 async def _send_later(fb: Any, s: Any, cid: str, user: str, delay: float, traffic: Traffic) -> None:
-    await asyncio.sleep(delay)
+    await asyncio.sleep(max(delay, 0.0))
     key = fb.send(s.kind, cid, s.value, user=user)
     if key is not None:
         traffic.feedback += 1
