@@ -344,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the demo product through the whole running system, with simulated users")
     d.add_argument("--seed", type=int, default=None, help="the run's seed (default: FLYWHEEL_SEED)")
     d.add_argument(
-        "--minutes", type=float, default=None, help="minutes of user traffic (default 10; --quick: at most 8)"
+        "--minutes", type=float, default=None, help="minutes of user traffic (default 10; --quick: at most 25)"
     )
     d.add_argument("--users", type=int, default=None, help="simulated users (default 500)")
     d.add_argument("--adversarial-share", type=float, default=0.0, help="share of users who reward wrong code")

@@ -147,7 +147,7 @@ class DemoSystemConfig(BaseModel):
         """The short variant CI runs: fewer users and minutes, the same system."""
         return cls(
             users=150,
-            traffic_s=480.0,  # at most: the traffic ends at the first trained promotion (90-300 s in, by machine)
+            traffic_s=1500.0,  # at most: the traffic ends at the first trained promotion (144 s to 800+ s in, by VM)
             stop_after_promotions=1,
             report_prompts=200,
             gate_prompts=36,  # 2 per family at G 4: the overall test decides, the family test has no power
