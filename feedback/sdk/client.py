@@ -290,7 +290,7 @@ class _Client:
                 if self._sender is None:
                     self._sender = threading.Thread(target=self._run, name="flywheel-feedback", daemon=True)
                     self._sender.start()
-                if len(self._queue) == self.batch_size:
+                if len(self._queue) in (1, self.batch_size):  # the interval starts, or a batch is full
                     self._wake.set()
                 return event["idempotency_key"]
             self.dropped += 1

@@ -239,6 +239,20 @@ def test_batches_by_interval(live):
     assert len(on_bus(live, [c])) == 3
 
 
+def test_an_event_after_the_queue_emptied_goes_out_by_the_interval(live):
+    # The sender sleeps while the queue is empty: the next event must wake it to time its interval.
+    # Until 2026-12-04 only a full batch woke it, so after the first batch an event waited for
+    # batch_size more (or for close): a third of the demo's feedback arrived after its window.
+    c = new_completion(live)
+    with FaultProxy(live.url) as proxy, FeedbackClient(proxy.url, batch_size=100, flush_interval_s=0.2) as fb:
+        for expected in (1, 2, 3):
+            fb.copied(c)
+            wait_until(lambda: len(proxy.attempts) == expected, 10, what=f"batch {expected}", interval_s=0.01)  # noqa: B023
+            wait_until(lambda: fb.pending == 0, 10, what="nothing pending", interval_s=0.01)
+        assert [a["n"] for a in proxy.attempts] == [1, 1, 1]
+    assert len(on_bus(live, [c])) == 3
+
+
 # ---- queue overflow and enqueue ----------------------------------------------------------------
 def test_full_queue_drops_without_blocking_and_reports(live):
     c = new_completion(live)
