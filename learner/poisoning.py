@@ -20,15 +20,15 @@ completions a user may reward per window. This is the second line, over the samp
   they have enough samples; a light adversary, one sample per update, cannot be told from an honest
   user by rewards alone: the next rule is for them;
 - **verified** (only when the learner has the product's verifier, `product.suites.Verifier`): the
-  user's rewards run against correctness. Each rewarded completion is scored by the verifier (pass:
-  score ≥ 0.5; a prompt it cannot check, or a verifier that fails, is counted and left out), and
-  so is every sample an update drops unused (for policy lag, say: `witnesses`), since what a user's
-  rewards say about the user does not go stale with the policy; in the demo's runs the learner drops
-  2-3 samples for every one it trains on, so this more than triples the evidence. Over
-  every update so far (`VerifiedTally`, kept with the learner's state), a user's mean reward on
-  passing completions minus their mean reward on failing ones, Δ, has z = Δ / (σ √(1/n_pass +
-  1/n_fail)), σ everyone's reward deviation within each kind, pooled; flagged when z <
-  -`verified_z_max` (2.5) with at least `verified_min_samples` (4) verified samples, one of each kind.
+  user's rewards run against correctness. A `Scout` reads every sample on the sample topic once, in
+  its own consumer group, as it arrives, and has the verifier score it (pass: score ≥ 0.5; a prompt it
+  cannot check, or a verifier that fails, is counted and left out): whether the learner will train on
+  it, drop it for policy lag, or has not reached it yet, since what a user's rewards say about the user
+  neither waits for the learner nor goes stale with the policy. Over every sample so far
+  (`VerifiedTally`, kept with the learner's state), a user's mean reward on passing completions minus
+  their mean reward on failing ones, Δ, has z = Δ / (σ √(1/n_pass + 1/n_fail)), σ everyone's reward
+  deviation within each kind, pooled; flagged when z < -`verified_z_max` (2.5) with at least
+  `verified_min_samples` (4) verified samples, one of each kind.
   Raw rewards, not the context residuals above: a context's mean tracks its pass rate, so residuals
   would push a user whose rewards ignore correctness below 0. One-sided on purpose: an honest user,
   however harsh or lenient, rewards passing code more than failing code (Δ > 0); a user whose rewards
@@ -42,6 +42,8 @@ each sample's loss by its weight. Flags are returned as plain data, stored with 
 in the registry (`poisoning`) and counted in every update's statistics
 (`poisoning_flagged_users`, `poisoning_flagged_samples`). Anonymous completions (no user) are one
 stratum of their own and never flagged here: their reward is already capped as one user's.
+What the scout scored and could not score is counted in every update's statistics
+(`poisoning_verified_samples`, `poisoning_unverifiable_samples`).
 Simulated against the demo's users in tests/learner/test_poisoning_sim.py.
 """
 
@@ -49,12 +51,14 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from feedback.bus import Consumer, Record
 from feedback.events import SampleEvent
 from learner.baselines import baseline_key
 from product.suites import Verifier
@@ -104,12 +108,6 @@ class Screening:
     """One per sample, in input order: 1.0, or a flagged user's weight."""
     flags: list[Flag] = field(default_factory=list)
     users: int = 0
-    verified: int = 0
-    """Samples the verifier scored in this update (0 without a verifier)."""
-    witnessed: int = 0
-    """Untrained samples (dropped for lag, say) the verifier scored into the tally in this update."""
-    unverifiable: int = 0
-    """Samples whose prompt the verifier could not check (counted, left out of the verified rule)."""
 
     def summary(self) -> dict[str, Any]:
         """What the registry stores with the version (`metrics["poisoning"]`)."""
@@ -119,24 +117,24 @@ class Screening:
             "flagged_users": len(self.flags),
             "flagged_samples": flagged,
             "flagged_reward_share": round(sum(f.reward_share for f in self.flags), 6),
-            "verified": self.verified,
-            "witnessed": self.witnessed,
-            "unverifiable": self.unverifiable,
             "flags": [f.as_dict() for f in self.flags],
         }
 
 
 @dataclass
 class VerifiedTally:
-    """The verified rule's evidence over every update so far: per user (tenant, user id), the count and
-    reward sum of their passing and of their failing samples; over everyone, the count, sum and sum of
-    squares of the rewards of each kind (for the pooled within-kind deviation σ). Plain data, so the
-    learner keeps it with its optimizer state."""
+    """The verified rule's evidence over every sample scored so far: per user (tenant, user id), the
+    count and reward sum of their passing and of their failing samples; over everyone, the count, sum
+    and sum of squares of the rewards of each kind (for the pooled within-kind deviation σ); and per
+    partition of the sample topic, the offset after the last record the `Scout` read, so that a
+    redelivered record counts once. Plain data, so the learner keeps it with its optimizer state."""
 
     users: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     """(tenant, user) -> [n_pass, sum_pass, n_fail, sum_fail]."""
     kinds: list[float] = field(default_factory=lambda: [0.0] * 6)
     """Everyone's [n_pass, sum_pass, sumsq_pass, n_fail, sum_fail, sumsq_fail]."""
+    positions: dict[int, int] = field(default_factory=dict)
+    """Sample-topic partition -> the offset of the next record the scout has not counted."""
 
     def add(self, user: tuple[str, str], passed: bool, reward: float) -> None:
         acc = self.users.setdefault(user, [0.0, 0.0, 0.0, 0.0])
@@ -164,17 +162,6 @@ class VerifiedTally:
         if n_p < 1 or n_f < 1 or n_p + n_f < min_samples or sigma <= 0:
             return None
         return (s_p / n_p - s_f / n_f) / (sigma * math.sqrt(1 / n_p + 1 / n_f))
-
-
-def witness(tally: VerifiedTally, samples: Sequence[SampleEvent], passed: Sequence[bool | None]) -> tuple[int, int]:
-    """Add samples no update trains on (dropped for lag, say), with their verdicts, to the verified rule's
-    tally: (how many were scored, how many the verifier could not check)."""
-    if len(passed) != len(samples):
-        raise ValueError(f"got {len(passed)} verdicts for {len(samples)} witnesses")
-    for s, ok in zip(samples, passed, strict=True):
-        if ok is not None and s.completion.user_id:
-            tally.add((s.tenant, s.completion.user_id), ok, s.reward)
-    return sum(ok is not None for ok in passed), sum(ok is None for ok in passed)
 
 
 def verify_samples(verifier: Verifier, prompts: Sequence[str], texts: Sequence[str]) -> list[bool | None]:
@@ -206,23 +193,11 @@ def verdicts(
 
 
 def screen(
-    samples: Sequence[SampleEvent],
-    cfg: PoisoningConfig | None = None,
-    passed: Sequence[bool | None] | None = None,
-    tally: VerifiedTally | None = None,
-    witnesses: Sequence[SampleEvent] = (),
-    witnessed: Sequence[bool | None] | None = None,
+    samples: Sequence[SampleEvent], cfg: PoisoningConfig | None = None, tally: VerifiedTally | None = None
 ) -> Screening:
     """Flag the users who dominate or skew `samples` and weigh their samples down (module docstring).
-    `passed`: the verifier's verdict per sample (None: not checkable), with the `tally` it adds to; the
-    verified rule runs only when both are given. `witnesses`, with their verdicts `witnessed`: samples
-    the update does not train on (dropped for policy lag, say) that still add to the tally first:
-    what a user's rewards say about the user does not go stale with the policy."""
+    `tally`: the verified rule's evidence (`Scout`), read, not changed; without it the rule is off."""
     cfg = cfg or PoisoningConfig()
-    if passed is not None and len(passed) != len(samples):
-        raise ValueError(f"got {len(passed)} verdicts for {len(samples)} samples")
-    if witnesses and (witnessed is None or len(witnessed) != len(witnesses)):
-        raise ValueError(f"got {0 if witnessed is None else len(witnessed)} verdicts for {len(witnesses)} witnesses")
     weights = [1.0] * len(samples)
     by_user: dict[tuple[str, str], list[int]] = {}
     for i, s in enumerate(samples):
@@ -234,17 +209,6 @@ def screen(
     total = sum(abs(s.reward) for s in samples)
     residual = _residuals(samples)
     sigma = math.sqrt(sum(r * r for r in residual) / max(len(samples) - 1, 1))
-    vt = tally if passed is not None else None  # the verified rule runs with both
-    if vt is not None:
-        assert passed is not None
-        for s, ok in zip(samples, passed, strict=True):
-            out.verified += ok is not None
-            out.unverifiable += ok is None
-            if ok is not None and s.completion.user_id:
-                vt.add((s.tenant, s.completion.user_id), ok, s.reward)
-        scored, unverifiable = witness(vt, witnesses, witnessed or ())
-        out.witnessed += scored
-        out.unverifiable += unverifiable
     for (tenant, user), ix in sorted(by_user.items()):
         share = sum(abs(samples[i].reward) for i in ix) / total if total > 0 else 0.0
         reasons, weight = [], 1.0
@@ -256,10 +220,10 @@ def screen(
             if abs(z) > cfg.z_max:
                 reasons.append(f"rewards {z:+.1f} σ/√n from their contexts' ({len(ix)} samples) > {cfg.z_max:g}")
                 weight = min(weight, cfg.z_max / abs(z))
-        vz = vt.z((tenant, user), cfg.verified_min_samples) if vt is not None else None
+        vz = tally.z((tenant, user), cfg.verified_min_samples) if tally is not None else None
         if vz is not None and vz < -cfg.verified_z_max:
-            assert vt is not None
-            n_p, _, n_f, _ = vt.users[(tenant, user)]
+            assert tally is not None
+            n_p, _, n_f, _ = tally.users[(tenant, user)]
             reasons.append(
                 f"rewards against the verifier: z {vz:+.1f} < -{cfg.verified_z_max:g} "
                 f"({int(n_p)} passing, {int(n_f)} failing completions so far)"
@@ -288,3 +252,85 @@ def _residuals(samples: Sequence[SampleEvent]) -> list[float]:
         n = total[1] - mine[1]
         out.append(s.reward - (total[0] - mine[0]) / n if n > 0 else 0.0)
     return out
+
+
+class Scout:
+    """Feeds the verified rule's tally (module docstring) with every sample on the sample topic, once,
+    as it arrives: it reads the topic in a consumer group of its own, ahead of the learner, and scores
+    each sample with the verifier. Samples without a user, and those of `skip_tenants` (opted out of
+    training: not used at all), are read and left out. A record below the tally's position for its
+    partition was counted before (a redelivery after a restart) and is skipped; so is an event id seen
+    among the last `remember` ones (a sample the joiner published twice). The group's offsets are
+    committed by `commit`, which the learner calls once the tally holding them is durable: a crash in
+    between redelivers records the tally's positions skip, and loses none."""
+
+    def __init__(
+        self,
+        consumer: Consumer,
+        verifier: Verifier,
+        decode: Callable[[list[int]], str],
+        skip_tenants: frozenset[str] = frozenset(),
+        remember: int = 100_000,
+    ):
+        self.consumer, self.verifier, self.decode = consumer, verifier, decode
+        self.skip_tenants, self.remember = skip_tenants, remember
+        self._recent: OrderedDict[str, None] = OrderedDict()
+        self._uncommitted: dict[int, Record] = {}  # partition -> the last record read
+        self.since: Counter[str] = Counter()
+        """Since the last `take`: `verified` and `unverifiable` samples, and those `skipped` (no user,
+        an opted-out tenant, malformed, a redelivery or a duplicate id)."""
+
+    def catch_up(self, tally: VerifiedTally, max_records: int = 2000, timeout_s: float = 0.0) -> int:
+        """Read and score what has arrived, until a poll comes back empty or `max_records` were read
+        (the first poll waits up to `timeout_s`); how many records were read."""
+        read = 0
+        while read < max_records:
+            recs = self.consumer.poll(
+                max_records=min(500, max_records - read), timeout_s=timeout_s if not read else 0.0
+            )
+            if not recs:
+                break
+            read += len(recs)
+            self._score(tally, recs)
+        return read
+
+    def _score(self, tally: VerifiedTally, recs: list[Record]) -> None:
+        events = []
+        for r in recs:
+            self._uncommitted[r.partition] = r
+            if r.offset < tally.positions.get(r.partition, 0):
+                self.since["skipped"] += 1
+                continue
+            tally.positions[r.partition] = r.offset + 1
+            try:
+                ev = SampleEvent.model_validate_json(r.value)
+            except ValidationError:  # the learner's own consumer dead-letters it
+                self.since["skipped"] += 1
+                continue
+            if not ev.completion.user_id or ev.tenant in self.skip_tenants or ev.event_id in self._recent:
+                self.since["skipped"] += 1
+                continue
+            self._recent[ev.event_id] = None
+            if len(self._recent) > self.remember:
+                self._recent.popitem(last=False)
+            events.append(ev)
+        for ev, ok in zip(events, verdicts(self.verifier, self.decode, events) if events else [], strict=True):
+            if ok is None:
+                self.since["unverifiable"] += 1
+            else:
+                self.since["verified"] += 1
+                tally.add((ev.tenant, ev.completion.user_id or ""), ok, ev.reward)  # users only: filtered above
+
+    def take(self) -> Counter[str]:
+        """The counts since the last call (`since`), and start again."""
+        out, self.since = self.since, Counter()
+        return out
+
+    def commit(self) -> None:
+        """Commit what was read so far: call once the tally that counted it is durable."""
+        if self._uncommitted:
+            self.consumer.commit(list(self._uncommitted.values()))
+            self._uncommitted = {}
+
+    def close(self) -> None:
+        self.consumer.close()

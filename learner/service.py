@@ -71,7 +71,7 @@ from learner.distributed import from_rank0
 from learner.lag_bound import LagBound
 from learner.lent_rollouts import LentRollouts
 from learner.lineage import anchor, merge_covered, staleness, staleness_stats
-from learner.poisoning import VerifiedTally, screen, verdicts, witness
+from learner.poisoning import Scout, VerifiedTally, screen
 from learner.rollout_weights import RolloutWeights
 from learner.samples import cadence_met, partition, sequence_from_sample, set_aside
 from learner.trainer import NonFiniteUpdate, Trainer
@@ -153,12 +153,15 @@ class LearnerService(RolloutWeights, LagBound):
         self.trained_ids = deque(self.state["trained_ids"], maxlen=MAX_REMEMBERED_IDS)
         self._trained_set = set(self.trained_ids)
         self.consumer = bus.consumer(cfg.topic, cfg.group)
+        self.scout: Scout | None = None  # the verified rule's evidence, on rank 0 (`learner.poisoning.Scout`)
+        if verifier is not None and cfg.poisoning.enabled and self.rank == 0:
+            skip = frozenset(cfg.untrained_tenants)
+            self.scout = Scout(bus.consumer(cfg.topic, f"{cfg.group}.scout"), verifier, self.tokenizer.decode, skip)
         self.buffer: list[tuple[Record, SampleEvent | None]] = []
         self.offline: list = []  # (Sequence, advantage) from off-peak group rollouts, mixed into the next update
         self._buffered_ids: set[str] = set()
         self._set_aside: set[str] = set()  # dropped, not yet committed (`set_aside`): a redelivery is a duplicate
         self._aside_dropped: Counter[str] = Counter()
-        self._aside_witnessed = 0  # dropped samples scored while buffering on, in the next update's statistics
         self._group_buffered = 0  # samples buffered by all ranks at the last cadence check
         self.partitions_read: set[int] = set()  # sample-topic partitions this instance has read from
         self.counters: Counter = Counter()
@@ -333,7 +336,6 @@ class LearnerService(RolloutWeights, LagBound):
         kept, dropped = partition(batch, behind, self.cfg.max_staleness, lag, max_lag, untrained)
         if not self._trainable(len(kept) + len(offline_all)):  # drops left too few: no step on a handful
             kept_now = {ev.event_id for _, ev in kept}
-            self._witness_dropped([ev for _, ev in batch if ev.event_id not in kept_now and ev.tenant not in untrained])
             self.buffer, gone = set_aside(self.buffer, kept_now)
             self._buffered_ids.difference_update(gone)
             self._set_aside.update(gone)
@@ -342,24 +344,14 @@ class LearnerService(RolloutWeights, LagBound):
             log.info("learner: %d samples left after dropping %s: buffering on", len(kept), dict(dropped))
             return None
         aside, self._aside_dropped = self._aside_dropped, Counter()
-        aside_witnessed, self._aside_witnessed = self._aside_witnessed, 0
         events = [ev for _, ev in kept]
-        kept_ids = {ev.event_id for ev in events}
-        witnesses = [  # dropped unused: still evidence on their users (an opted-out tenant's are not used at all)
-            ev for _, ev in batch if ev.event_id not in kept_ids and ev.tenant not in untrained
-        ]
-        v = self.verifier if events and self.cfg.poisoning.enabled and self.rank == 0 else None  # for all ranks
-        passed, witnessed = from_rank0(
-            (
-                verdicts(v, self.tokenizer.decode, events),
-                verdicts(v, self.tokenizer.decode, witnesses) if witnesses else [],
-            )
-            if v is not None
-            else (None, None),
+        if self.scout is not None:  # the evidence on every sample that has arrived, these included
+            self.scout.catch_up(self.tally, max_records=20_000)
+        screening = from_rank0(
+            screen(events, self.cfg.poisoning, self.tally if self.scout is not None else None)
+            if self.rank == 0
+            else None,
             self.world_size,
-        )
-        screening = screen(
-            events, self.cfg.poisoning, passed, self.tally, witnesses if passed is not None else (), witnessed
         )
         seqs = [
             dataclasses.replace(sequence_from_sample(ev), weight=w)
@@ -400,8 +392,9 @@ class LearnerService(RolloutWeights, LagBound):
             log.warning("learner: nothing trainable in %d buffered samples (dropped: %s)", len(batch), dict(dropped))
         if trained:
             stats["offline_samples"] = len(offline)
-            stats.update(counters(dropped + aside, screening, len(offline_all) - len(offline)))
-            stats["poisoning_witnessed_samples"] += aside_witnessed  # scored when they were set aside
+            scouted = self.scout.take() if self.scout is not None else None
+            self.counters.update({f"poisoning_scout_{k}": v for k, v in (scouted or {}).items()})
+            stats.update(counters(dropped + aside, screening, len(offline_all) - len(offline), scouted))
             stats.update(staleness_stats(self.state, [s.version for s in seqs]))
             stats["lag_updates_mean"] = stats["staleness_updates_mean"]
             stats["lag_updates_max"] = stats["staleness_updates_max"]
@@ -416,6 +409,8 @@ class LearnerService(RolloutWeights, LagBound):
         if self.rank == 0:
             self.state.update(positions={str(p): o for p, o in positions.items()}, trained_ids=list(self.trained_ids))
             atomic_write(self.state_path, json.dumps(self.state))  # the point of no return: these samples are used
+            if new_id is not None and self.scout is not None:  # its tally, with the scout's positions, is durable
+                self.scout.commit()
         if self.world_size > 1:  # after rank 0 made the update durable: every rank takes its state
             self.state = from_rank0(self.state if self.rank == 0 else None, self.world_size)
             new_id = self.state["current"] if trained else None
@@ -431,17 +426,6 @@ class LearnerService(RolloutWeights, LagBound):
         self.counters["updates"] += 1 if new_id else 0
         self.last_update = self.clock()
         return new_id
-
-    def _witness_dropped(self, events: list[SampleEvent]) -> None:
-        """Samples dropped while the learner buffers on (`set_aside`) are never trained, but still evidence
-        on their users: scored (rank 0) into the verified rule's tally, as an update's witnesses are."""
-        v = self.verifier if events and self.cfg.poisoning.enabled and self.rank == 0 else None  # for all ranks
-        passed = from_rank0(verdicts(v, self.tokenizer.decode, events) if v is not None else None, self.world_size)
-        if passed is None:
-            return
-        scored, _ = witness(self.tally, events, passed)
-        self._aside_witnessed += scored
-        self.counters["poisoning_witnessed_aside"] += scored
 
     def _quarantine(self, kept: list[tuple[Record, SampleEvent]], n_offline: int, reason: str) -> None:
         """A batch whose update was not finite: counted, its samples dead-lettered (rank 0), and its
@@ -576,6 +560,8 @@ class LearnerService(RolloutWeights, LagBound):
         self.poll(timeout_s)
         self.metrics.consume(self.cfg.topic, len(self.buffer) - before)
         self.publish_held()
+        if self.scout is not None:
+            self.scout.catch_up(self.tally, max_records=2000)
         if self.lent is not None and self.rank == 0 and len(self.offline) < 4 * self.cfg.update_every_samples:
             try:  # offline groups travel from rank 0 (`_whole_batch`); at most 4 updates' worth wait
                 got = self.lent.tick(self._rollout_weights, self._fresh_for_rollouts)
@@ -594,3 +580,5 @@ class LearnerService(RolloutWeights, LagBound):
 
     def close(self) -> None:
         self.consumer.close()
+        if self.scout is not None:
+            self.scout.close()

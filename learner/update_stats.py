@@ -3,7 +3,7 @@
 Counted, never silent: samples dropped by reason (`learner.samples.drop_reason`: empty, greedy,
 unknown version, stale in `staleness_unit`, beyond the lag bound in updates), offline samples
 dropped for the same bounds, users and samples the poisoning screen flagged (`learner.poisoning`)
-and the samples its verifier scored or could not check,
+and the samples its verifier scored or could not check (every sample on the topic, as it arrives),
 and, from the trainer, masked, truncated and clipped tokens, tokens cut by the trainer's own top-p,
 sequences without recorded routing and the micro-batches trained without replay. Each update's
 statistics hold them (registered with the version's metrics, or kept with a held-back update); a
@@ -38,7 +38,6 @@ SUMMED = (
     "poisoning_flagged_users",
     "poisoning_flagged_samples",
     "poisoning_verified_samples",
-    "poisoning_witnessed_samples",
     "poisoning_unverifiable_samples",
     "dropped_offline",
     *(f"dropped_{why}" for why in DROP_REASONS),
@@ -46,8 +45,12 @@ SUMMED = (
 """Counters that a registered version sums over its held-back updates (`since_parent`)."""
 
 
-def counters(dropped: Counter[str], screening: Screening, offline_dropped: int) -> dict[str, Any]:
-    """The service's part of an update's statistics: drops by reason, poisoning flags."""
+def counters(
+    dropped: Counter[str], screening: Screening, offline_dropped: int, scouted: Counter[str] | None = None
+) -> dict[str, Any]:
+    """The service's part of an update's statistics: drops by reason, poisoning flags, and what the
+    poisoning screen's scout (`learner.poisoning.Scout`, None without a verifier) scored and could not
+    score since the last update."""
     out: dict[str, Any] = {"dropped": dict(dropped)}
     for why in DROP_REASONS:
         out[f"dropped_{why}"] = float(dropped.get(why, 0))
@@ -55,9 +58,8 @@ def counters(dropped: Counter[str], screening: Screening, offline_dropped: int) 
     out["poisoning"] = screening.summary()
     out["poisoning_flagged_users"] = float(len(screening.flags))
     out["poisoning_flagged_samples"] = float(sum(f.samples for f in screening.flags))
-    out["poisoning_verified_samples"] = float(screening.verified)
-    out["poisoning_witnessed_samples"] = float(screening.witnessed)
-    out["poisoning_unverifiable_samples"] = float(screening.unverifiable)
+    out["poisoning_verified_samples"] = float((scouted or Counter())["verified"])
+    out["poisoning_unverifiable_samples"] = float((scouted or Counter())["unverifiable"])
     return out
 
 

@@ -7,12 +7,13 @@ import math
 
 import pytest
 
+from feedback.bus_embedded import EmbeddedBus
 from feedback.events import CompletionEvent, RoutedExperts, SampleEvent
-from learner.poisoning import PoisoningConfig, VerifiedTally, screen, verify_samples
+from learner.poisoning import PoisoningConfig, Scout, VerifiedTally, screen, verify_samples
 from tests.conftest import approx_ulps
 
 
-def sample(user: str | None, reward: float, i: int, tenant: str = "t") -> SampleEvent:
+def sample(user: str | None, reward: float, i: int, tenant: str = "t", text: str = "x") -> SampleEvent:
     c = CompletionEvent(
         completion_id=f"c-{user}-{i}",
         tenant=tenant,
@@ -23,7 +24,7 @@ def sample(user: str | None, reward: float, i: int, tenant: str = "t") -> Sample
         output_ids=[2],
         logprobs=[-0.1],
         routed_experts=RoutedExperts.from_bytes((1, 1, 1), b"\x00"),
-        text="x",
+        text=text,
         finish_reason="stop",
         params={},
         latency_ms={},
@@ -90,7 +91,9 @@ def test_the_verified_rule_flags_a_user_whose_rewards_run_against_correctness_by
     bad = [sample("inv", r, i) for i, r in enumerate((-1.0, -1.0, 1.0, 1.0))]
     passed = [True, True, False, False] * 31
     tally = VerifiedTally()
-    s = screen(honest + bad, PoisoningConfig(z_max=100.0), passed, tally)
+    for ev, ok in zip(honest + bad, passed, strict=True):
+        tally.add((ev.tenant, ev.completion.user_id), ok, ev.reward)
+    s = screen(honest + bad, PoisoningConfig(z_max=100.0), tally)
     # Within each kind: on passing code honest +1 x60 and inverted -1 x2 (mirrored on failing code).
     n, mean_p = 62, (60 - 2) / 62
     within = 2 * (60 * (1 - mean_p) ** 2 + 2 * (-1 - mean_p) ** 2)
@@ -101,7 +104,6 @@ def test_the_verified_rule_flags_a_user_whose_rewards_run_against_correctness_by
     [flag] = s.flags
     assert flag.user == "inv" and "against the verifier" in flag.reasons[0]
     assert flag.weight == approx_ulps(2.5 / abs(z), ulps=64) and s.weights[-4:] == [flag.weight] * 4
-    assert s.verified == 124 and s.unverifiable == 0 and s.summary()["verified"] == 124
     assert tally.z(("t", "u0"), 4) == approx_ulps(2 / (sigma * 1.0), ulps=64)  # honest: z > 0, never flagged
 
 
@@ -137,11 +139,6 @@ def test_verify_samples_counts_what_the_verifier_cannot_check():
     got = verify_samples(v, prompts, ["ok"] * 15 + ["no"])
     assert got == [True] * 5 + [None] + [True] * 9 + [False]
     assert v.calls <= 1 + 2 * 4  # halving: two calls per level of the one refused prompt's path
-    batch = [sample(f"u{i}", 1.0, i) for i in range(3)]
-    s = screen(batch, None, [True, None, False], VerifiedTally())
-    assert (s.verified, s.unverifiable) == (2, 1)
-    with pytest.raises(ValueError, match="2 verdicts for 3 samples"):
-        screen(batch, None, [True, False], VerifiedTally())
 
 
 def test_a_verifier_that_fails_leaves_the_batch_unverified_and_says_so(caplog):
@@ -154,24 +151,78 @@ def test_a_verifier_that_fails_leaves_the_batch_unverified_and_says_so(caplog):
     batch = [sample(f"u{i}", 1.0, i) for i in range(3)]
     got = verdicts(Broken(), lambda ids: "prompt", batch)
     assert got == [None, None, None] and "the verifier failed on 3 samples" in caplog.text
-    s = screen(batch, None, got, VerifiedTally())
-    assert (s.verified, s.unverifiable) == (0, 3)
 
 
-def test_samples_dropped_unused_still_count_as_evidence_on_their_users():
-    # The inverted user's trained sample alone (one passing completion) is no evidence; with the three
-    # samples the update dropped for lag as witnesses, the tally has 2 passing and 2 failing: flagged.
-    honest = [sample(f"u{u}", r, i) for u in range(30) for i, r in enumerate((1.0, 1.0, -1.0, -1.0))]
-    trained = [*honest, sample("inv", -1.0, 0)]
-    witnesses = [sample("inv", r, i) for i, r in ((1, -1.0), (2, 1.0), (3, 1.0))]
-    passed = [True, True, False, False] * 30 + [True]
-    alone = screen(trained, PoisoningConfig(z_max=100.0), passed, VerifiedTally())
-    assert alone.flags == []
+class ByText:
+    """Passes a completion whose text is "pass"; refuses the prompt "?" (`product.suites.Verifier`)."""
+
+    def verify(self, prompts, completions):
+        if "?" in prompts:
+            raise ValueError("not a task")
+        return [float(c == "pass") for c in completions]
+
+
+def publish(bus: EmbeddedBus, events: list[SampleEvent]) -> None:
+    for ev in events:
+        bus.publish("samples", ev.completion.completion_id, ev.model_dump_json().encode())
+
+
+def test_the_scout_counts_every_sample_on_the_topic_once_and_only_what_it_may(tmp_path):
+    # 30 honest users and one inverted user on a 2-partition topic, with one anonymous sample, one of an
+    # opted-out tenant, one the verifier refuses, one malformed record and one sample published twice.
+    honest = [
+        sample(f"u{u}", r, i, text=t) for u in range(30) for i, (r, t) in enumerate(((1.0, "pass"), (-1.0, "fail")))
+    ]
+    inverted = [sample("inv", r, i, text=t) for i, (r, t) in enumerate(((-1.0, "pass"), (1.0, "fail")) * 2)]
+    refused = sample("u1", 1.0, 9, text="pass")
+    refused = refused.model_copy(update={"completion": refused.completion.model_copy(update={"prompt_ids": [99]})})
+    bus = EmbeddedBus(tmp_path / "bus", partitions=2)
+    publish(bus, honest[:30] + inverted[:2])
+    publish(bus, [sample(None, 1.0, 0), sample("u2", 1.0, 7, tenant="acme", text="pass"), honest[0]])
+    bus.publish("samples", "junk", b"{not json")
+    publish(bus, [refused])  # its prompt (ids [99]) is one the verifier refuses
+    scout = Scout(
+        bus.consumer("samples", "learner.scout"),
+        ByText(),
+        lambda ids: "?" if ids == [99] else "p",
+        skip_tenants=frozenset({"acme"}),
+    )
     tally = VerifiedTally()
-    s = screen(trained, PoisoningConfig(z_max=100.0), passed, tally, witnesses, [True, False, False])
-    [flag] = s.flags
-    assert flag.user == "inv" and flag.samples == 1 and s.weights[-1] == flag.weight < 1
+    assert scout.catch_up(tally) == 30 + 2 + 3 + 1 + 1
+    assert scout.take() == {"verified": 32, "unverifiable": 1, "skipped": 4}  # anonymous, acme, twice, junk
+    screened = screen(honest + inverted[:2], PoisoningConfig(z_max=100.0), tally)
+    assert screened.flags == []  # 2 verified samples: short of the rule's 4
+    publish(bus, honest[30:] + inverted[2:])  # the rest arrives
+    scout.catch_up(tally)
+    assert scout.take() == {"verified": 32}
     assert tally.users[("t", "inv")] == [2.0, -2.0, 2.0, 2.0]
-    assert (s.verified, s.witnessed, s.summary()["witnessed"]) == (121, 3, 3)
-    with pytest.raises(ValueError, match="1 verdicts for 3 witnesses"):
-        screen(trained, None, passed, VerifiedTally(), witnesses, [True])
+    [flag] = screen(honest + inverted, PoisoningConfig(z_max=100.0), tally).flags
+    assert flag.user == "inv" and "against the verifier" in flag.reasons[0] and flag.samples == 4
+    # Nothing committed: a restarted scout in the group gets every record again; the tally's positions
+    # (saved with it) skip them all, and nothing counts twice.
+    scout.close()
+    again = Scout(bus.consumer("samples", "learner.scout"), ByText(), lambda ids: "p")
+    before = (dict(tally.users), list(tally.kinds))
+    assert again.catch_up(tally) == 30 + 2 + 3 + 1 + 1 + 32
+    assert again.take() == {"skipped": 69} and (dict(tally.users), list(tally.kinds)) == before
+    again.commit()  # the tally is durable: its reads are committed
+    again.close()
+    third = Scout(bus.consumer("samples", "learner.scout"), ByText(), lambda ids: "p")
+    assert third.catch_up(tally) == 0
+    third.close()
+    bus.close()
+
+
+def test_the_scout_counts_a_failing_verifier_as_unverifiable(tmp_path, caplog):
+    class Broken:
+        def verify(self, prompts, completions):
+            raise RuntimeError("sandbox child failed to start")
+
+    bus = EmbeddedBus(tmp_path / "bus", partitions=1)
+    publish(bus, [sample(f"u{i}", 1.0, i) for i in range(3)])
+    scout = Scout(bus.consumer("samples", "learner.scout"), Broken(), lambda ids: "p")
+    tally = VerifiedTally()
+    assert scout.catch_up(tally) == 3 and scout.take() == {"unverifiable": 3}
+    assert tally.users == {} and tally.positions == {0: 3} and "the verifier failed on 3 samples" in caplog.text
+    scout.close()
+    bus.close()

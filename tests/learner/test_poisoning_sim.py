@@ -40,13 +40,14 @@ def run(
     flood: float = 0.0,
     verified: bool = False,
     batch: int = BATCH,
-    witnesses: int = 0,
+    arriving: int = 0,
     updates: int = UPDATES,
 ) -> tuple[list[set[int]], np.ndarray]:
     """Per update, the users flagged; and which users are adversarial. `flood`: user 0's share of the
     traffic (0: the Pareto draw). `verified`: the screen gets the verifier's verdicts (the task's
-    truth, as `demo.checker.DemoVerifier` gives it) and keeps its tally over the updates. `batch`
-    samples are trained per update, and `witnesses` more, dropped for lag, only add to the tally."""
+    truth, as `demo.checker.DemoVerifier` gives it) and its scout's tally counts every sample that
+    arrives. `batch` samples are trained per update, and `arriving` more arrive between two updates
+    that it does not train on (they wait on the bus, or are dropped for lag): the scout counts them too."""
     rng = np.random.default_rng(seed)
     prefs = [SimulatedUser(f"u{i}", seed, UserPrefs(noise=0.1)).prefs for i in range(USERS)]
     p_good = np.array([p.p_accept_correct_preferred for p in prefs])
@@ -60,7 +61,7 @@ def run(
     adv = np.zeros(USERS, bool)
     adv[list(adversarial)] = True
     flagged, tally = [], VerifiedTally()
-    n = batch + witnesses
+    n = batch + arriving
     for _ in range(updates):
         u = rng.choice(USERS, n, p=share)
         fam = rng.integers(0, FAMILIES, n)
@@ -75,11 +76,10 @@ def run(
         down = -0.25 - 0.5 * (rng.random(n) < 0.0625)
         reward = np.clip(np.where(acc, up, down), -1, 1)
         events = [event(f"u{a}", int(f), float(r), i) for i, (a, f, r) in enumerate(zip(u, fam, reward))]
-        verdicts = [bool(x) for x in passed] if verified else None
-        trained, seen_only = events[:batch], events[batch:]
-        v_trained = verdicts[:batch] if verdicts is not None else None
-        v_seen = verdicts[batch:] if verdicts is not None else None
-        screening = screen(trained, None, v_trained, tally, seen_only if verified else (), v_seen)
+        if verified:  # the scout: every sample that arrived, with the verifier's verdict
+            for ev, ok in zip(events, passed, strict=True):
+                tally.add((ev.tenant, ev.completion.user_id), bool(ok), ev.reward)
+        screening = screen(events[:batch], None, tally if verified else None)
         flagged.append({int(f.user[1:]) for f in screening.flags})
     return flagged, adv
 
@@ -114,9 +114,10 @@ def test_with_the_verifier_a_clean_run_flags_an_honest_user_in_at_most_one_updat
     assert share_of_updates(flagged, set(range(USERS))) <= 0.10, flagged
 
 
-# The demo's shape (docs/demo/report.json): about 35 updates of 128 trained samples per 10-minute run,
-# and 2.1-2.9 samples dropped for policy lag per trained one; the lower end is simulated.
-DEMO = {"batch": 128, "witnesses": 256, "updates": 35}
+# The demo's shape (docs/demo/report.json at cf9fe22, its adversarial runs): 26 updates of 128 trained
+# samples per 10-minute run, and 24,500 completions, each a sample once its feedback window closes:
+# about 940 arriving per update. The scout counts them all; 600 (128 trained and 472 more) is simulated.
+DEMO = {"batch": 128, "arriving": 472, "updates": 26}
 
 
 def test_with_the_verifier_the_five_percent_adversaries_are_flagged_in_four_updates_of_five():
@@ -124,9 +125,10 @@ def test_with_the_verifier_the_five_percent_adversaries_are_flagged_in_four_upda
     # the verified rule's evidence accumulates over updates, so an adversary who shows up often is
     # flagged in the updates they appear in. Which users are adversarial decides how soon: when all 25
     # happen to be light, the first flag comes later. So the target is on the mean over 8 activity
-    # draws; the thresholds (z 2.5, 4 samples, raw rewards) were chosen on seeds 4-9, and these seeds
-    # were not looked at before. Without the dropped samples as witnesses the same draws give about
-    # 0.5, as the demo's adversarial runs measured (0.49); the witnesses are what lifts it.
+    # draws; the thresholds (z 2.5, 4 samples, raw rewards) were chosen on seeds 4-9. Counting only the
+    # trained samples, these draws give 0.53; with the samples an update drops for lag, but none while
+    # the first candidate is built (as the learner counted them before its scout, 0 x 8 then 640 x 18
+    # updates), 0.67, as the demo's adversarial runs measured (0.60); the scout is what lifts it.
     adv, honest = [], []
     for seed in range(18, 26):
         flagged, _ = run(seed, set(range(25)), verified=True, **DEMO)

@@ -563,5 +563,6 @@ def test_with_a_verifier_a_user_rewarding_against_correctness_is_flagged_and_the
     svc.close()
     again = LearnerService(bus, reg, tmp_path / "models", tiny_checkpoint, cfg, verifier=verifier)
     assert again.tally.users == svc.tally.users and again.tally.kinds == svc.tally.kinds
+    assert drain(again, rounds=2) == [] and again.tally.users == svc.tally.users  # its scout counts nothing twice
     again.close()
     bus.close()

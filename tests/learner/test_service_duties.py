@@ -1,6 +1,7 @@
-"""The learner service's newer duties: samples it drops still scored into the poisoning tally (as an
-update's witnesses, and while it buffers on), tenants opted out of training, and its held-back weights
-lent to rollouts as a `rollout` version. Helpers and fixtures from tests/learner/test_service.py."""
+"""The learner service's newer duties: every sample on the topic scored into the poisoning tally by its
+scout (those an update drops, and those dropped while it buffers on, too), tenants opted out of
+training, and its held-back weights lent to rollouts as a `rollout` version. Helpers and fixtures from
+tests/learner/test_service.py."""
 
 import uuid
 
@@ -15,7 +16,7 @@ from tests.learner.test_service import ParityVerifier, drain, publish, samples  
 
 def test_samples_an_update_drops_still_add_to_the_verified_tally(tmp_path, tiny_checkpoint, samples):
     # 10 of the 40 samples come from a version the learner never made (dropped: unknown_version): they
-    # train nothing, but the verifier still scores them into the tally as evidence on their users.
+    # train nothing, but the scout scores them into the tally as evidence on their users.
     from serving.tokenizer import Tokenizer
 
     decode = Tokenizer.from_file(tiny_checkpoint).decode
@@ -43,11 +44,11 @@ def test_samples_an_update_drops_still_add_to_the_verified_tally(tmp_path, tiny_
     svc = LearnerService(bus, reg, tmp_path / "models", tiny_checkpoint, cfg, verifier=ParityVerifier(foreign))
     assert drain(svc, rounds=5) == ["v0001"]
     m = reg.get("v0001").metrics
-    witnessed = sum(decode(ev.completion.prompt_ids) != foreign for ev in batch[30:])
+    verifiable = sum(decode(ev.completion.prompt_ids) != foreign for ev in batch)
     assert m["dropped_unknown_version"] == 10 and m["samples"] == 30
-    assert m["poisoning_witnessed_samples"] == m["poisoning"]["witnessed"] == witnessed >= 1
-    n_verified = m["poisoning_verified_samples"] + witnessed
-    assert sum(n_pass + n_fail for n_pass, _, n_fail, _ in svc.tally.users.values()) == n_verified
+    assert m["poisoning_verified_samples"] == verifiable and m["poisoning_unverifiable_samples"] == 40 - verifiable
+    assert sum(decode(ev.completion.prompt_ids) != foreign for ev in batch[30:]) >= 1  # dropped ones among them
+    assert sum(n_pass + n_fail for n_pass, _, n_fail, _ in svc.tally.users.values()) == verifiable
     svc.close()
     bus.close()
 
@@ -130,7 +131,8 @@ def test_an_opted_out_tenants_samples_never_train_and_are_counted(tmp_path, tiny
 
 def test_samples_dropped_while_buffering_on_still_add_to_the_verified_tally(tmp_path, tiny_checkpoint, samples):
     # 30 of 40 samples are dropped (unknown_version), leaving too few for an update: the learner buffers
-    # on (set_aside), and the dropped ones are scored into the tally then; the next update reports them.
+    # on (set_aside). The scout has scored all 40 into the tally as they arrived; the next update reports
+    # them with its own.
     from serving.tokenizer import Tokenizer
 
     decode = Tokenizer.from_file(tiny_checkpoint).decode
@@ -149,12 +151,13 @@ def test_samples_dropped_while_buffering_on_still_add_to_the_verified_tally(tmp_
     reg = Registry(f"sqlite:///{tmp_path}/registry.db")
     svc = LearnerService(bus, reg, tmp_path / "models", tiny_checkpoint, cfg, verifier=ParityVerifier(foreign))
     assert drain(svc, rounds=5) == [] and svc.counters["set_aside_updates"] >= 1
-    witnessed = sum(decode(ev.completion.prompt_ids) != foreign for ev in batch[10:])
-    assert svc.counters["poisoning_witnessed_aside"] == witnessed >= 1
-    assert sum(n_pass + n_fail for n_pass, _, n_fail, _ in svc.tally.users.values()) == witnessed
+    verifiable = sum(decode(ev.completion.prompt_ids) != foreign for ev in batch)
+    assert sum(decode(ev.completion.prompt_ids) != foreign for ev in batch[10:]) >= 1  # dropped ones among them
+    assert sum(n_pass + n_fail for n_pass, _, n_fail, _ in svc.tally.users.values()) == verifiable
     more = [user(ev, i).model_copy(update={"event_id": uuid.uuid4().hex}) for i, ev in enumerate(samples[10:40])]
     publish(bus, more)  # 30 more to train, with the 10 buffered: an update
     assert drain(svc, rounds=5) == ["v0001"]
-    assert reg.get("v0001").metrics["poisoning_witnessed_samples"] == witnessed  # reported with the update
+    verifiable += sum(decode(ev.completion.prompt_ids) != foreign for ev in more)
+    assert reg.get("v0001").metrics["poisoning_verified_samples"] == verifiable  # reported with the update
     svc.close()
     bus.close()
