@@ -67,7 +67,11 @@ class LearnerConfig(BaseModel):
         "is busy), so the gate and the canary get a version that differs enough to tell apart.",
     )
     hold_check_s: float = Field(5.0, ge=0, description="How often a held-back tip asks whether the gate is free.")
-    group: str = Field("learner", description="Consumer group on the sample topic.")
+    group: str = Field(
+        "learner",
+        description="Consumer group on the sample topic (with a verifier, the poisoning screen's scout reads it "
+        "in `<group>.scout`).",
+    )
     topic: str = Field(TOPICS["sample"], description="The topic of `sample` events (the joiner's output).")
     snapshot_every: int = Field(8, ge=1, description="Weight store: a full snapshot every N versions, deltas between.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The update itself.")
