@@ -262,7 +262,10 @@ class Scout:
     partition was counted before (a redelivery after a restart) and is skipped; so is an event id seen
     among the last `remember` ones (a sample the joiner published twice). The group's offsets are
     committed by `commit`, which the learner calls once the tally holding them is durable: a crash in
-    between redelivers records the tally's positions skip, and loses none."""
+    between redelivers records the tally's positions skip. A restart resumes the tally saved with the
+    current version; after a rebase onto an older version, until the next update, that tally is older
+    than the committed offsets, and a crash then leaves the samples in between uncounted (evidence
+    lost, never counted twice)."""
 
     def __init__(
         self,
