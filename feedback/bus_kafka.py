@@ -1,10 +1,18 @@
-"""The Kafka event bus (kafka-python): a spooled idempotent producer and consumer groups.
+"""The Kafka event bus (kafka-python): a spooled at-least-once producer and consumer groups.
 
 `publish_many()` appends the records to a `feedback.spool.Spool` and returns once they are fsynced,
 never waiting for the broker. The spool's forwarder hands batches to `_deliver`: a `KafkaProducer`
-(acks=all, idempotent, murmur2 of the key: a completion and its feedback share a partition) that
-returns once the broker acknowledged all of them. A failed batch is sent again whole with a fresh
-producer (a restarted broker knows neither our producer id nor our topics): repeats, never reordering.
+(acks=all, murmur2 of the key: a completion and its feedback share a partition) that returns once
+the broker acknowledged all of them. A failed batch is sent again whole with a fresh producer (a
+restarted broker knows neither our producer id nor our topics): repeats, never reordering.
+
+The producer is not idempotent (one request in flight per connection keeps a partition's order
+through its own retries): every consumer already drops repeats by event id, and broker-side
+deduplication can lose what it was meant to protect. The fault harness found it on tansu 0.6's S3
+engine: a broker killed mid-produce had committed the producer's sequence number but not the
+records, so the producer's retry was answered "duplicate", counted as stored, and the two feedback
+events of that batch were never on the topic (docs/trust.md#faults). A broker that takes a retry
+twice costs a repeat; one that drops it loses an event.
 Topics are created on first use; consumers commit explicit offsets of what the caller processed.
 
 Called by the gateway, the joiner and the learner when `FLYWHEEL_BUS=kafka`.
@@ -35,7 +43,7 @@ SPOOL_BATCH = 500  # records the forwarder sends before it waits for their ackno
 _TOPIC_ALREADY_EXISTS = 36
 CONNECT_WAIT_S = 30.0  # how long a new bus waits for a broker that refuses connections (one restarting)
 RETRIABLE = (KafkaError, OSError)  # broker down, slow or restarting: the spool retries the batch
-PRODUCER_CONFIG = dict(acks="all", enable_idempotence=True, linger_ms=5)
+PRODUCER_CONFIG = dict(acks="all", enable_idempotence=False, max_in_flight_requests_per_connection=1, linger_ms=5)
 CONSUMER_CONFIG = dict(enable_auto_commit=False, auto_offset_reset="earliest", allow_auto_create_topics=False)
 CONSUMER_CONFIG |= dict(session_timeout_ms=10_000, heartbeat_interval_ms=1_000)
 JOIN_POLL_S = 1.0
