@@ -9,9 +9,9 @@ restarted broker knows neither our producer id nor our topics): repeats, never r
 The producer is not idempotent (one request in flight per connection keeps a partition's order
 through its own retries): every consumer already drops repeats by event id, and broker-side
 deduplication can lose what it was meant to protect. The fault harness found it on tansu 0.6's S3
-engine: a broker killed mid-produce had committed the producer's sequence number but not the
-records, so the producer's retry was answered "duplicate", counted as stored, and the two feedback
-events of that batch were never on the topic (docs/trust.md#faults). A broker that takes a retry
+engine: killed mid-produce, the restarted broker acknowledged the producer's retry of a batch whose
+two feedback events never reached the topic (most likely its sequence number was committed without
+the records, so the retry read as a duplicate; docs/trust.md#faults). A broker that takes a retry
 twice costs a repeat; one that drops it loses an event.
 Topics are created on first use; consumers commit explicit offsets of what the caller processed.
 
