@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +60,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from feedback.bus import Consumer, Record
 from feedback.events import SampleEvent
+from feedback.spool import Deduper
 from learner.baselines import baseline_key
 from product.suites import Verifier
 
@@ -276,8 +277,8 @@ class Scout:
         remember: int = 100_000,
     ):
         self.consumer, self.verifier, self.decode = consumer, verifier, decode
-        self.skip_tenants, self.remember = skip_tenants, remember
-        self._recent: OrderedDict[str, None] = OrderedDict()
+        self.skip_tenants = skip_tenants
+        self._recent = Deduper(remember)
         self._uncommitted: dict[int, Record] = {}  # partition -> the last record read
         self.since: Counter[str] = Counter()
         """Since the last `take`: `verified` and `unverifiable` samples, and those `skipped` (no user,
@@ -310,12 +311,9 @@ class Scout:
             except ValidationError:  # the learner's own consumer dead-letters it
                 self.since["skipped"] += 1
                 continue
-            if not ev.completion.user_id or ev.tenant in self.skip_tenants or ev.event_id in self._recent:
+            if not ev.completion.user_id or ev.tenant in self.skip_tenants or self._recent.seen(ev.event_id):
                 self.since["skipped"] += 1
                 continue
-            self._recent[ev.event_id] = None
-            if len(self._recent) > self.remember:
-                self._recent.popitem(last=False)
             events.append(ev)
         for ev, ok in zip(events, verdicts(self.verifier, self.decode, events) if events else [], strict=True):
             if ok is None:

@@ -108,7 +108,7 @@ class LearnerService(RolloutWeights, LagBound):
         """`lent`: offline group rollouts on lent replicas (`learner.lent_rollouts`), mixed into updates."""
         cfg = cfg or LearnerConfig()
         self.bus, self.registry, self.cfg, self.clock = bus, registry, cfg, clock
-        self.verifier, self.tally = verifier, VerifiedTally()
+        self.tally = VerifiedTally()
         self.lent = lent
         self._rollout_ids: set[str] = set()  # `rollout` versions registered here, withdrawn once unused
         if verifier is None and cfg.poisoning.enabled:

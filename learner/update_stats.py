@@ -58,8 +58,9 @@ def counters(
     out["poisoning"] = screening.summary()
     out["poisoning_flagged_users"] = float(len(screening.flags))
     out["poisoning_flagged_samples"] = float(sum(f.samples for f in screening.flags))
-    out["poisoning_verified_samples"] = float((scouted or Counter())["verified"])
-    out["poisoning_unverifiable_samples"] = float((scouted or Counter())["unverifiable"])
+    scouted = scouted or Counter()
+    out["poisoning_verified_samples"] = float(scouted["verified"])
+    out["poisoning_unverifiable_samples"] = float(scouted["unverifiable"])
     return out
 
 
