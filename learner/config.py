@@ -50,6 +50,15 @@ class LearnerConfig(BaseModel):
         "whatever `staleness_unit` says), and wait while the promoted version is this far behind; None: no "
         "bound in updates. Dropped samples are counted (`lag`).",
     )
+    lag_wait_updates: int | None = Field(
+        None,
+        ge=1,
+        description="Updates' worth of samples buffered while waiting at the lag bound, trained in one update "
+        "when the gate moves on; what the old version served beyond that is then past the bound, dropped and "
+        "counted. None: the bound's worth (`max_lag_updates`), keeping what users sent at the cost of one large "
+        "update on the way to the next candidate; 1: an ordinary update (the demo, with samples to spare and "
+        "ten minutes).",
+    )
     staleness_unit: Literal["versions", "updates"] = Field(
         "versions",
         description="What staleness counts: registered versions of the lineage (with `hold_back`, at most one "

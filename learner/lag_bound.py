@@ -32,7 +32,7 @@ class LagBound:
     def _at_lag_bound(self) -> bool:
         """While the promoted version (most of the traffic) is `max_lag_updates` behind the tip, another
         update would put all it serves beyond the bound: wait (counted) for a promotion or a rebase,
-        buffering up to the bound's worth of updates (`poll`), then train them in one update."""
+        buffering up to `lag_wait_updates` updates' worth (`poll`), then train them in one update."""
         bound = self.cfg.max_lag_updates
         lag = staleness(self.state, "updates").get(self._promoted_id()) if bound is not None else None
         wait = lag is not None and bound is not None and lag >= bound

@@ -227,8 +227,10 @@ class LearnerService(RolloutWeights, LagBound):
         taken = 0
         positions = {int(p): o for p, o in self.state["positions"].items()}
         # An update's worth (all ranks together; skipped records do not count); waiting at the lag bound,
-        # up to the bound's worth of updates, to train in one update when the gate moves on.
-        cap = self.cfg.update_every_samples * ((self.cfg.max_lag_updates or 1) if self._lag_wait else 1)
+        # `lag_wait_updates` of them (default: the bound's worth), to train in one update when the gate
+        # moves on.
+        wait = (self.cfg.lag_wait_updates or self.cfg.max_lag_updates or 1) if self._lag_wait else 1
+        cap = self.cfg.update_every_samples * wait
         room = cap - max(len(self._buffered_ids), self._group_buffered)
         if room <= 0:  # full (waiting at the lag bound, say): wait as an empty poll would, not spin
             time.sleep(timeout_s)

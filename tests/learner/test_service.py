@@ -196,6 +196,24 @@ def test_waiting_at_the_lag_bound_buffers_the_bounds_worth_and_looks_again_every
     bus.close()
 
 
+def test_lag_wait_updates_bounds_what_the_wait_buffers(tmp_path, tiny_checkpoint, samples):
+    bus = EmbeddedBus(tmp_path / "bus")
+    cfg = LearnerConfig(
+        update_every_samples=5, min_samples=1, max_staleness=10, max_lag_updates=2, lag_wait_updates=1,
+        hold_check_s=0.0, trainer=TrainerConfig(lr=1e-3),
+    )  # fmt: skip
+    reg = Registry(f"sqlite:///{tmp_path}/registry.db")
+    svc = LearnerService(bus, reg, tmp_path / "models", tiny_checkpoint, cfg)
+    publish(bus, samples[:40])
+    assert drain(svc) == ["v0001", "v0002"] and svc._lag_wait
+    assert len(svc.buffer) == 5  # one update's worth, not the bound's (10): the other 25 wait on the bus
+    promote(svc.registry, "v0001")
+    assert drain(svc) == ["v0003"] and svc.registry.get("v0003").metrics["samples"] == 5.0
+    assert svc.counters["trained"] == 15 and svc.counters["dropped_lag"] == 0  # v0001 is 2 behind: waiting
+    svc.close()
+    bus.close()
+
+
 def test_settings_that_would_wait_forever_are_refused():
     with pytest.raises(ValueError, match="min_updates_per_candidate=9 exceeds max_lag_updates=8"):
         LearnerConfig(min_updates_per_candidate=9)

@@ -380,3 +380,41 @@ def test_no_in_place_update_under_running_requests(tiny_checkpoint, model, model
             eng.set_default("v9")
     finally:
         eng.shutdown()
+
+
+def test_every_version_admits_before_any_decodes(tiny_checkpoint, model_v2):
+    """A new request's first token waits for no other version's decode step: requests for two versions
+    that arrive together are both prefilled before either version decodes (a canary's arm would
+    otherwise wait behind the incumbent's decode, a latency 'harm' of scheduling, not of its model)."""
+    eng = EmbeddedEngine(max_batch=4, max_model_len=128)
+    calls: list[tuple[str, str]] = []
+    patched = []
+    try:
+        eng.add_version("a", tiny_checkpoint, default=True)
+        tok = eng.tokenizer()
+        eng.add_version("b", model_v2, tokenizer=tok)
+        for name in ("a", "b"):
+            m = eng._table.get(name).model
+            fwd = m.forward
+
+            def recorded(tok_BT, *args, _fwd=fwd, _name=name, **kw):
+                calls.append((_name, "prefill" if tok_BT.shape[1] > 1 else "decode"))
+                return _fwd(tok_BT, *args, **kw)
+
+            m.forward = recorded
+            patched.append(m)
+        ps = prompts(tok, 2)
+        assert min(len(p) for p in ps) > 1  # a prefill is told from a decode step by its length
+        running = eng.submit(ps[0], SamplingParams(max_tokens=100, ignore_eos=True, seed=1), "a")
+        next(iter(running))  # admitted, decoding on a
+        with Paused(eng):
+            calls.clear()
+            new_b = eng.submit(ps[1], SamplingParams(max_tokens=4, seed=2), "b")
+            new_a = eng.submit(ps[1], SamplingParams(max_tokens=4, seed=3), "a")
+        assert new_b.result().version == "b" and new_a.result().version == "a"
+        assert calls[:4] == [("b", "prefill"), ("a", "prefill"), ("a", "decode"), ("b", "decode")], calls[:6]
+        running.cancel()
+    finally:
+        for m in patched:
+            del m.forward  # the module's own forward again (model_v2 is shared by the module's tests)
+        eng.shutdown()
