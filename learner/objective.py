@@ -52,6 +52,12 @@ see serving.sampling) and, with router replay, the same experts.
       it as two terms of size π_ref/π_θ that cancel, catastrophically in float32.
     * k1 folded into the advantage would be clipped with the reward term under "ppo".
   Scope: the gradient of Σ_t KL(π_θ(·|s_t) || π_ref(·|s_t)) at the visited states.
+  `kl_estimator` = "exact" replaces the sampled k2 by the KL itself at each visited state, summed
+  over the vocabulary: kl_t = Σ_a π_θ(a|s_t) (log π_θ(a|s_t) - log π_ref(a|s_t)) (`exact_kl`, from
+  both models' full distributions, which the trainer has there). Same scope, no sampled action, so
+  no importance weight and no mask; its gradient is exact. It charges probability that moves onto a
+  token the samples did not carry, which the sampled k2 sees only once such a token is drawn
+  (docs/demo.md: a `count` collapse put 0.85 on a token its parent gave 0.015).
 - **Entropy bonus** (optional, `entropy_coef` > 0): minus `entropy_coef` times the reduced per-token
   entropy of the trainer's sampling distribution (`entropy`); exact at each visited state (no sampled
   action, so no importance weight and no mask). The statistic `entropy` is reported either way.
@@ -118,6 +124,11 @@ class LossConfig(BaseModel):
         description="Weight of the reverse KL(π_θ || π_ref) penalty: importance-weighted k2 per token, whose "
         "gradient is the reverse KL's (see the module docstring).",
     )
+    kl_estimator: Literal["k2", "exact"] = Field(
+        "k2",
+        description="The KL penalty's form: importance-weighted k2 on the sampled tokens, or the exact KL over "
+        "the vocabulary at each visited state (the module docstring).",
+    )
     entropy_coef: float = Field(
         0.0, ge=0, description="Weight of the entropy bonus: the loss is lowered by this times the mean entropy."
     )
@@ -144,6 +155,27 @@ def entropy(logp_BTV: torch.Tensor) -> torch.Tensor:
     send no nan back (their log-probability is replaced by 0 before the product, not after)."""
     finite_logp = torch.where(torch.isfinite(logp_BTV), logp_BTV, torch.zeros_like(logp_BTV))
     return -(logp_BTV.exp() * finite_logp).sum(-1)
+
+
+def exact_kl(logp_BTV: torch.Tensor, ref_logp_BTV: torch.Tensor, max_log_ratio: float = 20.0) -> torch.Tensor:
+    """KL(π_θ || π_ref) at each position [B, T], summed over the vocabulary, differentiable in `logp_BTV`
+    (a log-softmax, so normalised). Its value is Σ_a p_a d_a (d = log π_θ - log π_ref); its gradient is
+    taken through Σ_a sg(p_a d_a) log π_θ(a), which has the same gradient (p ⊙ (d - KL) in the logits:
+    the two differ by p, which the log-softmax's Jacobian sends to 0), and which is exactly 0 where the
+    policy equals its reference, not rounding noise for Adam to scale up. Entries where π_θ is 0 (-inf:
+    cut by top-p) add 0 and send no nan back; each log-ratio is clamped to [-max_log_ratio,
+    max_log_ratio] (a token the reference cut would otherwise make it inf)."""
+    if logp_BTV.shape != ref_logp_BTV.shape:
+        raise ValueError(f"logp {tuple(logp_BTV.shape)} and ref_logp {tuple(ref_logp_BTV.shape)} must have one shape")
+    live = torch.isfinite(logp_BTV)
+    zero = torch.zeros_like(logp_BTV)
+    finite_logp = torch.where(live, logp_BTV, zero)
+    ref = torch.where(live, ref_logp_BTV.to(logp_BTV.dtype), zero)
+    with torch.no_grad():
+        c = torch.where(live, finite_logp.exp() * torch.clamp(finite_logp - ref, -max_log_ratio, max_log_ratio), zero)
+        value = c.sum(-1)
+    surrogate = (c * finite_logp).sum(-1)
+    return value + (surrogate - surrogate.detach())
 
 
 def behaviour_mask(
@@ -182,6 +214,7 @@ def policy_loss(
     entropy_BT: torch.Tensor | None = None,
     prox_logp_BT: torch.Tensor | None = None,
     exclude_BT: torch.Tensor | None = None,
+    kl_BT: torch.Tensor | None = None,
 ) -> LossOutput:
     """The loss to minimise and its statistics (`stats` are plain floats, for logging).
 
@@ -190,7 +223,9 @@ def policy_loss(
     `logp_BT.detach()`. `exclude_BT`: tokens to mask whatever their ratio (1: cut by the trainer's
     top-p at π_prox). `ref_logp_BT`: the reference's log-probabilities (needed when `kl_coef` > 0;
     `kl_k3` is reported whenever it is given). `entropy_BT`: the per-token entropy of the trainer's
-    distribution (`entropy`), with its graph when `entropy_coef` > 0 (needed then)."""
+    distribution (`entropy`), with its graph when `entropy_coef` > 0 (needed then). `kl_BT`: the exact
+    KL at each position (`exact_kl`), with its graph (needed when `kl_estimator` is "exact" and
+    `kl_coef` > 0; `kl_exact` is reported whenever it is given)."""
     if logp_BT.shape != behaviour_logp_BT.shape or logp_BT.shape != mask_BT.shape:
         raise ValueError(
             f"logp {tuple(logp_BT.shape)}, behaviour_logp {tuple(behaviour_logp_BT.shape)} and "
@@ -241,7 +276,11 @@ def policy_loss(
             raise ValueError(f"ref_logp {tuple(ref_logp_BT.shape)} must have the shape of logp {tuple(logp_BT.shape)}")
         w_kl = torch.clamp(full_ratio, max=cfg.is_cap) * keep
         delta = logp_BT - ref_logp_BT.to(logp_BT.dtype)
-        if cfg.kl_coef > 0:
+        if cfg.kl_coef > 0 and cfg.kl_estimator == "exact":
+            if kl_BT is None:
+                raise ValueError('kl_estimator="exact" needs the exact KL at each position (kl_BT)')
+            loss = loss + cfg.kl_coef * _reduce(kl_BT, mask, weight, cfg.normalize)
+        elif cfg.kl_coef > 0:
             loss = loss + cfg.kl_coef * _reduce(w_kl * 0.5 * delta.square(), mask, weight, cfg.normalize)
         with torch.no_grad():
             k3 = torch.expm1(-delta) + delta
@@ -285,6 +324,10 @@ def policy_loss(
         }
         if entropy_BT is not None:
             stats["entropy"] = mean(entropy_BT)
+        if kl_BT is not None:
+            if kl_BT.shape != logp_BT.shape:
+                raise ValueError(f"kl {tuple(kl_BT.shape)} must have the shape of logp {tuple(logp_BT.shape)}")
+            stats["kl_exact"] = mean(kl_BT)
     return LossOutput(loss, stats)
 
 

@@ -59,7 +59,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
 from learner.baselines import usage
-from learner.objective import LossConfig, RunningBaseline, entropy, policy_loss
+from learner.objective import LossConfig, RunningBaseline, entropy, exact_kl, policy_loss
 from learner.replay import (
     Sequence,
     chosen_logprobs,
@@ -316,7 +316,7 @@ class Trainer:
                     if step == 0:
                         prox.append(logp.detach().clone())
                         cut.append(top_p_cut(logp_BTV, batch))
-                    ref = None
+                    ref = kl_BT = None
                     if kl and self.reference is not None:
                         with torch.no_grad():
                             ref_BTV, _ = sampling_distribution(
@@ -327,6 +327,8 @@ class Trainer:
                                 batch_invariant=self.cfg.batch_invariant,
                             )
                             ref = chosen_logprobs(ref_BTV, batch)
+                        if self.cfg.loss.kl_estimator == "exact":
+                            kl_BT = exact_kl(logp_BTV, ref_BTV, self.cfg.loss.max_log_ratio)
                     with nullcontext() if bonus else torch.no_grad():
                         ent = entropy(logp_BTV)
                     out = policy_loss(
@@ -340,6 +342,7 @@ class Trainer:
                         ent,
                         prox_logp_BT=prox[k_mb],
                         exclude_BT=cut[k_mb],
+                        kl_BT=kl_BT,
                     )
                     # Micro-batches weigh by their share of the (whole) batch: tokens or sequences,
                     # as normalised.

@@ -11,7 +11,7 @@ has a gradient); its gradient is weighted by μ(a|s) and summed.
 import pytest
 import torch
 
-from learner.objective import LossConfig, policy_loss
+from learner.objective import LossConfig, exact_kl, policy_loss
 
 S, V = 4, 7
 F64 = torch.float64
@@ -180,3 +180,61 @@ def test_truncated_weights_are_the_policy_terms():
     assert out.loss.item() == pytest.approx((2.0 * 0.125 + 0.125) / 2, abs=1e-12)
     with pytest.raises(ValueError, match="ref_logp"):
         policy_loss(logp, behaviour, torch.zeros(1, dtype=F64), torch.ones(1, 2, dtype=F64), cfg)
+
+
+@pytest.mark.parametrize("normalize", ["token", "sequence"])
+def test_exact_estimator_is_the_reverse_kl_and_its_gradient(normalize):
+    # Every context one row (a real token, whichever was sampled, plus a padded position with wild
+    # values): the exact per-state KL needs no sampled action. Its mean is KL(π_θ || π_ref) and its
+    # gradient, through `policy_loss` beside a policy term with non-zero advantages, is the exact one.
+    beta = 0.3
+    adv = torch.linspace(-1.0, 1.0, S, dtype=F64)
+    mask = torch.tensor([[1.0, 0.0]] * S, dtype=F64)
+    a = torch.arange(S) % V  # the sampled token of each row: any, the KL term does not read it
+    wild = torch.full((S, 1, V), -100.0, dtype=F64)
+
+    def grad(kl_coef):
+        theta = THETA.clone().requires_grad_(True)
+        logp_BTV = torch.cat([torch.log_softmax(theta, -1)[:, None, :], wild], 1)
+        ref_BTV = torch.cat([REF_LOGP[:, None, :], -wild], 1)
+        chosen = logp_BTV.gather(-1, torch.stack([a, a], 1)[..., None])[..., 0]
+        cfg = LossConfig(normalize=normalize, is_cap=50.0, kl_coef=kl_coef, kl_estimator="exact")
+        out = policy_loss(
+            chosen,
+            MU_LOGP[torch.arange(S), a][:, None].expand(S, 2),
+            adv,
+            mask,
+            cfg,
+            ref_logp_BT=ref_BTV.gather(-1, torch.stack([a, a], 1)[..., None])[..., 0],
+            kl_BT=exact_kl(logp_BTV, ref_BTV),
+        )
+        (g,) = torch.autograd.grad(out.loss, theta)
+        return g, out.stats
+
+    (g_kl, stats), (g_plain, _) = grad(beta), grad(0.0)
+    assert stats["kl_exact"] == pytest.approx(float(reverse_kl(THETA)), abs=1e-12, rel=1e-12)
+    err = errors(g_kl - g_plain, beta * exact_gradient(reverse_kl))
+    assert err[0] < TOL and err[1] < TOL
+
+
+def test_exact_kl_charges_what_the_samples_did_not_carry_and_survives_a_cut():
+    # A near-certain step whose probability moved onto a token never sampled (docs/demo.md's `count`
+    # collapse): 0.85 on a token the reference gives 0.015. The sampled k2, on the token that was drawn,
+    # sees a small change; the exact KL sees about 3 nats.
+    ref = torch.log(torch.tensor([[[0.98, 0.015, 0.005]]], dtype=F64))
+    pol = torch.log(torch.tensor([[[0.14, 0.85, 0.01]]], dtype=F64))
+    kl = exact_kl(pol, ref)
+    assert float(kl) == pytest.approx(float((pol.exp() * (pol - ref)).sum()), rel=1e-12) and float(kl) > 2.5
+    # A token cut by top-p (-inf) adds nothing and sends no nan back; one the reference cut is clamped.
+    theta = torch.tensor([[[0.0, 1.0, 2.0]]], dtype=F64, requires_grad=True)
+    logp = torch.log_softmax(theta, -1).clone()
+    logp = torch.where(torch.tensor([False, False, True]), torch.tensor(float("-inf"), dtype=F64), logp)
+    out = exact_kl(logp, torch.log(torch.tensor([[[0.5, 0.0, 0.5]]], dtype=F64)), max_log_ratio=20.0)
+    (g,) = torch.autograd.grad(out.sum(), theta)
+    assert torch.isfinite(out).all() and torch.isfinite(g).all()
+    with pytest.raises(ValueError, match="one shape"):
+        exact_kl(pol, ref[..., :2])
+    cfg = LossConfig(kl_coef=1.0, kl_estimator="exact")
+    one = torch.zeros(1, 1, dtype=F64)
+    with pytest.raises(ValueError, match="kl_BT"):
+        policy_loss(one, one, torch.zeros(1, dtype=F64), torch.ones(1, 1, dtype=F64), cfg, one)

@@ -95,6 +95,19 @@ def test_kl_needs_a_reference_and_uses_it(tiny_checkpoint, served):
     assert all(not p.requires_grad for p in same.reference.parameters())
 
 
+def test_the_exact_kl_estimator_in_an_update(tiny_checkpoint, served):
+    seqs = served[0]
+    kl = {"loss": LossConfig(kl_coef=0.5, kl_estimator="exact")}
+    plain = make(tiny_checkpoint, served, steps_per_update=1)
+    same = make(tiny_checkpoint, served, reference=load_checkpoint(tiny_checkpoint), steps_per_update=1, **kl)
+    s_plain, s_same = plain.update(seqs).stats, same.update(seqs).stats  # reference = policy: KL 0, no pull
+    assert s_same["kl_exact"] == 0.0 and s_same["loss"] == s_plain["loss"]
+    assert all(torch.equal(a, b) for a, b in zip(plain.model.parameters(), same.model.parameters()))
+    s_moved, s_plain = same.update(seqs).stats, plain.update(seqs).stats
+    assert s_moved["kl_exact"] > 0 and s_moved["loss"] > s_plain["loss"]
+    assert s_moved["kl_k3"] > 0  # the sampled estimate is still logged beside it
+
+
 def test_entropy_and_sampled_logprob_are_the_sampling_distributions(tiny_checkpoint, served):
     seqs, n_vocab, pad = served
     trainer = make(tiny_checkpoint, served, steps_per_update=1)  # the statistics of one pass, before its step
