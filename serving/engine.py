@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from serving.checkpoint import load_checkpoint
-from serving.model import ModelArgs, Transformer
+from serving.model import CacheStep, ModelArgs, Transformer
 from serving.requests import (
     Completion,
     EngineError,
@@ -300,13 +300,19 @@ class EmbeddedEngine(GenerateMixin):
         self._fail_all(EngineError("engine shut down"))
 
     def _step(self) -> bool:
-        """Admit on every version with waiting requests (the one whose oldest request came first goes
-        first), then decode on every version with work. Admitting all before decoding any keeps a
-        request's time to first token from depending on which version it asked for: admitted version by
-        version, a second version's new requests waited behind the first version's whole decode step, and
-        a canary's arm on shared engines measured 1.6-1.8x the incumbent's time to first token, with the
-        same time per output token (docs/gate.md). A method: no version outlives it in a local."""
+        """One engine step. With one version at work (the usual case), one pass of the model: the prompts
+        admitted now are prefilled together with the running sequences' decode step (`_fused_step`).
+        With several, every version with waiting requests admits (the one whose oldest request came
+        first goes first), then every version with work decodes. Admitting all before decoding any
+        keeps a request's time to first token from depending on which version it asked for: admitted
+        version by version, a second version's new requests waited behind the first version's whole
+        decode step, and a canary's arm on shared engines measured 1.6-1.8x the incumbent's time to
+        first token, with the same time per output token (docs/gate.md). A method: no version outlives
+        it in a local."""
         versions = list(self._table.values())
+        busy = [v for v in versions if v.waiting or v.running]
+        if len(busy) == 1:
+            return self._fused_step(busy[0])
         worked = False
         for v in sorted((v for v in versions if v.waiting), key=lambda v: v.waiting[0].t_submit):
             worked |= self._admit(v)
@@ -390,7 +396,9 @@ class EmbeddedEngine(GenerateMixin):
             s.handle._post(StreamEvent("", [], [], completion=self._finish(v, s, "preempted", now)))
         return len(ended)
 
-    def _admit(self, v: ServedVersion[_Seq]) -> bool:
+    def _take_admits(self, v: ServedVersion[_Seq]) -> list[_Seq]:
+        """The waiting requests that get a slot now (live ones first, background work preempted for them),
+        up to `max_prefill_tokens` of prompt."""
         live = sum(1 for s in v.waiting if not s.background)
         if live > len(v.free):  # live requests wait for slots that background work holds: free them now
             self._preempt(v, live - len(v.free))
@@ -402,28 +410,65 @@ class EmbeddedEngine(GenerateMixin):
             seq.t_start = time.perf_counter()
             tokens += len(seq.prompt_ids)
             batch.append(seq)
-        if not batch:
-            return False
+        return batch
+
+    @staticmethod
+    def _prefill_step(v: ServedVersion[_Seq], batch: list[_Seq]) -> CacheStep:
         T = max(len(s.prompt_ids) for s in batch)
         pad = v.model.args.pad_id
-        tok = torch.tensor([s.prompt_ids + [pad] * (T - len(s.prompt_ids)) for s in batch])
-        pos = torch.arange(T).expand(len(batch), T)
-        slots = torch.tensor([s.slot for s in batch])
-        out = v.model(
-            tok,
-            positions_BT=pos,
-            cache=v.cache,
-            slots_B=slots,
-            return_experts=True,
-            batch_invariant=self.batch_invariant,
+        return CacheStep(
+            tokens_BT=torch.tensor([s.prompt_ids + [pad] * (T - len(s.prompt_ids)) for s in batch]),
+            positions_BT=torch.arange(T).expand(len(batch), T),
+            slots_B=torch.tensor([s.slot for s in batch]),
+            logits_at_B=torch.tensor([len(s.prompt_ids) - 1 for s in batch]),
         )
-        last = torch.tensor([len(s.prompt_ids) - 1 for s in batch])
-        logits = out.logits[torch.arange(len(batch)), last]
-        experts = out.experts.to(torch.uint8).numpy()
+
+    @staticmethod
+    def _decode_step(seqs: list[_Seq]) -> CacheStep:
+        return CacheStep(
+            tokens_BT=torch.tensor([[s.out_ids[-1]] for s in seqs]),
+            positions_BT=torch.tensor([[s.length - 1] for s in seqs]),
+            slots_B=torch.tensor([s.slot for s in seqs]),
+            logits_at_B=torch.zeros(len(seqs), dtype=torch.int64),
+        )
+
+    def _admit(self, v: ServedVersion[_Seq]) -> bool:
+        batch = self._take_admits(v)
+        if not batch:
+            return False
+        (out,) = v.model.forward_steps([self._prefill_step(v, batch)], v.cache, batch_invariant=self.batch_invariant)
+        self._record_prefill_experts(batch, out.experts)
+        v.running.extend(batch)
+        self._sample_and_emit(v, batch, out.logits)
+        return True
+
+    @staticmethod
+    def _record_prefill_experts(batch: list[_Seq], experts_BTLK: torch.Tensor) -> None:
+        experts = experts_BTLK.to(torch.uint8).numpy()
         for i, s in enumerate(batch):
             s.experts.append(experts[i, : len(s.prompt_ids)])
-        v.running.extend(batch)
-        self._sample_and_emit(v, batch, logits)
+
+    def _fused_step(self, v: ServedVersion[_Seq]) -> bool:
+        """Admit and decode on one version in a single pass of the model: the new prompts' prefill and
+        the running sequences' next token (each token's logits are those of its own forward: the model's
+        `forward_steps`). A sequence admitted now gets its first token from this step, its second from
+        the next."""
+        self._reap_cancelled(v)
+        batch = self._take_admits(v)
+        decoding = [s for s in v.running if s.out_ids and s.slot >= 0]
+        if not batch and not decoding:
+            return False
+        steps = ([self._prefill_step(v, batch)] if batch else []) + ([self._decode_step(decoding)] if decoding else [])
+        outs = v.model.forward_steps(steps, v.cache, batch_invariant=self.batch_invariant)
+        if batch:
+            self._record_prefill_experts(batch, outs[0].experts)
+            v.running.extend(batch)
+        if decoding:
+            experts = outs[-1].experts.to(torch.uint8).numpy()
+            for i, s in enumerate(decoding):
+                s.experts.append(experts[i])
+        logits = torch.cat([o.logits for o in outs]) if len(outs) > 1 else outs[0].logits
+        self._sample_and_emit(v, batch + decoding, logits)
         return True
 
     def _reap_cancelled(self, v: ServedVersion[_Seq]) -> None:
@@ -439,21 +484,11 @@ class EmbeddedEngine(GenerateMixin):
         seqs = [s for s in v.running if s.out_ids and s.slot >= 0]
         if not seqs:
             return False
-        tok = torch.tensor([[s.out_ids[-1]] for s in seqs])
-        pos = torch.tensor([[s.length - 1] for s in seqs])
-        slots = torch.tensor([s.slot for s in seqs])
-        out = v.model(
-            tok,
-            positions_BT=pos,
-            cache=v.cache,
-            slots_B=slots,
-            return_experts=True,
-            batch_invariant=self.batch_invariant,
-        )
+        (out,) = v.model.forward_steps([self._decode_step(seqs)], v.cache, batch_invariant=self.batch_invariant)
         experts = out.experts.to(torch.uint8).numpy()
         for i, s in enumerate(seqs):
             s.experts.append(experts[i])
-        self._sample_and_emit(v, seqs, out.logits[:, 0])
+        self._sample_and_emit(v, seqs, out.logits)
         return True
 
     def _sample_and_emit(self, v: ServedVersion[_Seq], seqs: list[_Seq], logits_NV: torch.Tensor) -> None:

@@ -139,6 +139,30 @@ class ModelOutput:
     experts: torch.Tensor | None = None  # [B, T, L, K] int64, when asked for
 
 
+@dataclass(frozen=True)
+class CacheStep:
+    """One group of sequences in a `Transformer.forward_steps` call: their new tokens `[B, T]` (padded),
+    the positions those take in each sequence `[B, T]`, each sequence's cache slot `[B]`, and per row
+    the index into T of the one token whose logits are wanted `[B]` (a prefill's last prompt token;
+    0 for a decode step)."""
+
+    tokens_BT: torch.Tensor
+    positions_BT: torch.Tensor
+    slots_B: torch.Tensor
+    logits_at_B: torch.Tensor
+
+
+@dataclass
+class _Group:
+    """What every layer needs of one `CacheStep`, built once per call."""
+
+    positions_BT: torch.Tensor
+    slots_B: torch.Tensor
+    mask_B1TS: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
 @dataclass
 class KVCache:
     """A slot cache: each running sequence owns one slot; position p of slot s holds its p-th token.
@@ -257,33 +281,59 @@ class Attention(nn.Module):
         v_BTGd = lin(self.v_proj, x_BTD).view(B, T, self.n_kv, self.head_dim)
         q_BHTd = apply_rope(q_BHTd, cos, sin)
         k_BGTd = apply_rope(k_BGTd, cos, sin)
-        if invariant:
-            if cache is None:  # a full forward: causal over this call's tokens
-                v_BGTW = F.pad(v_BTGd.transpose(1, 2), (0, value_width(self.head_dim) - self.head_dim))
-                v_BGTW[..., self.head_dim] = 1.0
-                query_pos_BT = torch.arange(T, device=x_BTD.device).expand(B, T)
-                out_BTE = invariant_attention(q_BHTd, k_BGTd, v_BGTW, query_pos_BT, True)
-            else:  # whole key blocks from the cache: the keys past each position get weight 0
-                length = -(-mask_B1TS.shape[-1] // KEY_BLOCK) * KEY_BLOCK
-                k_BGSd, v_BGSW = cache.write_read(
-                    layer, slots_B, positions_BT, k_BGTd.transpose(1, 2), v_BTGd, length, q_BHTd.dtype
-                )
-                out_BTE = invariant_attention(q_BHTd, k_BGSd, v_BGSW, positions_BT, False)
+        if invariant and cache is None:  # a full forward: causal over this call's tokens
+            v_BGTW = F.pad(v_BTGd.transpose(1, 2), (0, value_width(self.head_dim) - self.head_dim))
+            v_BGTW[..., self.head_dim] = 1.0
+            query_pos_BT = torch.arange(T, device=x_BTD.device).expand(B, T)
+            out_BTE = invariant_attention(q_BHTd, k_BGTd, v_BGTW, query_pos_BT, True)
             return invariant_linear(out_BTE, self.o_proj.weight)
         if cache is None:
             # Training / full forward: plain causal attention over this call's tokens.
             out = F.scaled_dot_product_attention(
                 q_BHTd, k_BGTd, v_BTGd.transpose(1, 2), is_causal=True, enable_gqa=True
             )
-        else:
-            # Decode / prefill into slots: write this call's K/V first, then read [0, S).
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        out_BTE = self._attend_cached(q_BHTd, k_BGTd, v_BTGd, cache, layer, slots_B, positions_BT, mask_B1TS, invariant)
+        return lin(self.o_proj, out_BTE)
+
+    def _attend_cached(
+        self, q_BHTd, k_BGTd, v_BTGd, cache: KVCache, layer: int, slots_B, positions_BT, mask_B1TS, invariant: bool
+    ) -> torch.Tensor:
+        """Write this call's keys/values into the slots, then attend to what each slot holds up to the
+        query's position: [B, T, H * Dh], before the output projection."""
+        B, _, T, _ = q_BHTd.shape
+        if invariant:  # whole key blocks from the cache: the keys past each position get weight 0
+            length = -(-mask_B1TS.shape[-1] // KEY_BLOCK) * KEY_BLOCK
             k_BGSd, v_BGSW = cache.write_read(
-                layer, slots_B, positions_BT, k_BGTd.transpose(1, 2), v_BTGd, mask_B1TS.shape[-1], q_BHTd.dtype
+                layer, slots_B, positions_BT, k_BGTd.transpose(1, 2), v_BTGd, length, q_BHTd.dtype
             )
-            out = F.scaled_dot_product_attention(
-                q_BHTd, k_BGSd, v_BGSW[..., : self.head_dim], attn_mask=mask_B1TS, enable_gqa=True
+            return invariant_attention(q_BHTd, k_BGSd, v_BGSW, positions_BT, False)
+        k_BGSd, v_BGSW = cache.write_read(
+            layer, slots_B, positions_BT, k_BGTd.transpose(1, 2), v_BTGd, mask_B1TS.shape[-1], q_BHTd.dtype
+        )
+        out = F.scaled_dot_product_attention(
+            q_BHTd, k_BGSd, v_BGSW[..., : self.head_dim], attn_mask=mask_B1TS, enable_gqa=True
+        )
+        return out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+
+    def forward_steps(self, h_ND: torch.Tensor, groups: list[_Group], cache: KVCache, layer: int, invariant: bool):
+        """The projections over every group's rows at once (rows are independent); attention group by
+        group, each against its own slots."""
+        lin = (lambda m, x: invariant_linear(x, m.weight)) if invariant else (lambda m, x: m(x))
+        q_N, k_N, v_N = lin(self.q_proj, h_ND), lin(self.k_proj, h_ND), lin(self.v_proj, h_ND)
+        outs, row = [], 0
+        for g in groups:
+            B, T = g.positions_BT.shape
+            rows = slice(row, row + B * T)
+            row += B * T
+            q_BHTd = apply_rope(q_N[rows].view(B, T, self.n_heads, self.head_dim).transpose(1, 2), g.cos, g.sin)
+            k_BGTd = apply_rope(k_N[rows].view(B, T, self.n_kv, self.head_dim).transpose(1, 2), g.cos, g.sin)
+            v_BTGd = v_N[rows].view(B, T, self.n_kv, self.head_dim)
+            out_BTE = self._attend_cached(
+                q_BHTd, k_BGTd, v_BTGd, cache, layer, g.slots_B, g.positions_BT, g.mask_B1TS, invariant
             )
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+            outs.append(out_BTE.reshape(B * T, -1))
+        return lin(self.o_proj, outs[0] if len(outs) == 1 else torch.cat(outs))
 
 
 class Expert(nn.Module):
@@ -348,6 +398,11 @@ class Block(nn.Module):
         replay_NK = None if replay_BTK is None else replay_BTK.reshape(B * T, -1)
         moe_ND, idx_NK = self.block_sparse_moe(h_ND, replay_NK, invariant)
         return x_BTD + moe_ND.view(B, T, D), idx_NK.view(B, T, -1)
+
+    def forward_steps(self, x_ND: torch.Tensor, groups: list[_Group], cache: KVCache, layer: int, invariant: bool):
+        x_ND = x_ND + self.self_attn.forward_steps(self.input_layernorm(x_ND), groups, cache, layer, invariant)
+        moe_ND, idx_NK = self.block_sparse_moe(self.post_attention_layernorm(x_ND), None, invariant)
+        return x_ND + moe_ND, idx_NK
 
 
 class Transformer(nn.Module):
@@ -432,6 +487,61 @@ class Transformer(nn.Module):
         logits = invariant_linear(h_BTD, self.lm_head.weight) if invariant else self.lm_head(h_BTD)
         experts = torch.stack(routed, dim=2) if return_experts else None  # [B, T, L, K]
         return ModelOutput(logits=logits, experts=experts)
+
+    def forward_steps(
+        self, steps: list[CacheStep], cache: KVCache, batch_invariant: bool | None = None
+    ) -> list[ModelOutput]:
+        """Several groups of sequences through the model in one pass against the KV cache: a prefill of
+        new prompts and a decode step of running sequences, say. Every row-wise layer (norms,
+        projections, the router and the experts, the LM head) runs once over all groups' tokens; only
+        attention runs group by group. With batch-invariant kernels each token's logits and experts are
+        bit-identical to what `forward` gives it in a call of its own group alone.
+
+        Returns one `ModelOutput` per step: `logits` `[B, V]` at each row's `logits_at_B`, and
+        `experts` `[B, T, L, K]`."""
+        if not steps:
+            raise ValueError("forward_steps needs at least one step")
+        args = self.args
+        groups, xs = [], []
+        for st in steps:
+            B, T = st.tokens_BT.shape
+            if tuple(st.positions_BT.shape) != (B, T) or tuple(st.slots_B.shape) != (B,):
+                raise ValueError(
+                    f"a step's positions {tuple(st.positions_BT.shape)} and slots {tuple(st.slots_B.shape)} "
+                    f"do not match its tokens {(B, T)}"
+                )
+            attn_len = int(st.positions_BT.max()) + 1
+            if attn_len > cache.max_len:
+                raise ValueError(f"position {attn_len - 1} is beyond the cache length {cache.max_len}")
+            key_pos_S = torch.arange(attn_len, device=st.tokens_BT.device)
+            x_BTD = self.embed_tokens(st.tokens_BT)
+            cos, sin = rope_cos_sin(st.positions_BT, args.head_dim, args.rope_theta, x_BTD.dtype)
+            mask = key_pos_S[None, None, None, :] <= st.positions_BT[:, None, :, None]
+            groups.append(_Group(st.positions_BT, st.slots_B, mask, cos, sin))
+            xs.append(x_BTD.reshape(B * T, args.dim))
+        x_ND = xs[0] if len(xs) == 1 else torch.cat(xs)
+        invariant = self.batch_invariant if batch_invariant is None else batch_invariant
+        invariant = bool(invariant) and x_ND.dtype == torch.float32
+        routed = []
+        for i, layer in enumerate(self.layers):
+            x_ND, idx_NK = layer.forward_steps(x_ND, groups, cache, i, invariant)
+            routed.append(idx_NK)
+        experts_NLK = torch.stack(routed, dim=1)
+        picks, row = [], 0
+        for st in steps:
+            B, T = st.tokens_BT.shape
+            picks.append(row + torch.arange(B, device=x_ND.device) * T + st.logits_at_B)
+            row += B * T
+        h_MD = self.norm(x_ND[torch.cat(picks)])
+        logits_MV = invariant_linear(h_MD, self.lm_head.weight) if invariant else self.lm_head(h_MD)
+        outs, row, at = [], 0, 0
+        for st in steps:
+            B, T = st.tokens_BT.shape
+            experts = experts_NLK[row : row + B * T].view(B, T, args.n_layers, -1)
+            outs.append(ModelOutput(logits=logits_MV[at : at + B], experts=experts))
+            row += B * T
+            at += B
+        return outs
 
 
 def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

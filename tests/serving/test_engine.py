@@ -395,13 +395,13 @@ def test_every_version_admits_before_any_decodes(tiny_checkpoint, model_v2):
         eng.add_version("b", model_v2, tokenizer=tok)
         for name in ("a", "b"):
             m = eng._table.get(name).model
-            fwd = m.forward
+            fwd = m.forward_steps
 
-            def recorded(tok_BT, *args, _fwd=fwd, _name=name, **kw):
-                calls.append((_name, "prefill" if tok_BT.shape[1] > 1 else "decode"))
-                return _fwd(tok_BT, *args, **kw)
+            def recorded(steps, *args, _fwd=fwd, _name=name, **kw):
+                calls.extend((_name, "prefill" if st.tokens_BT.shape[1] > 1 else "decode") for st in steps)
+                return _fwd(steps, *args, **kw)
 
-            m.forward = recorded
+            m.forward_steps = recorded
             patched.append(m)
         ps = prompts(tok, 2)
         assert min(len(p) for p in ps) > 1  # a prefill is told from a decode step by its length
@@ -416,5 +416,37 @@ def test_every_version_admits_before_any_decodes(tiny_checkpoint, model_v2):
         running.cancel()
     finally:
         for m in patched:
-            del m.forward  # the module's own forward again (model_v2 is shared by the module's tests)
+            del m.forward_steps  # the module's own again (model_v2 is shared by the module's tests)
+        eng.shutdown()
+
+
+def test_one_version_prefills_new_prompts_in_the_pass_that_decodes_the_running_ones(tiny_checkpoint):
+    """With one version at work, an engine step is one pass of the model: the prompts admitted now and
+    the running sequences' next tokens together; every token is still exactly the full forward's."""
+    eng = EmbeddedEngine(max_batch=4, max_model_len=128)
+    passes: list[list[str]] = []
+    try:
+        eng.add_version("a", tiny_checkpoint, default=True)
+        tok = eng.tokenizer()
+        m = eng._table.get("a").model
+        fwd = m.forward_steps
+
+        def recorded(steps, *args, **kw):
+            passes.append(["prefill" if st.tokens_BT.shape[1] > 1 else "decode" for st in steps])
+            return fwd(steps, *args, **kw)
+
+        m.forward_steps = recorded
+        ps = prompts(tok, 2)
+        running = eng.submit(ps[0], SamplingParams(max_tokens=20, ignore_eos=True, seed=1), "a")
+        stream = iter(running)
+        next(stream)  # admitted: decoding from now on
+        with Paused(eng):
+            passes.clear()
+            new = eng.submit(ps[1], SamplingParams(max_tokens=6, ignore_eos=True, seed=2), "a")
+        done = new.result()
+        assert passes[0] == ["prefill", "decode"], passes[:3]
+        assert all(p == ["decode"] for p in passes[1:3]), passes[:3]
+        assert_exactly_from(m, tok, done)
+        assert_exactly_from(m, tok, running.result())
+    finally:
         eng.shutdown()

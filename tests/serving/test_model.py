@@ -337,6 +337,69 @@ def test_batch_invariant_logits_are_bit_identical_across_batches_decode_and_thre
         assert torch.equal(served, alone[i]), (i, (served - alone[i]).abs().max())
 
 
+@pytest.mark.parametrize("args", INVARIANT_CASES[:3] + INVARIANT_CASES[6:7], ids=lambda a: f"d{a.dim}v{a.vocab_size}")
+def test_a_prefill_and_a_decode_step_in_one_pass_are_bit_identical_to_each_token_alone(args):
+    """`forward_steps`: new prompts prefilled in the same pass as other sequences' decode step (the
+    engine's step) give every token the logits and experts of a full forward of its sequence alone."""
+    from serving.model import CacheStep, KVCache
+
+    model = Transformer(args).init_weights(seed=5, std=0.1).eval()
+    seqs = _random_tokens(args, [23, 9, 31, 14, 40], seed=args.dim + 1)
+    with torch.inference_mode():
+        alone = [model(s[None], batch_invariant=True, return_experts=True) for s in seqs]
+        cache = KVCache.empty(args, n_slots=8, max_len=args.max_seq_len)
+        slot = {0: 6, 1: 2, 2: 0, 3: 7, 4: 3}
+        prompt = {0: 5, 1: 9, 2: 11, 3: 3, 4: 17}
+        pos: dict[int, int] = {}
+        joins = {0: [0, 1], 2: [2], 3: [3, 4]}  # step -> sequences whose prompts are prefilled then
+        step = 0
+        while step in joins or any(pos[i] < len(seqs[i]) for i in pos):
+            new = joins.get(step, [])
+            decoding = [i for i in pos if pos[i] < len(seqs[i])]
+            steps = []
+            if new:
+                T = max(prompt[i] for i in new)
+                steps.append(
+                    CacheStep(
+                        _padded([seqs[i][: prompt[i]] for i in new], args.pad_id),
+                        torch.arange(T).expand(len(new), T),
+                        torch.tensor([slot[i] for i in new]),
+                        torch.tensor([prompt[i] - 1 for i in new]),
+                    )
+                )
+            if decoding:
+                steps.append(
+                    CacheStep(
+                        torch.stack([seqs[i][pos[i] : pos[i] + 1] for i in decoding]),
+                        torch.tensor([[pos[i]] for i in decoding]),
+                        torch.tensor([slot[i] for i in decoding]),
+                        torch.zeros(len(decoding), dtype=torch.int64),
+                    )
+                )
+            outs = model.forward_steps(steps, cache, batch_invariant=True)
+            if new:
+                for j, i in enumerate(new):
+                    full = alone[i]
+                    assert torch.equal(outs[0].logits[j], full.logits[0, prompt[i] - 1]), (i, "prefill")
+                    assert torch.equal(outs[0].experts[j, : prompt[i]], full.experts[0, : prompt[i]])
+                    pos[i] = prompt[i]
+            if decoding:
+                out = outs[-1]
+                for j, i in enumerate(decoding):
+                    full = alone[i]
+                    assert torch.equal(out.logits[j], full.logits[0, pos[i]]), (i, pos[i])
+                    assert torch.equal(out.experts[j, 0], full.experts[0, pos[i]])
+                    pos[i] += 1
+            step += 1
+        assert all(pos[i] == len(seqs[i]) for i in pos) and len(pos) == len(seqs)
+        with pytest.raises(ValueError, match="at least one step"):
+            model.forward_steps([], cache)
+        with pytest.raises(ValueError, match="do not match"):
+            model.forward_steps(
+                [CacheStep(seqs[0][None, :4], torch.arange(3)[None], torch.tensor([0]), torch.tensor([2]))], cache
+            )
+
+
 def test_batch_invariant_backward_is_sdpa_gradient():
     """The invariant attention and SiLU take their gradients from torch's own kernels: the same gradients
     (to float32 rounding) as the default path."""
