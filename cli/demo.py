@@ -36,6 +36,8 @@ def demo(args) -> None:
         overrides |= {"shape": "kafka-postgres", "gateways": 2, "replicas": 1, "postgres_server": args.kafka_postgres}
     if args.replicas is not None:
         overrides["replicas"] = args.replicas
+    if args.kl_estimator is not None:
+        overrides["kl_estimator"] = args.kl_estimator
     if args.diurnal is not None:
         overrides |= {"diurnal_trough": args.diurnal, "lending": not args.no_lending}
     common = DemoSystemConfig.model_validate(

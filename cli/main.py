@@ -349,6 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--users", type=int, default=None, help="simulated users (default 500)")
     d.add_argument("--adversarial-share", type=float, default=0.0, help="share of users who reward wrong code")
     d.add_argument("--shuffle-rewards", action="store_true", help="control: feedback about another completion")
+    d.add_argument(
+        "--kl-estimator",
+        choices=("k2", "exact"),
+        default=None,
+        help="the learner's KL estimator (default k2; exact: the KL over the vocabulary at each visited state)",
+    )
     d.add_argument("--no-auto-approve", action="store_true", help="leave approvals to a person on the dashboard")
     d.add_argument("--exit", action="store_true", help="end when the run ends instead of leaving the dashboard up")
     d.add_argument("--quick", action="store_true", help="the short variant CI runs (fewer users and minutes)")

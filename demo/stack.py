@@ -96,7 +96,7 @@ def demo_config(cfg: DemoSystemConfig, port: int, shape: dict[str, Any] | None =
             # After a wait at the lag bound, an ordinary update rather than 8 updates' worth of the stalest
             # samples in one (about a minute of the gate cycle here: docs/learner.md#lag-bound).
             "lag_wait_updates": 1,
-            "trainer": {"lr": cfg.lr, "loss": {"kl_coef": cfg.kl_coef}},
+            "trainer": {"lr": cfg.lr, "loss": {"kl_coef": cfg.kl_coef, "kl_estimator": cfg.kl_estimator}},
         },
         "gate": {
             "suite": "demo.suite:demo_suite",

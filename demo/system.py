@@ -77,6 +77,11 @@ class DemoSystemConfig(BaseModel):
         description="The learner's KL penalty to the promoted version (`learner.objective`): the largest size "
         "tried whose gate-split pass rate was no lower than KL off's (bench/kl_size.py, docs/demo.md).",
     )
+    kl_estimator: Literal["k2", "exact"] = Field(
+        "k2",
+        description="How the learner's KL penalty is estimated (`LossConfig.kl_estimator`): k2 on the sampled "
+        "tokens, or the exact KL over the vocabulary at every visited state (docs/learner.md).",
+    )
     updates_per_candidate: int = Field(
         8, ge=1, description="Updates a candidate holds beyond its parent (min_updates_per_candidate)."
     )
