@@ -300,19 +300,20 @@ class EmbeddedEngine(GenerateMixin):
         self._fail_all(EngineError("engine shut down"))
 
     def _step(self) -> bool:
-        """One engine step. With one version at work (the usual case), one pass of the model: the prompts
+        """One engine step. With one version loaded (the usual case), one pass of the model: the prompts
         admitted now are prefilled together with the running sequences' decode step (`_fused_step`).
         With several, every version with waiting requests admits (the one whose oldest request came
-        first goes first), then every version with work decodes. Admitting all before decoding any
+        first goes first), then every version with work decodes: whether a version is busy never picks
+        the kind of step, so a canary's arms on one engine get the same kind (a first token comes sooner
+        after a prefill alone than after a pass that also decodes). Admitting all before decoding any
         keeps a request's time to first token from depending on which version it asked for: admitted
         version by version, a second version's new requests waited behind the first version's whole
         decode step, and a canary's arm on shared engines measured 1.6-1.8x the incumbent's time to
         first token, with the same time per output token (docs/gate.md). A method: no version outlives
         it in a local."""
         versions = list(self._table.values())
-        busy = [v for v in versions if v.waiting or v.running]
-        if len(busy) == 1:
-            return self._fused_step(busy[0])
+        if len(versions) == 1:
+            return self._fused_step(versions[0])
         worked = False
         for v in sorted((v for v in versions if v.waiting), key=lambda v: v.waiting[0].t_submit):
             worked |= self._admit(v)

@@ -388,6 +388,7 @@ def test_every_version_admits_before_any_decodes(tiny_checkpoint, model_v2):
     otherwise wait behind the incumbent's decode, a latency 'harm' of scheduling, not of its model)."""
     eng = EmbeddedEngine(max_batch=4, max_model_len=128)
     calls: list[tuple[str, str]] = []
+    passes: list[int] = []  # steps per pass of a model: two versions loaded never fuse, busy or not
     patched = []
     try:
         eng.add_version("a", tiny_checkpoint, default=True)
@@ -398,6 +399,7 @@ def test_every_version_admits_before_any_decodes(tiny_checkpoint, model_v2):
             fwd = m.forward_steps
 
             def recorded(steps, *args, _fwd=fwd, _name=name, **kw):
+                passes.append(len(steps))
                 calls.extend((_name, "prefill" if st.tokens_BT.shape[1] > 1 else "decode") for st in steps)
                 return _fwd(steps, *args, **kw)
 
@@ -413,6 +415,7 @@ def test_every_version_admits_before_any_decodes(tiny_checkpoint, model_v2):
             new_a = eng.submit(ps[1], SamplingParams(max_tokens=4, seed=3), "a")
         assert new_b.result().version == "b" and new_a.result().version == "a"
         assert calls[:4] == [("b", "prefill"), ("a", "prefill"), ("a", "decode"), ("b", "decode")], calls[:6]
+        assert passes and set(passes) == {1}, passes
         running.cancel()
     finally:
         for m in patched:
@@ -421,7 +424,7 @@ def test_every_version_admits_before_any_decodes(tiny_checkpoint, model_v2):
 
 
 def test_one_version_prefills_new_prompts_in_the_pass_that_decodes_the_running_ones(tiny_checkpoint):
-    """With one version at work, an engine step is one pass of the model: the prompts admitted now and
+    """With one version loaded, an engine step is one pass of the model: the prompts admitted now and
     the running sequences' next tokens together; every token is still exactly the full forward's."""
     eng = EmbeddedEngine(max_batch=4, max_model_len=128)
     passes: list[list[str]] = []
