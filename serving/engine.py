@@ -83,7 +83,7 @@ class _Seq:
     out_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top: list[dict[int, float]] = field(default_factory=list)
-    experts: list[torch.Tensor] = field(default_factory=list)
+    experts: list[np.ndarray] = field(default_factory=list)  # [tokens, L, K] uint8 per step
     text: str = ""
     emitted: int = 0  # characters of `text` already streamed
     decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))

@@ -139,6 +139,14 @@ class ModelOutput:
     experts: torch.Tensor | None = None  # [B, T, L, K] int64, when asked for
 
 
+@dataclass
+class StepOutput:
+    """What `Transformer.forward_steps` gives for one `CacheStep`."""
+
+    logits: torch.Tensor  # [B, V]: at each row's `logits_at_B`
+    experts: torch.Tensor  # [B, T, L, K] int64
+
+
 @dataclass(frozen=True)
 class CacheStep:
     """One group of sequences in a `Transformer.forward_steps` call: their new tokens `[B, T]` (padded),
@@ -490,15 +498,14 @@ class Transformer(nn.Module):
 
     def forward_steps(
         self, steps: list[CacheStep], cache: KVCache, batch_invariant: bool | None = None
-    ) -> list[ModelOutput]:
+    ) -> list[StepOutput]:
         """Several groups of sequences through the model in one pass against the KV cache: a prefill of
         new prompts and a decode step of running sequences, say. Every row-wise layer (norms,
         projections, the router and the experts, the LM head) runs once over all groups' tokens; only
         attention runs group by group. With batch-invariant kernels each token's logits and experts are
         bit-identical to what `forward` gives it in a call of its own group alone.
 
-        Returns one `ModelOutput` per step: `logits` `[B, V]` at each row's `logits_at_B`, and
-        `experts` `[B, T, L, K]`."""
+        Returns one `StepOutput` per step."""
         if not steps:
             raise ValueError("forward_steps needs at least one step")
         args = self.args
@@ -524,6 +531,7 @@ class Transformer(nn.Module):
         invariant = bool(invariant) and x_ND.dtype == torch.float32
         routed = []
         for i, layer in enumerate(self.layers):
+            assert isinstance(layer, Block)
             x_ND, idx_NK = layer.forward_steps(x_ND, groups, cache, i, invariant)
             routed.append(idx_NK)
         experts_NLK = torch.stack(routed, dim=1)
@@ -538,7 +546,7 @@ class Transformer(nn.Module):
         for st in steps:
             B, T = st.tokens_BT.shape
             experts = experts_NLK[row : row + B * T].view(B, T, args.n_layers, -1)
-            outs.append(ModelOutput(logits=logits_MV[at : at + B], experts=experts))
+            outs.append(StepOutput(logits=logits_MV[at : at + B], experts=experts))
             row += B * T
             at += B
         return outs
