@@ -353,8 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--kl-estimator",
         choices=("k2", "exact"),
         default=None,
-        help="the learner's KL estimator (default exact: the KL over the vocabulary at each visited state; k2: on "
-        "the sampled tokens)",
+        help="the learner's KL estimator (default k2, on the sampled tokens; exact: the KL over the vocabulary "
+        "at each visited state)",
     )
     d.add_argument("--no-auto-approve", action="store_true", help="leave approvals to a person on the dashboard")
     d.add_argument("--exit", action="store_true", help="end when the run ends instead of leaving the dashboard up")

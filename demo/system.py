@@ -78,10 +78,10 @@ class DemoSystemConfig(BaseModel):
         "tried whose gate-split pass rate was no lower than KL off's (bench/kl_size.py, docs/demo.md).",
     )
     kl_estimator: Literal["k2", "exact"] = Field(
-        "exact",
+        "k2",
         description="How the learner's KL penalty is estimated (`LossConfig.kl_estimator`): k2 on the sampled "
-        "tokens, or the exact KL over the vocabulary at every visited state (docs/learner.md). Exact: in two "
-        "seeds its candidates regressed no family of the gate split where k2's did (docs/demo.md).",
+        "tokens, or the exact KL over the vocabulary at every visited state (docs/learner.md). Over three "
+        "seeds neither gave fewer rejected candidates (docs/demo.md).",
     )
     updates_per_candidate: int = Field(
         8, ge=1, description="Updates a candidate holds beyond its parent (min_updates_per_candidate)."

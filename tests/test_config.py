@@ -206,7 +206,7 @@ def test_the_demo_runs_flywheel_up_on_a_file_of_its_own(home):
     assert (settings.port, settings.replicas, settings.torch_threads) == (8123, cfg.replicas, 1)
     assert product.learner.update_every_samples == cfg.learner_every_samples
     assert product.learner.trainer.loss.kl_coef == cfg.kl_coef and product.learner.trainer.lr == cfg.lr
-    assert product.learner.trainer.loss.kl_estimator == cfg.kl_estimator == "exact"
+    assert product.learner.trainer.loss.kl_estimator == cfg.kl_estimator == "k2"
     gate = product.gate_config()
     assert (gate.G, gate.seed, gate.canary.margin, gate.canary.steps) == (cfg.gate_G, 3, cfg.canary_margin, (0.2, 0.5))
     assert gate.guardrails.kl_samples_per_prompt == cfg.gate_kl_samples == 1
