@@ -21,7 +21,7 @@ ProcessEngine` at low priority; never a live replica). It writes no events: it g
   back to back), each at most a few points above the incumbent's; and KL(candidate ‖ incumbent) per
   token, estimated on the candidate's own samples as the mean over their tokens of log π_cand - log
   π_inc: the first is recorded with each sample, the second comes from `scorer` (the candidate's
-  tokens scored under the incumbent in padded batches, `serving.engine.score_many`; `ModelScorer`),
+  tokens scored under the incumbent in padded batches, `serving.scoring.score_many`; `ModelScorer`),
   on the first `kl_samples_per_prompt` (2) of each prompt's G samples: a forward each, this was most
   of a cycle's time at G 8 (133 of 195 s for 504 x 8 under the demo's traffic), and 2 per prompt
   still give thousands of tokens against a bound of 0.5 nats.
@@ -57,10 +57,11 @@ from gating.stats import (
 )
 from product.suites import EvalSuite
 from serving.checkpoint import load_checkpoint
-from serving.engine import Completion, score_many
+from serving.engine import Completion
 from serving.interface import Engine
 from serving.model import Transformer
 from serving.sampling import SamplingParams
+from serving.scoring import score_many
 from serving.tokenizer import Tokenizer
 
 Scorer = Callable[[str, Sequence[Completion], int], list[list[float]]]
@@ -139,7 +140,7 @@ class OfflineResult:
 class ModelScorer:
     """A `Scorer` over models held in this process: `sources[version]` is a checkpoint folder (loaded
     on first use) or a `Transformer`. Full forwards over padded batches of completions
-    (`serving.engine.score_many`, each row equal to its own `score`) on the caller's thread;
+    (`serving.scoring.score_many`, each row equal to its own `score`) on the caller's thread;
     `batch_invariant` as the engine that sampled (float32 models: bit-identical log-probs)."""
 
     def __init__(self, sources: Mapping[str, str | Path | Transformer], batch_invariant: bool = True):

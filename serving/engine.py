@@ -434,35 +434,27 @@ class EmbeddedEngine(GenerateMixin):
         )
 
     def _admit(self, v: ServedVersion[_Seq]) -> bool:
-        batch = self._take_admits(v)
-        if not batch:
-            return False
-        (out,) = v.model.forward_steps([self._prefill_step(v, batch)], v.cache, batch_invariant=self.batch_invariant)
-        self._record_prefill_experts(batch, out.experts)
-        v.running.extend(batch)
-        self._sample_and_emit(v, batch, out.logits)
-        return True
-
-    @staticmethod
-    def _record_prefill_experts(batch: list[_Seq], experts_BTLK: torch.Tensor) -> None:
-        experts = experts_BTLK.to(torch.uint8).numpy()
-        for i, s in enumerate(batch):
-            s.experts.append(experts[i, : len(s.prompt_ids)])
+        return self._pass(v, self._take_admits(v), [])
 
     def _fused_step(self, v: ServedVersion[_Seq]) -> bool:
-        """Admit and decode on one version in a single pass of the model: the new prompts' prefill and
-        the running sequences' next token (each token's logits are those of its own forward: the model's
-        `forward_steps`). A sequence admitted now gets its first token from this step, its second from
-        the next."""
+        """Admit and decode on one version in a single pass of the model. A sequence admitted now gets
+        its first token from this step, its second from the next."""
         self._reap_cancelled(v)
         batch = self._take_admits(v)
-        decoding = [s for s in v.running if s.out_ids and s.slot >= 0]
+        return self._pass(v, batch, [s for s in v.running if s.out_ids and s.slot >= 0])
+
+    def _pass(self, v: ServedVersion[_Seq], batch: list[_Seq], decoding: list[_Seq]) -> bool:
+        """One pass of the model: the prefill of the newly admitted `batch` and the next token of the
+        running `decoding`, either may be empty (each token's logits are those of its own forward: the
+        model's `forward_steps`); then every row is sampled and emitted."""
         if not batch and not decoding:
             return False
         steps = ([self._prefill_step(v, batch)] if batch else []) + ([self._decode_step(decoding)] if decoding else [])
         outs = v.model.forward_steps(steps, v.cache, batch_invariant=self.batch_invariant)
         if batch:
-            self._record_prefill_experts(batch, outs[0].experts)
+            experts = outs[0].experts.to(torch.uint8).numpy()
+            for i, s in enumerate(batch):
+                s.experts.append(experts[i, : len(s.prompt_ids)])
             v.running.extend(batch)
         if decoding:
             experts = outs[-1].experts.to(torch.uint8).numpy()
@@ -482,15 +474,7 @@ class EmbeddedEngine(GenerateMixin):
 
     def _decode(self, v: ServedVersion[_Seq]) -> bool:
         self._reap_cancelled(v)
-        seqs = [s for s in v.running if s.out_ids and s.slot >= 0]
-        if not seqs:
-            return False
-        (out,) = v.model.forward_steps([self._decode_step(seqs)], v.cache, batch_invariant=self.batch_invariant)
-        experts = out.experts.to(torch.uint8).numpy()
-        for i, s in enumerate(seqs):
-            s.experts.append(experts[i])
-        self._sample_and_emit(v, seqs, out.logits)
-        return True
+        return self._pass(v, [], [s for s in v.running if s.out_ids and s.slot >= 0])
 
     def _sample_and_emit(self, v: ServedVersion[_Seq], seqs: list[_Seq], logits_NV: torch.Tensor) -> None:
         temps = torch.tensor([s.params.temperature for s in seqs])
@@ -580,57 +564,3 @@ class EmbeddedEngine(GenerateMixin):
 def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
     hits = [i for i in (text.find(x) for x in stops) if i >= 0]
     return min(hits) if hits else None
-
-
-def score(
-    model: Transformer,
-    prompt_ids: list[int],
-    output_ids: list[int],
-    params: SamplingParams,
-    replay_experts: np.ndarray | None = None,
-    n_vocab: int | None = None,
-    batch_invariant: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A full forward pass over prompt + output: (sampling log-probs of the output tokens [N],
-    routed experts of every fed token [P + N - 1, L, K]). The reference the engine is tested against."""
-    seq = torch.tensor([prompt_ids + output_ids[:-1]])
-    replay = None if replay_experts is None else torch.as_tensor(replay_experts, dtype=torch.int64)[None]
-    with torch.inference_mode():
-        out = model(seq, replay_experts=replay, return_experts=True, batch_invariant=batch_invariant)
-    P = len(prompt_ids)
-    logits = out.logits[0, P - 1 :, :n_vocab]
-    n = logits.shape[0]
-    logp = sampling_logprobs(logits, torch.full((n,), float(params.temperature)), torch.full((n,), float(params.top_p)))
-    return logp.gather(-1, torch.tensor(output_ids)[:, None]).squeeze(-1), out.experts[0]
-
-
-def score_many(
-    model: Transformer,
-    requests: list[tuple[list[int], list[int], SamplingParams]],
-    n_vocab: int | None = None,
-    batch_invariant: bool = True,
-    micro_batch: int = 32,
-) -> list[torch.Tensor]:
-    """`score`'s log-probabilities for many (prompt ids, output ids, params), `micro_batch` sequences per
-    forward: each right-padded to the longest of its batch, so causal attention never sees the padding.
-    With `batch_invariant` (float32) every row equals its own `score` bit for bit (tests/serving)."""
-    if micro_batch < 1:
-        raise ValueError(f"micro_batch must be at least 1, got {micro_batch}")
-    out: list[torch.Tensor] = []
-    for start in range(0, len(requests), micro_batch):
-        chunk = requests[start : start + micro_batch]
-        fed = [p + o[:-1] for p, o, _ in chunk]
-        tokens = torch.zeros((len(chunk), max(len(f) for f in fed)), dtype=torch.int64)
-        for i, f in enumerate(fed):
-            tokens[i, : len(f)] = torch.tensor(f, dtype=torch.int64)
-        with torch.inference_mode():
-            logits_BTV = model(tokens, batch_invariant=batch_invariant).logits
-        for i, (prompt, output, params) in enumerate(chunk):
-            P, N = len(prompt), len(output)
-            logits = logits_BTV[i, P - 1 : P - 1 + N, :n_vocab]
-            logp = sampling_logprobs(
-                logits, torch.full((N,), float(params.temperature)), torch.full((N,), float(params.top_p))
-            )
-            chosen = logp.gather(-1, torch.tensor(output, dtype=torch.int64)[:, None]).squeeze(-1)
-            out.append(chosen)
-    return out

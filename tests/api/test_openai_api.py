@@ -20,8 +20,9 @@ from feedback.bus_embedded import EmbeddedBus
 from feedback.events import TOPICS, CompletionEvent
 from registry.keys import KeyStore
 from serving.checkpoint import load_checkpoint
-from serving.engine import EmbeddedEngine, score
+from serving.engine import EmbeddedEngine
 from serving.sampling import SamplingParams
+from serving.scoring import score
 from serving.swap import hot_swap
 from tests.conftest import LiveServer, assert_close_ulps
 

@@ -15,7 +15,8 @@ from product.suites import OfflinePrompts
 from registry.job_worker import LendingWorker
 from registry.jobs import JobQueue
 from serving.checkpoint import load_checkpoint
-from serving.engine import EmbeddedEngine, score
+from serving.engine import EmbeddedEngine
+from serving.scoring import score
 from serving.tokenizer import Tokenizer
 
 PROMPTS = ("# add 3 to x\ndef f(x):\n", "# count 'a' in s\n", "def", "# items of xs greater than 7\ndef f(xs):\n")

@@ -14,8 +14,9 @@ import torch
 
 from core.harness import wait_until
 from serving.checkpoint import load_checkpoint
-from serving.engine import EmbeddedEngine, score, score_many
+from serving.engine import EmbeddedEngine
 from serving.sampling import SamplingParams
+from serving.scoring import score, score_many
 from serving.tokenizer import Tokenizer
 from serving.versions import VersionBusy
 from tests.conftest import assert_close_ulps

@@ -10,10 +10,10 @@ import torch
 
 from core.harness import wait_until
 from serving.checkpoint import load_checkpoint, save_checkpoint
-from serving.engine import score
 from serving.engine_process import ProcessEngine
 from serving.requests import EngineError
 from serving.sampling import SamplingParams
+from serving.scoring import score
 from serving.swap import hot_swap
 from serving.tokenizer import Tokenizer
 

@@ -21,11 +21,12 @@ from core.harness import wait_until
 from registry.db import make_engine
 from registry.registry import Registry
 from serving.checkpoint import load_checkpoint
-from serving.engine import EmbeddedEngine, score
+from serving.engine import EmbeddedEngine
 from serving.engine_process import ProcessEngine
 from serving.fetch import Fetcher
 from serving.replica import PgNotifier, Replica, ReplicaRegistry
 from serving.sampling import SamplingParams
+from serving.scoring import score
 from serving.weight_store import DELTA_SUFFIX, WeightStore, shipping_state
 from tests.gating.test_registry import pg_database  # noqa: F401  (a fixture)
 from tests.serving.test_fetch import TOKEN, FileServer

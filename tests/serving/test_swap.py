@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from serving.checkpoint import load_checkpoint
-from serving.engine import EmbeddedEngine, score
+from serving.engine import EmbeddedEngine
 from serving.sampling import SamplingParams
+from serving.scoring import score
 from serving.swap import hot_swap
 from serving.versions import VersionBusy, VersionTable
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from serving.checkpoint import load_checkpoint, save_checkpoint
-from serving.engine import score
 from serving.sampling import SamplingParams
+from serving.scoring import score
 from serving.tokenizer import Tokenizer
 from tests.conftest import assert_close_ulps
 
