@@ -95,48 +95,50 @@ def _attend(
     """The batch-invariant attention's forward (no autograd). Key s is visible to query t of sequence b
     iff s <= query_pos_BT[b, t]. `v_BGSW` holds [v | 1 | 0...] rows (`value_width`). Returns [B, T, H * Dh]."""
     B, H, T, Dh = q_BHTd.shape
-    t_min = -(-MIN_GEMM_ROWS // (H // k_BGSd.shape[1]))
-    if T < t_min:
-        # Few query columns per matmul (a decode step, a short prompt) take other MKL kernels, which round
-        # differently (one column: a matrix-vector product; 2 columns differed too on an AVX-512 Zen 4):
-        # the last query is repeated until every matmul has at least MIN_GEMM_ROWS columns.
-        extra = t_min - T
-        q_BHTd = torch.cat([q_BHTd, q_BHTd[:, :, -1:].expand(B, H, extra, Dh)], dim=2)
-        query_pos_BT = torch.cat([query_pos_BT, query_pos_BT[:, -1:].expand(B, extra)], dim=1)
-        return _attend(q_BHTd, k_BGSd, v_BGSW, query_pos_BT)[:, :T]
+    # Few query columns per matmul (a decode step, a short prompt) take other MKL kernels, which round
+    # differently (one column: a matrix-vector product; 2 columns differed too on an AVX-512 Zen 4):
+    # both matmuls get at least MIN_GEMM_ROWS columns, the last query repeated (`T_mm`), while the
+    # softmax in between runs on the T real columns only (a column's result never depends on another's).
+    T_mm = max(T, -(-MIN_GEMM_ROWS // (H // k_BGSd.shape[1])))
+    if T_mm != T:
+        q_BHTd = torch.cat([q_BHTd, q_BHTd[:, :, -1:].expand(B, H, T_mm - T, Dh)], dim=2)
     G, S, W = k_BGSd.shape[1], k_BGSd.shape[2], v_BGSW.shape[-1]
-    R, N = H // G, H // G * T
+    R = H // G
     S_pad = -(-S // KEY_BLOCK) * KEY_BLOCK
     Dk = max(Dh, _MIN_HEAD_DIM)  # a small head is padded with zero columns (the scores do not change)
     if S_pad != S or Dk != Dh or not k_BGSd.is_contiguous():
         k_BGSd = F.pad(k_BGSd, (0, Dk - Dh, 0, S_pad - S)).contiguous()
     if S_pad != S or not v_BGSW.is_contiguous():
         v_BGSW = F.pad(v_BGSW, (0, 0, 0, S_pad - S)).contiguous()  # padded keys get weight 0 anyway
-    q_BGRTd = torch.empty((B, G, R, T, Dk), dtype=q_BHTd.dtype, device=q_BHTd.device)
+    q_BGRTd = torch.empty((B, G, R, T_mm, Dk), dtype=q_BHTd.dtype, device=q_BHTd.device)
     if Dk != Dh:
         q_BGRTd[..., Dh:] = 0.0
-    torch.mul(q_BHTd.view(B, G, R, T, Dh), 1.0 / math.sqrt(Dh), out=q_BGRTd[..., :Dh])
-    # Scores with the keys as the rows, [S_pad, Dk] @ [Dk, R*T]: never few rows (S_pad is a multiple of
+    torch.mul(q_BHTd.view(B, G, R, T_mm, Dh), 1.0 / math.sqrt(Dh), out=q_BGRTd[..., :Dh])
+    # Scores with the keys as the rows, [S_pad, Dk] @ [Dk, R*T_mm]: never few rows (S_pad is a multiple of
     # KEY_BLOCK), and a score does not depend on how many query columns there are.
-    s_BGSN = torch.matmul(k_BGSd, q_BGRTd.view(B, G, N, Dk).transpose(-1, -2))
+    s_BGSRT = torch.matmul(k_BGSd, q_BGRTd.view(B, G, R * T_mm, Dk).transpose(-1, -2)).view(B, G, S_pad, R, T_mm)
+    if T_mm != T:
+        s_BGSRT = s_BGSRT[..., :T].contiguous()
     # Softmax numerators down the key axis, in place: masked keys -inf, minus the max of the visible ones,
     # exp. All exact or elementwise (exp is MKL's vector math, the same for an element wherever it falls).
-    hidden_BTS = torch.arange(S_pad, device=q_BHTd.device)[None, None, :] > query_pos_BT[:, :, None]
-    s_BGSRT = s_BGSN.view(B, G, S_pad, R, T)
-    s_BGSRT.masked_fill_(hidden_BTS.transpose(1, 2)[:, None, :, None, :], float("-inf"))
+    hidden_BST = torch.arange(S_pad, device=q_BHTd.device)[None, :, None] > query_pos_BT[:, None, :]
+    s_BGSRT.masked_fill_(hidden_BST[:, None, :, None, :], float("-inf"))
     s_BGSRT.sub_(s_BGSRT.amax(dim=2, keepdim=True))
-    p_BGSN = s_BGSN.exp_()
-    # [v | 1 | 0...]^T @ p per block of KEY_BLOCK keys, [W, KEY_BLOCK] @ [KEY_BLOCK, R*T]: the weighted
+    p_BGSRT = s_BGSRT.exp_()
+    if T_mm != T:  # the repeated columns again, for the second matmul's kernel (their results are dropped)
+        p_BGSRT = torch.cat([p_BGSRT, p_BGSRT[..., -1:].expand(B, G, S_pad, R, T_mm - T)], dim=-1)
+    N = R * T_mm
+    # [v | 1 | 0...]^T @ p per block of KEY_BLOCK keys, [W, KEY_BLOCK] @ [KEY_BLOCK, R*T_mm]: the weighted
     # values and the softmax denominator from the same fixed-size reductions; the blocks are then
     # summed pairwise (0+1, 2+3, ..., then again), a tree that trailing all-masked blocks (p exactly 0)
     # do not change. So neither how many keys the cache read nor how long the batch was matters.
     nb = S_pad // KEY_BLOCK
-    o_BGbWN = torch.matmul(v_BGSW.view(B, G, nb, KEY_BLOCK, W).transpose(-1, -2), p_BGSN.view(B, G, nb, KEY_BLOCK, N))
+    o_BGbWN = torch.matmul(v_BGSW.view(B, G, nb, KEY_BLOCK, W).transpose(-1, -2), p_BGSRT.view(B, G, nb, KEY_BLOCK, N))
     while o_BGbWN.shape[2] > 1:
         if o_BGbWN.shape[2] % 2:
             o_BGbWN = F.pad(o_BGbWN, (0, 0, 0, 0, 0, 1))
         o_BGbWN = o_BGbWN[:, :, 0::2] + o_BGbWN[:, :, 1::2]
-    o_BGWRT = o_BGbWN.view(B, G, W, R, T)
+    o_BGWRT = o_BGbWN.view(B, G, W, R, T_mm)[..., :T]
     out_BTGRd = torch.empty((B, T, G, R, Dh), dtype=q_BHTd.dtype, device=q_BHTd.device)
     torch.div(
         o_BGWRT[:, :, :Dh].permute(0, 4, 1, 3, 2), o_BGWRT[:, :, Dh : Dh + 1].permute(0, 4, 1, 3, 2), out=out_BTGRd

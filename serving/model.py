@@ -226,7 +226,10 @@ class KVCache:
         self.k[layer][slots_B[:, None], :, positions_BT] = k_BTGd.to(self.k.dtype)
         self.v[layer][slots_B[:, None], :, positions_BT, :Dh] = v_BTGd.to(self.v.dtype)
         length = min(length, self.max_len)
-        return self.k[layer][slots_B, :, :length].to(dtype), self.v[layer][slots_B, :, :length].to(dtype)
+        # index_select copies each slot's rows whole (advanced indexing gathered element by element: 4x slower)
+        k_BGSd = torch.index_select(self.k[layer][:, :, :length], 0, slots_B)
+        v_BGSW = torch.index_select(self.v[layer][:, :, :length], 0, slots_B)
+        return k_BGSd.to(dtype), v_BGSW.to(dtype)
 
 
 class RMSNorm(nn.Module):
@@ -377,13 +380,25 @@ class SparseMoE(nn.Module):
             idx_NK = replay_NK.to(torch.int64)
             w_NK = probs_NE.gather(-1, idx_NK)  # the router's own weights at the replayed experts
         w_NK = w_NK / w_NK.sum(dim=-1, keepdim=True)
+        # Dispatch by one sort: each token's experts in ascending order (rank j), then all (token, j) pairs
+        # grouped by expert, so that an expert's rows are one contiguous slice of a single gather.
+        N, K = idx_NK.shape
+        e_NJ, j2k_NJ = idx_NK.sort(dim=-1, stable=True)
+        order_M = torch.argsort(e_NJ.reshape(-1), stable=True)  # M = N * K pairs, by expert
+        counts = torch.bincount(e_NJ.reshape(-1), minlength=len(self.experts)).tolist()
+        x_MD = x_ND.index_select(0, torch.div(order_M, K, rounding_mode="floor"))
+        ys, start = [], 0
+        for expert, c in zip(self.experts, counts):
+            if c:
+                ys.append(expert(x_MD[start : start + c], invariant))
+                start += c
+        y_MD = (ys[0] if len(ys) == 1 else torch.cat(ys)) * w_NK.gather(-1, j2k_NJ).reshape(-1)[order_M, None]
+        # Back to (token, rank) order, then summed in ascending expert order: (0 + y_lowest) + ... as a
+        # token's experts were always added, so the sum never depends on the batch or on the order of slots.
+        y_NJD = y_MD.new_empty(y_MD.shape).index_copy_(0, order_M, y_MD).view(N, K, -1).to(x_ND.dtype)
         out_ND = torch.zeros_like(x_ND)
-        for e, expert in enumerate(self.experts):
-            tok_n, slot_n = torch.where(idx_NK == e)
-            if tok_n.numel() == 0:
-                continue
-            y = expert(x_ND[tok_n], invariant) * w_NK[tok_n, slot_n, None]
-            out_ND.index_add_(0, tok_n, y.to(out_ND.dtype))
+        for j in range(K):
+            out_ND = out_ND + y_NJD[:, j]
         return out_ND, idx_NK
 
 
