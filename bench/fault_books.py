@@ -34,8 +34,8 @@ def exactly_once_book(
     # the events the joiner's per-user budget drops by design: not waited for, and counted apart
     capped = budget_dropped_ids(traffic, tenant, *budget) & accepted if budget is not None else set()
     signals_of: dict[str, list[tuple[str | None, str, float]]] = {}
-    samples, took = read_samples(settings, window_s, accepted - capped, quiet_s, timeout_s, signals_of)
-    once = exactly_once(accepted, samples) | {"all_seen_after_s": round(took, 1)}
+    samples, took, caught_up = read_samples(settings, window_s, accepted - capped, quiet_s, timeout_s, signals_of)
+    once = exactly_once(accepted, samples) | {"all_seen_after_s": round(took, 1), "joiner_caught_up": caught_up}
     all_missing = once.pop("all_missing_ids")
     if budget is not None:
         missing_capped = capped & set(all_missing)
@@ -83,11 +83,14 @@ def read_samples(
     quiet_s: float = 15.0,
     timeout_s: float = 900.0,
     signals_of: dict[str, list[tuple[str | None, str, float]]] | None = None,
-) -> tuple[dict[str, Any], float]:
+) -> tuple[dict[str, Any], float, bool | None]:
     """Every sample on the samples topic, read from the start by a group of its own: sample id -> the
-    list of its records' signals (event ids); and the seconds it took. Reads until every `expected`
-    event id has been seen in a sample (the joiner may be minutes behind a slow broker), or
-    `timeout_s`, then `quiet_s` more for repeats."""
+    list of its records' signals (event ids); the seconds it took; and whether the joiner was seen
+    caught up (None on the embedded bus, where that is not asked). Reads until every `expected` event
+    id has been seen in a sample, or until the joiner has caught up (`JoinerLag.caught_up`) and the
+    samples topic has been read to the end it had then, or `timeout_s`; then `quiet_s` more for repeats.
+    Events that no sample will ever hold (replaced by a later signal under the reward rules) end the
+    wait only through the joiner's catching up: waiting for them alone ran every full run to its timeout."""
     from feedback.connect import open_bus
     from feedback.events import TOPICS, SampleEvent
 
@@ -96,9 +99,12 @@ def read_samples(
     time.sleep(window_s)
     bus = open_bus(settings, "faults-books")
     consumer = bus.consumer(TOPICS["sample"], group=f"faults-books-{os.getpid()}-{time.time_ns()}")
+    lag = JoinerLag(settings, settle_s=max(2 * window_s, quiet_s)) if settings.bus == "kafka" else None
     out: dict[str, list[list[str]]] = defaultdict(list)
     seen: set[str] = set()
     deadline = t0 + timeout_s
+    caught_up: bool | None = None if lag is None else False
+    sample_ends: dict[tuple[str, int], int] | None = None
 
     def read() -> int:
         got = consumer.poll(max_records=5000, timeout_s=1.0)
@@ -112,7 +118,17 @@ def read_samples(
 
     try:
         while not expected <= seen and time.monotonic() < deadline:
-            read()
+            got = read()
+            if lag is None or sample_ends is not None:
+                if sample_ends is not None and not got and consumer.reached(sample_ends):
+                    break  # the joiner had caught up, and every sample it had published is read
+                continue
+            if lag.caught_up():
+                caught_up = True
+                sample_ends = consumer.ends()  # what the joiner published, all of it below these
+                if sample_ends is None or not consumer.assignment():
+                    sample_ends = None  # asked again next time round
+                    caught_up = False
         last_new = time.monotonic()
         while time.monotonic() - last_new < quiet_s and time.monotonic() < deadline + quiet_s:
             if read():
@@ -120,7 +136,50 @@ def read_samples(
     finally:
         consumer.close()
         bus.close()
-    return out, time.monotonic() - t0
+        if lag is not None:
+            lag.close()
+    return out, time.monotonic() - t0, caught_up
+
+
+class JoinerLag:
+    """Whether the joiner's group has committed every completion and feedback record on the bus (Kafka).
+    The traffic has ended when the books begin, so the topics' ends no longer move: once the group's
+    committed positions reach the ends listed now and stay put for `settle_s`, the joiner has read every
+    record, closed every window and flushed every sample (it commits a record only after its sample is on
+    the bus, `feedback.joiner`). The settling covers tansu 0.6, which sometimes lists the first offset of
+    a partition's last batch as its end."""
+
+    def __init__(self, settings: Any, group: str = "joiner", settle_s: float = 30.0):
+        from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
+
+        from feedback.events import TOPICS
+
+        self.group, self.settle_s = group, settle_s
+        self._admin = KafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap, client_id="faults-lag")
+        probe = KafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, client_id="faults-lag-probe")
+        try:
+            tps = [TopicPartition(t, p) for t in (TOPICS["completion"], TOPICS["feedback"])
+                   for p in sorted(probe.partitions_for_topic(t) or ())]  # fmt: skip
+            self.ends = {tp: int(o) for tp, o in probe.end_offsets(tps).items()}
+        finally:
+            probe.close()
+        self._last: dict[Any, int] | None = None
+        self._since = time.monotonic()
+
+    def caught_up(self) -> bool:
+        try:
+            offsets = self._admin.list_group_offsets({self.group: list(self.ends)})[self.group]
+        except Exception as e:  # the broker busy or restarting: not known yet, asked again
+            log.warning("faults: the joiner's committed offsets: %r", e)
+            return False
+        committed = {tp: int(om.offset) for tp, om in offsets.items() if tp in self.ends}
+        if committed != self._last:
+            self._last, self._since = committed, time.monotonic()
+        behind = [tp for tp, end in self.ends.items() if end > 0 and committed.get(tp, 0) < end]
+        return not behind and time.monotonic() - self._since >= self.settle_s
+
+    def close(self) -> None:
+        self._admin.close()
 
 
 def exactly_once(accepted: set[str], samples: dict[str, list[list[str]]]) -> dict[str, Any]:
@@ -153,7 +212,7 @@ def exactly_once(accepted: set[str], samples: dict[str, list[list[str]]]) -> dic
     }
 
 
-def trace_missing(settings: Any, missing: set[str], timeout_s: float = 180.0) -> dict[str, Any]:
+def trace_missing(settings: Any, missing: set[str], timeout_s: float = 600.0) -> dict[str, Any]:
     """Where accepted events that reached no sample were lost: each id's feedback record on the feedback
     topic (else it never reached the bus: lost between the gateway's answer and the broker), and its
     completion's record on the completion topic (else the joiner could not join it). Both topics read

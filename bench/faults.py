@@ -90,7 +90,7 @@ class Plan:
     first_after_s: float = 20.0  # the first timed kill, after the traffic starts
     gap_s: tuple[float, float] = (10.0, 25.0)  # between a recovery and the next timed kill
     down_s: tuple[float, float] = (2.0, 6.0)
-    state_wait_s: float = 600.0  # how long a state-triggered kill waits for its state
+    state_wait_s: float | None = None  # how long a state-triggered kill waits for its state; None: while traffic runs
 
 
 class Harness:
@@ -171,7 +171,7 @@ class Harness:
         self.rng.shuffle(timed)
         waiting = [k for k in plan.kills if k not in timed]
         next_at = time.monotonic() + plan.first_after_s
-        deadline = time.monotonic() + plan.state_wait_s
+        deadline = time.monotonic() + (float("inf") if plan.state_wait_s is None else plan.state_wait_s)
         while not self.stop.is_set() and (timed or waiting):
             now = time.monotonic()
             ready = [k for k in waiting if TARGET[k] not in self.busy and self._ready_for(k)]
