@@ -448,7 +448,7 @@ def run(
     survived = {k.kind: k.back_at is not None for k in harness.kills}
     return {
         "config": {"seed": seed, "traffic_s": traffic_s, "replicas": replicas, "lending": lending,
-                   "plan": asdict(plan)},
+                   "plan": asdict(plan), "demo": demo},
         "startup_s": round(startup_s, 1),
         "traffic": {"completions": traffic.completions, "errors": traffic.errors, "failovers": traffic.failovers,
                     "feedback_events": len(traffic.feedback_keys), "given_up": len(traffic.feedback_given_up),
@@ -493,6 +493,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--minutes", type=float, default=12.0)
     ap.add_argument("--kills", default=",".join(KILLS), help=f"which, of {', '.join(KILLS)}")
+    ap.add_argument(
+        "--concurrency",
+        type=int,
+        default=FULL_RUN["concurrency"],
+        help="completions in flight at once (the load); the broker's S3 server (moto) saturates above a few here",
+    )
     a = ap.parse_args()
     kills = tuple(k for k in a.kills.split(",") if k)
     unknown = set(kills) - set(KILLS) - {"gate"}
@@ -502,7 +508,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with tempfile.TemporaryDirectory(prefix="flywheel-faults-") as tmp:
         plan = Plan(kills=kills, seed=a.seed)
-        result = run(seed=a.seed, traffic_s=a.minutes * 60, plan=plan, home=Path(tmp) / "home", **FULL_RUN)
+        result = run(seed=a.seed, traffic_s=a.minutes * 60, plan=plan, home=Path(tmp) / "home",
+                     **(FULL_RUN | {"concurrency": a.concurrency}))  # fmt: skip
     result |= {"template": NAME}
     common.save(NAME, result, st, a.out)
 
