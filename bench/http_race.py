@@ -14,8 +14,7 @@ bench/results/serving_race.{json,md}. What makes it a fair race:
   Repetitions are interleaved (A, B, A, B, ...) and the whole race runs in both start orders; every
   figure is the median over the 3 x 2 runs of a server.
 - **Same engine settings**: float32, at most 64 sequences at once, 256-token context, the same number
-  of compute threads (every core of this machine, or `--threads`: Flywheel's engine torch threads and
-  vLLM's OpenMP threads alike); Flywheel with its defaults (batch-invariant kernels
+  of compute threads (every core of this machine); Flywheel with its defaults (batch-invariant kernels
   on, the bus's fsync on, the engine in its own process, one replica); vLLM with its documented CPU
   settings (`VLLM_CPU_KVCACHE_SPACE`, `VLLM_CPU_OMP_THREADS_BIND`), eager mode. Both configurations are
   `FLYWHEEL_ENV` and `VLLM_ARGS`/`VLLM_ENV` below, and are written into the result.
@@ -176,18 +175,9 @@ def _post(url: str, path: str, payload: dict) -> dict:
 class Server:
     """One of the two racers, started and stopped under the race's supervisor."""
 
-    def __init__(
-        self,
-        name: str,
-        model_dir: Path,
-        scratch: Path,
-        sup: Supervisor,
-        env: dict[str, str] | None = None,
-        threads: int | None = None,
-    ):
+    def __init__(self, name: str, model_dir: Path, scratch: Path, sup: Supervisor, env: dict[str, str] | None = None):
         self.name, self.model_dir, self.scratch, self.sup = name, model_dir, scratch, sup
         self.env = env or {}
-        self.threads = threads or os.cpu_count() or 1
         self.url = ""
         self.pid = 0
 
@@ -199,13 +189,12 @@ class Server:
             home = self.scratch / "flywheel-home"
             shutil.rmtree(home, ignore_errors=True)
             env = {**FLYWHEEL_ENV, **self.env, "FLYWHEEL_HOME": str(home), "FLYWHEEL_MODEL_DIR": str(self.model_dir)}
-            env["FLYWHEEL_TORCH_THREADS"] = str(self.threads)
             env |= {"FLYWHEEL_HOST": "127.0.0.1", "FLYWHEEL_PORT": str(port)}
             child = common.start(self.sup, self.name, common.module_argv("cli", "serve"), env=env, log_path=log)
         else:
             argv = common.module_argv("vllm.entrypoints.openai.api_server", "--model", str(self.model_dir))
             argv += ["--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), *VLLM_ARGS]
-            env = VLLM_ENV | {"VLLM_CPU_OMP_THREADS_BIND": f"0-{self.threads - 1}" if self.threads > 1 else "0"}
+            env = VLLM_ENV | {"VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}
             child = common.start(self.sup, self.name, argv, env=env, log_path=log)
         self.pid = child.pid
 
@@ -308,14 +297,13 @@ def race(model_dir: Path, texts: list[str], prompts: list[list[int]], a) -> dict
     runs: list[dict] = []
     found: dict[str, Any] = {}
     orders = [["flywheel", "vllm"], ["vllm", "flywheel"]][: a.orders]
-    threads = getattr(a, "threads", None) or os.cpu_count() or 1
     try:
         with Supervisor("bench-race") as sup:
             for o, order in enumerate(orders):
                 for rep in range(a.reps):
                     for name in order:
                         extra = LIMITS_ENV if name == "flywheel" and getattr(a, "limits", False) else {}
-                        server = Server(name, model_dir, scratch, sup, extra, threads)
+                        server = Server(name, model_dir, scratch, sup, extra)
                         t0 = time.perf_counter()
                         server.start()
                         print(f"race: order {o} rep {rep}: {name} up in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -332,8 +320,7 @@ def race(model_dir: Path, texts: list[str], prompts: list[list[int]], a) -> dict
     rows = medians(runs)
     return {
         "model": common.shown(model_dir),
-        "threads": threads,
-        "cores": os.cpu_count(),
+        "threads": os.cpu_count(),
         "max_tokens": MAX_TOKENS,
         "seconds_per_row": a.seconds,
         "reps": a.reps,

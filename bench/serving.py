@@ -279,9 +279,6 @@ def main() -> None:
     ap.add_argument(
         "--limits", action="store_true", help="--race: Flywheel with per-key rate limits on (too high to refuse)"
     )
-    ap.add_argument(
-        "--threads", type=int, default=None, help="--race: compute threads of both servers (default: every core)"
-    )
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rows-to", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
