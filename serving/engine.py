@@ -415,13 +415,16 @@ class EmbeddedEngine(GenerateMixin):
 
     @staticmethod
     def _prefill_step(v: ServedVersion[_Seq], batch: list[_Seq]) -> CacheStep:
-        T = max(len(s.prompt_ids) for s in batch)
+        lengths_B = torch.tensor([len(s.prompt_ids) for s in batch])
+        T = int(lengths_B.max())
         pad = v.model.args.pad_id
         return CacheStep(
             tokens_BT=torch.tensor([s.prompt_ids + [pad] * (T - len(s.prompt_ids)) for s in batch]),
             positions_BT=torch.arange(T).expand(len(batch), T),
             slots_B=torch.tensor([s.slot for s in batch]),
-            logits_at_B=torch.tensor([len(s.prompt_ids) - 1 for s in batch]),
+            logits_at_B=lengths_B - 1,
+            # the pads go through attention's grid only, not the row-wise layers (`CacheStep`)
+            valid_BT=None if int(lengths_B.min()) == T else torch.arange(T)[None, :] < lengths_B[:, None],
         )
 
     @staticmethod

@@ -152,12 +152,20 @@ class CacheStep:
     """One group of sequences in a `Transformer.forward_steps` call: their new tokens `[B, T]` (padded),
     the positions those take in each sequence `[B, T]`, each sequence's cache slot `[B]`, and per row
     the index into T of the one token whose logits are wanted `[B]` (a prefill's last prompt token;
-    0 for a decode step)."""
+    0 for a decode step).
+
+    `valid_BT` (bool `[B, T]`, optional) marks the real tokens of a padded group: the row-wise layers
+    (norms, projections, router, experts) then run on those tokens only, and the `[B, T]` grid is
+    rebuilt for attention alone, with zeros where the pads were. A pad is never a key a real token
+    sees (it sits after the sequence's last real token), so the real tokens' logits and experts are
+    the same bits either way; the pads' expert entries come back as 0 and their cache entries hold
+    zeros (never read: `KVCache`)."""
 
     tokens_BT: torch.Tensor
     positions_BT: torch.Tensor
     slots_B: torch.Tensor
     logits_at_B: torch.Tensor
+    valid_BT: torch.Tensor | None = None
 
 
 @dataclass
@@ -169,6 +177,22 @@ class _Group:
     mask_B1TS: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
+    rows: torch.Tensor | None  # the grid indices (into B * T) of the rows this group passes on; None: all
+
+    @property
+    def n_rows(self) -> int:
+        B, T = self.positions_BT.shape
+        return B * T if self.rows is None else int(self.rows.shape[0])
+
+    def to_grid(self, x_ND: torch.Tensor) -> torch.Tensor:
+        """This group's rows on its [B * T] grid, zero rows at the pads."""
+        if self.rows is None:
+            return x_ND
+        B, T = self.positions_BT.shape
+        return x_ND.new_zeros((B * T,) + tuple(x_ND.shape[1:])).index_copy_(0, self.rows, x_ND)
+
+    def from_grid(self, x_ND: torch.Tensor) -> torch.Tensor:
+        return x_ND if self.rows is None else x_ND.index_select(0, self.rows)
 
 
 @dataclass
@@ -335,15 +359,17 @@ class Attention(nn.Module):
         outs, row = [], 0
         for g in groups:
             B, T = g.positions_BT.shape
-            rows = slice(row, row + B * T)
-            row += B * T
-            q_BHTd = apply_rope(q_N[rows].view(B, T, self.n_heads, self.head_dim).transpose(1, 2), g.cos, g.sin)
-            k_BGTd = apply_rope(k_N[rows].view(B, T, self.n_kv, self.head_dim).transpose(1, 2), g.cos, g.sin)
-            v_BTGd = v_N[rows].view(B, T, self.n_kv, self.head_dim)
+            rows = slice(row, row + g.n_rows)
+            row += g.n_rows
+            q_BTHd = g.to_grid(q_N[rows]).view(B, T, self.n_heads, self.head_dim)
+            k_BTGd = g.to_grid(k_N[rows]).view(B, T, self.n_kv, self.head_dim)
+            v_BTGd = g.to_grid(v_N[rows]).view(B, T, self.n_kv, self.head_dim)
+            q_BHTd = apply_rope(q_BTHd.transpose(1, 2), g.cos, g.sin)
+            k_BGTd = apply_rope(k_BTGd.transpose(1, 2), g.cos, g.sin)
             out_BTE = self._attend_cached(
                 q_BHTd, k_BGTd, v_BTGd, cache, layer, g.slots_B, g.positions_BT, g.mask_B1TS, invariant
             )
-            outs.append(out_BTE.reshape(B * T, -1))
+            outs.append(g.from_grid(out_BTE.reshape(B * T, -1)))
         return lin(self.o_proj, outs[0] if len(outs) == 1 else torch.cat(outs))
 
 
@@ -536,11 +562,22 @@ class Transformer(nn.Module):
             if attn_len > cache.max_len:
                 raise ValueError(f"position {attn_len - 1} is beyond the cache length {cache.max_len}")
             key_pos_S = torch.arange(attn_len, device=st.tokens_BT.device)
-            x_BTD = self.embed_tokens(st.tokens_BT)
-            cos, sin = rope_cos_sin(st.positions_BT, args.head_dim, args.rope_theta, x_BTD.dtype)
+            rows = None
+            if st.valid_BT is not None:
+                if tuple(st.valid_BT.shape) != (B, T) or st.valid_BT.dtype != torch.bool:
+                    raise ValueError(
+                        f"a step's valid_BT must be a bool tensor of its tokens' shape {(B, T)}, "
+                        f"got {st.valid_BT.dtype} {tuple(st.valid_BT.shape)}"
+                    )
+                if not bool(st.valid_BT.gather(1, st.logits_at_B[:, None]).all()):
+                    raise ValueError("a step's logits_at_B points at a token its valid_BT marks as padding")
+                rows = st.valid_BT.reshape(-1).nonzero().squeeze(1)
+            tokens_N = st.tokens_BT.reshape(-1) if rows is None else st.tokens_BT.reshape(-1)[rows]
+            x_ND = self.embed_tokens(tokens_N)
+            cos, sin = rope_cos_sin(st.positions_BT, args.head_dim, args.rope_theta, x_ND.dtype)
             mask = key_pos_S[None, None, None, :] <= st.positions_BT[:, None, :, None]
-            groups.append(_Group(st.positions_BT, st.slots_B, mask, cos, sin))
-            xs.append(x_BTD.reshape(B * T, args.dim))
+            groups.append(_Group(st.positions_BT, st.slots_B, mask, cos, sin, rows))
+            xs.append(x_ND)
         x_ND = xs[0] if len(xs) == 1 else torch.cat(xs)
         invariant = self.batch_invariant if batch_invariant is None else batch_invariant
         invariant = bool(invariant) and x_ND.dtype == torch.float32
@@ -551,18 +588,21 @@ class Transformer(nn.Module):
             routed.append(idx_NK)
         experts_NLK = torch.stack(routed, dim=1)
         picks, row = [], 0
-        for st in steps:
+        for st, g in zip(steps, groups):
             B, T = st.tokens_BT.shape
-            picks.append(row + torch.arange(B, device=x_ND.device) * T + st.logits_at_B)
-            row += B * T
+            at_B = torch.arange(B, device=x_ND.device) * T + st.logits_at_B  # grid indices
+            if g.rows is not None:  # their places among the group's rows
+                at_B = torch.searchsorted(g.rows, at_B)
+            picks.append(row + at_B)
+            row += g.n_rows
         h_MD = self.norm(x_ND[torch.cat(picks)])
         logits_MV = invariant_linear(h_MD, self.lm_head.weight) if invariant else self.lm_head(h_MD)
         outs, row, at = [], 0, 0
-        for st in steps:
+        for st, g in zip(steps, groups):
             B, T = st.tokens_BT.shape
-            experts = experts_NLK[row : row + B * T].view(B, T, args.n_layers, -1)
+            experts = g.to_grid(experts_NLK[row : row + g.n_rows]).view(B, T, args.n_layers, -1)
             outs.append(StepOutput(logits=logits_MV[at : at + B], experts=experts))
-            row += B * T
+            row += g.n_rows
             at += B
         return outs
 

@@ -337,10 +337,13 @@ def test_batch_invariant_logits_are_bit_identical_across_batches_decode_and_thre
         assert torch.equal(served, alone[i]), (i, (served - alone[i]).abs().max())
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["padded", "compact"])
 @pytest.mark.parametrize("args", INVARIANT_CASES[:3] + INVARIANT_CASES[6:7], ids=lambda a: f"d{a.dim}v{a.vocab_size}")
-def test_a_prefill_and_a_decode_step_in_one_pass_are_bit_identical_to_each_token_alone(args):
+def test_a_prefill_and_a_decode_step_in_one_pass_are_bit_identical_to_each_token_alone(args, compact):
     """`forward_steps`: new prompts prefilled in the same pass as other sequences' decode step (the
-    engine's step) give every token the logits and experts of a full forward of its sequence alone."""
+    engine's step) give every token the logits and experts of a full forward of its sequence alone,
+    whether the prefill's pads run through the row-wise layers or only through attention's grid
+    (`compact`: the step's `valid_BT`)."""
     from serving.model import CacheStep, KVCache
 
     model = Transformer(args).init_weights(seed=5, std=0.1).eval()
@@ -359,12 +362,14 @@ def test_a_prefill_and_a_decode_step_in_one_pass_are_bit_identical_to_each_token
             steps = []
             if new:
                 T = max(prompt[i] for i in new)
+                lengths = torch.tensor([prompt[i] for i in new])
                 steps.append(
                     CacheStep(
                         _padded([seqs[i][: prompt[i]] for i in new], args.pad_id),
                         torch.arange(T).expand(len(new), T),
                         torch.tensor([slot[i] for i in new]),
-                        torch.tensor([prompt[i] - 1 for i in new]),
+                        lengths - 1,
+                        torch.arange(T)[None, :] < lengths[:, None] if compact else None,
                     )
                 )
             if decoding:
@@ -382,6 +387,8 @@ def test_a_prefill_and_a_decode_step_in_one_pass_are_bit_identical_to_each_token
                     full = alone[i]
                     assert torch.equal(outs[0].logits[j], full.logits[0, prompt[i] - 1]), (i, "prefill")
                     assert torch.equal(outs[0].experts[j, : prompt[i]], full.experts[0, : prompt[i]])
+                    if compact:  # the pads never reached the router
+                        assert not outs[0].experts[j, prompt[i] :].any()
                     pos[i] = prompt[i]
             if decoding:
                 out = outs[-1]
@@ -398,6 +405,12 @@ def test_a_prefill_and_a_decode_step_in_one_pass_are_bit_identical_to_each_token
             model.forward_steps(
                 [CacheStep(seqs[0][None, :4], torch.arange(3)[None], torch.tensor([0]), torch.tensor([2]))], cache
             )
+        tokens, positions, slots = seqs[0][None, :4], torch.arange(4)[None], torch.tensor([0])
+        with pytest.raises(ValueError, match="valid_BT must be a bool tensor"):
+            model.forward_steps([CacheStep(tokens, positions, slots, torch.tensor([3]), torch.ones(1, 4))], cache)
+        with pytest.raises(ValueError, match="marks as padding"):
+            valid = torch.tensor([[True, True, False, False]])
+            model.forward_steps([CacheStep(tokens, positions, slots, torch.tensor([3]), valid)], cache)
 
 
 def test_batch_invariant_backward_is_sdpa_gradient():
