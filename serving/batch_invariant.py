@@ -17,7 +17,7 @@ docs/numerics.md says which and by how much). These kernels therefore:
 - compute SiLU as x / (1 + exp(-x)) (`InvariantSiLU`).
 Gradients come from torch's own kernels: only the forward values need to be invariant.
 
-Called by `serving/model.py` (its layers and `KVCache`) and the model tests.
+Called by `serving/model.py` (its layers), `serving/kv_cache.py` (`value_width`) and the model tests.
 Shape legend as in `serving/model.py`.
 """
 

@@ -53,7 +53,8 @@ import numpy as np
 import torch
 
 from serving.checkpoint import load_checkpoint
-from serving.model import CacheStep, ModelArgs, Transformer
+from serving.kv_cache import CacheStep
+from serving.model import ModelArgs, Transformer
 from serving.requests import (
     Completion,
     EngineError,

@@ -1,8 +1,9 @@
-"""The Mixture-of-Experts model: the Mixtral architecture in plain PyTorch, in one file.
+"""The Mixture-of-Experts model: the Mixtral architecture in plain PyTorch.
 
-Owns the network (RMSNorm, RoPE, grouped-query attention, a top-k softmax router, SwiGLU experts)
-and the slot KV cache the embedded engine decodes with. Checkpoint I/O (the Hugging Face Mixtral
-folder format) lives in `serving/checkpoint.py`; the engine, trainer and parity tests call this.
+Owns the network (RMSNorm, RoPE, grouped-query attention, a top-k softmax router, SwiGLU experts).
+The slot KV cache it decodes against, and the steps of a cached pass, live in `serving/kv_cache.py`;
+checkpoint I/O (the Hugging Face Mixtral folder format) in `serving/checkpoint.py`. The engine,
+trainer and parity tests call this.
 
 Two things a plain LM does not need, and this one does:
 - `return_experts=True` returns the experts every token was routed to, `[B, T, L, K]` integers;
@@ -28,7 +29,7 @@ G kv heads, Dh head dim, F expert hidden dim, E experts, K experts per token, L 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,7 @@ from serving.batch_invariant import (
     pad_rows,
     value_width,
 )
+from serving.kv_cache import CacheStep, KVCache, StepGroup, StepOutput
 
 
 @dataclass(frozen=True)
@@ -139,123 +141,6 @@ class ModelOutput:
     experts: torch.Tensor | None = None  # [B, T, L, K] int64, when asked for
 
 
-@dataclass
-class StepOutput:
-    """What `Transformer.forward_steps` gives for one `CacheStep`."""
-
-    logits: torch.Tensor  # [B, V]: at each row's `logits_at_B`
-    experts: torch.Tensor  # [B, T, L, K] int64
-
-
-@dataclass(frozen=True)
-class CacheStep:
-    """One group of sequences in a `Transformer.forward_steps` call: their new tokens `[B, T]` (padded),
-    the positions those take in each sequence `[B, T]`, each sequence's cache slot `[B]`, and per row
-    the index into T of the one token whose logits are wanted `[B]` (a prefill's last prompt token;
-    0 for a decode step).
-
-    `valid_BT` (bool `[B, T]`, optional) marks the real tokens of a padded group: the row-wise layers
-    (norms, projections, router, experts) then run on those tokens only, and the `[B, T]` grid is
-    rebuilt for attention alone, with zeros where the pads were. A pad is never a key a real token
-    sees (it sits after the sequence's last real token), so the real tokens' logits and experts are
-    the same bits either way; the pads' expert entries come back as 0 and their cache entries hold
-    zeros (never read: `KVCache`)."""
-
-    tokens_BT: torch.Tensor
-    positions_BT: torch.Tensor
-    slots_B: torch.Tensor
-    logits_at_B: torch.Tensor
-    valid_BT: torch.Tensor | None = None
-
-
-@dataclass
-class _Group:
-    """What every layer needs of one `CacheStep`, built once per call."""
-
-    positions_BT: torch.Tensor
-    slots_B: torch.Tensor
-    mask_B1TS: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    rows: torch.Tensor | None  # the grid indices (into B * T) of the rows this group passes on; None: all
-
-    @property
-    def n_rows(self) -> int:
-        B, T = self.positions_BT.shape
-        return B * T if self.rows is None else int(self.rows.shape[0])
-
-    def to_grid(self, x_ND: torch.Tensor) -> torch.Tensor:
-        """This group's rows on its [B * T] grid, zero rows at the pads."""
-        if self.rows is None:
-            return x_ND
-        B, T = self.positions_BT.shape
-        return x_ND.new_zeros((B * T,) + tuple(x_ND.shape[1:])).index_copy_(0, self.rows, x_ND)
-
-    def from_grid(self, x_ND: torch.Tensor) -> torch.Tensor:
-        return x_ND if self.rows is None else x_ND.index_select(0, self.rows)
-
-
-@dataclass
-class KVCache:
-    """A slot cache: each running sequence owns one slot; position p of slot s holds its p-th token.
-
-    Writes happen before reads inside a layer, and a query at position p only sees keys at
-    positions <= p, so whatever a slot's previous owner left beyond p is never used (the
-    batch-invariant attention reads whole key blocks past p and gives those keys weight exactly 0).
-    Values carry `value_width(Dh) - Dh` extra columns, the first of them all ones: the
-    batch-invariant attention multiplies its probabilities by [v | 1 | 0...] to get the weighted
-    values and the softmax denominator in one reduction (`invariant_attention`).
-    """
-
-    k: torch.Tensor  # [L, slots, G, S_max, Dh]
-    v: torch.Tensor  # [L, slots, G, S_max, value_width(Dh)]
-    extra: dict = field(default_factory=dict)
-
-    @classmethod
-    def empty(
-        cls,
-        args: ModelArgs,
-        n_slots: int,
-        max_len: int | None = None,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> KVCache:
-        length = max_len or args.max_seq_len
-        shape = (args.n_layers, n_slots, args.n_kv_heads, length, args.head_dim)
-        v = torch.zeros(shape[:-1] + (value_width(args.head_dim),), dtype=dtype, device=device)
-        v[..., args.head_dim] = 1.0
-        return cls(torch.zeros(shape, dtype=dtype, device=device), v)
-
-    @property
-    def n_slots(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[3]
-
-    def write_read(
-        self,
-        layer: int,
-        slots_B: torch.Tensor,
-        positions_BT: torch.Tensor,
-        k_BTGd: torch.Tensor,
-        v_BTGd: torch.Tensor,
-        length: int,
-        dtype: torch.dtype,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this call's keys/values at their positions, then read positions [0, length) of the slots:
-        (keys [B, G, length, Dh], values [B, G, length, value_width(Dh)]), both contiguous."""
-        Dh = self.k.shape[-1]
-        self.k[layer][slots_B[:, None], :, positions_BT] = k_BTGd.to(self.k.dtype)
-        self.v[layer][slots_B[:, None], :, positions_BT, :Dh] = v_BTGd.to(self.v.dtype)
-        length = min(length, self.max_len)
-        # index_select copies each slot's rows whole (advanced indexing gathered element by element: 4x slower)
-        k_BGSd = torch.index_select(self.k[layer][:, :, :length], 0, slots_B)
-        v_BGSW = torch.index_select(self.v[layer][:, :, :length], 0, slots_B)
-        return k_BGSd.to(dtype), v_BGSW.to(dtype)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -351,7 +236,7 @@ class Attention(nn.Module):
         )
         return out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
 
-    def forward_steps(self, h_ND: torch.Tensor, groups: list[_Group], cache: KVCache, layer: int, invariant: bool):
+    def forward_steps(self, h_ND: torch.Tensor, groups: list[StepGroup], cache: KVCache, layer: int, invariant: bool):
         """The projections over every group's rows at once (rows are independent); attention group by
         group, each against its own slots."""
         lin = (lambda m, x: invariant_linear(x, m.weight)) if invariant else (lambda m, x: m(x))
@@ -448,7 +333,7 @@ class Block(nn.Module):
         moe_ND, idx_NK = self.block_sparse_moe(h_ND, replay_NK, invariant)
         return x_BTD + moe_ND.view(B, T, D), idx_NK.view(B, T, -1)
 
-    def forward_steps(self, x_ND: torch.Tensor, groups: list[_Group], cache: KVCache, layer: int, invariant: bool):
+    def forward_steps(self, x_ND: torch.Tensor, groups: list[StepGroup], cache: KVCache, layer: int, invariant: bool):
         x_ND = x_ND + self.self_attn.forward_steps(self.input_layernorm(x_ND), groups, cache, layer, invariant)
         moe_ND, idx_NK = self.block_sparse_moe(self.post_attention_layernorm(x_ND), None, invariant)
         return x_ND + moe_ND, idx_NK
@@ -576,7 +461,7 @@ class Transformer(nn.Module):
             x_ND = self.embed_tokens(tokens_N)
             cos, sin = rope_cos_sin(st.positions_BT, args.head_dim, args.rope_theta, x_ND.dtype)
             mask = key_pos_S[None, None, None, :] <= st.positions_BT[:, None, :, None]
-            groups.append(_Group(st.positions_BT, st.slots_B, mask, cos, sin, rows))
+            groups.append(StepGroup(st.positions_BT, st.slots_B, mask, cos, sin, rows))
             xs.append(x_ND)
         x_ND = xs[0] if len(xs) == 1 else torch.cat(xs)
         invariant = self.batch_invariant if batch_invariant is None else batch_invariant

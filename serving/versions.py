@@ -25,7 +25,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from serving.model import KVCache, Transformer
+from serving.kv_cache import KVCache
+from serving.model import Transformer
 from serving.tokenizer import Tokenizer
 
 T = TypeVar("T")

@@ -136,7 +136,7 @@ def test_save_load_round_trip_is_bit_identical(tmp_path, dtype):
 
 
 def test_kv_cache_prefill_and_decode_match_full_forward():
-    from serving.model import KVCache
+    from serving.kv_cache import KVCache
 
     args = ModelArgs.from_name("tiny")
     model = Transformer(args).init_weights(seed=3, std=0.2).eval()
@@ -268,7 +268,7 @@ INVARIANT_CASES = [random_args(i) for i in range(6)] + [
 def test_batch_invariant_logits_are_bit_identical_across_batches_decode_and_threads(args):
     """Full forwards in different batches (micro-batch sizes, padding), a prefill plus decode steps over a
     changing batch in a slot cache, with 1 and 2 threads: every token's logits are bit-identical."""
-    from serving.model import KVCache
+    from serving.kv_cache import KVCache
 
     model = Transformer(args).init_weights(seed=11, std=0.1).eval()
     long = args.max_seq_len > 256
@@ -344,7 +344,7 @@ def test_a_prefill_and_a_decode_step_in_one_pass_are_bit_identical_to_each_token
     engine's step) give every token the logits and experts of a full forward of its sequence alone,
     whether the prefill's pads run through the row-wise layers or only through attention's grid
     (`compact`: the step's `valid_BT`)."""
-    from serving.model import CacheStep, KVCache
+    from serving.kv_cache import CacheStep, KVCache
 
     model = Transformer(args).init_weights(seed=5, std=0.1).eval()
     seqs = _random_tokens(args, [23, 9, 31, 14, 40], seed=args.dim + 1)
