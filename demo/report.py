@@ -20,6 +20,8 @@ t-interval over the seeds' gains (seed-level: what another run would give), `Non
   verdict's incumbent, over the seeds' runs (the learner on real feedback); each control lists its own
   (`controls.<name>.collapses`): a shuffled-reward run's learner follows noise by design, and what
   matters there is that the gate rejects what it makes (`promotions_worse_than_base`).
+- `candidates.offline_evaluation_s`: how long each offline evaluation of a candidate took, over every
+  run (seeds and controls): median, range, and how many within 90 s (`offline_seconds`).
 - `poisoning`: over the clean runs' learner updates, the share that flagged no honest user; over the
   adversarial runs', the share that flagged at least one adversarial user (`demo.system.poisoning_by_update`).
 """
@@ -139,6 +141,31 @@ def collapses(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+OFFLINE_TARGET_S = 90.0
+
+
+def offline_seconds(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """How long the gate's offline evaluations of the runs' candidates took (the verdict's own timing:
+    sampling the candidate, verifying, the KL guardrail's scoring): count, median, range, and how many
+    took at most `OFFLINE_TARGET_S`."""
+    xs = sorted(
+        (v.get("offline") or {}).get("seconds")
+        for run in runs
+        for v in run["versions"]
+        if (v.get("offline") or {}).get("seconds") is not None
+    )
+    if not xs:
+        return {"evaluations": 0}
+    mid = len(xs) // 2
+    return {
+        "evaluations": len(xs),
+        "median": round(xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2, 1),
+        "min": xs[0],
+        "max": xs[-1],
+        f"within_{OFFLINE_TARGET_S:g}_s": sum(x <= OFFLINE_TARGET_S for x in xs),
+    }
+
+
 def _seeds_of(gains: list[dict], key: str) -> dict[str, Any]:
     return _over_seeds([g[key]["points"] for g in gains])
 
@@ -187,7 +214,10 @@ def summarize(
             "per_seed": [{"seed": r["config"]["seed"], **g} for r, g in zip(seeds, gains, strict=True)],
             "prompts": seeds[0]["evaluations"][gains[0]["base"]]["n"],
         },
-        "candidates": {"collapses": collapses(seeds)},
+        "candidates": {
+            "collapses": collapses(seeds),
+            "offline_evaluation_s": offline_seconds([*seeds, *shuffled, *adversarial]),
+        },
         "controls": {},
         "runs": [_run_summary(r) for r in [*seeds, *shuffled, *adversarial]],
         "poisoning": _poisoning(seeds, adversarial),
@@ -388,6 +418,15 @@ def markdown(s: dict[str, Any], command: str) -> str:
         + "".join(f"; in the {name} control: {len(xs)}" + (f" ({listed(xs)})" if xs else "") for name, xs in controls)
         + ".",
     ]
+    off = s.get("candidates", {}).get("offline_evaluation_s") or {}
+    if off.get("evaluations"):
+        within = off[f"within_{OFFLINE_TARGET_S:g}_s"]
+        lines += [
+            "",
+            f"**Offline evaluations** of a candidate (the gate's suite; the incumbent's samples cached): "
+            f"{off['evaluations']}, median {off['median']} s, {off['min']}-{off['max']} s; "
+            f"{within} of {off['evaluations']} within {OFFLINE_TARGET_S:g} s.",
+        ]
     po = s.get("poisoning") or {}
     if (po.get("clean") or {}).get("updates"):
         cl, ad = po["clean"], po.get("adversarial") or {}

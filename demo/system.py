@@ -451,7 +451,8 @@ def _version_record(v: Any, audit: list) -> dict:
 
 
 def _offline_rates(verdict: dict | None) -> dict | None:
-    """The offline verdict's pass rates (candidate, incumbent and which) and, if checked, the anchor's."""
+    """The offline verdict's pass rates (candidate, incumbent and which), if checked the anchor's, and
+    how long the evaluation took (`seconds`: sampling, verifying and the KL guardrail's scoring)."""
     if not verdict or "reward" not in (verdict.get("numbers") or {}):
         return None
     n = verdict["numbers"]
@@ -462,6 +463,7 @@ def _offline_rates(verdict: dict | None) -> dict | None:
         "incumbent_id": verdict.get("incumbent_id"),
         "anchor_id": anchor.get("id"),
         "anchor": anchor.get("pass_rate"),
+        "seconds": round(n["timing_s"]["total"], 1) if "timing_s" in n else None,
     }
 
 

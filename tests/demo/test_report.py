@@ -84,6 +84,22 @@ def test_a_promotion_worse_than_the_base_and_a_collapse_are_counted():
     assert summarize([clean])["candidates"]["collapses"] == [{"seed": 1, "version": "v0003", "drop_points": 10.0}]
 
 
+def test_the_offline_evaluations_time_is_summarised_over_every_run():
+    runs = [run(k, [0.2, 0.4], [0.5, 0.7], shuffled=k == 2) for k in range(3)]
+    for r, secs in zip(runs, (70.0, 95.5, None), strict=True):
+        r["versions"][1]["offline"]["seconds"] = secs  # None: a verdict without its timing is left out
+    s = summarize(runs[:2], shuffled=runs[2:])
+    assert s["candidates"]["offline_evaluation_s"] == {
+        "evaluations": 2,
+        "median": 82.8,  # (70.0 + 95.5) / 2 = 82.75, rounded half to even
+        "min": 70.0,
+        "max": 95.5,
+        "within_90_s": 1,
+    }
+    assert "**Offline evaluations** of a candidate" in markdown(s, "x") and "1 of 2 within 90 s" in markdown(s, "x")
+    assert summarize(runs[2:])["candidates"]["offline_evaluation_s"] == {"evaluations": 0}
+
+
 def test_the_satisfaction_gain_splits_into_correctness_and_style():
     # Default users: 0.05 wrong, 0.3 right in another style, 0.9 right in house style: c1 0.25, c2 0.6.
     base = {"passed": [1, 1, 0, 0], "styled": [0, 0, 0, 0]}  # P 0.5, s 0: satisfaction 0.175
