@@ -40,14 +40,15 @@ def run(
     flood: float = 0.0,
     verified: bool = False,
     batch: int = BATCH,
-    arriving: int = 0,
+    arriving: int | list[int] = 0,
     updates: int = UPDATES,
 ) -> tuple[list[set[int]], np.ndarray]:
     """Per update, the users flagged; and which users are adversarial. `flood`: user 0's share of the
     traffic (0: the Pareto draw). `verified`: the screen gets the verifier's verdicts (the task's
     truth, as `demo.checker.DemoVerifier` gives it) and its scout's tally counts every sample that
     arrives. `batch` samples are trained per update, and `arriving` more arrive between two updates
-    that it does not train on (they wait on the bus, or are dropped for lag): the scout counts them too."""
+    that it does not train on (they wait on the bus, or are dropped for lag): the scout counts them too;
+    a list gives that number per update (its length is the number of updates)."""
     rng = np.random.default_rng(seed)
     prefs = [SimulatedUser(f"u{i}", seed, UserPrefs(noise=0.1)).prefs for i in range(USERS)]
     p_good = np.array([p.p_accept_correct_preferred for p in prefs])
@@ -61,8 +62,8 @@ def run(
     adv = np.zeros(USERS, bool)
     adv[list(adversarial)] = True
     flagged, tally = [], VerifiedTally()
-    n = batch + arriving
-    for _ in range(updates):
+    for more in arriving if isinstance(arriving, list) else [arriving] * updates:
+        n = batch + more
         u = rng.choice(USERS, n, p=share)
         fam = rng.integers(0, FAMILIES, n)
         passed = rng.random(n) < pass_rate[fam]
@@ -114,10 +115,14 @@ def test_with_the_verifier_a_clean_run_flags_an_honest_user_in_at_most_one_updat
     assert share_of_updates(flagged, set(range(USERS))) <= 0.10, flagged
 
 
-# The demo's shape (docs/demo/report.json at cf9fe22, its adversarial runs): 26 updates of 128 trained
-# samples per 10-minute run, and 24,500 completions, each a sample once its feedback window closes:
-# about 940 arriving per update. The scout counts them all; 600 (128 trained and 472 more) is simulated.
-DEMO = {"batch": 128, "arriving": 472, "updates": 26}
+# The demo's shape, as its learner ran on 2026-12-06 (`flywheel demo --seed 0` at 290e3aa, 27,400
+# completions in ten minutes): four blocks of 8 updates of 128 samples, made in about 55 s, each
+# followed by a wait at the lag bound while the gate works (about 2 minutes). The scout's count of
+# scored samples before each update of the first block: 167, 690, 1036, 1355, 1698, 2055, 2392, 2687;
+# about 4,000 arrive during a wait. An update trains the last 128 of what arrived before it.
+FIRST_BLOCK = [167, 523, 346, 319, 343, 357, 337, 295]
+LATER_BLOCK = [4000, 340, 340, 340, 340, 340, 340, 340]
+DEMO = {"batch": 128, "arriving": [n - 128 for n in FIRST_BLOCK + LATER_BLOCK * 3]}
 
 
 def test_with_the_verifier_the_five_percent_adversaries_are_flagged_in_four_updates_of_five():
@@ -125,10 +130,11 @@ def test_with_the_verifier_the_five_percent_adversaries_are_flagged_in_four_upda
     # the verified rule's evidence accumulates over updates, so an adversary who shows up often is
     # flagged in the updates they appear in. Which users are adversarial decides how soon: when all 25
     # happen to be light, the first flag comes later. So the target is on the mean over 8 activity
-    # draws; the thresholds (z 2.5, 4 samples, raw rewards) were chosen on seeds 4-9. Counting only the
-    # trained samples, these draws give 0.53; with the samples an update drops for lag, but none while
-    # the first candidate is built (as the learner counted them before its scout, 0 x 8 then 640 x 18
-    # updates), 0.67, as the demo's adversarial runs measured (0.60); the scout is what lifts it.
+    # draws; the thresholds (z 2.5, 4 samples, raw rewards) were chosen on seeds 4-9. In the demo's
+    # shape of 2026-12-04 (26 updates, 600 samples arriving before each) these draws gave 0.81 with the
+    # scout and 0.53 counting only the trained samples. In today's shape (`DEMO`) the first block of 8
+    # updates comes before most adversaries have evidence (0-7 of them flag one, by draw) and the
+    # mean is 0.81 again (per draw 0.69-0.97): the target holds on the mean, not on every draw.
     adv, honest = [], []
     for seed in range(18, 26):
         flagged, _ = run(seed, set(range(25)), verified=True, **DEMO)
