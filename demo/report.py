@@ -148,12 +148,8 @@ def offline_seconds(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """How long the gate's offline evaluations of the runs' candidates took (the verdict's own timing:
     sampling the candidate, verifying, the KL guardrail's scoring): count, median, range, and how many
     took at most `OFFLINE_TARGET_S`."""
-    xs = sorted(
-        (v.get("offline") or {}).get("seconds")
-        for run in runs
-        for v in run["versions"]
-        if (v.get("offline") or {}).get("seconds") is not None
-    )
+    timed = [(v.get("offline") or {}).get("seconds") for run in runs for v in run["versions"]]
+    xs: list[float] = sorted(float(x) for x in timed if x is not None)
     if not xs:
         return {"evaluations": 0}
     mid = len(xs) // 2
