@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -152,10 +153,9 @@ def offline_seconds(runs: list[dict[str, Any]]) -> dict[str, Any]:
     xs: list[float] = sorted(float(x) for x in timed if x is not None)
     if not xs:
         return {"evaluations": 0}
-    mid = len(xs) // 2
     return {
         "evaluations": len(xs),
-        "median": round(xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2, 1),
+        "median": round(statistics.median(xs), 1),
         "min": xs[0],
         "max": xs[-1],
         f"within_{OFFLINE_TARGET_S:g}_s": sum(x <= OFFLINE_TARGET_S for x in xs),
