@@ -103,7 +103,10 @@ def test_the_verified_rule_flags_a_user_whose_rewards_run_against_correctness_by
     z = (-1 - 1) / (sigma * math.sqrt(1 / 2 + 1 / 2))
     [flag] = s.flags
     assert flag.user == "inv" and "against the verifier" in flag.reasons[0]
-    assert flag.weight == approx_ulps(2.5 / abs(z), ulps=64) and s.weights[-4:] == [flag.weight] * 4
+    assert (
+        flag.weight == approx_ulps(PoisoningConfig().verified_z_max / abs(z), ulps=64)
+        and s.weights[-4:] == [flag.weight] * 4
+    )
     assert tally.z(("t", "u0"), 4) == approx_ulps(2 / (sigma * 1.0), ulps=64)  # honest: z > 0, never flagged
 
 

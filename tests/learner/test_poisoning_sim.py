@@ -130,11 +130,14 @@ def test_with_the_verifier_the_five_percent_adversaries_are_flagged_in_four_upda
     # the verified rule's evidence accumulates over updates, so an adversary who shows up often is
     # flagged in the updates they appear in. Which users are adversarial decides how soon: when all 25
     # happen to be light, the first flag comes later. So the target is on the mean over 8 activity
-    # draws; the thresholds (z 2.5, 4 samples, raw rewards) were chosen on seeds 4-9. In the demo's
+    # draws; the thresholds (4 samples, raw rewards) were chosen on seeds 4-9. In the demo's
     # shape of 2026-12-04 (26 updates, 600 samples arriving before each) these draws gave 0.81 with the
     # scout and 0.53 counting only the trained samples. In today's shape (`DEMO`) the first block of 8
-    # updates comes before most adversaries have evidence (0-7 of them flag one, by draw) and the
-    # mean is 0.81 again (per draw 0.69-0.97): the target holds on the mean, not on every draw.
+    # updates comes before most adversaries have evidence (0-7 of them flag one, by draw), and at
+    # z 2.5 the mean was 0.81 (per draw 0.69-0.97). z 2.25 was chosen on seeds 4-9 in this shape
+    # (mean 0.80 at 2.5, 0.84 at 2.25, 0.87 at 2.0; clean seeds 0-2 and 10-12 flag an honest user in at
+    # most 6.2%, 6.2% and 9.4% of updates: 2.0 sits too close to the 10% bound); on these draws it
+    # gives 0.85 (per draw 0.75-0.94), an honest user in at most 3.1% of updates.
     adv, honest = [], []
     for seed in range(18, 26):
         flagged, _ = run(seed, set(range(25)), verified=True, **DEMO)
