@@ -244,7 +244,7 @@ def _sqlite_pragmas(conn, _record) -> None:
             cur.execute("PRAGMA journal_mode=WAL")
             break
         except sqlite3.OperationalError as e:
-            if "locked" not in str(e) or time.monotonic() > deadline:
+            if getattr(e, "sqlite_errorcode", None) != sqlite3.SQLITE_BUSY or time.monotonic() > deadline:
                 raise
             time.sleep(0.01)
     cur.execute("PRAGMA synchronous=NORMAL")
