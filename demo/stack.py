@@ -93,6 +93,7 @@ def demo_config(cfg: DemoSystemConfig, port: int, shape: dict[str, Any] | None =
             "update_every_s": max(30.0, cfg.window_s * 10),
             "min_samples": 32,
             "min_updates_per_candidate": cfg.updates_per_candidate,
+            "max_lag_updates": cfg.max_lag_updates,
             # After a wait at the lag bound, an ordinary update rather than 8 updates' worth of the stalest
             # samples in one (about a minute of the gate cycle here: docs/learner.md#lag-bound).
             "lag_wait_updates": 1,

@@ -86,6 +86,13 @@ class DemoSystemConfig(BaseModel):
     updates_per_candidate: int = Field(
         8, ge=1, description="Updates a candidate holds beyond its parent (min_updates_per_candidate)."
     )
+    max_lag_updates: int = Field(
+        8,
+        ge=1,
+        description="The learner's policy-lag bound in updates (`LearnerConfig.max_lag_updates`): at 8, the "
+        "candidate's size, the learner waits while the gate works; at 16 it trains the next candidate meanwhile, "
+        "on samples one candidate staler (docs/demo.md).",
+    )
     gate_G: int = Field(8, ge=1, description="Offline samples per prompt and version.")
     gate_kl_samples: int = Field(
         1,
@@ -137,6 +144,11 @@ class DemoSystemConfig(BaseModel):
             raise ValueError(f"gateways={self.gateways} needs shape 'kafka-postgres' (a bus and database they share)")
         if self.lending and self.replicas < 2:
             raise ValueError(f"lending needs at least 2 replicas per gateway (one always serves), got {self.replicas}")
+        if self.max_lag_updates < self.updates_per_candidate:
+            raise ValueError(
+                f"max_lag_updates={self.max_lag_updates} is below updates_per_candidate={self.updates_per_candidate}: "
+                "the learner would wait at the bound before a candidate is ready"
+            )
         return self
 
     def active_clients(self, elapsed_s: float) -> int:
