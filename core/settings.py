@@ -144,6 +144,14 @@ class Settings(BaseSettings):
         "process (the default engine, and the gate's), 1 for the embedded engine (see serving/engine.py), torch's "
         "own default for the learner.",
     )
+    engine_nice: int = Field(
+        0,
+        ge=0,
+        le=19,
+        description='Niceness of the gateway\'s engine processes (`engine = "process"` only): above 0 the '
+        "processes that share the machine with them, such as the learner and the gate, get the CPU first "
+        "(the demo on 2 cores); 0: live traffic is not deprioritised.",
+    )
     batch_invariant: bool = Field(
         True,
         description="The embedded engine decodes float32 models with batch-invariant kernels, so recorded "

@@ -84,6 +84,7 @@ def demo_config(cfg: DemoSystemConfig, port: int, shape: dict[str, Any] | None =
             "replicas": cfg.replicas,
             "heartbeat_s": 1.0,
             "torch_threads": 1,  # every process of the demo shares 2 cores: no oversubscribed thread pools
+            "engine_nice": cfg.serving_nice,
             **shape.get("gateway", {}),
         },
         **{k: v for k, v in shape.items() if k != "gateway"},

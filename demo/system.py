@@ -93,6 +93,14 @@ class DemoSystemConfig(BaseModel):
         "candidate's size, the learner waits while the gate works; at 16 it trains the next candidate meanwhile, "
         "on samples one candidate staler (docs/demo.md).",
     )
+    serving_nice: int = Field(
+        0,
+        ge=0,
+        le=19,
+        description="Niceness of the serving engines (`[gateway] engine_nice`): above 0 the learner and the gate, "
+        "which set the pace of the loop, get the 2 cores first, as their own machines would give them in "
+        "production (docs/demo.md).",
+    )
     gate_G: int = Field(8, ge=1, description="Offline samples per prompt and version.")
     gate_kl_samples: int = Field(
         1,

@@ -54,6 +54,8 @@ def _child_main(conn, cfg: dict) -> None:
     # A gateway or gate that dies, even by SIGKILL, takes its engines with it; asked for first, and with
     # the parent's pid from the parent: one that died before this line still ends this process.
     die_with_parent(parent_pid=cfg.pop("parent_pid"))
+    if nice := cfg.pop("nice"):
+        os.nice(nice)  # the processes beside it (a learner, a gate) get the CPU first
     import torch
 
     # Ctrl-C reaches the whole process group: the parent stops this process, after its requests.
@@ -155,7 +157,10 @@ class ProcessEngine(GenerateMixin):
         threads: int = 2,
         seed: int = 0,
         max_prefill_tokens: int = 2048,
+        nice: int = 0,
     ):
+        if not 0 <= nice <= 19:
+            raise ValueError(f"nice={nice}: an engine process's niceness is 0-19")
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         cfg = dict(
@@ -165,6 +170,7 @@ class ProcessEngine(GenerateMixin):
             seed=seed,
             max_prefill_tokens=max_prefill_tokens,
             parent_pid=os.getpid(),
+            nice=nice,
         )
         self._proc = ctx.Process(target=_child_main, args=(child, cfg), name="flywheel-engine", daemon=True)
         self._proc.start()

@@ -212,6 +212,10 @@ def test_the_demo_runs_flywheel_up_on_a_file_of_its_own(home):
     assert gate.guardrails.kl_samples_per_prompt == cfg.gate_kl_samples == 1
     assert product.gate.suite == "demo.suite:demo_suite" and product.gate.suite_kwargs == {"n": cfg.gate_prompts}
     assert product.rewards.window_s == cfg.window_s
+    assert product.learner.learner_config().max_lag_updates == cfg.max_lag_updates
+    assert product.learner.learner_config().min_updates_per_candidate == cfg.updates_per_candidate
+    with pytest.raises(ValueError, match="max_lag_updates=4 is below updates_per_candidate=8"):
+        DemoSystemConfig(max_lag_updates=4)
 
 
 def test_the_demos_lending_run_lends_on_its_compressed_clock(home):

@@ -142,3 +142,26 @@ def test_background_requests_pass_through_and_a_reclaim_preempts_them(engine):
     n, done = asyncio.run(main())
     assert n == 1 and done.finish_reason == "preempted" and 0 < len(done.output_ids) < 120
     assert engine.preempt_background() == 0
+
+
+def test_an_engine_process_runs_at_the_niceness_asked_for(tiny_checkpoint):
+    """`[gateway] engine_nice`: the engine process, not its parent, gives the CPU to the processes beside it."""
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    eng = ProcessEngine(max_batch=2, max_model_len=128, threads=1, nice=5)
+    try:
+        eng.add_version("v1", tiny_checkpoint, default=True)  # answered: the child is past its start
+        assert eng.pid is not None
+        assert os.getpriority(os.PRIO_PROCESS, eng.pid) == min(mine + 5, 19)
+        assert os.getpriority(os.PRIO_PROCESS, 0) == mine
+    finally:
+        eng.shutdown()
+    with pytest.raises(ValueError, match="nice=20"):
+        ProcessEngine(nice=20)
+
+
+def test_engine_nice_is_refused_for_an_engine_inside_the_gateway(tmp_path):
+    from api.main import build_engine
+    from core.settings import Settings
+
+    with pytest.raises(ValueError, match="engine_nice=3 needs engine 'process'"):
+        build_engine(Settings(home=tmp_path, engine="embedded", engine_nice=3))
