@@ -94,7 +94,7 @@ class DemoSystemConfig(BaseModel):
         "on samples one candidate staler (docs/demo.md).",
     )
     serving_nice: int = Field(
-        0,
+        10,
         ge=0,
         le=19,
         description="Niceness of the serving engines (`[gateway] engine_nice`): above 0 the learner and the gate, "

@@ -204,6 +204,7 @@ def test_the_demo_runs_flywheel_up_on_a_file_of_its_own(home):
     (home / "flywheel.toml").write_text(dump_toml(demo_config(cfg, 8123)))
     product, settings = load_product_config(), load_settings()
     assert (settings.port, settings.replicas, settings.torch_threads) == (8123, cfg.replicas, 1)
+    assert settings.engine == "process" and settings.engine_nice == cfg.serving_nice == 10
     assert product.learner.update_every_samples == cfg.learner_every_samples
     assert product.learner.trainer.loss.kl_coef == cfg.kl_coef and product.learner.trainer.lr == cfg.lr
     assert product.learner.trainer.loss.kl_estimator == cfg.kl_estimator == "k2"
