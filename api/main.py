@@ -45,11 +45,6 @@ def build_engine(settings: Settings, serve_checkpoint: bool = True):
     default version (otherwise empty, for a replica to fill from the registry)."""
     folder = Path(settings.served_model_dir)
     engine: Engine
-    if settings.engine_nice and settings.engine != "process":
-        raise ValueError(
-            f"engine_nice={settings.engine_nice} needs engine 'process' (got {settings.engine!r}): only a process "
-            "engine runs apart from the gateway's own process"
-        )
     if settings.engine == "vllm":
         from serving.vllm_engine import VLLMEngine  # heavy and optional: imported only when asked for
 

@@ -15,7 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -197,6 +197,17 @@ class Settings(BaseSettings):
     def _split_keys(cls, v):
         if isinstance(v, str):
             return [k.strip() for k in v.split(",") if k.strip()]
+        return v
+
+    @field_validator("engine_nice")
+    @classmethod
+    def _nice_needs_a_process(cls, v: int, info: ValidationInfo) -> int:
+        engine = info.data.get("engine")
+        if v and engine != "process":
+            raise ValueError(
+                f"engine_nice={v} needs engine 'process' (got {engine!r}): only a process engine runs apart "
+                "from the gateway's own process"
+            )
         return v
 
     @property

@@ -43,6 +43,7 @@ Every choice, stated:
 from __future__ import annotations
 
 import datetime
+import gc
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -268,20 +269,28 @@ def _worker(rank: int, world_size: int, job: _Job) -> None:
     torch.set_num_threads(1)  # the ranks share the machine's cores
     init_process_group(rank, world_size, "127.0.0.1", job.port, timeout_s=job.timeout_s)
     try:
-        model = Transformer(job.args)
-        model.load_state_dict(job.state)
-        trainer = Trainer(model, job.cfg, job.n_vocab, job.pad_id)
-        if job.baseline is not None:
-            trainer.baseline = RunningBaseline.from_state_dict(job.baseline)
-        result = DataParallelTrainer(trainer).update(job.seqs, job.group_advantages)
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        torch.save(
-            {"state_dict": state, "grads": grads, "stats": result.stats, "baseline": trainer.baseline.state_dict()},
-            Path(job.out_dir) / f"rank{rank}.pt",
-        )
+        _rank_update(rank, job)
+        # No rank closes its connections while another still reads from them: a rank that tore its
+        # gloo pairs down first once aborted the other ("terminate called without an active exception").
+        dist.barrier()
     finally:
+        gc.collect()  # the DistributedDataParallel wrapper (and its reducer's hold on the group) goes first
         dist.destroy_process_group()
+
+
+def _rank_update(rank: int, job: _Job) -> None:
+    model = Transformer(job.args)
+    model.load_state_dict(job.state)
+    trainer = Trainer(model, job.cfg, job.n_vocab, job.pad_id)
+    if job.baseline is not None:
+        trainer.baseline = RunningBaseline.from_state_dict(job.baseline)
+    result = DataParallelTrainer(trainer).update(job.seqs, job.group_advantages)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    torch.save(
+        {"state_dict": state, "grads": grads, "stats": result.stats, "baseline": trainer.baseline.state_dict()},
+        Path(job.out_dir) / f"rank{rank}.pt",
+    )
 
 
 def spawn_update(

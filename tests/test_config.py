@@ -107,6 +107,10 @@ def test_the_file_sets_every_section_and_the_environment_overrides_it(home, monk
         ("[gateway]\nprot = 1\n", ":2: gateway.prot: unknown key"),
         ("[gateway]\n\nport = 'high'\n", ":3: gateway.port: Input should be a valid integer"),
         ("[database]\nurl = 3\n", ":2: database.url: Input should be a valid string"),
+        (
+            '[gateway]\nengine = "embedded"\nengine_nice = 3\n',
+            ":3: gateway.engine_nice: Value error, engine_nice=3 needs engine 'process' (got 'embedded')",
+        ),
         ("[gate\n", "not valid TOML"),
     ],
 )

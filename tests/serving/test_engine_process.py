@@ -157,11 +157,3 @@ def test_an_engine_process_runs_at_the_niceness_asked_for(tiny_checkpoint):
         eng.shutdown()
     with pytest.raises(ValueError, match="nice=20"):
         ProcessEngine(nice=20)
-
-
-def test_engine_nice_is_refused_for_an_engine_inside_the_gateway(tmp_path):
-    from api.main import build_engine
-    from core.settings import Settings
-
-    with pytest.raises(ValueError, match="engine_nice=3 needs engine 'process'"):
-        build_engine(Settings(home=tmp_path, engine="embedded", engine_nice=3))
