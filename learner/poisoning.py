@@ -27,12 +27,12 @@ completions a user may reward per window. This is the second line, over the samp
   neither waits for the learner nor goes stale with the policy. Over every sample so far
   (`VerifiedTally`, kept with the learner's state), a user's mean reward on passing completions minus
   their mean reward on failing ones, Δ, has z = Δ / (σ √(1/n_pass + 1/n_fail)), σ everyone's reward
-  deviation within each kind, pooled; flagged when z < -`verified_z_max` (2.25) with at least
+  deviation within each kind, pooled; flagged when z < -`verified_z_max` (2.0) with at least
   `verified_min_samples` (4) verified samples, one of each kind.
   Raw rewards, not the context residuals above: a context's mean tracks its pass rate, so residuals
   would push a user whose rewards ignore correctness below 0. One-sided on purpose: an honest user,
   however harsh or lenient, rewards passing code more than failing code (Δ > 0); a user whose rewards
-  ignore correctness has Δ = 0 (1.2% per look below -2.25, though looks accumulate over a long run);
+  ignore correctness has Δ = 0 (2.3% per look below -2.0, though looks accumulate over a long run);
   only one who rewards against correctness drifts below.
 
 A flagged user's samples keep their rewards but get a weight below 1: `max_share / share` for the
@@ -76,7 +76,7 @@ class PoisoningConfig(BaseModel):
     z_max: float = Field(4.0, gt=0, description="A user's reward residuals more than this many σ/√n from 0: flagged.")
     min_samples: int = Field(8, ge=2, description="Samples a user needs in a batch before the deviation rule applies.")
     verified_z_max: float = Field(
-        2.25,
+        2.0,
         gt=0,
         description="With a verifier: a user rewarding failing over passing code by this many SE is flagged "
         "(chosen by simulation in the demo's shape, tests/learner/test_poisoning_sim.py, docs/learner.md).",
