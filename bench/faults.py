@@ -2,7 +2,7 @@
 SIGKILLed and started again on a seeded schedule; then the books.
 
 `python -m bench.faults [--seed 0] [--minutes 12]`. The stack is `demo.stack.start(separate=True,
-durable_broker=True)`: a tansu broker whose records live in an S3 bucket (a moto server, so the
+durable_broker=True)`: a tansu broker whose records live in an S3 bucket (`core.objstore`, so the
 broker can die and come back with its topics, offsets and groups, as a Kafka broker's log on disk
 would), a PostgreSQL database made for the run, two gateways (`flywheel serve`, `replicas` engines
 each, lending on), and the joiner, the learner and the gate, each a process, as a process manager
@@ -497,8 +497,10 @@ def main() -> None:
         "--concurrency",
         type=int,
         default=FULL_RUN["concurrency"],
-        help="completions in flight at once (the load); the broker's S3 server (moto) saturates above a few here",
+        help="completions in flight at once (the load)",
     )
+    ap.add_argument("--home", type=Path, default=None,
+                    help="keep the run's logs and state here (default: a temporary folder, removed)")  # fmt: skip
     a = ap.parse_args()
     kills = tuple(k for k in a.kills.split(",") if k)
     unknown = set(kills) - set(KILLS) - {"gate"}
@@ -508,7 +510,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with tempfile.TemporaryDirectory(prefix="flywheel-faults-") as tmp:
         plan = Plan(kills=kills, seed=a.seed)
-        result = run(seed=a.seed, traffic_s=a.minutes * 60, plan=plan, home=Path(tmp) / "home",
+        result = run(seed=a.seed, traffic_s=a.minutes * 60, plan=plan, home=a.home or Path(tmp) / "home",
                      **(FULL_RUN | {"concurrency": a.concurrency}))  # fmt: skip
     result |= {"template": NAME}
     common.save(NAME, result, st, a.out)

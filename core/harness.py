@@ -2,7 +2,7 @@
 `LiveGateway` (a real `flywheel serve` process under a `core.supervisor.Supervisor`, ready when its
 `/healthz` answers), `start_tansu` (tansu, a Kafka-protocol broker that keeps everything in memory:
 the tests' broker, and the demo's in its Kafka + PostgreSQL shape) and `Tansu`, the same broker with
-the option of durable storage (an S3 bucket on a local moto server), which a SIGKILL and a restart
+the option of durable storage (an S3 bucket in a local object store, `core.objstore`), which a SIGKILL and a restart
 leave with every topic, offset and group, as a Kafka broker's log on disk would: the fault harness's
 broker (`bench/faults.py`)."""
 
@@ -164,10 +164,10 @@ def dying_with_parent(argv: list[str]) -> list[str]:
 
 class Tansu:
     """A tansu broker on one loopback port, a child of `supervisor` named `name`, that can be killed
-    and started again on the same port. `durable`: its storage is the bucket `tansu` on a moto S3
-    server (`moto[server]`, requirements-dev.txt; a child named `<name>-s3`, which lives on when the
-    broker is killed), so a restart finds every record, committed offset and group; otherwise memory,
-    and a restart starts empty."""
+    and started again on the same port. `durable`: its storage is the bucket `tansu` on an S3 object
+    store (`core.objstore`, a child named `<name>-s3`, which lives on when the broker is killed), so a
+    restart finds every record, committed offset and group; otherwise memory, and a restart starts
+    empty."""
 
     def __init__(self, supervisor: Supervisor, home: Path, *, durable: bool = False, name: str = "tansu"):
         binary = tansu_binary()
@@ -187,17 +187,12 @@ class Tansu:
         return f"127.0.0.1:{self.port}"
 
     def _start_s3(self, timeout_s: float) -> None:
-        if importlib.util.find_spec("moto") is None:
-            raise RuntimeError("a durable tansu needs moto's S3 server: pip install 'moto[server]' (dev requirements)")
         port = free_port()
-        argv = dying_with_parent([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)])
+        argv = dying_with_parent([sys.executable, "-m", "core.objstore", "--port", str(port), "--bucket", "tansu"])
         self.supervisor.start(f"{self.name}-s3", argv, log_path=self.home / f"{self.name}-s3.log")
         self.s3_url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: port_listening(port), timeout_s, what=f"moto's S3 server on {self.s3_url}",
+        wait_until(lambda: port_listening(port), timeout_s, what=f"the S3 object store on {self.s3_url}",
                    interval_s=0.05, check=self.supervisor.check)  # fmt: skip
-        with urllib.request.urlopen(urllib.request.Request(self.s3_url + "/tansu", method="PUT"), timeout=10) as r:
-            if r.status != 200:
-                raise RuntimeError(f"moto's S3 server did not make the bucket: HTTP {r.status}")
         self.argv[self.argv.index("memory://tansu/")] = "s3://tansu/"
         self.env |= {
             "AWS_ENDPOINT": self.s3_url,

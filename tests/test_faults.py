@@ -21,7 +21,6 @@ KILLS = ("broker", "learner", "gate", "replica", "gateway")
 
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory):
-    pytest.importorskip("moto", reason="the durable broker's S3 server (moto[server], requirements-dev.txt)")
     psycopg = pytest.importorskip("psycopg")
     try:
         psycopg.connect("host=127.0.0.1 port=5432 user=postgres dbname=postgres", connect_timeout=3).close()
