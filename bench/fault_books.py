@@ -15,7 +15,7 @@ from collections import defaultdict
 from typing import Any
 
 log = logging.getLogger(__name__)
-MAX_TRACED = 200  # missing events listed and traced (the first, by id)
+MAX_TRACED = 200  # missing events listed in the result (the first, by id); all of them are traced
 
 
 def exactly_once_book(
@@ -36,28 +36,39 @@ def exactly_once_book(
     signals_of: dict[str, list[tuple[str | None, str, float]]] = {}
     samples, took, caught_up = read_samples(settings, window_s, accepted - capped, quiet_s, timeout_s, signals_of)
     once = exactly_once(accepted, samples) | {"all_seen_after_s": round(took, 1), "joiner_caught_up": caught_up}
-    all_missing = once.pop("all_missing_ids")
+    left = once.pop("all_missing_ids")
     if budget is not None:
-        missing_capped = capped & set(all_missing)
+        missing_capped = capped & set(left)
         once["capped_by_budget"] = len(missing_capped)
         once["capped_but_in_a_sample"] = len(capped) - len(missing_capped)  # the replay's order differed
         once["joiner_dropped_by_budget"] = joiner_stat(settings, "dropped_by_budget")  # signals, its own count
-        once["missing"] -= len(missing_capped)
-        once["missing_ids"] = [e for e in all_missing if e not in missing_capped][:MAX_TRACED]
+        left = [e for e in left if e not in missing_capped]
+        once["missing"] = len(left)
+        once["missing_ids"] = left[:MAX_TRACED]
         once["ok"] = once["missing"] == 0 and not _doubles(once)
-    if once["missing"]:  # where each was lost: before the bus, or between the bus and a sample
+    if left:  # where each was lost: before the bus, or between the bus and a sample; every one is traced
         try:
-            traced = trace_missing(settings, set(once["missing_ids"][:MAX_TRACED]))
-            once["missing_traced"] = traced
-            superseded = superseded_ids(traced["events"], signals_of)
+            traced = trace_missing(settings, set(left))
+            events = traced["events"]
+            on_topic = [t for t in events.values() if t["on_feedback_topic"]]
+            once["traced_where"] = {  # over every event traced, those the rules explain included
+                "never_on_feedback_topic": len(events) - len(on_topic),
+                "on_it_no_completion_on_bus": sum(not t["completion_on_bus"] for t in on_topic),
+                "on_it_with_completion": sum(bool(t["completion_on_bus"]) for t in on_topic),
+            }
+            superseded = superseded_ids(events, signals_of)
             once["superseded"] = len(superseded)  # rule 2: a later signal of the user's replaced it
-            unrewarded = unrewarded_ids(traced["events"], signals_of) - superseded
+            unrewarded = unrewarded_ids(events, signals_of) - superseded
             once["unrewarded"] = len(unrewarded)  # rule 6: only dwell, never shown: no sample at all
             once["joiner_unrewarded_signals"] = joiner_stat(settings, "unrewarded_signals")
             by_rule = superseded | unrewarded
-            once["missing"] -= len(by_rule)
-            once["missing_ids"] = [e for e in once["missing_ids"] if e not in by_rule]
-            once["missing_examples"] = once["missing_ids"][:10]
+            left = [e for e in left if e not in by_rule]
+            once["missing"] = len(left)
+            once["missing_ids"] = left[:MAX_TRACED]
+            once["missing_examples"] = left[:10]
+            # the post-mortem of what is still missing (the first MAX_TRACED), not of what the rules explain
+            once["missing_traced"] = {"read_to_end": traced["read_to_end"],
+                                      "events": {e: events[e] for e in left[:MAX_TRACED]}}  # fmt: skip
             once["ok"] = once["missing"] == 0 and not _doubles(once)
         except Exception as e:  # a post-mortem: its failure must not lose the books
             log.exception("faults: tracing the missing events failed")
