@@ -222,10 +222,7 @@ class Tansu:
 
     def kill(self) -> None:
         """SIGKILL the broker (a crash: nothing flushed, every connection dropped); the S3 server stays."""
-        child = self.supervisor.children.get(self.name)
-        if child is not None and child.alive():
-            child.proc.kill()
-        self.supervisor.stop_child(self.name)
+        self.supervisor.kill_child(self.name)
 
 
 def port_listening(port: int) -> bool:

@@ -225,17 +225,19 @@ class Supervisor:
             raise self.died
         for child in list(self.children.values()):
             code = child.returncode
-            if code is not None and not self._stopping:
-                self._record_death(child, code)
+            if code is not None and not self._stopping and self._record_death(child, code):
                 assert self.died is not None
                 raise self.died
 
-    def _record_death(self, child: Child, code: int) -> None:
+    def _record_death(self, child: Child, code: int) -> bool:
+        """Record `child`'s death as unasked, unless one is recorded already or the child was stopped or
+        killed on purpose since the caller's snapshot of the children; whether it recorded it."""
         with self._lock:
-            if self.died is not None:
-                return
+            if self.died is not None or self.children.get(child.name) is not child:
+                return False
             self.died = ChildDied(child.name, code, child.tail())
         log.error("%s: %s (pid %d) exited with code %d; stopping everything", self.name, child.name, child.pid, code)
+        return True
 
     def watch(self, on_death: Callable[[Child], None] | None = None) -> None:
         """Watch the children in a thread; the first unasked death calls `on_death` (default: stop the
@@ -249,8 +251,7 @@ class Supervisor:
         while not self._stopping:
             for child in list(self.children.values()):
                 code = child.returncode
-                if code is not None and not self._stopping and self.died is None:
-                    self._record_death(child, code)
+                if code is not None and not self._stopping and self._record_death(child, code):
                     assert self._on_death is not None
                     self._on_death(child)
                     return
@@ -272,6 +273,17 @@ class Supervisor:
         if child is None:
             return None
         self._terminate([child], self.stop_timeout_s if timeout_s is None else timeout_s)
+        return child.returncode
+
+    def kill_child(self, name: str) -> int | None:
+        """SIGKILL one child on purpose (a crash, for a fault harness): nothing flushed, and not an
+        unasked death; it is forgotten until started again. Its exit code (None: no such child)."""
+        with self._lock:
+            child = self.children.pop(name, None)
+        if child is None:
+            return None
+        child.proc.kill()
+        child.proc.wait()
         return child.returncode
 
     def stop(self, timeout_s: float | None = None, keep: tuple[str, ...] = ()) -> None:

@@ -158,6 +158,31 @@ def test_the_watcher_stops_everything_when_a_child_dies(tmp_path):
     assert deaths == [("crasher", 7)] and crasher.returncode == 7
 
 
+def test_a_child_killed_on_purpose_is_no_unasked_death_while_it_is_down(tmp_path):
+    """The fault harness SIGKILLs a child and starts it again later; meanwhile another restart polls
+    `check` (found in a fault run: the gate, killed on purpose, was taken for an unasked death by the
+    broker's restart, which checked the supervisor while the gate was down)."""
+    sup = Supervisor("t")
+    deaths = []
+    sup.watch(on_death=lambda child: deaths.append(child.name))
+    try:
+        first = sup.start("gate", SLEEPER, cwd=ROOT, log_path=tmp_path / "g.log")
+        other = sup.start("broker", SLEEPER, cwd=ROOT, log_path=tmp_path / "b.log")
+        assert sup.kill_child("gate") == -signal.SIGKILL and first.returncode == -signal.SIGKILL
+        assert sup.kill_child("gate") is None  # already forgotten
+        sup.check()  # the dead gate is not an unasked death
+        time.sleep(0.5)  # the watcher has looked (every 0.1 s)
+        assert deaths == [] and sup.died is None
+        again = sup.start("gate", SLEEPER, cwd=ROOT, log_path=tmp_path / "g.log")
+        assert again.alive() and sup.children["gate"] is again and other.alive()
+        os.kill(other.pid, signal.SIGKILL)  # a death nobody asked for is still one
+        wait_until(lambda: deaths == ["broker"], 15, what="the broker's death reported")
+        with pytest.raises(ChildDied):
+            sup.check()
+    finally:
+        sup.stop()
+
+
 PARENT = textwrap.dedent("""
     import sys, time
     from core.supervisor import Supervisor, interrupt_on_sigterm
