@@ -18,9 +18,11 @@ Every response is checked:
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -39,6 +41,7 @@ from tests.api.test_admin_api import files
 from tests.conftest import LiveServer
 
 FUZZ_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "10"))  # per operation; raise it for a longer run
+FUZZ_REPORT = os.environ.get("FUZZ_REPORT")  # a JSON file for the tallies (`python -m bench.fuzz` reads it)
 ENV_KEY = "fuzz-env-key-0123456789"
 PRODUCT = frozenset({"completions", "feedback:write"})  # what an env key holds
 SCOPE: dict[tuple[str, str], str | None] = {
@@ -215,10 +218,25 @@ def test_every_route_with_a_key_of_each_scope(live):
 
         _fuzz(op, run_case)
     print(f"{sum(tally.values())} requests over {len(ops)} operations:", dict(sorted(tally.items())))
+    _report("api", len(ops), tally)
     assert sum(tally.values()) >= len(ops) * len(live.callers)
     for caller in live.callers:  # every caller was both refused and, but for the keyless ones, served
         assert any(c == caller and s != "2xx" for c, s in tally), caller
     assert all(any(c == caller and s == "2xx" for c, s in tally) for caller in live.callers)  # /healthz at least
+
+
+def _report(part: str, operations: int, tally: Counter[tuple[str, str]]) -> None:
+    """Add this test's tallies to `FUZZ_REPORT` (a JSON object keyed by part), when it is set."""
+    if not FUZZ_REPORT:
+        return
+    path = Path(FUZZ_REPORT)
+    report = json.loads(path.read_text()) if path.is_file() else {}
+    by_caller: dict[str, dict[str, int]] = {}
+    for (caller, status), n in sorted(tally.items()):
+        by_caller.setdefault(caller, {})[status] = n
+    report[part] = {"examples_per_operation": FUZZ_EXAMPLES, "operations": operations,
+                    "requests": sum(tally.values()), "by_caller": by_caller}  # fmt: skip
+    path.write_text(json.dumps(report, indent=1))
 
 
 def _session(live, token: str) -> tuple[dict[str, str], str]:
@@ -252,6 +270,7 @@ def test_the_dashboard_with_a_session_of_each_scope_and_its_csrf_token(live):
 
     ops = _operations(schema)
     assert {(op.method.upper(), op.path) for op in ops} == set(DASHBOARD_SCOPE)
+    tally: Counter[tuple[str, str]] = Counter()  # (caller, allowed or refused)
     for op in ops:
         scope = DASHBOARD_SCOPE[(op.method.upper(), op.path)]
         for caller, (cookies, csrf, scopes) in callers.items():
@@ -262,7 +281,9 @@ def test_the_dashboard_with_a_session_of_each_scope_and_its_csrf_token(live):
                     return 0
                 r = case.call(base_url=live.url, cookies=cookies, timeout=60, allow_redirects=False)
                 _check(f"{op.method.upper()} {op.path}", caller, scopes, scope, r)
+                tally[caller, "2xx" if r.status_code < 300 else str(r.status_code)] += 1
                 return 1
 
             _fuzz(op, run_case)
+    _report("dashboard", len(ops), tally)
     assert live.reg.get("v1").status == "candidate"  # fuzzed forms reached no version's lifecycle
