@@ -1,6 +1,6 @@
 """Keyed fuzzing of every route, at length: tests/api/test_fuzz_keys.py with more cases per operation.
 
-`python -m bench.fuzz [--examples 100]`. It runs that test module under pytest with `FUZZ_EXAMPLES`
+`python -m bench.fuzz [--examples 500]`. It runs that test module under pytest with `FUZZ_EXAMPLES`
 cases per operation and `FUZZ_REPORT` set, so the checks are the test's own, not a copy: no 5xx, no
 read answered 409, and no caller allowed an operation its key's scope (or its dashboard session) does
 not grant; every operation of the app's schema and of the dashboard's is covered, each case sent as
@@ -40,7 +40,7 @@ def fuzz(examples: int) -> dict:
 
 def main() -> None:
     ap = common.parser(__doc__)
-    ap.add_argument("--examples", type=int, default=100, help="cases generated per operation")
+    ap.add_argument("--examples", type=int, default=500, help="cases generated per operation")
     a = ap.parse_args()
     st = common.stamp()
     result = fuzz(a.examples) | {"template": NAME}
