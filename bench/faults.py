@@ -488,6 +488,11 @@ FULL_RUN: dict[str, Any] = {
 }
 
 
+FULL_RUN_GAP_S = (60.0, 120.0)
+"""The full run's gaps between timed kills: spread over its first half or so, so that the later ones
+(the broker's among them) come with minutes of records in the store, not within the first two minutes."""
+
+
 def main() -> None:
     ap = common.parser(__doc__)
     ap.add_argument("--seed", type=int, default=0)
@@ -509,7 +514,7 @@ def main() -> None:
     st = common.stamp()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with tempfile.TemporaryDirectory(prefix="flywheel-faults-") as tmp:
-        plan = Plan(kills=kills, seed=a.seed)
+        plan = Plan(kills=kills, seed=a.seed, gap_s=FULL_RUN_GAP_S)
         result = run(seed=a.seed, traffic_s=a.minutes * 60, plan=plan, home=a.home or Path(tmp) / "home",
                      **(FULL_RUN | {"concurrency": a.concurrency}))  # fmt: skip
     result |= {"template": NAME}
