@@ -146,6 +146,11 @@ class Handler(BaseHTTPRequestHandler):
             with store.lock:
                 store.count("unsupported")
             self._error(501, "NotImplemented", f"this object store does not implement {e}")
+        except (ValueError, ElementTree.ParseError) as e:  # a malformed number, token or XML body
+            log.warning("bad S3 request %s %s: %r", method, self.path, e)
+            with store.lock:
+                store.count("invalid")
+            self._error(400, "InvalidArgument", f"{type(e).__name__}: {e}")
 
     def do_PUT(self) -> None:
         self._dispatch("PUT")
@@ -263,7 +268,7 @@ class Handler(BaseHTTPRequestHandler):
         after = query.get("start-after", "")
         token = query.get("continuation-token")
         if token:
-            after = max(after, base64.urlsafe_b64decode(token.encode()).decode())
+            after = max(after, base64.b64decode(token.encode(), altchars=b"-_", validate=True).decode())
         contents: list[tuple[str, Object]] = []
         prefixes: list[str] = []
         truncated, last = False, ""

@@ -119,6 +119,21 @@ def test_copy_and_multi_delete(s3: Any) -> None:
     assert s3.list_objects_v2(Bucket="b", Prefix="cp/")["KeyCount"] == 0
 
 
+def test_malformed_arguments_are_refused_with_400_and_the_store_goes_on(s3: Any) -> None:
+    import urllib.error
+    import urllib.request
+
+    base = s3.meta.endpoint_url
+    for path, method, body in [("/b?list-type=2&max-keys=many", "GET", None),
+                               ("/b?list-type=2&continuation-token=%25%25", "GET", None),
+                               ("/b?delete", "POST", b"<Delete><Object>")]:  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(urllib.request.Request(base + path, data=body, method=method), timeout=10)
+        assert err.value.code == 400 and b"InvalidArgument" in err.value.read(), path
+    s3.put_object(Bucket="b", Key="after-bad/k", Body=b"ok")
+    assert s3.get_object(Bucket="b", Key="after-bad/k")["Body"].read() == b"ok"
+
+
 def test_what_it_does_not_implement_is_refused_with_501(s3: Any) -> None:
     with pytest.raises(botocore_exceptions.ClientError) as err:
         s3.create_multipart_upload(Bucket="b", Key="mp")
