@@ -89,6 +89,14 @@ class InvariantSiLU(torch.autograd.Function):
         return torch.ops.aten.silu_backward(grad, x)
 
 
+def _batched_rows(x_BGSd: torch.Tensor) -> bool:
+    """Can the matmul take `x_BGSd` as it lies: each [S, d] matrix row-major and contiguous, and B, G one
+    batch axis (a slot's rows of the KV cache, read in place, are; the slots lie `max_len` apart)."""
+    B, G, S, d = x_BGSd.shape
+    st = x_BGSd.stride()
+    return st[3] == 1 and (S == 1 or st[2] == d) and (B == 1 or st[0] == G * st[1])
+
+
 def _attend(
     q_BHTd: torch.Tensor, k_BGSd: torch.Tensor, v_BGSW: torch.Tensor, query_pos_BT: torch.Tensor
 ) -> torch.Tensor:
@@ -106,9 +114,9 @@ def _attend(
     R = H // G
     S_pad = -(-S // KEY_BLOCK) * KEY_BLOCK
     Dk = max(Dh, _MIN_HEAD_DIM)  # a small head is padded with zero columns (the scores do not change)
-    if S_pad != S or Dk != Dh or not k_BGSd.is_contiguous():
+    if S_pad != S or Dk != Dh or not _batched_rows(k_BGSd):
         k_BGSd = F.pad(k_BGSd, (0, Dk - Dh, 0, S_pad - S)).contiguous()
-    if S_pad != S or not v_BGSW.is_contiguous():
+    if S_pad != S or not _batched_rows(v_BGSW):
         v_BGSW = F.pad(v_BGSW, (0, 0, 0, S_pad - S)).contiguous()  # padded keys get weight 0 anyway
     q_BGRTd = torch.empty((B, G, R, T_mm, Dk), dtype=q_BHTd.dtype, device=q_BHTd.device)
     if Dk != Dh:
@@ -131,14 +139,16 @@ def _attend(
     # [v | 1 | 0...]^T @ p per block of KEY_BLOCK keys, [W, KEY_BLOCK] @ [KEY_BLOCK, R*T_mm]: the weighted
     # values and the softmax denominator from the same fixed-size reductions; the blocks are then
     # summed pairwise (0+1, 2+3, ..., then again), a tree that trailing all-masked blocks (p exactly 0)
-    # do not change. So neither how many keys the cache read nor how long the batch was matters.
-    nb = S_pad // KEY_BLOCK
-    o_BGbWN = torch.matmul(v_BGSW.view(B, G, nb, KEY_BLOCK, W).transpose(-1, -2), p_BGSRT.view(B, G, nb, KEY_BLOCK, N))
-    while o_BGbWN.shape[2] > 1:
-        if o_BGbWN.shape[2] % 2:
-            o_BGbWN = F.pad(o_BGbWN, (0, 0, 0, 0, 0, 1))
-        o_BGbWN = o_BGbWN[:, :, 0::2] + o_BGbWN[:, :, 1::2]
-    o_BGWRT = o_BGbWN.view(B, G, W, R, T_mm)[..., :T]
+    # do not change. So neither how many keys the cache read nor how long the batch was matters. One
+    # matmul per block, each on the block's rows where they lie: the values may be the KV cache itself.
+    p_BGSN = p_BGSRT.view(B, G, S_pad, N)
+    blocks = [
+        torch.matmul(v_BGSW[:, :, i : i + KEY_BLOCK].transpose(-1, -2), p_BGSN[:, :, i : i + KEY_BLOCK])
+        for i in range(0, S_pad, KEY_BLOCK)
+    ]
+    while len(blocks) > 1:  # an odd last block is added to zeros, as if a block of zeros followed it
+        blocks = [blocks[i] + (blocks[i + 1] if i + 1 < len(blocks) else 0.0) for i in range(0, len(blocks), 2)]
+    o_BGWRT = blocks[0].view(B, G, W, R, T_mm)[..., :T]
     out_BTGRd = torch.empty((B, T, G, R, Dh), dtype=q_BHTd.dtype, device=q_BHTd.device)
     torch.div(
         o_BGWRT[:, :, :Dh].permute(0, 4, 1, 3, 2), o_BGWRT[:, :, Dh : Dh + 1].permute(0, 4, 1, 3, 2), out=out_BTGRd

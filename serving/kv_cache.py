@@ -128,11 +128,23 @@ class KVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this call's keys/values at their positions, then read positions [0, length) of the slots:
         (keys [B, G, length, Dh], values [B, G, length, value_width(Dh)]), both contiguous."""
-        Dh = self.k.shape[-1]
-        self.k[layer][slots_B[:, None], :, positions_BT] = k_BTGd.to(self.k.dtype)
-        self.v[layer][slots_B[:, None], :, positions_BT, :Dh] = v_BTGd.to(self.v.dtype)
+        self.write(layer, slots_B, positions_BT, k_BTGd, v_BTGd)
         length = min(length, self.max_len)
         # index_select copies each slot's rows whole (advanced indexing gathered element by element: 4x slower)
         k_BGSd = torch.index_select(self.k[layer][:, :, :length], 0, slots_B)
         v_BGSW = torch.index_select(self.v[layer][:, :, :length], 0, slots_B)
         return k_BGSd.to(dtype), v_BGSW.to(dtype)
+
+    def write(
+        self, layer: int, slots_B: torch.Tensor, positions_BT: torch.Tensor, k_BTGd: torch.Tensor, v_BTGd: torch.Tensor
+    ) -> None:
+        """Store keys/values `[B, T, G, Dh]` at their positions of the slots."""
+        Dh = self.k.shape[-1]
+        self.k[layer][slots_B[:, None], :, positions_BT] = k_BTGd.to(self.k.dtype)
+        self.v[layer][slots_B[:, None], :, positions_BT, :Dh] = v_BTGd.to(self.v.dtype)
+
+    def view(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions [0, length) of every slot, in place (no copy): keys `[slots, G, length, Dh]`, values
+        `[slots, G, length, value_width(Dh)]`. A slot's rows are contiguous; the slots are `max_len` apart."""
+        length = min(length, self.max_len)
+        return self.k[layer][:, :, :length], self.v[layer][:, :, :length]

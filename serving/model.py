@@ -224,6 +224,8 @@ class Attention(nn.Module):
         B, _, T, _ = q_BHTd.shape
         if invariant:  # whole key blocks from the cache: the keys past each position get weight 0
             length = -(-mask_B1TS.shape[-1] // KEY_BLOCK) * KEY_BLOCK
+            if T == 1 and 2 * B >= cache.n_slots and cache.k.dtype == q_BHTd.dtype:
+                return self._decode_in_place(q_BHTd, k_BGTd, v_BTGd, cache, layer, slots_B, positions_BT, length)
             k_BGSd, v_BGSW = cache.write_read(
                 layer, slots_B, positions_BT, k_BGTd.transpose(1, 2), v_BTGd, length, q_BHTd.dtype
             )
@@ -235,6 +237,20 @@ class Attention(nn.Module):
             q_BHTd, k_BGSd, v_BGSW[..., : self.head_dim], attn_mask=mask_B1TS, enable_gqa=True
         )
         return out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+
+    @staticmethod
+    def _decode_in_place(q_BHTd, k_BGTd, v_BTGd, cache: KVCache, layer: int, slots_B, positions_BT, length: int):
+        """A batch-invariant decode step over most of the cache's slots: attention runs over every slot's
+        keys where they lie (`KVCache.view`), the queries scattered to their slots (an idle slot's query is
+        zeros at position 0, its result dropped), instead of gathering the step's slots into a copy. Each
+        (slot, kv head) is the same fixed-size matmul either way, so every query's result is the same bits
+        (tests/serving/test_model.py); what it saves is the copy of the keys, read from memory once more."""
+        cache.write(layer, slots_B, positions_BT, k_BGTd.transpose(1, 2), v_BTGd)
+        k_SGLd, v_SGLW = cache.view(layer, length)
+        n = cache.n_slots
+        q_SHTd = q_BHTd.new_zeros((n,) + tuple(q_BHTd.shape[1:])).index_copy_(0, slots_B, q_BHTd)
+        pos_S1 = positions_BT.new_zeros((n, 1)).index_copy_(0, slots_B, positions_BT)
+        return invariant_attention(q_SHTd, k_SGLd, v_SGLW, pos_S1, False).index_select(0, slots_B)
 
     def forward_steps(self, h_ND: torch.Tensor, groups: list[StepGroup], cache: KVCache, layer: int, invariant: bool):
         """The projections over every group's rows at once (rows are independent); attention group by

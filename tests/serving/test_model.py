@@ -7,7 +7,7 @@ import torch
 from transformers import MixtralForCausalLM
 
 from serving.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from serving.model import ModelArgs, Transformer
+from serving.model import Attention, ModelArgs, Transformer
 from tests.conftest import F32_EPS, assert_close_ulps
 
 
@@ -265,9 +265,11 @@ INVARIANT_CASES = [random_args(i) for i in range(6)] + [
 @pytest.mark.parametrize(
     "args", INVARIANT_CASES, ids=lambda a: f"d{a.dim}h{a.n_heads}g{a.n_kv_heads}f{a.hidden_dim}s{a.max_seq_len}"
 )
-def test_batch_invariant_logits_are_bit_identical_across_batches_decode_and_threads(args):
+def test_batch_invariant_logits_are_bit_identical_across_batches_decode_and_threads(args, monkeypatch):
     """Full forwards in different batches (micro-batch sizes, padding), a prefill plus decode steps over a
-    changing batch in a slot cache, with 1 and 2 threads: every token's logits are bit-identical."""
+    changing batch in a slot cache, with 1 and 2 threads: every token's logits are bit-identical. The decode
+    steps over most of the slots attend to the cache in place (`Attention._decode_in_place`), those over few
+    to a gathered copy; both are asserted below."""
     from serving.kv_cache import KVCache
 
     model = Transformer(args).init_weights(seed=11, std=0.1).eval()
@@ -308,6 +310,11 @@ def test_batch_invariant_logits_are_bit_identical_across_batches_decode_and_thre
                 got[i].append(out[j, : prompt[i]])
 
         late = len(seqs) - 1
+        paths, in_place = set(), []
+        decode_in_place = Attention._decode_in_place
+        monkeypatch.setattr(
+            Attention, "_decode_in_place", staticmethod(lambda *a: in_place.append(1) or decode_in_place(*a))
+        )
         prefill([i for i in range(len(seqs)) if i != late])
         pos = {i: prompt[i] for i in range(len(seqs)) if i != late}
         step = 0
@@ -320,6 +327,7 @@ def test_batch_invariant_logits_are_bit_identical_across_batches_decode_and_thre
                 del pos[i]
             if not ids:
                 continue
+            before = len(in_place)
             out = model(
                 torch.stack([seqs[i][pos[i] : pos[i] + 1] for i in ids]),
                 positions_BT=torch.tensor([[pos[i]] for i in ids]),
@@ -327,10 +335,12 @@ def test_batch_invariant_logits_are_bit_identical_across_batches_decode_and_thre
                 slots_B=torch.tensor([slot[i] for i in ids]),
                 batch_invariant=True,
             ).logits
+            paths.add("in place" if len(in_place) > before else "gathered")
             for j, i in enumerate(ids):
                 got[i].append(out[j])
                 pos[i] += 1
             step += 1
+    assert paths == {"in place", "gathered"}, paths
     for i in range(len(seqs)):
         served = torch.cat(got[i])
         assert served.shape == alone[i].shape
