@@ -14,10 +14,13 @@ bench/results/serving_race.{json,md}. What makes it a fair race:
   Repetitions are interleaved (A, B, A, B, ...) and the whole race runs in both start orders; every
   figure is the median over the 3 x 2 runs of a server.
 - **Same engine settings**: float32, at most 64 sequences at once, 256-token context, the same number
-  of compute threads (every core of this machine); Flywheel with its defaults (batch-invariant kernels
-  on, the bus's fsync on, the engine in its own process, one replica); vLLM with its documented CPU
-  settings (`VLLM_CPU_KVCACHE_SPACE`, `VLLM_CPU_OMP_THREADS_BIND`), eager mode. Both configurations are
-  `FLYWHEEL_ENV` and `VLLM_ARGS`/`VLLM_ENV` below, and are written into the result.
+  of compute threads: one core fewer than the machine has, the rest left to the server's front end.
+  That is vLLM's own default (`VLLM_CPU_OMP_THREADS_BIND=auto` reserves a core for its API server and
+  scheduler and binds its OpenMP threads to the others; the race reads the binding back from vLLM's
+  log), and Flywheel gets the same (`FLYWHEEL_TORCH_THREADS`). Flywheel otherwise with its defaults
+  (batch-invariant kernels on, the bus's fsync on, the engine in its own process, one replica); vLLM
+  with its documented CPU settings (`VLLM_CPU_KVCACHE_SPACE`, the binding above), eager mode. Both
+  configurations are `FLYWHEEL_ENV` and `VLLM_ARGS`/`VLLM_ENV` below, and are written into the result.
 - **CPU per request**: the server's processes' user+system time over a row, divided by the requests it
   answered, for its front end (the HTTP process) and in all (front end plus engine processes).
 """
@@ -44,7 +47,9 @@ LENGTHS = {"natural": False, "fixed": True}  # ignore_eos
 MAX_TOKENS = 48
 TTFT_CLIENTS = 16
 MODEL = "flywheel"  # the name both serve it under (Flywheel's alias for the promoted version)
+COMPUTE_THREADS = max(1, (os.cpu_count() or 2) - 1)  # vLLM's `auto` binding on x86: one core kept for its front end
 FLYWHEEL_ENV = {
+    "FLYWHEEL_TORCH_THREADS": str(COMPUTE_THREADS),
     "FLYWHEEL_ENGINE": "process",
     "FLYWHEEL_REPLICAS": "1",
     "FLYWHEEL_MAX_BATCH": "64",
@@ -58,7 +63,7 @@ LIMITS_ENV = {  # `--limits`: every request pays the token bucket; none is refus
     "FLYWHEEL_LIMIT_FEEDBACK_BURST": "100000",
 }
 VLLM_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "64", "--enforce-eager", "--seed", "0"]
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "auto"}
 
 LUA = r"""
 local bodies = {BODIES}
@@ -194,8 +199,7 @@ class Server:
         else:
             argv = common.module_argv("vllm.entrypoints.openai.api_server", "--model", str(self.model_dir))
             argv += ["--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), *VLLM_ARGS]
-            env = VLLM_ENV | {"VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}
-            child = common.start(self.sup, self.name, argv, env=env, log_path=log)
+            child = common.start(self.sup, self.name, argv, env=VLLM_ENV | self.env, log_path=log)
         self.pid = child.pid
 
         def ready() -> bool:
@@ -220,6 +224,18 @@ def _health(url: str) -> bool:
         return httpx.get(url + "/v1/models", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def omp_binding(log: Path) -> dict[str, str]:
+    """The cores vLLM bound its OpenMP threads to and those it reserved, as its engine logged them."""
+    found = {}
+    for line in log.read_text(errors="replace").splitlines():
+        for key, tag in (("cores", "local_rank=0, core ids="), ("reserved", "reserved_cpus=")):
+            if tag in line:
+                found[key] = line.split(tag, 1)[1].strip()
+    if set(found) != {"cores", "reserved"}:
+        raise RuntimeError(f"vLLM logged no OpenMP binding in {log}: the race cannot say what it ran with")
+    return found
 
 
 def check_prompts(server: Server, prompts: list[list[int]]) -> None:
@@ -311,6 +327,7 @@ def race(model_dir: Path, texts: list[str], prompts: list[list[int]], a) -> dict
                             check_prompts(server, prompts)
                             if name == "vllm" and "text_ids_match" not in found:
                                 found["text_ids_match"] = text_ids_match(server, texts, prompts)
+                                found["vllm_omp_binding"] = omp_binding(scratch / "vllm.log")
                             for row in measure(server, scripts, prompts, a.seconds, a.ttft_requests):
                                 runs.append(row | {"order": o, "rep": rep})
                         finally:
@@ -320,7 +337,8 @@ def race(model_dir: Path, texts: list[str], prompts: list[list[int]], a) -> dict
     rows = medians(runs)
     return {
         "model": common.shown(model_dir),
-        "threads": os.cpu_count(),
+        "cpus": os.cpu_count(),
+        "compute_threads": COMPUTE_THREADS,
         "max_tokens": MAX_TOKENS,
         "seconds_per_row": a.seconds,
         "reps": a.reps,
