@@ -124,17 +124,17 @@ def _attend(
     torch.mul(q_BHTd.view(B, G, R, T_mm, Dh), 1.0 / math.sqrt(Dh), out=q_BGRTd[..., :Dh])
     # Scores with the keys as the rows, [S_pad, Dk] @ [Dk, R*T_mm]: never few rows (S_pad is a multiple of
     # KEY_BLOCK), and a score does not depend on how many query columns there are.
-    s_BGSRT = torch.matmul(k_BGSd, q_BGRTd.view(B, G, R * T_mm, Dk).transpose(-1, -2)).view(B, G, S_pad, R, T_mm)
-    if T_mm != T:
-        s_BGSRT = s_BGSRT[..., :T].contiguous()
-    # Softmax numerators down the key axis, in place: masked keys -inf, minus the max of the visible ones,
+    s_BGSRt = torch.matmul(k_BGSd, q_BGRTd.view(B, G, R * T_mm, Dk).transpose(-1, -2)).view(B, G, S_pad, R, T_mm)
+    # Softmax numerators down the key axis, in place on the T real columns (a view when queries were
+    # repeated: the repeated columns keep their raw scores, go through the second matmul only for its
+    # kernel's sake, and their results are dropped): masked keys -inf, minus the max of the visible ones,
     # exp. All exact or elementwise (exp is MKL's vector math, the same for an element wherever it falls).
+    s_BGSRT = s_BGSRt[..., :T]
     hidden_BST = torch.arange(S_pad, device=q_BHTd.device)[None, :, None] > query_pos_BT[:, None, :]
     s_BGSRT.masked_fill_(hidden_BST[:, None, :, None, :], float("-inf"))
     s_BGSRT.sub_(s_BGSRT.amax(dim=2, keepdim=True))
-    p_BGSRT = s_BGSRT.exp_()
-    if T_mm != T:  # the repeated columns again, for the second matmul's kernel (their results are dropped)
-        p_BGSRT = torch.cat([p_BGSRT, p_BGSRT[..., -1:].expand(B, G, S_pad, R, T_mm - T)], dim=-1)
+    s_BGSRT.exp_()
+    p_BGSRT = s_BGSRt
     N = R * T_mm
     # [v | 1 | 0...]^T @ p per block of KEY_BLOCK keys, [W, KEY_BLOCK] @ [KEY_BLOCK, R*T_mm]: the weighted
     # values and the softmax denominator from the same fixed-size reductions; the blocks are then
