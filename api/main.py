@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -40,6 +41,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def serving_threads() -> int:
+    """Torch threads of a gateway's engine process when `FLYWHEEL_TORCH_THREADS` is unset: 2, or 1 on a
+    machine of 2 cores or fewer, where the gateway needs the other core. Measured on a 2-core VM (the HTTP
+    race, docs/benchmarks.md): an engine of 2 threads beside its gateway answered about 40 % fewer
+    requests per second than one of 1, its second thread spinning in OpenMP's waits on the core the
+    gateway needed."""
+    return 2 if (os.cpu_count() or 1) > 2 else 1
+
+
 def build_engine(settings: Settings, serve_checkpoint: bool = True):
     """The configured inference backend; `serve_checkpoint`: holding the served checkpoint as its
     default version (otherwise empty, for a replica to fill from the registry)."""
@@ -55,7 +65,7 @@ def build_engine(settings: Settings, serve_checkpoint: bool = True):
         engine = ProcessEngine(
             max_batch=settings.max_batch,
             max_model_len=settings.max_model_len,
-            threads=settings.torch_threads or 2,
+            threads=settings.torch_threads or serving_threads(),
             seed=settings.seed,
             nice=settings.engine_nice,
         )

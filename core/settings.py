@@ -141,8 +141,8 @@ class Settings(BaseSettings):
         None,
         ge=1,
         description="torch threads of an engine's compute thread, and of `flywheel learner`; None: 2 for an engine "
-        "process (the default engine, and the gate's), 1 for the embedded engine (see serving/engine.py), torch's "
-        "own default for the learner.",
+        "process (the default engine, and the gate's; a gateway's on a machine of 2 cores or fewer: 1, the other core "
+        "left to the gateway), 1 for the embedded engine (see serving/engine.py), torch's own default for the learner.",
     )
     engine_nice: int = Field(
         0,
