@@ -18,6 +18,7 @@ Writes bench/results/gateway_cost.{json,md}. Needs wrk (Debian) on PATH.
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import tempfile
 import threading
@@ -50,19 +51,18 @@ def engine_alone(prompts: list[list[int]], seconds: float) -> list[dict]:
             eng.generate(prompts[:4], sp)  # warm-up
             done, tokens, lock = [0], [0], threading.Lock()
             deadline = time.perf_counter() + seconds
+            order = itertools.count()  # the next request takes the next prompt, whichever client sends it (as wrk)
 
-            def client(i: int, sp=sp, done=done, tokens=tokens, lock=lock, deadline=deadline) -> None:
-                k = i
+            def client(sp=sp, done=done, tokens=tokens, lock=lock, deadline=deadline, order=order) -> None:
                 while time.perf_counter() < deadline:
-                    c = eng.submit(prompts[k % len(prompts)], sp, stream=False).result()
-                    k += CLIENTS
+                    c = eng.submit(prompts[next(order) % len(prompts)], sp, stream=False).result()
                     if time.perf_counter() <= deadline:
                         with lock:
                             done[0] += 1
                             tokens[0] += len(c.output_ids)
 
             t0 = time.perf_counter()
-            threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(CLIENTS)]
+            threads = [threading.Thread(target=client, daemon=True) for _ in range(CLIENTS)]
             for t in threads:
                 t.start()
             for t in threads:
