@@ -47,7 +47,7 @@ def serving_threads() -> int:
     race, docs/benchmarks.md): an engine of 2 threads beside its gateway answered about 40 % fewer
     requests per second than one of 1, its second thread spinning in OpenMP's waits on the core the
     gateway needed."""
-    return 2 if (os.cpu_count() or 1) > 2 else 1
+    return 2 if len(os.sched_getaffinity(0)) > 2 else 1  # the cores this process may run on (a container's cpuset)
 
 
 def build_engine(settings: Settings, serve_checkpoint: bool = True):

@@ -124,24 +124,23 @@ def _attend(
     torch.mul(q_BHTd.view(B, G, R, T_mm, Dh), 1.0 / math.sqrt(Dh), out=q_BGRTd[..., :Dh])
     # Scores with the keys as the rows, [S_pad, Dk] @ [Dk, R*T_mm]: never few rows (S_pad is a multiple of
     # KEY_BLOCK), and a score does not depend on how many query columns there are.
-    s_BGSRt = torch.matmul(k_BGSd, q_BGRTd.view(B, G, R * T_mm, Dk).transpose(-1, -2)).view(B, G, S_pad, R, T_mm)
+    scores = torch.matmul(k_BGSd, q_BGRTd.view(B, G, R * T_mm, Dk).transpose(-1, -2)).view(B, G, S_pad, R, T_mm)
     # Softmax numerators down the key axis, in place on the T real columns (a view when queries were
     # repeated: the repeated columns keep their raw scores, go through the second matmul only for its
     # kernel's sake, and their results are dropped): masked keys -inf, minus the max of the visible ones,
     # exp. All exact or elementwise (exp is MKL's vector math, the same for an element wherever it falls).
-    s_BGSRT = s_BGSRt[..., :T]
+    s_BGSRT = scores[..., :T]
     hidden_BST = torch.arange(S_pad, device=q_BHTd.device)[None, :, None] > query_pos_BT[:, None, :]
     s_BGSRT.masked_fill_(hidden_BST[:, None, :, None, :], float("-inf"))
     s_BGSRT.sub_(s_BGSRT.amax(dim=2, keepdim=True))
     s_BGSRT.exp_()
-    p_BGSRT = s_BGSRt
     N = R * T_mm
     # [v | 1 | 0...]^T @ p per block of KEY_BLOCK keys, [W, KEY_BLOCK] @ [KEY_BLOCK, R*T_mm]: the weighted
     # values and the softmax denominator from the same fixed-size reductions; the blocks are then
     # summed pairwise (0+1, 2+3, ..., then again), a tree that trailing all-masked blocks (p exactly 0)
     # do not change. So neither how many keys the cache read nor how long the batch was matters. One
     # matmul per block, each on the block's rows where they lie: the values may be the KV cache itself.
-    p_BGSN = p_BGSRT.view(B, G, S_pad, N)
+    p_BGSN = scores.view(B, G, S_pad, N)  # the numerators, and the repeated columns' raw scores
     blocks = [
         torch.matmul(v_BGSW[:, :, i : i + KEY_BLOCK].transpose(-1, -2), p_BGSN[:, :, i : i + KEY_BLOCK])
         for i in range(0, S_pad, KEY_BLOCK)
