@@ -13,14 +13,20 @@ bench/results/serving_race.{json,md}. What makes it a fair race:
 - **One server up at a time**, so an idle server's threads never compete with the measured one.
   Repetitions are interleaved (A, B, A, B, ...) and the whole race runs in both start orders; every
   figure is the median over the 3 x 2 runs of a server.
-- **Same engine settings**: float32, at most 64 sequences at once, 256-token context, the same number
-  of compute threads: one core fewer than the machine has, the rest left to the server's front end.
-  That is vLLM's own default (`VLLM_CPU_OMP_THREADS_BIND=auto` reserves a core for its API server and
-  scheduler and binds its OpenMP threads to the others; the race reads the binding back from vLLM's
-  log), and Flywheel gets the same (`FLYWHEEL_TORCH_THREADS`). Flywheel otherwise with its defaults
-  (batch-invariant kernels on, the bus's fsync on, the engine in its own process, one replica); vLLM
+- **Same engine settings**: float32, at most 64 sequences at once, 256-token context, one compute
+  thread per engine. vLLM with its own default for the machine: `VLLM_CPU_OMP_THREADS_BIND=auto`
+  reserves a core for its API server and scheduler and binds its OpenMP threads to the others (one
+  here; the race reads the binding back from vLLM's log); its engine process keeps polling on the
+  reserved core, so it uses both cores. Flywheel with what uses this machine best: one engine process
+  per core (`FLYWHEEL_REPLICAS=2`, each with `FLYWHEEL_TORCH_THREADS=1` and half of the 64 sequences,
+  `FLYWHEEL_MAX_BATCH=32`), the gateway routing each request to the engine with fewer in flight. One
+  engine of two threads is slower than one of one thread here (parallel regions on these small
+  matrices cost more than they save), and a second thread in one process shares its interpreter lock;
+  one engine of one thread left half a core idle (docs/benchmarks.md). Flywheel otherwise with its
+  defaults (batch-invariant kernels on, the bus's fsync on, the engines in their own processes); vLLM
   with its documented CPU settings (`VLLM_CPU_KVCACHE_SPACE`, the binding above), eager mode. Both
-  configurations are `FLYWHEEL_ENV` and `VLLM_ARGS`/`VLLM_ENV` below, and are written into the result.
+  configurations are `FLYWHEEL_ENV` and `VLLM_ARGS`/`VLLM_ENV` below, and are written into the result,
+  with the cores each server used per row.
 - **CPU per request**: the server's processes' user+system time over a row, divided by the requests it
   answered, for its front end (the HTTP process) and in all (front end plus engine processes).
 """
@@ -48,11 +54,13 @@ MAX_TOKENS = 48
 TTFT_CLIENTS = 16
 MODEL = "flywheel"  # the name both serve it under (Flywheel's alias for the promoted version)
 COMPUTE_THREADS = max(1, (os.cpu_count() or 2) - 1)  # vLLM's `auto` binding on x86: one core kept for its front end
+MAX_SEQS = 64  # sequences in flight at most, each server
+FLYWHEEL_ENGINES = 2  # one engine process per core of this machine (module docstring)
 FLYWHEEL_ENV = {
-    "FLYWHEEL_TORCH_THREADS": str(COMPUTE_THREADS),
+    "FLYWHEEL_TORCH_THREADS": "1",
     "FLYWHEEL_ENGINE": "process",
-    "FLYWHEEL_REPLICAS": "1",
-    "FLYWHEEL_MAX_BATCH": "64",
+    "FLYWHEEL_REPLICAS": str(FLYWHEEL_ENGINES),
+    "FLYWHEEL_MAX_BATCH": str(MAX_SEQS // FLYWHEEL_ENGINES),
     "FLYWHEEL_MAX_MODEL_LEN": "256",
     "FLYWHEEL_BATCH_INVARIANT": "1",
 }
@@ -62,7 +70,8 @@ LIMITS_ENV = {  # `--limits`: every request pays the token bucket; none is refus
     "FLYWHEEL_LIMIT_FEEDBACK_EVENTS_PER_S": "100000",
     "FLYWHEEL_LIMIT_FEEDBACK_BURST": "100000",
 }
-VLLM_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "64", "--enforce-eager", "--seed", "0"]
+VLLM_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", str(MAX_SEQS)]
+VLLM_ARGS += ["--enforce-eager", "--seed", "0"]
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "auto"}
 
 LUA = r"""
@@ -266,6 +275,7 @@ def measure(server: Server, scripts: dict[str, Path], prompts: list[list[int]], 
             row |= {"server": server.name, "length": length, "clients": c}
             row["front_cpu_ms_per_request"] = (after[0] - before[0]) * 1e3 / n
             row["cpu_ms_per_request"] = (after[1] - before[1]) * 1e3 / n
+            row["cores_used"] = (after[1] - before[1]) / row["seconds"]
             rows.append(row)
             print(json.dumps(row), flush=True)
     firsts = asyncio.run(_ttft(server.url, prompts, TTFT_CLIENTS, ttft_n))
@@ -339,6 +349,8 @@ def race(model_dir: Path, texts: list[str], prompts: list[list[int]], a) -> dict
         "model": common.shown(model_dir),
         "cpus": os.cpu_count(),
         "compute_threads": COMPUTE_THREADS,
+        "flywheel_engines": FLYWHEEL_ENGINES,
+        "max_seqs": MAX_SEQS,
         "max_tokens": MAX_TOKENS,
         "seconds_per_row": a.seconds,
         "reps": a.reps,

@@ -3,9 +3,11 @@
 `Fleet(engines)` offers what the gateway's routes use of an engine (`versions`, `default_version`,
 `tokenizer`, `context_length`, `alive`, `submit`, `generate`, `shutdown`) over several engines, each
 driven by its own `serving.replica.Replica`. `engines` is a list, or a callable returning the
-engines of the moment (a replica replaces an engine that died). A request goes to the next engine, round robin, that
-holds its version and takes it (a replica still loading a new version, or retiring an old one,
-refuses it and the next is tried). Called by `api.main` when the gateway runs replicas.
+engines of the moment (a replica replaces an engine that died). A request goes to the engine with the
+fewest live requests in flight (ties round robin) that holds its version and takes it (a replica still
+loading a new version, or retiring an old one, refuses it and the next is tried): with round robin
+alone, a replica whose requests ran longer queued new ones while another had free slots. Called by
+`api.main` when the gateway runs replicas.
 
 Lending (`serving.lending`): `lend(engine)` takes an engine out of live routing (its requests in
 flight finish; `live_in_flight` counts them, from submit to the engine's last event, read or not),
@@ -131,7 +133,9 @@ class Fleet(GenerateMixin):
         engines = self.engines
         with self._lock:
             start = next(self._turn) % len(engines)
-        order = engines[start:] + engines[:start]
+            order = engines[start:] + engines[:start]
+            # the fewest live requests in flight first (a stable sort: ties stay in round-robin order)
+            order.sort(key=lambda e: len(self._in_flight.get(id(e), ())))
         held = [e for e in order if e.alive and name in e.versions]
         serving = [e for e in held if id(e) not in self._away]
         return serving or held  # only lent engines hold it: served there rather than refused (counted)
