@@ -2,7 +2,8 @@
 
 The race's settings (`bench/http_race.py`: the demo base, its 64 prompts as ids, at most 48 tokens at
 temperature 1, natural and fixed length, one compute thread fewer than the cores, batch-invariant
-kernels, batch 64) and the same load, 64 closed-loop clients, each sending its next request as soon as
+kernels) with one engine of batch 64 on both sides (`ONE_ENGINE_ENV`; the race runs two engines of 32
+on this machine), and the same load, 64 closed-loop clients, each sending its next request as soon as
 its last one is answered:
 - **engine alone**: a `ProcessEngine` (the engine in its own process, as the gateway runs it) with
   64 client threads in this process calling `submit(...).result()`;
@@ -35,6 +36,12 @@ from serving.sampling import SamplingParams
 from serving.tokenizer import Tokenizer
 
 CLIENTS = 64
+# One engine of batch 64 on both sides (the figure), whatever engines the race gives the gateway.
+ONE_ENGINE_ENV = {
+    "FLYWHEEL_REPLICAS": "1",
+    "FLYWHEEL_MAX_BATCH": str(CLIENTS),
+    "FLYWHEEL_TORCH_THREADS": str(hr.COMPUTE_THREADS),
+}
 FIGURES = ("requests_per_s", "tokens_per_s", "tokens_per_request")
 
 
@@ -84,7 +91,7 @@ def engine_alone(prompts: list[list[int]], seconds: float) -> list[dict]:
 
 
 def gateway(prompts: list[list[int]], seconds: float, scratch: Path, sup: Supervisor) -> list[dict]:
-    server = hr.Server("flywheel", SHIPPED_BASE, scratch, sup)
+    server = hr.Server("flywheel", SHIPPED_BASE, scratch, sup, env=ONE_ENGINE_ENV)
     server.start()
     rows = []
     try:
@@ -150,6 +157,7 @@ def main() -> None:
         "model": common.shown(SHIPPED_BASE),
         "clients": CLIENTS,
         "compute_threads": hr.COMPUTE_THREADS,
+        "flywheel_env": hr.FLYWHEEL_ENV | ONE_ENGINE_ENV,
         "max_tokens": hr.MAX_TOKENS,
         "seconds_per_row": a.seconds,
         "reps": a.reps,
