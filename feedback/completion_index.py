@@ -114,6 +114,13 @@ class CompletionIndex:
         if backend == "sqlite":
             sa.event.listen(self.engine, "connect", _sqlite_pragmas)
         self._insert = sqlite.insert if backend == "sqlite" else postgresql.insert
+        # One statement for every add_many, run with a list of rows (executemany): compiled once and cached.
+        # A multi-row VALUES built per call was compiled per call: 0.7 ms of CPU for one row, 2.5 ms for 16.
+        ins = self._insert(_completions)
+        cols = ("tenant", "user_id", "served_ts", "model_version", "arm")
+        self._upsert_completions = ins.on_conflict_do_update(
+            index_elements=["completion_id"], set_={k: ins.excluded[k] for k in cols}
+        )
         self._closed, self._last_prune = False, 0.0
         ours = str(FORMAT_VERSION)
         with self.engine.begin() as db:
@@ -157,11 +164,8 @@ class CompletionIndex:
             )
             for cid, tenant, version, ts, user_id, arm in rows
         }
-        stmt = self._insert(_completions).values(list(by_id.values()))
-        cols = ("tenant", "user_id", "served_ts", "model_version", "arm")
-        upsert = stmt.on_conflict_do_update(index_elements=["completion_id"], set_={k: stmt.excluded[k] for k in cols})
         with self._db() as db:
-            db.execute(upsert)
+            db.execute(self._upsert_completions, list(by_id.values()))
         newest = max(float(r["served_ts"]) for r in by_id.values())
         if newest - self._last_prune >= PRUNE_EVERY_S:
             self.prune(newest)
