@@ -148,8 +148,8 @@ class CompletionIndex:
         self.add_many([(completion_id, tenant, model_version, ts, user_id, arm)])
 
     def add_many(self, rows: list[tuple[str, str, str, float | None, str | None, str | None]]) -> None:
-        """(completion_id, tenant, model_version, ts, user_id, arm) rows in one statement and one
-        transaction; a completion id seen again takes the newer row (the last in `rows`)."""
+        """(completion_id, tenant, model_version, ts, user_id, arm) rows in one transaction, one upsert run
+        over them (executemany); a completion id seen again takes the newer row (the last in `rows`)."""
         if not rows:
             return
         now = time.time()
