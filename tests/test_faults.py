@@ -34,6 +34,7 @@ def faults(tmp_path_factory):
     return r
 
 
+@pytest.mark.long  # the fault run: about 2 minutes (`./scripts/test.sh -m long`)
 def test_every_kill_is_survived_and_books_2_and_3_balance(faults):
     r = faults
     assert r["skipped"] == [] and r["survived"] == dict.fromkeys(KILLS, True), (r["kills"], r["skipped"])
@@ -50,6 +51,7 @@ def test_every_kill_is_survived_and_books_2_and_3_balance(faults):
     assert r["books"]["hashes"]["agree"], r["books"]["hashes"]
 
 
+@pytest.mark.long
 def test_every_accepted_feedback_event_is_in_a_sample(faults):
     # It failed now and then while the gateway's producer was idempotent: a broker killed mid-produce
     # acknowledged a retried batch whose records it never stored (docs/trust.md#faults).

@@ -5,11 +5,14 @@ process tree. The 10-minute run and its memory target are the benchmark's (docs/
 
 from __future__ import annotations
 
+import pytest
+
 from bench import common
 from bench.soak import gateway_env, growth, per_minute, soak, tree_rss_kb
 from core.supervisor import Supervisor
 
 
+@pytest.mark.long  # about 25 s of load: `./scripts/test.sh -m long`
 def test_a_short_soak_has_no_errors_and_samples_the_gateways_memory(tiny_checkpoint, tmp_path):
     home = tmp_path / "home"
     env = gateway_env(home) | {"FLYWHEEL_MODEL_DIR": str(tiny_checkpoint), "FLYWHEEL_MAX_MODEL_LEN": "128"}

@@ -280,8 +280,15 @@ def _start(command: list[str], home: Path, model_dir: Path, port: int) -> subpro
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-@pytest.mark.parametrize("command", ["up", "demo"])
+@pytest.mark.parametrize(
+    "command,sig",
+    [
+        pytest.param("up", signal.SIGTERM, id="up-SIGTERM"),
+        pytest.param("up", signal.SIGKILL, id="up-SIGKILL"),
+        pytest.param("demo", signal.SIGTERM, id="demo-SIGTERM", marks=pytest.mark.long),  # 33 s
+        pytest.param("demo", signal.SIGKILL, id="demo-SIGKILL"),
+    ],
+)
 def test_nothing_of_a_command_outlives_it(command, sig, tiny_checkpoint, tmp_path):
     port = free_port()
     home = tmp_path / "home"

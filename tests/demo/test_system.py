@@ -20,6 +20,8 @@ from core.harness import tansu_binary
 from demo.report import run_gain
 from demo.system import DemoSystemConfig, run_system
 
+pytestmark = pytest.mark.long  # the quick demo until its first promotion: over 2 minutes
+
 
 @pytest.fixture(scope="module")
 def run(small_trained_checkpoint, tmp_path_factory):

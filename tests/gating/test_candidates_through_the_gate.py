@@ -25,7 +25,7 @@ from demo.suite import demo_suite
 from gating.gate import GateConfig
 from learner.trainer import TrainerConfig
 
-pytestmark = pytest.mark.slow  # trains candidates: about 47 s
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # trains candidates: about 47 s
 
 FAMILIES = ("add", "mul", "max_default")
 BROKEN = "max_default"

