@@ -100,10 +100,7 @@ def gateway(prompts: list[list[int]], seconds: float, scratch: Path, sup: Superv
         hr.wrk(server.url, scripts["fixed"], 4, 2)  # warm-up
         for length, script in scripts.items():
             r = hr.wrk(server.url, script, CLIENTS, seconds)
-            rows.append(
-                {"side": "gateway", "length": length, "failed": r["failed"]}
-                | {k: r[k] for k in ("requests_per_s", "tokens_per_s", "tokens_per_request")}
-            )
+            rows.append({"side": "gateway", "length": length, "failed": r["failed"]} | {k: r[k] for k in FIGURES})
             print(rows[-1], flush=True)
     finally:
         server.stop()
@@ -146,10 +143,7 @@ def main() -> None:
             group = [r for r in runs if r["side"] == side and r["length"] == length]
             rows.append(
                 {"side": side, "length": length, "runs": len(group)}
-                | {
-                    f: common.med([g[f] for g in group])
-                    for f in ("requests_per_s", "tokens_per_s", "tokens_per_request")
-                }
+                | {f: common.med([g[f] for g in group]) for f in FIGURES}
             )
     by = {(r["side"], r["length"]): r for r in rows}
     ratios = {length: _ratio(by[("gateway", length)], by[("engine alone", length)]) for length in hr.LENGTHS}
