@@ -34,6 +34,7 @@ def faults(tmp_path_factory):
     return r
 
 
+@pytest.mark.slow
 @pytest.mark.long  # the fault run: about 2 minutes (`./scripts/test.sh -m long`)
 def test_every_kill_is_survived_and_books_2_and_3_balance(faults):
     r = faults
@@ -51,6 +52,7 @@ def test_every_kill_is_survived_and_books_2_and_3_balance(faults):
     assert r["books"]["hashes"]["agree"], r["books"]["hashes"]
 
 
+@pytest.mark.slow
 @pytest.mark.long
 def test_every_accepted_feedback_event_is_in_a_sample(faults):
     # It failed now and then while the gateway's producer was idempotent: a broker killed mid-produce

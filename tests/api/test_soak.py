@@ -12,6 +12,7 @@ from bench.soak import gateway_env, growth, per_minute, soak, tree_rss_kb
 from core.supervisor import Supervisor
 
 
+@pytest.mark.slow
 @pytest.mark.long  # about 25 s of load: `./scripts/test.sh -m long`
 def test_a_short_soak_has_no_errors_and_samples_the_gateways_memory(tiny_checkpoint, tmp_path):
     home = tmp_path / "home"
