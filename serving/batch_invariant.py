@@ -58,6 +58,30 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def matmul_t(x_MK: torch.Tensor, weight_NK: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T as a plain matmul against the row-major transpose of `weight` ([K, N]): with cold
+    weights (every expert's between two passes) that layout reads faster than `F.linear`'s (a 16-row
+    SwiGLU expert: 83-86 against 105-107 us, docs/benchmarks.md). The serving pass and the trainer both
+    compute an expert this way, so the bits they get are the same whichever layout MKL rounds how.
+    `x_MK` has at least `MIN_GEMM_ROWS` rows, as for `invariant_linear`."""
+    return torch.mm(x_MK, row_major_t(weight_NK))
+
+
+def row_major_t(weight: torch.Tensor) -> torch.Tensor:
+    """`weight.t().contiguous()`. Under autograd (the trainer) a fresh copy in the graph; otherwise (a
+    serving pass, a scoring pass) one copy kept on the weight tensor and made again once its data changed:
+    an in-place write bumps the tensor's version counter (`load_state_dict`, an optimizer step), a new
+    storage changes its address. An inference tensor has no version counter and gets a fresh copy."""
+    if (torch.is_grad_enabled() and weight.requires_grad) or weight.is_inference():
+        return weight.t().contiguous()
+    key = (weight._version, weight.data_ptr())
+    kept = getattr(weight, "_row_major_t", None)
+    if kept is None or kept[0] != key:
+        kept = (key, weight.detach().t().contiguous())
+        weight._row_major_t = kept  # type: ignore[attr-defined]
+    return kept[1]
+
+
 def pad_rows(x_MK: torch.Tensor) -> torch.Tensor:
     m = x_MK.shape[0]
     return F.pad(x_MK, (0, 0, 0, MIN_GEMM_ROWS - m)) if m < MIN_GEMM_ROWS else x_MK
@@ -125,15 +149,22 @@ def _attend(
     # Scores with the keys as the rows, [S_pad, Dk] @ [Dk, R*T_mm]: never few rows (S_pad is a multiple of
     # KEY_BLOCK), and a score does not depend on how many query columns there are.
     scores = torch.matmul(k_BGSd, q_BGRTd.view(B, G, R * T_mm, Dk).transpose(-1, -2)).view(B, G, S_pad, R, T_mm)
-    # Softmax numerators down the key axis, in place on the T real columns (a view when queries were
-    # repeated: the repeated columns keep their raw scores, go through the second matmul only for its
-    # kernel's sake, and their results are dropped): masked keys -inf, minus the max of the visible ones,
-    # exp. All exact or elementwise (exp is MKL's vector math, the same for an element wherever it falls).
-    s_BGSRT = scores[..., :T]
-    hidden_BST = torch.arange(S_pad, device=q_BHTd.device)[None, :, None] > query_pos_BT[:, None, :]
-    s_BGSRT.masked_fill_(hidden_BST[:, None, :, None, :], float("-inf"))
-    s_BGSRT.sub_(s_BGSRT.amax(dim=2, keepdim=True))
-    s_BGSRT.exp_()
+    # Softmax numerators down the key axis of the T real columns (the repeated columns keep their raw
+    # scores, go through the second matmul only for its kernel's sake, and their results are dropped):
+    # masked keys -inf, minus the max of the visible ones, exp. All exact or elementwise (exp is MKL's
+    # vector math, the same for an element wherever it falls), so where the columns lie does not change a
+    # bit: with repeated columns (a decode step) the real ones are copied out to [B, G, R, T, S_pad], keys
+    # innermost, and back, which costs less than the same operators on the strided view.
+    hidden_BTS = torch.arange(S_pad, device=q_BHTd.device)[None, None, :] > query_pos_BT[:, :, None]
+    if T_mm == T:
+        scores.masked_fill_(hidden_BTS.transpose(1, 2)[:, None, :, None, :], float("-inf"))
+        scores.sub_(scores.amax(dim=2, keepdim=True))
+        scores.exp_()
+    else:
+        s_BGRTS = scores[..., :T].permute(0, 1, 3, 4, 2).contiguous()
+        s_BGRTS.masked_fill_(hidden_BTS[:, None, None], float("-inf"))
+        s_BGRTS.sub_(s_BGRTS.amax(dim=-1, keepdim=True))
+        scores[..., :T] = s_BGRTS.exp_().permute(0, 1, 4, 2, 3)
     N = R * T_mm
     # [v | 1 | 0...]^T @ p per block of KEY_BLOCK keys, [W, KEY_BLOCK] @ [KEY_BLOCK, R*T_mm]: the weighted
     # values and the softmax denominator from the same fixed-size reductions; the blocks are then

@@ -40,6 +40,7 @@ from serving.batch_invariant import (
     invariant_attention,
     invariant_linear,
     invariant_silu,
+    matmul_t,
     pad_rows,
     value_width,
 )
@@ -286,8 +287,8 @@ class Expert(nn.Module):
     def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         if invariant:  # x: [M, D] contiguous rows (the tokens routed here), padded once for all three
             xp = pad_rows(x)
-            h = invariant_silu(F.linear(xp, self.w1.weight)) * F.linear(xp, self.w3.weight)
-            return F.linear(h, self.w2.weight)[: x.shape[0]]
+            h = invariant_silu(matmul_t(xp, self.w1.weight)) * matmul_t(xp, self.w3.weight)
+            return matmul_t(h, self.w2.weight)[: x.shape[0]]
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
