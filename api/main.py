@@ -25,6 +25,7 @@ from api.deps import Gateway, GatewayDep, MetricsReader
 from api.fleet import GatewayFleet, gateway_id_of
 from api.metrics import RequestCounter
 from api.routes import admin, feedback, openai, weights
+from api.transport import CoalescedHttpTools
 from core.service_metrics import read_folder
 from core.settings import Settings, get_settings
 from feedback.bus import EventBus
@@ -213,6 +214,7 @@ def serve(
         create_app(settings, freeze_gc=True, lending=lending, feedback_window_s=feedback_window_s),
         host=settings.host,
         port=settings.port,
+        http=CoalescedHttpTools,  # a response's headers and body in one send (api/transport.py)
         log_level="info",
         access_log=settings.access_log,
     )

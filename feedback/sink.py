@@ -95,10 +95,13 @@ class CompletionSink:
                     self.on_batch(len(batch))
                 except Exception:  # a metric: never fails the records, which are written
                     log.exception("completion sink: on_batch failed")
+            by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = {}
             for _, _, fut, loop in batch:
+                by_loop.setdefault(loop, []).append(fut)
+            for loop, futs in by_loop.items():  # one wake-up of each caller's loop per batch
                 try:
-                    loop.call_soon_threadsafe(_settle, fut, error)
-                except RuntimeError:  # that caller's loop is closed: nobody waits for the answer
+                    loop.call_soon_threadsafe(_settle, futs, error)
+                except RuntimeError:  # that loop is closed: nobody waits for those answers
                     pass
 
     def close(self, timeout_s: float = 30.0) -> None:
@@ -109,10 +112,11 @@ class CompletionSink:
         self._thread.join(timeout_s)
 
 
-def _settle(fut: asyncio.Future, error: BaseException | None) -> None:
-    if fut.done():  # the caller was cancelled (its client went away): the record is written anyway
-        return
-    if error is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(error)
+def _settle(futs: list[asyncio.Future], error: BaseException | None) -> None:
+    for fut in futs:
+        if fut.done():  # the caller was cancelled (its client went away): the record is written anyway
+            continue
+        if error is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(error)

@@ -117,14 +117,18 @@ def served_samples(checkpoint, rewards: list[float], max_tokens: int = 10) -> li
 
 
 class LiveServer:
-    """uvicorn on a free loopback port, in a thread of this process: the live gateway of the in-process
-    tests (a `flywheel serve` process is `core.harness.LiveGateway`)."""
+    """uvicorn on a free loopback port, in a thread of this process, with the HTTP protocol `flywheel serve`
+    runs (`api.transport`): the live gateway of the in-process tests (a `flywheel serve` process is
+    `core.harness.LiveGateway`)."""
 
     def __init__(self, app):
         import uvicorn
 
+        from api.transport import CoalescedHttpTools
+
         self.app, self.port = app, free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", http=CoalescedHttpTools)
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property

@@ -243,6 +243,43 @@ def test_invariant_linear_rows_do_not_depend_on_the_other_rows():
             assert torch.equal(invariant_linear(pool[idx], w), ref[idx]), (K, N, m)
 
 
+def test_expert_matmuls_rows_are_independent_and_their_kept_transposes_follow_the_weights():
+    """`matmul_t` (the experts' matmuls): a row's result does not depend on the other rows (from
+    MIN_GEMM_ROWS rows on, as the experts pad); the weight's transpose it keeps between serving passes
+    is made again when the weight changes in place (an optimizer step, `load_state_dict`) or gets new
+    storage; under autograd it is a fresh copy that passes the gradient."""
+    from serving.batch_invariant import matmul_t, pad_rows
+
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for K, N in [(32, 48), (48, 32), (64, 64), (128, 256), (256, 128)]:
+            w = torch.randn(N, K, generator=g)
+            pool = torch.randn(500, K, generator=g)
+            ref = matmul_t(pool, w)
+            for m in [*range(1, 40), 64, 255, 500]:
+                idx = torch.randperm(500, generator=g)[:m]
+                assert torch.equal(matmul_t(pad_rows(pool[idx]), w)[:m], ref[idx]), (K, N, m)
+
+    w = torch.randn(64, 32, generator=g, requires_grad=True)
+    x = torch.randn(16, 32, generator=g)
+    fresh = lambda: torch.mm(x, w.detach().t().contiguous())  # noqa: E731
+    with torch.inference_mode():
+        before = matmul_t(x, w)
+    assert torch.equal(before, fresh())
+    with torch.no_grad():
+        w.mul_(2.0)  # in place: the version counter moves
+    with torch.inference_mode():
+        after = matmul_t(x, w)
+    assert torch.equal(after, fresh()) and not torch.equal(after, before)
+    w.data = torch.randn(64, 32, generator=g)  # new storage, the same tensor object
+    with torch.inference_mode():
+        assert torch.equal(matmul_t(x, w), fresh())
+    y = matmul_t(x, w)  # under autograd
+    y.sum().backward()
+    assert w.grad is not None
+    torch.testing.assert_close(w.grad, x.sum(0).expand(64, 32))  # d sum(x W^T) / dW: x's column sums
+
+
 def _random_tokens(args, lengths, seed):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, args.vocab_size, (n,), generator=g) for n in lengths]
