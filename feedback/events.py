@@ -13,7 +13,7 @@ import json
 import math
 import time
 import uuid
-from dataclasses import asdict
+from dataclasses import fields
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -116,7 +116,7 @@ class CompletionEvent(Event):
             routed_experts=RoutedExperts.from_bytes(tuple(c.routed_experts.shape), c.routed_experts.tobytes()),
             text=c.text,
             finish_reason=c.finish_reason,
-            params=asdict(c.params),
+            params={f.name: getattr(c.params, f.name) for f in fields(c.params)},  # flat: no deep copy
             latency_ms={"queued": c.queued_s * 1e3, "first_token": c.first_token_s * 1e3, "total": c.total_s * 1e3},
             arm=arm,
             context=context,

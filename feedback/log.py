@@ -124,6 +124,9 @@ class DurableLog:
         self._seg_base, self._seg_size = base, reader.pos
         return base + count
 
+    def _segment_path(self, base: int) -> str:
+        return os.path.join(self.folder, f"{base:020d}.log")
+
     def _open_segment(self, base: int) -> None:
         path = self.folder / f"{base:020d}.log"
         try:
@@ -157,9 +160,14 @@ class DurableLog:
         """Count the whole frames other processes appended past the known end (lock held)."""
         path = self.folder / f"{self._seg_base:020d}.log"
         try:
-            grown = path.stat().st_size > self._seg_size
+            grown, gone = path.stat().st_size > self._seg_size, False
         except FileNotFoundError:
-            grown = False
+            grown, gone = False, True
+        if not (grown or gone) and self._next > self._seg_base and not os.path.exists(self._segment_path(self._next)):
+            # Nobody appended to the current segment since we last looked, so a segment another process
+            # opened since can only start where the current one's records end: none there, none at all
+            # (without listing the folder, which cost more than the append's own write).
+            return
         later = [seg for seg in segments(self.folder) if seg[0] > self._seg_base]
         if not grown and not later:
             return
