@@ -124,11 +124,11 @@ class DurableLog:
         self._seg_base, self._seg_size = base, reader.pos
         return base + count
 
-    def _segment_path(self, base: int) -> str:
-        return os.path.join(self.folder, f"{base:020d}.log")
+    def _segment_path(self, base: int) -> Path:
+        return self.folder / f"{base:020d}.log"
 
     def _open_segment(self, base: int) -> None:
-        path = self.folder / f"{base:020d}.log"
+        path = self._segment_path(base)
         try:
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:  # another process made it a moment ago: its header is on the way
@@ -158,12 +158,12 @@ class DurableLog:
 
     def _catch_up(self) -> None:
         """Count the whole frames other processes appended past the known end (lock held)."""
-        path = self.folder / f"{self._seg_base:020d}.log"
+        path = self._segment_path(self._seg_base)
         try:
             grown, gone = path.stat().st_size > self._seg_size, False
         except FileNotFoundError:
             grown, gone = False, True
-        if not (grown or gone) and self._next > self._seg_base and not os.path.exists(self._segment_path(self._next)):
+        if not (grown or gone) and self._next > self._seg_base and not self._segment_path(self._next).exists():
             # Nobody appended to the current segment since we last looked, so a segment another process
             # opened since can only start where the current one's records end: none there, none at all
             # (listing the folder on every append was 2.3 % of a loaded gateway's lock-holding time).
