@@ -51,14 +51,23 @@ class CacheStep:
 
 
 @dataclass
+class StepRows:
+    """Every row of a `Transformer.forward_steps` call (all groups' real tokens, in order), built once per
+    call: where each row's key and value go in the cache, and its RoPE tables `[N, 1, Dh]`."""
+
+    positions_N: torch.Tensor
+    slots_N: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+@dataclass
 class StepGroup:
     """What every layer needs of one `CacheStep`, built once per `Transformer.forward_steps` call."""
 
     positions_BT: torch.Tensor
     slots_B: torch.Tensor
     mask_B1TS: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
     rows: torch.Tensor | None  # the grid indices (into B * T) of the rows this group passes on; None: all
 
     @property
@@ -116,19 +125,11 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[3]
 
-    def write_read(
-        self,
-        layer: int,
-        slots_B: torch.Tensor,
-        positions_BT: torch.Tensor,
-        k_BTGd: torch.Tensor,
-        v_BTGd: torch.Tensor,
-        length: int,
-        dtype: torch.dtype,
+    def read(
+        self, layer: int, slots_B: torch.Tensor, length: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this call's keys/values at their positions, then read positions [0, length) of the slots:
-        (keys [B, G, length, Dh], values [B, G, length, value_width(Dh)]), both contiguous."""
-        self.write(layer, slots_B, positions_BT, k_BTGd, v_BTGd)
+        """Positions [0, length) of the slots, copied: (keys [B, G, length, Dh], values
+        [B, G, length, value_width(Dh)]), both contiguous."""
         length = min(length, self.max_len)
         # index_select copies each slot's rows whole (advanced indexing gathered element by element: 4x slower)
         k_BGSd = torch.index_select(self.k[layer][:, :, :length], 0, slots_B)
@@ -136,12 +137,13 @@ class KVCache:
         return k_BGSd.to(dtype), v_BGSW.to(dtype)
 
     def write(
-        self, layer: int, slots_B: torch.Tensor, positions_BT: torch.Tensor, k_BTGd: torch.Tensor, v_BTGd: torch.Tensor
+        self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k_PGd: torch.Tensor, v_PGd: torch.Tensor
     ) -> None:
-        """Store keys/values `[B, T, G, Dh]` at their positions of the slots."""
+        """Store keys/values `[*P, G, Dh]` at their slots and positions: `slots` and `positions` are integer
+        tensors that broadcast to the shape P (`[B, 1]` and `[B, T]` for a grid, `[N]` and `[N]` for rows)."""
         Dh = self.k.shape[-1]
-        self.k[layer][slots_B[:, None], :, positions_BT] = k_BTGd.to(self.k.dtype)
-        self.v[layer][slots_B[:, None], :, positions_BT, :Dh] = v_BTGd.to(self.v.dtype)
+        self.k[layer][slots, :, positions] = k_PGd.to(self.k.dtype)
+        self.v[layer][slots, :, positions, :Dh] = v_PGd.to(self.v.dtype)
 
     def view(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [0, length) of every slot, in place (no copy): keys `[slots, G, length, Dh]`, values

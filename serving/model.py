@@ -42,9 +42,10 @@ from serving.batch_invariant import (
     invariant_silu,
     matmul_t,
     pad_rows,
+    row_major_t,
     value_width,
 )
-from serving.kv_cache import CacheStep, KVCache, StepGroup, StepOutput
+from serving.kv_cache import CacheStep, KVCache, StepGroup, StepOutput, StepRows
 
 
 @dataclass(frozen=True)
@@ -155,23 +156,24 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rope_cos_sin(positions_BT: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """RoPE's tables for `positions` (any shape P): cos and the *signed* sin, each [*P, Dh], in the
+    rotate-half layout (as HF). The sin's first half is negated so that `apply_rope` rotates with one
+    roll instead of splitting, negating and joining: x2 * -s is exactly -(x2 * s), the same bits."""
     inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions_BT.device).float() / head_dim)
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim)
     )
-    freqs_BTd = positions_BT.float()[..., None] * inv_freq  # [B, T, Dh/2]
-    emb = torch.cat((freqs_BTd, freqs_BTd), dim=-1)  # rotate-half layout, as HF
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    freqs = positions.float()[..., None] * inv_freq  # [*P, Dh/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    sin = emb.sin()
+    sin[..., : head_dim // 2].neg_()
+    return emb.cos().to(dtype), sin.to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x_BHTd: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos_BTd[:, None], sin_BTd[:, None]
-    return x_BHTd * cos + _rotate_half(x_BHTd) * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with `rope_cos_sin`'s tables broadcast against x (rotate_half(x) =
+    [-x2, x1]: the roll [x2, x1] times the signed sin)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class Attention(nn.Module):
@@ -200,8 +202,8 @@ class Attention(nn.Module):
         q_BHTd = lin(self.q_proj, x_BTD).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k_BGTd = lin(self.k_proj, x_BTD).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         v_BTGd = lin(self.v_proj, x_BTD).view(B, T, self.n_kv, self.head_dim)
-        q_BHTd = apply_rope(q_BHTd, cos, sin)
-        k_BGTd = apply_rope(k_BGTd, cos, sin)
+        q_BHTd = apply_rope(q_BHTd, cos[:, None], sin[:, None])
+        k_BGTd = apply_rope(k_BGTd, cos[:, None], sin[:, None])
         if invariant and cache is None:  # a full forward: causal over this call's tokens
             v_BGTW = F.pad(v_BTGd.transpose(1, 2), (0, value_width(self.head_dim) - self.head_dim))
             v_BGTW[..., self.head_dim] = 1.0
@@ -222,54 +224,56 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Write this call's keys/values into the slots, then attend to what each slot holds up to the
         query's position: [B, T, H * Dh], before the output projection."""
+        cache.write(layer, slots_B[:, None], positions_BT, k_BGTd.transpose(1, 2), v_BTGd)
+        return self._attend_written(q_BHTd, cache, layer, slots_B, positions_BT, mask_B1TS, invariant)
+
+    def _attend_written(
+        self, q_BHTd, cache: KVCache, layer: int, slots_B, positions_BT, mask_B1TS, invariant: bool
+    ) -> torch.Tensor:
+        """Attention of queries whose keys/values the cache already holds: [B, T, H * Dh]."""
         B, _, T, _ = q_BHTd.shape
         if invariant:  # whole key blocks from the cache: the keys past each position get weight 0
             length = -(-mask_B1TS.shape[-1] // KEY_BLOCK) * KEY_BLOCK
             if T == 1 and 2 * B >= cache.n_slots and cache.k.dtype == q_BHTd.dtype:
-                return self._decode_in_place(q_BHTd, k_BGTd, v_BTGd, cache, layer, slots_B, positions_BT, length)
-            k_BGSd, v_BGSW = cache.write_read(
-                layer, slots_B, positions_BT, k_BGTd.transpose(1, 2), v_BTGd, length, q_BHTd.dtype
-            )
+                return self._decode_in_place(q_BHTd, cache, layer, slots_B, positions_BT, length)
+            k_BGSd, v_BGSW = cache.read(layer, slots_B, length, q_BHTd.dtype)
             return invariant_attention(q_BHTd, k_BGSd, v_BGSW, positions_BT, False)
-        k_BGSd, v_BGSW = cache.write_read(
-            layer, slots_B, positions_BT, k_BGTd.transpose(1, 2), v_BTGd, mask_B1TS.shape[-1], q_BHTd.dtype
-        )
+        k_BGSd, v_BGSW = cache.read(layer, slots_B, mask_B1TS.shape[-1], q_BHTd.dtype)
         out = F.scaled_dot_product_attention(
             q_BHTd, k_BGSd, v_BGSW[..., : self.head_dim], attn_mask=mask_B1TS, enable_gqa=True
         )
         return out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
 
     @staticmethod
-    def _decode_in_place(q_BHTd, k_BGTd, v_BTGd, cache: KVCache, layer: int, slots_B, positions_BT, length: int):
+    def _decode_in_place(q_BHTd, cache: KVCache, layer: int, slots_B, positions_BT, length: int):
         """A batch-invariant decode step over most of the cache's slots: attention runs over every slot's
         keys where they lie (`KVCache.view`), the queries scattered to their slots (an idle slot's query is
         zeros at position 0, its result dropped), instead of gathering the step's slots into a copy. Each
         (slot, kv head) is the same fixed-size matmul either way, so every query's result is the same bits
         (tests/serving/test_model.py); what it saves is the copy of the keys, read from memory once more."""
-        cache.write(layer, slots_B, positions_BT, k_BGTd.transpose(1, 2), v_BTGd)
         k_SGLd, v_SGLW = cache.view(layer, length)
         n = cache.n_slots
         q_SHTd = q_BHTd.new_zeros((n,) + tuple(q_BHTd.shape[1:])).index_copy_(0, slots_B, q_BHTd)
         pos_S1 = positions_BT.new_zeros((n, 1)).index_copy_(0, slots_B, positions_BT)
         return invariant_attention(q_SHTd, k_SGLd, v_SGLW, pos_S1, False).index_select(0, slots_B)
 
-    def forward_steps(self, h_ND: torch.Tensor, groups: list[StepGroup], cache: KVCache, layer: int, invariant: bool):
-        """The projections over every group's rows at once (rows are independent); attention group by
-        group, each against its own slots."""
+    def forward_steps(
+        self, h_ND: torch.Tensor, groups: list[StepGroup], rows: StepRows, cache: KVCache, layer: int, invariant: bool
+    ):
+        """Everything row-wise over every group's rows at once (the projections, RoPE, the cache writes:
+        rows are independent); attention group by group, each against its own slots."""
         lin = (lambda m, x: invariant_linear(x, m.weight)) if invariant else (lambda m, x: m(x))
-        q_N, k_N, v_N = lin(self.q_proj, h_ND), lin(self.k_proj, h_ND), lin(self.v_proj, h_ND)
+        N = h_ND.shape[0]
+        q_NHd = apply_rope(lin(self.q_proj, h_ND).view(N, self.n_heads, self.head_dim), rows.cos, rows.sin)
+        k_NGd = apply_rope(lin(self.k_proj, h_ND).view(N, self.n_kv, self.head_dim), rows.cos, rows.sin)
+        cache.write(layer, rows.slots_N, rows.positions_N, k_NGd, lin(self.v_proj, h_ND).view(N, self.n_kv, -1))
         outs, row = [], 0
         for g in groups:
             B, T = g.positions_BT.shape
-            rows = slice(row, row + g.n_rows)
+            q_BTHd = g.to_grid(q_NHd[row : row + g.n_rows]).view(B, T, self.n_heads, self.head_dim)
             row += g.n_rows
-            q_BTHd = g.to_grid(q_N[rows]).view(B, T, self.n_heads, self.head_dim)
-            k_BTGd = g.to_grid(k_N[rows]).view(B, T, self.n_kv, self.head_dim)
-            v_BTGd = g.to_grid(v_N[rows]).view(B, T, self.n_kv, self.head_dim)
-            q_BHTd = apply_rope(q_BTHd.transpose(1, 2), g.cos, g.sin)
-            k_BGTd = apply_rope(k_BTGd.transpose(1, 2), g.cos, g.sin)
-            out_BTE = self._attend_cached(
-                q_BHTd, k_BGTd, v_BTGd, cache, layer, g.slots_B, g.positions_BT, g.mask_B1TS, invariant
+            out_BTE = self._attend_written(
+                q_BTHd.transpose(1, 2), cache, layer, g.slots_B, g.positions_BT, g.mask_B1TS, invariant
             )
             outs.append(g.from_grid(out_BTE.reshape(B * T, -1)))
         return lin(self.o_proj, outs[0] if len(outs) == 1 else torch.cat(outs))
@@ -292,6 +296,11 @@ class Expert(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+# Up to this many rows (tokens) the batch-invariant MoE runs every expert on every row instead of
+# dispatching each row to its own (`SparseMoE._every_expert`), without autograd only.
+DENSE_MOE_ROWS = 32
+
+
 class SparseMoE(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -308,9 +317,11 @@ class SparseMoE(nn.Module):
             idx_NK = replay_NK.to(torch.int64)
             w_NK = probs_NE.gather(-1, idx_NK)  # the router's own weights at the replayed experts
         w_NK = w_NK / w_NK.sum(dim=-1, keepdim=True)
+        N, K = idx_NK.shape
+        if invariant and N <= DENSE_MOE_ROWS and not (torch.is_grad_enabled() and x_ND.requires_grad):
+            return self._every_expert(x_ND, w_NK, idx_NK), idx_NK
         # Dispatch by one sort: each token's experts in ascending order (rank j), then all (token, j) pairs
         # grouped by expert, so that an expert's rows are one contiguous slice of a single gather.
-        N, K = idx_NK.shape
         e_NJ, j2k_NJ = idx_NK.sort(dim=-1, stable=True)
         order_M = torch.argsort(e_NJ.reshape(-1), stable=True)  # M = N * K pairs, by expert
         counts = torch.bincount(e_NJ.reshape(-1), minlength=len(self.experts)).tolist()
@@ -328,6 +339,39 @@ class SparseMoE(nn.Module):
         for j in range(K):
             out_ND = out_ND + y_NJD[:, j]
         return out_ND, idx_NK
+
+    def _every_expert(self, x_ND: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor) -> torch.Tensor:
+        """The batch-invariant MoE of a few rows (a decode step): every expert on every row, then each row
+        takes its own experts' outputs. The same bits as dispatching (an expert's matmul rows are
+        independent from `MIN_GEMM_ROWS` on, every elementwise op is exact or the same for an element
+        wherever it lies, the mixing is the same products summed in the same order) in a quarter of the
+        operators: no sort of the pairs, no gathers, one SiLU for all experts. An expert padded to
+        `MIN_GEMM_ROWS` rows anyway costs nothing more; up to `DENSE_MOE_ROWS` rows the operators saved
+        cost more than the extra rows (docs/benchmarks.md)."""
+        N, K = idx_NK.shape
+        experts = [e for e in self.experts if isinstance(e, Expert)]
+        E = len(experts)
+        xp = pad_rows(x_ND.contiguous())
+        M = xp.shape[0]
+        F_hidden, D = experts[0].w1.weight.shape
+        gate_EMF = xp.new_empty((E, M, F_hidden))
+        up_EMF = xp.new_empty((E, M, F_hidden))
+        y_EMD = xp.new_empty((E, M, D))
+        for e, expert in enumerate(experts):
+            torch.mm(xp, row_major_t(expert.w1.weight), out=gate_EMF[e])
+            torch.mm(xp, row_major_t(expert.w3.weight), out=up_EMF[e])
+        h_EMF = invariant_silu(gate_EMF).mul_(up_EMF)
+        for e, expert in enumerate(experts):
+            torch.mm(h_EMF[e], row_major_t(expert.w2.weight), out=y_EMD[e])
+        # Each row's experts in ascending order (rank j) with their mixing weights, as the dispatch sums them.
+        e_NJ, j2k_NJ = idx_NK.sort(dim=-1, stable=True)
+        rows_NJ = e_NJ * M + torch.arange(N, device=x_ND.device)[:, None]
+        y_NJD = y_EMD.view(E * M, D).index_select(0, rows_NJ.view(-1)).view(N, K, D)
+        y_NJD = (y_NJD * w_NK.gather(-1, j2k_NJ)[..., None]).to(x_ND.dtype)
+        out_ND = torch.zeros_like(x_ND)
+        for j in range(K):
+            out_ND = out_ND + y_NJD[:, j]
+        return out_ND
 
 
 class Block(nn.Module):
@@ -350,8 +394,10 @@ class Block(nn.Module):
         moe_ND, idx_NK = self.block_sparse_moe(h_ND, replay_NK, invariant)
         return x_BTD + moe_ND.view(B, T, D), idx_NK.view(B, T, -1)
 
-    def forward_steps(self, x_ND: torch.Tensor, groups: list[StepGroup], cache: KVCache, layer: int, invariant: bool):
-        x_ND = x_ND + self.self_attn.forward_steps(self.input_layernorm(x_ND), groups, cache, layer, invariant)
+    def forward_steps(
+        self, x_ND: torch.Tensor, groups: list[StepGroup], rows: StepRows, cache: KVCache, layer: int, invariant: bool
+    ):
+        x_ND = x_ND + self.self_attn.forward_steps(self.input_layernorm(x_ND), groups, rows, cache, layer, invariant)
         moe_ND, idx_NK = self.block_sparse_moe(self.post_attention_layernorm(x_ND), None, invariant)
         return x_ND + moe_ND, idx_NK
 
@@ -452,7 +498,7 @@ class Transformer(nn.Module):
         if not steps:
             raise ValueError("forward_steps needs at least one step")
         args = self.args
-        groups, xs = [], []
+        groups, flat = [], []
         for st in steps:
             B, T = st.tokens_BT.shape
             if tuple(st.positions_BT.shape) != (B, T) or tuple(st.slots_B.shape) != (B,):
@@ -474,19 +520,23 @@ class Transformer(nn.Module):
                 if not bool(st.valid_BT.gather(1, st.logits_at_B[:, None]).all()):
                     raise ValueError("a step's logits_at_B points at a token its valid_BT marks as padding")
                 rows = st.valid_BT.reshape(-1).nonzero().squeeze(1)
-            tokens_N = st.tokens_BT.reshape(-1) if rows is None else st.tokens_BT.reshape(-1)[rows]
-            x_ND = self.embed_tokens(tokens_N)
-            cos, sin = rope_cos_sin(st.positions_BT, args.head_dim, args.rope_theta, x_ND.dtype)
+            tokens_N, positions_N = st.tokens_BT.reshape(-1), st.positions_BT.reshape(-1)
+            slots_N = st.slots_B[:, None].expand(B, T).reshape(-1)
+            if rows is not None:
+                tokens_N, positions_N, slots_N = tokens_N[rows], positions_N[rows], slots_N[rows]
             mask = key_pos_S[None, None, None, :] <= st.positions_BT[:, None, :, None]
-            groups.append(StepGroup(st.positions_BT, st.slots_B, mask, cos, sin, rows))
-            xs.append(x_ND)
-        x_ND = xs[0] if len(xs) == 1 else torch.cat(xs)
+            groups.append(StepGroup(st.positions_BT, st.slots_B, mask, rows))
+            flat.append((tokens_N, positions_N, slots_N))
+        tokens_N, positions_N, slots_N = (torch.cat(f) if len(flat) > 1 else f[0] for f in zip(*flat))
+        x_ND = self.embed_tokens(tokens_N)
+        cos, sin = rope_cos_sin(positions_N, args.head_dim, args.rope_theta, x_ND.dtype)
+        step_rows = StepRows(positions_N, slots_N, cos[:, None], sin[:, None])
         invariant = self.batch_invariant if batch_invariant is None else batch_invariant
         invariant = bool(invariant) and x_ND.dtype == torch.float32
         routed = []
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, Block)
-            x_ND, idx_NK = layer.forward_steps(x_ND, groups, cache, i, invariant)
+            x_ND, idx_NK = layer.forward_steps(x_ND, groups, step_rows, cache, i, invariant)
             routed.append(idx_NK)
         experts_NLK = torch.stack(routed, dim=1)
         picks, row = [], 0

@@ -280,6 +280,35 @@ def test_expert_matmuls_rows_are_independent_and_their_kept_transposes_follow_th
     torch.testing.assert_close(w.grad, x.sum(0).expand(64, 32))  # d sum(x W^T) / dW: x's column sums
 
 
+def test_every_expert_on_few_rows_is_the_dispatch_bit_for_bit(monkeypatch):
+    """The batch-invariant MoE runs every expert on every row for a few rows (`DENSE_MOE_ROWS`) and
+    dispatches each row to its own experts for more, or under autograd: the same bits either way, for
+    the model's own routing and for replayed experts."""
+    import serving.model as sm
+
+    for args in [ModelArgs.from_name("demo"), random_args(3)]:
+        moe = sm.SparseMoE(args)
+        for p in moe.parameters():
+            torch.nn.init.normal_(p, std=0.2)
+        g = torch.Generator().manual_seed(args.dim)
+        for n in [1, 2, 7, 15, 16, 17, 31, 32]:
+            x = torch.randn(n, args.dim, generator=g)
+            replay = torch.stack([torch.randperm(args.n_experts, generator=g)[: args.top_k] for _ in range(n)])
+            for r in (None, replay):
+                with torch.no_grad():
+                    monkeypatch.setattr(sm, "DENSE_MOE_ROWS", 64)
+                    dense, idx_dense = moe(x, r, invariant=True)
+                    monkeypatch.setattr(sm, "DENSE_MOE_ROWS", 0)
+                    sparse, idx_sparse = moe(x, r, invariant=True)
+                assert torch.equal(idx_dense, idx_sparse)
+                assert torch.equal(dense, sparse), (args, n, r is None)
+        monkeypatch.setattr(sm, "DENSE_MOE_ROWS", 64)
+        x = torch.randn(8, args.dim, generator=g, requires_grad=True)
+        out, _ = moe(x, None, invariant=True)  # under autograd: dispatched, the gradient flows
+        out.sum().backward()
+        assert x.grad is not None and moe.gate.weight.grad is not None
+
+
 def _random_tokens(args, lengths, seed):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, args.vocab_size, (n,), generator=g) for n in lengths]
