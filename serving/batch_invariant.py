@@ -23,10 +23,13 @@ Shape legend as in `serving/model.py`.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 # A float32 matmul with fewer rows than this takes MKL's small-matrix path (measured: up to 15 rows
 # for an inner dimension of 384 and more), which rounds differently.
@@ -67,12 +70,24 @@ def matmul_t(x_MK: torch.Tensor, weight_NK: torch.Tensor) -> torch.Tensor:
     return torch.mm(x_MK, row_major_t(weight_NK))
 
 
+# Expert weights transposed afresh because they were inference tensors (`row_major_t`'s slow path).
+fresh_transposes = 0
+
+
 def row_major_t(weight: torch.Tensor) -> torch.Tensor:
     """`weight.t().contiguous()`. Under autograd (the trainer) a fresh copy in the graph; otherwise (a
     serving pass, a scoring pass) one copy kept on the weight tensor and made again once its data changed:
     an in-place write bumps the tensor's version counter (`load_state_dict`, an optimizer step), a new
-    storage changes its address. An inference tensor has no version counter and gets a fresh copy."""
-    if (torch.is_grad_enabled() and weight.requires_grad) or weight.is_inference():
+    storage changes its address. An inference tensor has no version counter and gets a fresh copy every
+    call: a slow path, counted in `fresh_transposes` and logged once (the engine loads its weights as
+    normal tensors for this reason)."""
+    if torch.is_grad_enabled() and weight.requires_grad:
+        return weight.t().contiguous()
+    if weight.is_inference():
+        global fresh_transposes
+        if not fresh_transposes:
+            log.warning("an expert's weights are inference tensors: transposed afresh in every pass (slower)")
+        fresh_transposes += 1
         return weight.t().contiguous()
     key = (weight._version, weight.data_ptr())
     kept = getattr(weight, "_row_major_t", None)

@@ -218,6 +218,32 @@ def test_versions_and_weight_updates(tiny_checkpoint, model):
         eng.shutdown()
 
 
+def test_a_version_loaded_on_the_loop_thread_keeps_its_expert_transposes_across_weight_updates(tiny_checkpoint):
+    """The engine process loads versions on the loop thread, inside its inference mode: the weights must
+    still be normal tensors, so that the experts' kept transposes are used (not made afresh in every
+    pass, `fresh_transposes`) and are made again after an in-place `update_weights`."""
+    from serving import batch_invariant
+
+    eng = EmbeddedEngine(max_batch=2, max_model_len=128)
+    try:
+        eng.call_in_loop(lambda: eng.add_version("a", tiny_checkpoint, default=True))
+        other = load_checkpoint(tiny_checkpoint)
+        with torch.no_grad():
+            for w in other.parameters():
+                w.add_(torch.randn_like(w) * 0.05)
+        eng.add_version("b", other, tokenizer=eng.tokenizer("a"))
+        before = batch_invariant.fresh_transposes
+        p = prompts(eng.tokenizer(), 1)[0]
+        sp = SamplingParams(max_tokens=20, seed=4)
+        a = eng.generate([p], sp, "a")[0]
+        eng.update_weights("a", other.state_dict())
+        updated, b = eng.generate([p], sp, "a")[0], eng.generate([p], sp, "b")[0]
+        assert updated.logprobs == b.logprobs and updated.logprobs != a.logprobs
+        assert batch_invariant.fresh_transposes == before
+    finally:
+        eng.shutdown()
+
+
 def test_both_backends_implement_the_interface(engine):
     from serving.interface import Engine
     from serving.vllm_engine import VLLMEngine
