@@ -136,18 +136,31 @@ def _batched_rows(x_BGSd: torch.Tensor) -> bool:
     return st[3] == 1 and (S == 1 or st[2] == d) and (B == 1 or st[0] == G * st[1])
 
 
+def query_columns(T: int, n_heads: int, n_kv_heads: int) -> int:
+    """How many query columns per head the attention's matmuls take for T queries (`_attend`'s T_mm)."""
+    return max(T, -(-MIN_GEMM_ROWS // (n_heads // n_kv_heads)))
+
+
 def _attend(
-    q_BHTd: torch.Tensor, k_BGSd: torch.Tensor, v_BGSW: torch.Tensor, query_pos_BT: torch.Tensor
+    q_BHTd: torch.Tensor,
+    k_BGSd: torch.Tensor,
+    v_BGSW: torch.Tensor,
+    query_pos_BT: torch.Tensor,
+    memo: dict | None = None,
 ) -> torch.Tensor:
     """The batch-invariant attention's forward (no autograd). Key s is visible to query t of sequence b
-    iff s <= query_pos_BT[b, t]. `v_BGSW` holds [v | 1 | 0...] rows (`value_width`). Returns [B, T, H * Dh]."""
-    B, H, T, Dh = q_BHTd.shape
+    iff s <= query_pos_BT[b, t]. `v_BGSW` holds [v | 1 | 0...] rows (`value_width`). Returns [B, T, H * Dh].
+    `q_BHTd` may already carry the repeated columns below (T_mm of them, `query_columns`; T is the
+    positions' length). `memo`: a dict shared by the calls of one pass over the same queries' positions
+    (every layer of a step), which keeps the key mask built by the first."""
+    B, H, _, Dh = q_BHTd.shape
+    T = query_pos_BT.shape[1]
     # Few query columns per matmul (a decode step, a short prompt) take other MKL kernels, which round
     # differently (one column: a matrix-vector product; 2 columns differed too on an AVX-512 Zen 4):
     # both matmuls get at least MIN_GEMM_ROWS columns, the last query repeated (`T_mm`), while the
     # softmax in between runs on the T real columns only (a column's result never depends on another's).
-    T_mm = max(T, -(-MIN_GEMM_ROWS // (H // k_BGSd.shape[1])))
-    if T_mm != T:
+    T_mm = query_columns(T, H, k_BGSd.shape[1])
+    if q_BHTd.shape[2] != T_mm:
         q_BHTd = torch.cat([q_BHTd, q_BHTd[:, :, -1:].expand(B, H, T_mm - T, Dh)], dim=2)
     G, S, W = k_BGSd.shape[1], k_BGSd.shape[2], v_BGSW.shape[-1]
     R = H // G
@@ -170,7 +183,11 @@ def _attend(
     # vector math, the same for an element wherever it falls), so where the columns lie does not change a
     # bit: with repeated columns (a decode step) the real ones are copied out to [B, G, R, T, S_pad], keys
     # innermost, and back, which costs less than the same operators on the strided view.
-    hidden_BTS = torch.arange(S_pad, device=q_BHTd.device)[None, None, :] > query_pos_BT[:, :, None]
+    hidden_BTS = None if memo is None else memo.get(("hidden", S_pad))
+    if hidden_BTS is None:
+        hidden_BTS = torch.arange(S_pad, device=q_BHTd.device)[None, None, :] > query_pos_BT[:, :, None]
+        if memo is not None:
+            memo[("hidden", S_pad)] = hidden_BTS
     if T_mm == T:
         scores.masked_fill_(hidden_BTS.transpose(1, 2)[:, None, :, None, :], float("-inf"))
         scores.sub_(scores.amax(dim=2, keepdim=True))
@@ -202,12 +219,17 @@ def _attend(
 
 
 def invariant_attention(
-    q_BHTd: torch.Tensor, k_BGSd: torch.Tensor, v_BGSW: torch.Tensor, query_pos_BT: torch.Tensor, causal: bool
+    q_BHTd: torch.Tensor,
+    k_BGSd: torch.Tensor,
+    v_BGSW: torch.Tensor,
+    query_pos_BT: torch.Tensor,
+    causal: bool,
+    memo: dict | None = None,
 ) -> torch.Tensor:
-    """`InvariantAttention`; without autograd when no gradient is wanted (decode steps)."""
+    """`InvariantAttention`; without autograd when no gradient is wanted (decode steps; `memo` as `_attend`)."""
     if torch.is_grad_enabled() and (q_BHTd.requires_grad or k_BGSd.requires_grad or v_BGSW.requires_grad):
         return InvariantAttention.apply(q_BHTd, k_BGSd, v_BGSW, query_pos_BT, causal)
-    return _attend(q_BHTd, k_BGSd, v_BGSW, query_pos_BT)
+    return _attend(q_BHTd, k_BGSd, v_BGSW, query_pos_BT, memo)
 
 
 class InvariantAttention(torch.autograd.Function):

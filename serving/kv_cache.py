@@ -69,6 +69,7 @@ class StepGroup:
     slots_B: torch.Tensor
     mask_B1TS: torch.Tensor
     rows: torch.Tensor | None  # the grid indices (into B * T) of the rows this group passes on; None: all
+    memo: dict = field(default_factory=dict)  # what the attention of every layer shares (the key mask...)
 
     @property
     def n_rows(self) -> int:

@@ -42,6 +42,7 @@ from serving.batch_invariant import (
     invariant_silu,
     matmul_t,
     pad_rows,
+    query_columns,
     row_major_t,
     value_width,
 )
@@ -228,16 +229,17 @@ class Attention(nn.Module):
         return self._attend_written(q_BHTd, cache, layer, slots_B, positions_BT, mask_B1TS, invariant)
 
     def _attend_written(
-        self, q_BHTd, cache: KVCache, layer: int, slots_B, positions_BT, mask_B1TS, invariant: bool
+        self, q_BHTd, cache: KVCache, layer: int, slots_B, positions_BT, mask_B1TS, invariant: bool, memo=None
     ) -> torch.Tensor:
-        """Attention of queries whose keys/values the cache already holds: [B, T, H * Dh]."""
+        """Attention of queries whose keys/values the cache already holds: [B, T, H * Dh]. `memo`: a dict
+        the layers of one pass share for one group of queries (what does not change between layers)."""
         B, _, T, _ = q_BHTd.shape
         if invariant:  # whole key blocks from the cache: the keys past each position get weight 0
             length = -(-mask_B1TS.shape[-1] // KEY_BLOCK) * KEY_BLOCK
             if T == 1 and 2 * B >= cache.n_slots and cache.k.dtype == q_BHTd.dtype:
-                return self._decode_in_place(q_BHTd, cache, layer, slots_B, positions_BT, length)
+                return self._decode_in_place(q_BHTd, cache, layer, slots_B, positions_BT, length, memo)
             k_BGSd, v_BGSW = cache.read(layer, slots_B, length, q_BHTd.dtype)
-            return invariant_attention(q_BHTd, k_BGSd, v_BGSW, positions_BT, False)
+            return invariant_attention(q_BHTd, k_BGSd, v_BGSW, positions_BT, False, memo)
         k_BGSd, v_BGSW = cache.read(layer, slots_B, mask_B1TS.shape[-1], q_BHTd.dtype)
         out = F.scaled_dot_product_attention(
             q_BHTd, k_BGSd, v_BGSW[..., : self.head_dim], attn_mask=mask_B1TS, enable_gqa=True
@@ -245,17 +247,24 @@ class Attention(nn.Module):
         return out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
 
     @staticmethod
-    def _decode_in_place(q_BHTd, cache: KVCache, layer: int, slots_B, positions_BT, length: int):
+    def _decode_in_place(q_BHTd, cache: KVCache, layer: int, slots_B, positions_BT, length: int, memo=None):
         """A batch-invariant decode step over most of the cache's slots: attention runs over every slot's
         keys where they lie (`KVCache.view`), the queries scattered to their slots (an idle slot's query is
         zeros at position 0, its result dropped), instead of gathering the step's slots into a copy. Each
         (slot, kv head) is the same fixed-size matmul either way, so every query's result is the same bits
-        (tests/serving/test_model.py); what it saves is the copy of the keys, read from memory once more."""
+        (tests/serving/test_model.py); what it saves is the copy of the keys, read from memory once more.
+        The query is scattered with the attention's repeated columns (`query_columns`); with a `memo`, the
+        slots' positions and the query buffer are made once per pass (the same slots in every layer)."""
         k_SGLd, v_SGLW = cache.view(layer, length)
-        n = cache.n_slots
-        q_SHTd = q_BHTd.new_zeros((n,) + tuple(q_BHTd.shape[1:])).index_copy_(0, slots_B, q_BHTd)
-        pos_S1 = positions_BT.new_zeros((n, 1)).index_copy_(0, slots_B, positions_BT)
-        return invariant_attention(q_SHTd, k_SGLd, v_SGLW, pos_S1, False).index_select(0, slots_B)
+        memo = {} if memo is None else memo
+        if "q_SHTd" not in memo:
+            B, H, _, Dh = q_BHTd.shape
+            n, T_mm = cache.n_slots, query_columns(1, H, k_SGLd.shape[1])
+            memo["q_SHTd"] = q_BHTd.new_zeros((n, H, T_mm, Dh))
+            memo["pos_S1"] = positions_BT.new_zeros((n, 1)).index_copy_(0, slots_B, positions_BT)
+        q_SHTd = memo["q_SHTd"].index_copy_(0, slots_B, q_BHTd.expand(-1, -1, memo["q_SHTd"].shape[2], -1))
+        out = invariant_attention(q_SHTd, k_SGLd, v_SGLW, memo["pos_S1"], False, memo)
+        return out.index_select(0, slots_B)
 
     def forward_steps(
         self, h_ND: torch.Tensor, groups: list[StepGroup], rows: StepRows, cache: KVCache, layer: int, invariant: bool
@@ -273,7 +282,7 @@ class Attention(nn.Module):
             q_BTHd = g.to_grid(q_NHd[row : row + g.n_rows]).view(B, T, self.n_heads, self.head_dim)
             row += g.n_rows
             out_BTE = self._attend_written(
-                q_BTHd.transpose(1, 2), cache, layer, g.slots_B, g.positions_BT, g.mask_B1TS, invariant
+                q_BTHd.transpose(1, 2), cache, layer, g.slots_B, g.positions_BT, g.mask_B1TS, invariant, g.memo
             )
             outs.append(g.from_grid(out_BTE.reshape(B * T, -1)))
         return lin(self.o_proj, outs[0] if len(outs) == 1 else torch.cat(outs))
