@@ -74,6 +74,14 @@ def matmul_t(x_MK: torch.Tensor, weight_NK: torch.Tensor) -> torch.Tensor:
 fresh_transposes = 0
 
 
+def count_fresh_transpose() -> None:
+    """Count (and log once) weights transposed afresh because they are inference tensors."""
+    global fresh_transposes
+    if not fresh_transposes:
+        log.warning("an expert's weights are inference tensors: transposed afresh in every pass (slower)")
+    fresh_transposes += 1
+
+
 def row_major_t(weight: torch.Tensor) -> torch.Tensor:
     """`weight.t().contiguous()`. Under autograd (the trainer) a fresh copy in the graph; otherwise (a
     serving pass, a scoring pass) one copy kept on the weight tensor and made again once its data changed:
@@ -84,10 +92,7 @@ def row_major_t(weight: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and weight.requires_grad:
         return weight.t().contiguous()
     if weight.is_inference():
-        global fresh_transposes
-        if not fresh_transposes:
-            log.warning("an expert's weights are inference tensors: transposed afresh in every pass (slower)")
-        fresh_transposes += 1
+        count_fresh_transpose()
         return weight.t().contiguous()
     key = (weight._version, weight.data_ptr())
     kept = getattr(weight, "_row_major_t", None)

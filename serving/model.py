@@ -37,13 +37,13 @@ from torch import nn
 
 from serving.batch_invariant import (
     KEY_BLOCK,
+    count_fresh_transpose,
     invariant_attention,
     invariant_linear,
     invariant_silu,
     matmul_t,
     pad_rows,
     query_columns,
-    row_major_t,
     value_width,
 )
 from serving.kv_cache import CacheStep, KVCache, StepGroup, StepOutput, StepRows
@@ -351,27 +351,22 @@ class SparseMoE(nn.Module):
 
     def _every_expert(self, x_ND: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor) -> torch.Tensor:
         """The batch-invariant MoE of a few rows (a decode step): every expert on every row, then each row
-        takes its own experts' outputs. The same bits as dispatching (an expert's matmul rows are
-        independent from `MIN_GEMM_ROWS` on, every elementwise op is exact or the same for an element
-        wherever it lies, the mixing is the same products summed in the same order) in a quarter of the
-        operators: no sort of the pairs, no gathers, one SiLU for all experts. An expert padded to
+        takes its own experts' outputs. The same bits as dispatching: an expert's matmul rows are
+        independent from `MIN_GEMM_ROWS` on, the experts' matmuls run as one batched matmul per weight
+        (`_stacked_t`) that rounds each expert's matrix as its own matmul does (asserted by
+        tests/serving/test_model.py), every elementwise op is exact or the same for an element wherever it
+        lies, and the mixing is the same products summed in the same order. In a fraction of the operators:
+        no sort of the pairs, no gathers, three matmuls and one SiLU for all experts. An expert padded to
         `MIN_GEMM_ROWS` rows anyway costs nothing more; up to `DENSE_MOE_ROWS` rows the operators saved
         cost more than the extra rows (docs/benchmarks.md)."""
         N, K = idx_NK.shape
-        experts = [e for e in self.experts if isinstance(e, Expert)]
-        E = len(experts)
+        w1_EDF, w3_EDF, w2_EFD = self._stacked_t()
+        E, D, _ = w1_EDF.shape
         xp = pad_rows(x_ND.contiguous())
         M = xp.shape[0]
-        F_hidden, D = experts[0].w1.weight.shape
-        gate_EMF = xp.new_empty((E, M, F_hidden))
-        up_EMF = xp.new_empty((E, M, F_hidden))
-        y_EMD = xp.new_empty((E, M, D))
-        for e, expert in enumerate(experts):
-            torch.mm(xp, row_major_t(expert.w1.weight), out=gate_EMF[e])
-            torch.mm(xp, row_major_t(expert.w3.weight), out=up_EMF[e])
-        h_EMF = invariant_silu(gate_EMF).mul_(up_EMF)
-        for e, expert in enumerate(experts):
-            torch.mm(h_EMF[e], row_major_t(expert.w2.weight), out=y_EMD[e])
+        x_EMD = xp.expand(E, M, D)
+        h_EMF = invariant_silu(torch.bmm(x_EMD, w1_EDF)).mul_(torch.bmm(x_EMD, w3_EDF))
+        y_EMD = torch.bmm(h_EMF, w2_EFD)
         # Each row's experts in ascending order (rank j) with their mixing weights, as the dispatch sums them.
         e_NJ, j2k_NJ = idx_NK.sort(dim=-1, stable=True)
         rows_NJ = e_NJ * M + torch.arange(N, device=x_ND.device)[:, None]
@@ -381,6 +376,22 @@ class SparseMoE(nn.Module):
         for j in range(K):
             out_ND = out_ND + y_NJD[:, j]
         return out_ND
+
+    def _stacked_t(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The experts' weights transposed (as `row_major_t`) and stacked, `[E, D, F]` for w1 and w3 and
+        `[E, F, D]` for w2: kept on the module and made again once any of them changed (its version
+        counter or storage, as `row_major_t`); for inference tensors (no version counter) made afresh."""
+        ws = [w for e in self.experts if isinstance(e, Expert) for w in (e.w1.weight, e.w3.weight, e.w2.weight)]
+        fresh = any(w.is_inference() for w in ws)
+        if fresh:
+            count_fresh_transpose()
+        key = None if fresh else tuple((w._version, w.data_ptr()) for w in ws)
+        kept = self.__dict__.get("_stacked")
+        if kept is None or kept[0] != key or fresh:
+            stacks = tuple(torch.stack([w.detach().t() for w in ws[i::3]]) for i in range(3))
+            kept = (key, stacks)
+            self.__dict__["_stacked"] = kept
+        return kept[1]
 
 
 class Block(nn.Module):
