@@ -388,8 +388,8 @@ class SparseMoE(nn.Module):
         key = None if fresh else tuple((w._version, w.data_ptr()) for w in ws)
         kept = self.__dict__.get("_stacked")
         if kept is None or kept[0] != key or fresh:
-            stacks = tuple(torch.stack([w.detach().t() for w in ws[i::3]]) for i in range(3))
-            kept = (key, stacks)
+            w1, w3, w2 = (torch.stack([w.detach().t() for w in ws[i::3]]) for i in range(3))
+            kept = (key, (w1, w3, w2))
             self.__dict__["_stacked"] = kept
         return kept[1]
 
