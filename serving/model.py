@@ -306,7 +306,7 @@ class Expert(nn.Module):
 
 
 # Up to this many rows (tokens) the batch-invariant MoE runs every expert on every row instead of
-# dispatching each row to its own (`SparseMoE._every_expert`), without autograd only.
+# dispatching each row to its own (`SparseMoE._every_expert`), with gradients off only.
 DENSE_MOE_ROWS = 32
 
 
@@ -327,7 +327,7 @@ class SparseMoE(nn.Module):
             w_NK = probs_NE.gather(-1, idx_NK)  # the router's own weights at the replayed experts
         w_NK = w_NK / w_NK.sum(dim=-1, keepdim=True)
         N, K = idx_NK.shape
-        if invariant and N <= DENSE_MOE_ROWS and not (torch.is_grad_enabled() and x_ND.requires_grad):
+        if invariant and N <= DENSE_MOE_ROWS and not torch.is_grad_enabled():  # no gradient: weights detached
             return self._every_expert(x_ND, w_NK, idx_NK), idx_NK
         # Dispatch by one sort: each token's experts in ascending order (rank j), then all (token, j) pairs
         # grouped by expert, so that an expert's rows are one contiguous slice of a single gather.
