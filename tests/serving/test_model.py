@@ -284,7 +284,7 @@ def test_every_expert_on_few_rows_is_the_dispatch_bit_for_bit(monkeypatch):
     """The batch-invariant MoE runs every expert on every row for a few rows (`DENSE_MOE_ROWS`) and
     dispatches each row to its own experts for more, or under autograd: the same bits either way, for
     the model's own routing and for replayed experts."""
-    import serving.model as sm
+    import serving.moe as sm
 
     for args in [ModelArgs.from_name("demo"), random_args(3)]:
         moe = sm.SparseMoE(args)
