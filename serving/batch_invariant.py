@@ -70,36 +70,36 @@ def matmul_t(x_MK: torch.Tensor, weight_NK: torch.Tensor) -> torch.Tensor:
     return torch.mm(x_MK, row_major_t(weight_NK))
 
 
-# Expert weights transposed afresh because they were inference tensors (`row_major_t`'s slow path).
+# Copies of weights made afresh because the weights were inference tensors (`kept_copy`'s slow path).
 fresh_transposes = 0
 
 
-def count_fresh_transpose() -> None:
-    """Count (and log once) weights transposed afresh because they are inference tensors."""
+def kept_copy(owner, name: str, weights: list[torch.Tensor], make):
+    """`make()` (a copy derived from `weights`: a transpose, a stack) kept on `owner` as attribute `name`
+    and made again once any of the weights changed: an in-place write bumps a tensor's version counter
+    (`load_state_dict`, an optimizer step), a new storage changes its address. An inference tensor has
+    no version counter: the copy is made afresh every call, a slow path counted in `fresh_transposes`
+    and logged once (the engine loads its weights as normal tensors for this reason)."""
     global fresh_transposes
-    if not fresh_transposes:
-        log.warning("an expert's weights are inference tensors: transposed afresh in every pass (slower)")
-    fresh_transposes += 1
+    if any(w.is_inference() for w in weights):
+        if not fresh_transposes:
+            log.warning("a model's weights are inference tensors: copies of them made afresh in every pass (slower)")
+        fresh_transposes += 1
+        return make()
+    key = tuple((w._version, w.data_ptr()) for w in weights)
+    kept = getattr(owner, name, None)
+    if kept is None or kept[0] != key:
+        kept = (key, make())
+        setattr(owner, name, kept)
+    return kept[1]
 
 
 def row_major_t(weight: torch.Tensor) -> torch.Tensor:
     """`weight.t().contiguous()`. Under autograd (the trainer) a fresh copy in the graph; otherwise (a
-    serving pass, a scoring pass) one copy kept on the weight tensor and made again once its data changed:
-    an in-place write bumps the tensor's version counter (`load_state_dict`, an optimizer step), a new
-    storage changes its address. An inference tensor has no version counter and gets a fresh copy every
-    call: a slow path, counted in `fresh_transposes` and logged once (the engine loads its weights as
-    normal tensors for this reason)."""
+    serving pass, a scoring pass) one copy kept on the weight tensor (`kept_copy`)."""
     if torch.is_grad_enabled() and weight.requires_grad:
         return weight.t().contiguous()
-    if weight.is_inference():
-        count_fresh_transpose()
-        return weight.t().contiguous()
-    key = (weight._version, weight.data_ptr())
-    kept = getattr(weight, "_row_major_t", None)
-    if kept is None or kept[0] != key:
-        kept = (key, weight.detach().t().contiguous())
-        weight._row_major_t = kept  # type: ignore[attr-defined]
-    return kept[1]
+    return kept_copy(weight, "_row_major_t", [weight], lambda: weight.detach().t().contiguous())
 
 
 def pad_rows(x_MK: torch.Tensor) -> torch.Tensor:

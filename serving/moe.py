@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from serving.batch_invariant import count_fresh_transpose, invariant_linear, invariant_silu, matmul_t, pad_rows
+from serving.batch_invariant import invariant_linear, invariant_silu, kept_copy, matmul_t, pad_rows
 
 if TYPE_CHECKING:
     from serving.model import ModelArgs
@@ -113,16 +113,11 @@ class SparseMoE(nn.Module):
 
     def _stacked_t(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The experts' weights transposed (as `row_major_t`) and stacked, `[E, D, F]` for w1 and w3 and
-        `[E, F, D]` for w2: kept on the module and made again once any of them changed (its version
-        counter or storage, as `row_major_t`); for inference tensors (no version counter) made afresh."""
+        `[E, F, D]` for w2: kept on the module, made again once any of them changed (`kept_copy`)."""
         ws = [w for e in self.experts if isinstance(e, Expert) for w in (e.w1.weight, e.w3.weight, e.w2.weight)]
-        fresh = any(w.is_inference() for w in ws)
-        if fresh:
-            count_fresh_transpose()
-        key = None if fresh else tuple((w._version, w.data_ptr()) for w in ws)
-        kept = self.__dict__.get("_stacked")
-        if kept is None or kept[0] != key or fresh:
+
+        def stack() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             w1, w3, w2 = (torch.stack([w.detach().t() for w in ws[i::3]]) for i in range(3))
-            kept = (key, (w1, w3, w2))
-            self.__dict__["_stacked"] = kept
-        return kept[1]
+            return w1, w3, w2
+
+        return kept_copy(self, "_stacked", ws, stack)
