@@ -40,6 +40,7 @@ from serving.batch_invariant import (
     KEY_BLOCK,
     invariant_attention,
     invariant_linear,
+    kept_copy,
     query_columns,
     value_width,
 )
@@ -184,6 +185,16 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
+    def qkv_weight(self) -> torch.Tensor:
+        """q's, k's and v's weights as one `[(H + 2G) * Dh, D]` matrix: one projection instead of three, and
+        RoPE once over q's and k's heads together. Every path (serving, scoring, the trainer) projects
+        with it, so they get the same bits. Under autograd it is a `cat` in the graph (the three weights
+        get their gradients); otherwise one copy kept on the module (`kept_copy`)."""
+        ws = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+        if torch.is_grad_enabled() and any(w.requires_grad for w in ws):
+            return torch.cat(ws)
+        return kept_copy(self, "_qkv", ws, lambda: torch.cat([w.detach() for w in ws]))
+
     def forward(
         self,
         x_BTD,
@@ -198,11 +209,11 @@ class Attention(nn.Module):
     ):
         B, T, _ = x_BTD.shape
         lin = (lambda m, x: invariant_linear(x, m.weight)) if invariant else (lambda m, x: m(x))
-        q_BHTd = lin(self.q_proj, x_BTD).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k_BGTd = lin(self.k_proj, x_BTD).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        v_BTGd = lin(self.v_proj, x_BTD).view(B, T, self.n_kv, self.head_dim)
-        q_BHTd = apply_rope(q_BHTd, cos[:, None], sin[:, None])
-        k_BGTd = apply_rope(k_BGTd, cos[:, None], sin[:, None])
+        H, G, Dh = self.n_heads, self.n_kv, self.head_dim
+        qkv = invariant_linear(x_BTD, self.qkv_weight()) if invariant else F.linear(x_BTD, self.qkv_weight())
+        qk_BTXd = apply_rope(qkv[..., : (H + G) * Dh].view(B, T, H + G, Dh), cos[:, :, None], sin[:, :, None])
+        q_BHTd, k_BGTd = qk_BTXd[:, :, :H].transpose(1, 2), qk_BTXd[:, :, H:].transpose(1, 2)
+        v_BTGd = qkv[..., (H + G) * Dh :].view(B, T, G, Dh)
         if invariant and cache is None:  # a full forward: causal over this call's tokens
             v_BGTW = F.pad(v_BTGd.transpose(1, 2), (0, value_width(self.head_dim) - self.head_dim))
             v_BGTW[..., self.head_dim] = 1.0
@@ -270,10 +281,11 @@ class Attention(nn.Module):
         """Everything row-wise over every group's rows at once (the projections, RoPE, the cache writes:
         rows are independent); attention group by group, each against its own slots."""
         lin = (lambda m, x: invariant_linear(x, m.weight)) if invariant else (lambda m, x: m(x))
-        N = h_ND.shape[0]
-        q_NHd = apply_rope(lin(self.q_proj, h_ND).view(N, self.n_heads, self.head_dim), rows.cos, rows.sin)
-        k_NGd = apply_rope(lin(self.k_proj, h_ND).view(N, self.n_kv, self.head_dim), rows.cos, rows.sin)
-        cache.write(layer, rows.slots_N, rows.positions_N, k_NGd, lin(self.v_proj, h_ND).view(N, self.n_kv, -1))
+        N, H, G, Dh = h_ND.shape[0], self.n_heads, self.n_kv, self.head_dim
+        qkv = invariant_linear(h_ND, self.qkv_weight()) if invariant else F.linear(h_ND, self.qkv_weight())
+        qk_NXd = apply_rope(qkv[:, : (H + G) * Dh].view(N, H + G, Dh), rows.cos, rows.sin)
+        q_NHd = qk_NXd[:, :H]
+        cache.write(layer, rows.slots_N, rows.positions_N, qk_NXd[:, H:], qkv[:, (H + G) * Dh :].view(N, G, Dh))
         outs, row = [], 0
         for g in groups:
             B, T = g.positions_BT.shape
