@@ -134,6 +134,9 @@ class EmbeddedEngine(GenerateMixin):
         self._ids = itertools.count()
         self.failure: BaseException | None = None
         self.on_unload: Callable[[str], object] | None = None  # called with each retired version once it is gone
+        # Called on the loop's thread after each of its iterations (a pass, or none): the engine process
+        # sends the events of the iteration then, as one message.
+        self.after_iteration: Callable[[], object] | None = None
         # start_thread=False: the caller runs `run_loop()` on a thread of its own (the engine process runs
         # it on its main thread, where torch's 2-thread parallel regions cost what they should).
         self._thread = threading.Thread(target=self._run, name="flywheel-engine", daemon=True)
@@ -295,15 +298,23 @@ class EmbeddedEngine(GenerateMixin):
                     self._apply_commands()
                     self._unload_retired()
                     self._drain_inbox()
-                    if not self._step():
+                    worked = self._step()
+                    self._iteration_done()
+                    if not worked:
                         self._wake.wait(timeout=0.5)
                         self._wake.clear()
         except BaseException as e:  # a dead engine fails loudly: every waiter gets the error
             self.failure = e
             log.exception("engine loop died")
             self._fail_all(EngineError(f"engine failed: {e!r}"))
+            self._iteration_done()
             raise
         self._fail_all(EngineError("engine shut down"))
+        self._iteration_done()
+
+    def _iteration_done(self) -> None:
+        if self.after_iteration is not None:
+            self.after_iteration()
 
     def _step(self) -> bool:
         """One engine step. With one version loaded (the usual case), one pass of the model: the prompts
@@ -367,6 +378,7 @@ class EmbeddedEngine(GenerateMixin):
                 done.result = fn()
             except Exception as e:  # reported to the caller (of update_weights, say), the engine goes on
                 done.error = e
+            self._iteration_done()  # the events it emitted (a preemption's) go out before its answer
             done.set()
 
     def _drain_inbox(self) -> None:

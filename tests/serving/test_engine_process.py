@@ -144,6 +144,28 @@ def test_background_requests_pass_through_and_a_reclaim_preempts_them(engine):
     assert engine.preempt_background() == 0
 
 
+def test_submits_of_one_loop_round_go_together_and_a_cancel_never_overtakes_them(engine):
+    """On an event loop, submits wait for the end of the loop's round and go out as one message; a
+    cancel made in the same round is sent after them, so it reaches a request the child knows."""
+    tok = engine.tokenizer()
+    p = tok.encode_prompt("def")
+    long = SamplingParams(max_tokens=120, ignore_eos=True)
+
+    async def main():
+        handles = [engine.submit(p, SamplingParams(max_tokens=6, seed=i)) for i in range(3)]
+        assert len(engine._outbox) == 3  # not sent yet: the round is not over
+        doomed = engine.submit(p, long)
+        doomed.cancel()  # in the same round: the outbox goes first
+        assert not engine._outbox
+        kept = [await h.aresult() for h in handles]
+        return kept, await doomed.aresult()
+
+    kept, cancelled = asyncio.run(main())
+    assert [len(c.output_ids) > 0 for c in kept] == [True] * 3
+    assert cancelled.finish_reason == "abort" and len(cancelled.output_ids) < 120
+    assert engine.generate([p], SamplingParams(max_tokens=4, seed=1))[0].output_ids  # no loop: sent at once
+
+
 def test_an_engine_process_runs_at_the_niceness_asked_for(tiny_checkpoint):
     """`[gateway] engine_nice`: the engine process, not its parent, gives the CPU to the processes beside it."""
     mine = os.getpriority(os.PRIO_PROCESS, 0)
