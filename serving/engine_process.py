@@ -198,6 +198,7 @@ class ProcessEngine(GenerateMixin):
         self.batch_invariant = get_settings().batch_invariant  # the child's engine reads the same setting
         self._send_lock = threading.Lock()
         self._outbox: list[tuple] = []  # submits waiting for the end of their event loop's round (`_queue_submit`)
+        self._flush_on: set = set()  # the event loops that will send the outbox at the end of their round
         self._handles: dict[str, RequestHandle] = {}
         self._calls: dict[int, Future] = {}
         self._ids = itertools.count()
@@ -220,13 +221,15 @@ class ProcessEngine(GenerateMixin):
         writer 40-120 us of CPU on this VM, docs/benchmarks.md)."""
         with self._send_lock:
             self._outbox.append(msg)
-            if len(self._outbox) > 1:
-                return  # a send is already scheduled, and nothing has sent the outbox since
-        loop.call_soon(self._flush_submits)
+            if loop in self._flush_on:
+                return  # this loop sends the outbox at the end of its round (if nothing sent it before)
+            self._flush_on.add(loop)
+        loop.call_soon(self._flush_submits, loop)
 
-    def _flush_submits(self) -> None:
+    def _flush_submits(self, loop) -> None:
         try:
             with self._send_lock:
+                self._flush_on.discard(loop)
                 self._send_submits()
         except OSError as e:  # the child is gone: its reader's last sweep may have missed these handles
             self.failure = self.failure or f"engine process unreachable ({e!r})"
