@@ -233,10 +233,15 @@ class ProcessEngine(GenerateMixin):
                 self._send_submits()
         except OSError as e:  # the child is gone: its reader's last sweep may have missed these handles
             self.failure = self.failure or f"engine process unreachable ({e!r})"
-            err = EngineError(f"engine process is gone: {self.failure}")
-            for rid, h in list(self._handles.items()):
+            self._fail_handles(EngineError(f"engine process is gone: {self.failure}"))
+
+    def _fail_handles(self, err: EngineError) -> None:
+        """Every request still waiting gets `err`, once (the reader's last sweep and a failed send may both
+        call this)."""
+        for rid in list(self._handles):
+            h = self._handles.pop(rid, None)
+            if h is not None:
                 self._table.release(self._bound.pop(rid, ""))
-                self._handles.pop(rid, None)
                 h._post(StreamEvent("", [], [], error=err))
 
     def _send_submits(self) -> None:  # holding `_send_lock`
@@ -279,9 +284,7 @@ class ProcessEngine(GenerateMixin):
                 self.failure = msg[1]
                 log.error("engine process failed: %s", msg[1])
         err = EngineError(f"engine process is gone: {self.failure}")
-        for rid, h in list(self._handles.items()):
-            self._table.release(self._bound.pop(rid, ""))
-            h._post(StreamEvent("", [], [], error=err))
+        self._fail_handles(err)
         for fut in list(self._calls.values()):
             fut.set_exception(err)
         for name in self._table.idle_retired():  # nobody is left to unload them: wake who waits

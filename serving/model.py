@@ -170,6 +170,11 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
     return emb.cos().to(dtype), sin.to(dtype)
 
 
+def _project(x: torch.Tensor, weight: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """x @ weight^T: batch-invariant (`invariant_linear`) or torch's own `F.linear`."""
+    return invariant_linear(x, weight) if invariant else F.linear(x, weight)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin, with `rope_cos_sin`'s tables broadcast against x (rotate_half(x) =
     [-x2, x1]: the roll [x2, x1] times the signed sin)."""
@@ -208,9 +213,8 @@ class Attention(nn.Module):
         invariant: bool = False,
     ):
         B, T, _ = x_BTD.shape
-        lin = (lambda m, x: invariant_linear(x, m.weight)) if invariant else (lambda m, x: m(x))
         H, G, Dh = self.n_heads, self.n_kv, self.head_dim
-        qkv = invariant_linear(x_BTD, self.qkv_weight()) if invariant else F.linear(x_BTD, self.qkv_weight())
+        qkv = _project(x_BTD, self.qkv_weight(), invariant)
         qk_BTXd = apply_rope(qkv[..., : (H + G) * Dh].view(B, T, H + G, Dh), cos[:, :, None], sin[:, :, None])
         q_BHTd, k_BGTd = qk_BTXd[:, :, :H].transpose(1, 2), qk_BTXd[:, :, H:].transpose(1, 2)
         v_BTGd = qkv[..., (H + G) * Dh :].view(B, T, G, Dh)
@@ -225,9 +229,9 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(
                 q_BHTd, k_BGTd, v_BTGd.transpose(1, 2), is_causal=True, enable_gqa=True
             )
-            return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+            return F.linear(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim), self.o_proj.weight)
         out_BTE = self._attend_cached(q_BHTd, k_BGTd, v_BTGd, cache, layer, slots_B, positions_BT, mask_B1TS, invariant)
-        return lin(self.o_proj, out_BTE)
+        return _project(out_BTE, self.o_proj.weight, invariant)
 
     def _attend_cached(
         self, q_BHTd, k_BGTd, v_BTGd, cache: KVCache, layer: int, slots_B, positions_BT, mask_B1TS, invariant: bool
@@ -280,9 +284,8 @@ class Attention(nn.Module):
     ):
         """Everything row-wise over every group's rows at once (the projections, RoPE, the cache writes:
         rows are independent); attention group by group, each against its own slots."""
-        lin = (lambda m, x: invariant_linear(x, m.weight)) if invariant else (lambda m, x: m(x))
         N, H, G, Dh = h_ND.shape[0], self.n_heads, self.n_kv, self.head_dim
-        qkv = invariant_linear(h_ND, self.qkv_weight()) if invariant else F.linear(h_ND, self.qkv_weight())
+        qkv = _project(h_ND, self.qkv_weight(), invariant)
         qk_NXd = apply_rope(qkv[:, : (H + G) * Dh].view(N, H + G, Dh), rows.cos, rows.sin)
         q_NHd = qk_NXd[:, :H]
         cache.write(layer, rows.slots_N, rows.positions_N, qk_NXd[:, H:], qkv[:, (H + G) * Dh :].view(N, G, Dh))
@@ -295,7 +298,7 @@ class Attention(nn.Module):
                 q_BTHd.transpose(1, 2), cache, layer, g.slots_B, g.positions_BT, g.mask_B1TS, invariant, g.memo
             )
             outs.append(g.from_grid(out_BTE.reshape(B * T, -1)))
-        return lin(self.o_proj, outs[0] if len(outs) == 1 else torch.cat(outs))
+        return _project(outs[0] if len(outs) == 1 else torch.cat(outs), self.o_proj.weight, invariant)
 
 
 class Block(nn.Module):
@@ -405,7 +408,7 @@ class Transformer(nn.Module):
             x_BTD, idx_BTK = layer(x_BTD, cos, sin, cache, i, slots_B, positions_BT, mask_B1TS, replay_BTK, invariant)
             routed.append(idx_BTK)
         h_BTD = self.norm(x_BTD)
-        logits = invariant_linear(h_BTD, self.lm_head.weight) if invariant else self.lm_head(h_BTD)
+        logits = _project(h_BTD, self.lm_head.weight, invariant)
         experts = torch.stack(routed, dim=2) if return_experts else None  # [B, T, L, K]
         return ModelOutput(logits=logits, experts=experts)
 
@@ -472,7 +475,7 @@ class Transformer(nn.Module):
             picks.append(row + at_B)
             row += g.n_rows
         h_MD = self.norm(x_ND[torch.cat(picks)])
-        logits_MV = invariant_linear(h_MD, self.lm_head.weight) if invariant else self.lm_head(h_MD)
+        logits_MV = _project(h_MD, self.lm_head.weight, invariant)
         outs, row, at = [], 0, 0
         for st, g in zip(steps, groups):
             B, T = st.tokens_BT.shape
