@@ -3,8 +3,9 @@ tokens reaches its experts.
 
 Owns `Expert` and `SparseMoE` (names as in the Mixtral checkpoint). Two ways to the same bits in
 batch-invariant mode: dispatching each token to its own top-k experts (any number of rows, autograd),
-or, for a few rows with gradients off (a decode step), every expert on every row
-(`SparseMoE._every_expert`). Replay (`replay_NK`) routes every token to recorded experts.
+or, for up to `DENSE_MOE_ROWS` rows with gradients off (a decode step, with or without a short prompt
+beside it), every expert on every row (`SparseMoE._every_expert`). Replay (`replay_NK`) routes every
+token to recorded experts.
 Shape legend as in `serving/model.py`.
 """
 
@@ -40,8 +41,9 @@ class Expert(nn.Module):
 
 
 # Up to this many rows (tokens) the batch-invariant MoE runs every expert on every row instead of
-# dispatching each row to its own (`SparseMoE._every_expert`), with gradients off only.
-DENSE_MOE_ROWS = 32
+# dispatching each row to its own (`SparseMoE._every_expert`), with gradients off only: a decode step
+# of up to 64 sequences, or one of about 30 with a prompt admitted beside it (docs/benchmarks.md).
+DENSE_MOE_ROWS = 64
 
 
 class SparseMoE(nn.Module):
